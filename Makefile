@@ -1,0 +1,50 @@
+# One Makefile for people and CI. `make demo` and `make test` work on a fresh
+# machine: `setup` installs what is missing.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CARGO ?= $(shell command -v cargo 2>/dev/null || echo $$HOME/.cargo/bin/cargo)
+export PATH := $(HOME)/.cargo/bin:$(PATH)
+
+.PHONY: setup build lint test test-rust test-py bench demo clean fmt
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Cargo.toml Cargo.lock $(shell find crates python -name '*.rs' -o -name '*.py' -o -name 'Cargo.toml' 2>/dev/null)
+	@scripts/bootstrap.sh
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "maturin>=1.8,<2" numpy
+	$(PY) -m pip install -q -e ".[dev]" --no-build-isolation || \
+	  (cd . && $(VENV)/bin/maturin develop --release -q && $(PY) -m pip install -q ".[dev]" --no-deps)
+	@touch $@
+
+build: setup
+	$(VENV)/bin/maturin develop --release -q
+
+lint: setup
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
+	$(VENV)/bin/ruff check python tests examples bench
+	$(VENV)/bin/mypy
+
+test: setup test-rust test-py
+
+test-rust:
+	$(CARGO) test --workspace --locked --quiet
+
+test-py: setup
+	$(VENV)/bin/pytest -q tests
+
+demo: setup
+	$(PY) examples/demo.py
+
+bench: setup
+	$(PY) bench/run.py
+
+fmt:
+	$(CARGO) fmt --all
+	$(VENV)/bin/ruff format python tests examples bench
+
+clean:
+	rm -rf target $(VENV)

@@ -1,0 +1,3 @@
+module slipstream/bench/echo
+
+go 1.22

@@ -1,0 +1,526 @@
+//! The open-loop engine for one offered rate: a pacer thread that releases
+//! arrivals on schedule, a shared job queue, and a self-growing pool of
+//! keep-alive connection tasks that drain it. See the crate docs for why it
+//! is shaped this way.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1::{self, SendRequest};
+use hyper::Request;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tokio::sync::Notify;
+
+use crate::arrival::ArrivalGen;
+use crate::stats::{ErrKind, Percentiles, WindowStats};
+use crate::target::Target;
+use crate::{LoadgenError, RunReport};
+
+/// A send that starts more than this after its scheduled time is "late".
+const LATE: Duration = Duration::from_millis(1);
+/// Lead time between building the schedule and its first arrival.
+const START_DELAY: Duration = Duration::from_millis(20);
+
+/// One scheduled arrival. The latency clock runs from `at`.
+#[derive(Clone, Copy, Debug)]
+struct Job {
+    at: Instant,
+    /// Scheduled inside the measured window (after warmup).
+    measured: bool,
+}
+
+/// Outcome of one request, as recorded.
+type Outcome = Result<(), ErrKind>;
+
+/// State shared by the pacer thread, the connection tasks and the control
+/// loop of one rate run.
+struct Shared {
+    target: Arc<Target>,
+    handle: tokio::runtime::Handle,
+    max_conns: usize,
+    timeout: Duration,
+    /// Released arrivals not yet picked up by a connection.
+    queue: Mutex<VecDeque<Job>>,
+    /// Wakes idle connection tasks when jobs are queued (or on close).
+    notify: Notify,
+    /// Connection tasks parked waiting for a job.
+    idle: AtomicUsize,
+    /// Connection tasks still connecting (will soon want a job).
+    connecting: AtomicUsize,
+    /// Live connection tasks (connecting + open); capped by `max_conns`.
+    conns: AtomicUsize,
+    /// Open (handshaken) connections, and their peak.
+    open: AtomicUsize,
+    peak_open: AtomicUsize,
+    closed: AtomicBool,
+    pacer_done: AtomicBool,
+    /// Measured arrivals released so far.
+    sent: AtomicU64,
+    stats: Mutex<WindowStats>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic elsewhere must not turn into a second panic here.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Decrements a counter when dropped (keeps counts right under cancellation).
+struct CountGuard<'a>(&'a AtomicUsize);
+
+impl<'a> CountGuard<'a> {
+    fn enter(c: &'a AtomicUsize) -> Self {
+        c.fetch_add(1, Ordering::SeqCst);
+        Self(c)
+    }
+}
+
+impl Drop for CountGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Shared {
+    fn pop(&self) -> Option<Job> {
+        lock(&self.queue).pop_front()
+    }
+
+    /// Queues a batch of released arrivals, wakes idle connections, and grows
+    /// the pool if the backlog exceeds what idle/connecting tasks will absorb.
+    fn dispatch(self: &Arc<Self>, batch: &mut Vec<Job>, measured: u64) {
+        let n = batch.len();
+        lock(&self.queue).extend(batch.drain(..));
+        self.sent.fetch_add(measured, Ordering::Relaxed);
+        for _ in 0..n {
+            self.notify.notify_one();
+        }
+        self.grow();
+    }
+
+    /// Puts back a job that was never written to the wire.
+    fn requeue(&self, job: Job) {
+        lock(&self.queue).push_front(job);
+        self.notify.notify_one();
+    }
+
+    /// Spawns connection tasks while the backlog exceeds the tasks that are
+    /// idle or connecting, up to `max_conns`.
+    fn grow(self: &Arc<Self>) {
+        if self.closed.load(Ordering::Acquire) {
+            return;
+        }
+        let backlog = lock(&self.queue).len();
+        loop {
+            let available =
+                self.idle.load(Ordering::SeqCst) + self.connecting.load(Ordering::SeqCst);
+            if backlog <= available {
+                return;
+            }
+            let c = self.conns.load(Ordering::SeqCst);
+            if c >= self.max_conns {
+                return;
+            }
+            if self
+                .conns
+                .compare_exchange(c, c + 1, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+            {
+                self.connecting.fetch_add(1, Ordering::SeqCst);
+                self.handle.spawn(connection_task(Arc::clone(self)));
+            }
+        }
+    }
+
+    /// Waits for the next job; `None` once the run is closed.
+    async fn next_job(&self) -> Option<Job> {
+        loop {
+            if let Some(job) = self.pop() {
+                return Some(job);
+            }
+            if self.closed.load(Ordering::Acquire) {
+                return None;
+            }
+            let notified = self.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            // Count as idle *before* re-checking, so a concurrent `dispatch`
+            // either sees us idle (and its notify reaches our enabled
+            // `Notified`) or we see its job.
+            let _idle = CountGuard::enter(&self.idle);
+            if let Some(job) = self.pop() {
+                return Some(job);
+            }
+            if self.closed.load(Ordering::Acquire) {
+                return None;
+            }
+            notified.await;
+        }
+    }
+
+    fn finish(&self, job: &Job, late: bool, outcome: Outcome, done_at: Instant) {
+        if !job.measured {
+            return;
+        }
+        let mut s = lock(&self.stats);
+        s.late_sends += u64::from(late);
+        match outcome {
+            Ok(()) => {
+                let us = done_at.saturating_duration_since(job.at).as_micros();
+                s.record_ok(u64::try_from(us).unwrap_or(u64::MAX));
+            }
+            Err(kind) => s.record_err(kind),
+        }
+    }
+
+    fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.notify.notify_waiters();
+    }
+}
+
+/// One request/response exchange; resolves after the whole body is read.
+/// `Err(Some(req))` means the request never reached the wire.
+async fn exchange(
+    sender: &mut SendRequest<Full<Bytes>>,
+    req: Request<Full<Bytes>>,
+) -> Result<u16, Option<Request<Full<Bytes>>>> {
+    let resp = match sender.try_send_request(req).await {
+        Ok(resp) => resp,
+        Err(mut e) => return Err(e.take_message()),
+    };
+    let status = resp.status().as_u16();
+    let mut body = resp.into_body();
+    while let Some(frame) = body.frame().await {
+        frame.map_err(|_| None)?;
+    }
+    Ok(status)
+}
+
+/// Lives as long as one keep-alive connection: connect, then loop taking
+/// jobs from the queue. The hyper connection future is polled inline (no
+/// second task); dropping it closes the socket.
+async fn connection_task(sh: Arc<Shared>) {
+    serve_connection(&sh).await;
+    sh.conns.fetch_sub(1, Ordering::SeqCst);
+    sh.grow();
+}
+
+async fn serve_connection(sh: &Arc<Shared>) {
+    let connected = tokio::time::timeout(sh.timeout, TcpStream::connect(sh.target.addr)).await;
+    sh.connecting.fetch_sub(1, Ordering::SeqCst);
+    let fail_one = |kind| {
+        // Charge the failure to one waiting arrival so a dead server shows
+        // up as errors (bounded by the arrival rate, never a spin).
+        if let Some(job) = sh.pop() {
+            sh.finish(&job, false, Err(kind), Instant::now());
+        }
+    };
+    let stream = match connected {
+        Ok(Ok(stream)) => stream,
+        _ => return fail_one(ErrKind::Connect),
+    };
+    // Best effort: a failure only costs latency, never correctness.
+    let _ = stream.set_nodelay(true);
+    let (mut sender, conn) = match http1::handshake(TokioIo::new(stream)).await {
+        Ok(pair) => pair,
+        Err(_) => return fail_one(ErrKind::Io),
+    };
+    let _open = CountGuard::enter(&sh.open);
+    sh.peak_open
+        .fetch_max(sh.open.load(Ordering::SeqCst), Ordering::SeqCst);
+    tokio::pin!(conn);
+
+    loop {
+        // Idle: wait until the connection can take another request, then for
+        // a job, noticing a server-side close meanwhile.
+        let ready = tokio::select! {
+            biased;
+            _ = &mut conn => return,
+            ready = sender.ready() => ready,
+        };
+        if ready.is_err() {
+            return;
+        }
+        let job = tokio::select! {
+            biased;
+            _ = &mut conn => return,
+            job = sh.next_job() => match job {
+                Some(job) => job,
+                None => return,
+            },
+        };
+        let now = Instant::now();
+        let late = now.saturating_duration_since(job.at) > LATE;
+        let deadline = job.at + sh.timeout;
+        if now >= deadline {
+            // Waited in the queue past its timeout: never sent.
+            sh.finish(&job, late, Err(ErrKind::Timeout), now);
+            continue;
+        }
+        let fut =
+            tokio::time::timeout_at(deadline.into(), exchange(&mut sender, sh.target.request()));
+        tokio::pin!(fut);
+        let mut conn_done = false;
+        let res = tokio::select! {
+            biased;
+            res = &mut fut => res,
+            _ = &mut conn => {
+                conn_done = true;
+                fut.await
+            }
+        };
+        let done_at = Instant::now();
+        let (outcome, keep) = match res {
+            Ok(Ok(status)) if (200..300).contains(&status) => (Ok(()), true),
+            Ok(Ok(status)) => (Err(ErrKind::Status(status)), true),
+            Ok(Err(Some(_unsent))) => {
+                // The connection closed under us before writing: retry elsewhere.
+                sh.requeue(job);
+                return;
+            }
+            Ok(Err(None)) => (Err(ErrKind::Io), false),
+            // A timed-out HTTP/1.1 connection has a response still owed:
+            // drop it rather than read a stale response later.
+            Err(_elapsed) => (Err(ErrKind::Timeout), false),
+        };
+        sh.finish(&job, late, outcome, done_at);
+        if !keep || conn_done {
+            return;
+        }
+    }
+}
+
+/// Releases arrivals on schedule (runs on its own OS thread). Sleeps with
+/// `std::thread::sleep` (tens of µs precision, unlike tokio's 1 ms timer
+/// wheel) and releases everything due on each wake as one batch, so the
+/// wake count is bounded by the sleep granularity, not the request rate.
+fn pace(sh: &Arc<Shared>, mut gen: ArrivalGen, start: Instant, warm_end: Instant, end: Instant) {
+    let at = |off: f64| start + Duration::from_secs_f64(off);
+    let mut next = at(gen.next_offset());
+    let mut batch: Vec<Job> = Vec::with_capacity(256);
+    while next < end && !sh.closed.load(Ordering::Acquire) {
+        let now = Instant::now();
+        if next > now {
+            std::thread::sleep(next - now);
+            continue;
+        }
+        let mut measured = 0;
+        while next <= now && next < end {
+            let m = next >= warm_end;
+            measured += u64::from(m);
+            batch.push(Job {
+                at: next,
+                measured: m,
+            });
+            next = at(gen.next_offset());
+        }
+        sh.dispatch(&mut batch, measured);
+    }
+    sh.pacer_done.store(true, Ordering::Release);
+}
+
+/// Parameters of one rate run, already validated.
+pub(crate) struct RateRun<'a> {
+    pub(crate) target: &'a Arc<Target>,
+    pub(crate) arrival: crate::Arrival,
+    pub(crate) rate: f64,
+    pub(crate) seed: u64,
+    pub(crate) duration: Duration,
+    pub(crate) warmup: Duration,
+    pub(crate) timeout: Duration,
+    pub(crate) max_conns: usize,
+    pub(crate) threads: usize,
+}
+
+pub(crate) fn build_runtime(threads: usize) -> Result<tokio::runtime::Runtime, LoadgenError> {
+    let rt = if threads <= 1 {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads)
+            .thread_name("slipstream-loadgen")
+            .enable_all()
+            .build()
+    };
+    rt.map_err(|e| LoadgenError::Runtime(format!("cannot build tokio runtime: {e}")))
+}
+
+/// Runs one offered rate: warmup, measured window, drain. Blocks.
+pub(crate) fn run_rate(
+    p: &RateRun<'_>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<RunReport, LoadgenError> {
+    let rt = build_runtime(p.threads)?;
+    let sh = Arc::new(Shared {
+        target: Arc::clone(p.target),
+        handle: rt.handle().clone(),
+        max_conns: p.max_conns,
+        timeout: p.timeout,
+        queue: Mutex::new(VecDeque::with_capacity(1024)),
+        notify: Notify::new(),
+        idle: AtomicUsize::new(0),
+        connecting: AtomicUsize::new(0),
+        conns: AtomicUsize::new(0),
+        open: AtomicUsize::new(0),
+        peak_open: AtomicUsize::new(0),
+        closed: AtomicBool::new(false),
+        pacer_done: AtomicBool::new(false),
+        sent: AtomicU64::new(0),
+        stats: Mutex::new(WindowStats::new()),
+    });
+    let start = Instant::now() + START_DELAY;
+    let warm_end = start + p.warmup;
+    let end = warm_end + p.duration;
+    let gen = ArrivalGen::new(p.arrival, p.rate, p.seed);
+
+    std::thread::scope(|scope| {
+        let pacer_sh = Arc::clone(&sh);
+        let pacer = std::thread::Builder::new()
+            .name("slipstream-pacer".into())
+            .spawn_scoped(scope, move || pace(&pacer_sh, gen, start, warm_end, end))
+            .map_err(|e| LoadgenError::Runtime(format!("cannot spawn pacer thread: {e}")))?;
+        rt.block_on(control(&sh, p.rate, start, warm_end, end, progress));
+        sh.close();
+        pacer
+            .join()
+            .map_err(|_| LoadgenError::Runtime("pacer thread panicked".into()))
+    })?;
+    let report = make_report(&sh, p);
+    // Drop whatever is still in flight (timed-out exchanges, idle sockets).
+    rt.shutdown_timeout(Duration::from_millis(200));
+    Ok(report)
+}
+
+/// Progress lines once a second while the schedule runs, then the drain:
+/// wait for every measured request to finish, at most `timeout` past the
+/// window (each request's own deadline is scheduled time + timeout).
+async fn control(
+    sh: &Arc<Shared>,
+    rate: f64,
+    start: Instant,
+    warm_end: Instant,
+    end: Instant,
+    progress: &mut dyn FnMut(&str),
+) {
+    let mut next_line = start + Duration::from_secs(1);
+    while !sh.pacer_done.load(Ordering::Acquire) {
+        let now = Instant::now();
+        if now >= next_line {
+            progress(&progress_line(sh, rate, now, start, warm_end));
+            next_line += Duration::from_secs(1);
+        }
+        let wake = next_line.min(end + Duration::from_millis(1));
+        let wake = wake.max(now + Duration::from_millis(5));
+        tokio::time::sleep_until(wake.into()).await;
+    }
+    let drain_deadline = end.max(Instant::now()) + sh.timeout + Duration::from_millis(50);
+    loop {
+        let done = {
+            let s = lock(&sh.stats);
+            s.ok + s.errors
+        };
+        if done >= sh.sent.load(Ordering::Relaxed) || Instant::now() >= drain_deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+fn progress_line(
+    sh: &Shared,
+    rate: f64,
+    now: Instant,
+    start: Instant,
+    warm_end: Instant,
+) -> String {
+    let conns = sh.open.load(Ordering::Relaxed);
+    if now < warm_end {
+        let t = now.saturating_duration_since(start).as_secs_f64();
+        let w = warm_end.saturating_duration_since(start).as_secs_f64();
+        return format!("rate {rate:.0}/s  warmup t={t:.0}/{w:.0}s  conns={conns}");
+    }
+    let t = now.saturating_duration_since(warm_end).as_secs_f64();
+    let sent = sh.sent.load(Ordering::Relaxed);
+    let s = lock(&sh.stats);
+    let p99 = if s.hist.is_empty() {
+        0.0
+    } else {
+        s.hist.value_at_quantile(0.99) as f64 / 1000.0
+    };
+    format!(
+        "rate {rate:.0}/s  t={t:.0}s  sent={sent} ok={} err={} p99={p99:.1}ms  conns={conns}",
+        s.ok, s.errors
+    )
+}
+
+fn make_report(sh: &Shared, p: &RateRun<'_>) -> RunReport {
+    let sent = sh.sent.load(Ordering::Relaxed);
+    let mut s = lock(&sh.stats);
+    // Anything neither answered nor failed by the drain deadline is a timeout.
+    let unfinished = sent.saturating_sub(s.ok + s.errors);
+    for _ in 0..unfinished {
+        s.record_err(ErrKind::Timeout);
+    }
+    let duration_s = p.duration.as_secs_f64();
+    RunReport {
+        offered_rps: p.rate,
+        achieved_rps: s.ok as f64 / duration_s,
+        duration_s,
+        sent,
+        ok: s.ok,
+        errors: s.errors,
+        errors_by_kind: s.errors_by_kind(),
+        latency_ms: Percentiles::from_histogram_us(&s.hist),
+        late_sends: s.late_sends,
+        max_connections_used: sh.peak_open.load(Ordering::Relaxed),
+    }
+}
+
+/// One request on a fresh connection: proves the target answers HTTP before
+/// a sweep starts. Any status counts as reachable.
+pub(crate) fn preflight(target: &Target, timeout: Duration) -> Result<u16, LoadgenError> {
+    let rt = build_runtime(1)?;
+    let addr = target.authority.clone();
+    rt.block_on(async {
+        let attempt = async {
+            let stream =
+                TcpStream::connect(target.addr)
+                    .await
+                    .map_err(|e| LoadgenError::Connect {
+                        addr: addr.clone(),
+                        reason: e.to_string(),
+                    })?;
+            let _ = stream.set_nodelay(true);
+            let io_err = |e: hyper::Error| LoadgenError::Io {
+                addr: addr.clone(),
+                reason: e.to_string(),
+            };
+            let (mut sender, conn) = http1::handshake(TokioIo::new(stream))
+                .await
+                .map_err(io_err)?;
+            let driver = tokio::spawn(conn);
+            let resp = sender
+                .send_request(target.request())
+                .await
+                .map_err(io_err)?;
+            let status = resp.status().as_u16();
+            resp.into_body().collect().await.map_err(io_err)?;
+            driver.abort();
+            Ok(status)
+        };
+        match tokio::time::timeout(timeout, attempt).await {
+            Ok(res) => res,
+            Err(_) => Err(LoadgenError::Timeout {
+                addr: addr.clone(),
+                secs: timeout.as_secs_f64(),
+            }),
+        }
+    })
+}

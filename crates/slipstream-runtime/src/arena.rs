@@ -1,0 +1,192 @@
+//! The node's view of shared memory: the pools it created, references to
+//! tensors inside them, and the count of every payload copy it makes.
+//!
+//! Pool 0 is the ingress pool: the node writes request tensors there (the one
+//! copy at ingress) and gathers batch inputs there when a batch's tensors are
+//! not already adjacent. Every other pool belongs to one worker replica,
+//! which allocates its outputs in it; the node frees those blocks when the
+//! last request referencing them is done.
+//!
+//! A [`TensorRef`] holds an `Arc<Block>`, so a block lives exactly as long as
+//! some request still needs a tensor in it.
+
+use crate::error::NodeError;
+use parking_lot::RwLock;
+use serde::Serialize;
+use slipstream_shm::{Block, Pool};
+use slipstream_types::{DType, TensorDesc};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+/// Tensors of one request at one point of the pipeline, by name.
+pub type Tensors = Vec<(String, TensorRef)>;
+
+/// A tensor inside a pool block.
+#[derive(Clone, Debug)]
+pub struct TensorRef {
+    pub block: Arc<Block>,
+    /// Absolute byte offset in the pool (inside `block`).
+    pub offset: u64,
+    pub nbytes: u64,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+}
+
+impl TensorRef {
+    pub fn bytes(&self) -> &[u8] {
+        let start = (self.offset - self.block.offset()) as usize;
+        &self.block.as_slice()[start..start + self.nbytes as usize]
+    }
+
+    pub fn desc(&self) -> TensorDesc {
+        TensorDesc {
+            pool: self.block.pool().id(),
+            offset: self.offset,
+            nbytes: self.nbytes,
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+        }
+    }
+
+    /// Rows in the first dimension.
+    pub fn rows(&self) -> u64 {
+        self.shape.first().copied().unwrap_or(1)
+    }
+
+    pub fn row_bytes(&self) -> u64 {
+        self.shape.iter().skip(1).product::<u64>() * self.dtype.size() as u64
+    }
+
+    /// Rows `[start, start + n)` of this tensor, sharing its block.
+    pub fn rows_slice(&self, start: u64, n: u64) -> TensorRef {
+        let rb = self.row_bytes();
+        let mut shape = self.shape.clone();
+        shape[0] = n;
+        TensorRef {
+            block: self.block.clone(),
+            offset: self.offset + start * rb,
+            nbytes: n * rb,
+            dtype: self.dtype,
+            shape,
+        }
+    }
+}
+
+/// Payload copies made on the request path, by where they happen.
+#[derive(Default)]
+pub struct CopyCounters {
+    pub ingress: AtomicU64,
+    pub ingress_bytes: AtomicU64,
+    pub gather: AtomicU64,
+    pub gather_bytes: AtomicU64,
+    pub worker: AtomicU64,
+    pub worker_bytes: AtomicU64,
+    pub egress: AtomicU64,
+    pub egress_bytes: AtomicU64,
+}
+
+#[derive(Serialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopySnapshot {
+    pub ingress: u64,
+    pub ingress_bytes: u64,
+    pub gather: u64,
+    pub gather_bytes: u64,
+    pub worker: u64,
+    pub worker_bytes: u64,
+    pub egress: u64,
+    pub egress_bytes: u64,
+    pub total: u64,
+}
+
+impl CopyCounters {
+    pub fn add(counter: &AtomicU64, bytes_counter: &AtomicU64, bytes: u64) {
+        counter.fetch_add(1, Relaxed);
+        bytes_counter.fetch_add(bytes, Relaxed);
+    }
+
+    pub fn snapshot(&self) -> CopySnapshot {
+        let l = |a: &AtomicU64| a.load(Relaxed);
+        let (i, g, w, e) = (l(&self.ingress), l(&self.gather), l(&self.worker), l(&self.egress));
+        CopySnapshot {
+            ingress: i,
+            ingress_bytes: l(&self.ingress_bytes),
+            gather: g,
+            gather_bytes: l(&self.gather_bytes),
+            worker: w,
+            worker_bytes: l(&self.worker_bytes),
+            egress: e,
+            egress_bytes: l(&self.egress_bytes),
+            total: i + g + w + e,
+        }
+    }
+}
+
+/// All pools of this node, indexed by pool id.
+pub struct Arena {
+    dir: PathBuf,
+    prefix: String,
+    pools: RwLock<Vec<Arc<Pool>>>,
+    pub copies: CopyCounters,
+}
+
+impl Arena {
+    /// Create the ingress pool (id 0) under `dir`.
+    pub fn new(dir: PathBuf, ingress_bytes: usize) -> Result<Arena, NodeError> {
+        let prefix = format!("slipstream-{}-{:x}", std::process::id(), rand_suffix());
+        let arena = Arena { dir, prefix, pools: RwLock::new(Vec::new()), copies: CopyCounters::default() };
+        arena.create_pool(ingress_bytes)?;
+        Ok(arena)
+    }
+
+    /// Path of pool `id`; workers open pools by this path.
+    pub fn pool_path(&self, id: u32) -> PathBuf {
+        self.dir.join(format!("{}-{id}", self.prefix))
+    }
+
+    /// Path prefix handed to workers: pool `id` is at `{prefix}-{id}`.
+    pub fn path_prefix(&self) -> PathBuf {
+        self.dir.join(&self.prefix)
+    }
+
+    pub fn create_pool(&self, capacity: usize) -> Result<Arc<Pool>, NodeError> {
+        let mut pools = self.pools.write();
+        let id = pools.len() as u32;
+        let pool = Arc::new(Pool::create(&self.pool_path(id), id, capacity)?);
+        pools.push(pool.clone());
+        Ok(pool)
+    }
+
+    pub fn ingress(&self) -> Arc<Pool> {
+        self.pools.read()[0].clone()
+    }
+
+    pub fn pool(&self, id: u32) -> Option<Arc<Pool>> {
+        self.pools.read().get(id as usize).cloned()
+    }
+
+    /// Remove every pool file (mappings stay valid until dropped).
+    pub fn unlink_all(&self) {
+        for p in self.pools.read().iter() {
+            let _ = p.unlink();
+        }
+    }
+
+    /// Allocate an ingress block and count the write that will fill it.
+    pub fn ingress_block(&self, nbytes: usize) -> Result<Arc<Block>, NodeError> {
+        CopyCounters::add(&self.copies.ingress, &self.copies.ingress_bytes, nbytes as u64);
+        Ok(Arc::new(Block::alloc(&self.ingress(), nbytes)?))
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        self.unlink_all();
+    }
+}
+
+fn rand_suffix() -> u64 {
+    use std::time::{SystemTime, UNIX_EPOCH};
+    let t = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    (t as u64) ^ ((t >> 64) as u64)
+}

@@ -1,0 +1,463 @@
+//! Tensors in and out of HTTP bodies.
+//!
+//! Two wire forms are spoken:
+//! - the pipeline API (`/v1/pipelines/{name}/infer`): `{"inputs": {"x": [[3, 4]]}}`
+//!   with nested JSON arrays whose nesting gives the shape, converted to the
+//!   dtype the pipeline declares; answers `{"outputs": {"y": [[0.6, 0.8]]}}`;
+//! - the Open Inference Protocol (KServe v2), JSON and its binary-tensor
+//!   extension (`Inference-Header-Content-Length`), so that existing clients
+//!   (tritonclient, KServe SDK) work unchanged.
+//!
+//! Decoding validates against the pipeline's declared inputs (missing,
+//! extra, dtype, shape, rows) and writes each request's tensors into ONE
+//! ingress block: the only payload write at ingress. Encoding reads straight
+//! from the arena; binary v2 outputs are handed to the socket as `Bytes` that
+//! borrow the arena block, so egress copies nothing.
+
+use crate::arena::{Arena, TensorRef, Tensors};
+use crate::error::NodeError;
+use bytes::Bytes;
+use serde_json::{Map, Value};
+use slipstream_types::{numel, DType, TensorSpec};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+const ALIGN: usize = 64;
+
+fn align(n: usize) -> usize {
+    n.div_ceil(ALIGN) * ALIGN
+}
+
+/// One input as parsed, before it is written to the arena.
+struct Parsed<'a> {
+    name: String,
+    dtype: DType,
+    shape: Vec<u64>,
+    source: Source<'a>,
+}
+
+enum Source<'a> {
+    /// Leaves of a (possibly nested) JSON array in row-major order.
+    Json(&'a Value),
+    /// Raw little-endian bytes (v2 binary extension).
+    Raw(&'a [u8]),
+}
+
+fn bad(msg: impl Into<String>) -> NodeError {
+    NodeError::BadInput(msg.into())
+}
+
+/// Infer the shape of a nested JSON array; error if ragged.
+fn json_shape(v: &Value, name: &str) -> Result<Vec<u64>, NodeError> {
+    let mut shape = Vec::new();
+    let mut cur = v;
+    while let Value::Array(a) = cur {
+        shape.push(a.len() as u64);
+        match a.first() {
+            Some(first) => cur = first,
+            None => break,
+        }
+    }
+    check_rectangular(v, &shape, name)?;
+    Ok(shape)
+}
+
+fn check_rectangular(v: &Value, shape: &[u64], name: &str) -> Result<(), NodeError> {
+    match (v, shape.split_first()) {
+        (Value::Array(a), Some((&n, rest))) => {
+            if a.len() as u64 != n {
+                return Err(bad(format!("input '{name}' is ragged: rows of different lengths")));
+            }
+            a.iter().try_for_each(|x| check_rectangular(x, rest, name))
+        }
+        (Value::Array(_), None) => Err(bad(format!("input '{name}' is ragged: nesting depth varies"))),
+        (_, Some(_)) => Err(bad(format!("input '{name}' is ragged: nesting depth varies"))),
+        (_, None) => Ok(()),
+    }
+}
+
+/// Visit the leaves of a nested array in row-major order.
+fn for_each_leaf<'v>(v: &'v Value, f: &mut dyn FnMut(&'v Value) -> Result<(), NodeError>) -> Result<(), NodeError> {
+    match v {
+        Value::Array(a) => a.iter().try_for_each(|x| for_each_leaf(x, f)),
+        leaf => f(leaf),
+    }
+}
+
+/// Write one JSON number/bool as `dtype` into `out` (exactly `dtype.size()` bytes).
+fn write_scalar(v: &Value, dtype: DType, out: &mut [u8], name: &str) -> Result<(), NodeError> {
+    let wrong = || bad(format!("input '{name}' expects {dtype} values, got {v}"));
+    macro_rules! int {
+        ($t:ty) => {{
+            let x: $t = if let Some(i) = v.as_i64() {
+                <$t>::try_from(i).map_err(|_| wrong())?
+            } else if let Some(u) = v.as_u64() {
+                <$t>::try_from(u).map_err(|_| wrong())?
+            } else {
+                return Err(wrong());
+            };
+            out.copy_from_slice(&x.to_le_bytes());
+        }};
+    }
+    match dtype {
+        DType::Bool => out[0] = v.as_bool().ok_or_else(wrong)? as u8,
+        DType::Float32 => out.copy_from_slice(&(v.as_f64().ok_or_else(wrong)? as f32).to_le_bytes()),
+        DType::Float64 => out.copy_from_slice(&v.as_f64().ok_or_else(wrong)?.to_le_bytes()),
+        DType::Float16 => {
+            out.copy_from_slice(&half::f16::from_f64(v.as_f64().ok_or_else(wrong)?).to_le_bytes())
+        }
+        DType::Uint8 => int!(u8),
+        DType::Uint16 => int!(u16),
+        DType::Uint32 => int!(u32),
+        DType::Uint64 => int!(u64),
+        DType::Int8 => int!(i8),
+        DType::Int16 => int!(i16),
+        DType::Int32 => int!(i32),
+        DType::Int64 => int!(i64),
+    }
+    Ok(())
+}
+
+/// Check parsed inputs against the declared ones; write them into one block.
+fn validate_and_store(
+    mut parsed: Vec<Parsed<'_>>,
+    declared: &BTreeMap<String, TensorSpec>,
+    arena: &Arena,
+) -> Result<Tensors, NodeError> {
+    let missing: Vec<&str> =
+        declared.keys().filter(|k| !parsed.iter().any(|p| &p.name == *k)).map(|s| s.as_str()).collect();
+    if !missing.is_empty() {
+        return Err(bad(format!("missing input(s): {}", missing.join(", "))));
+    }
+    let extra: Vec<&str> =
+        parsed.iter().filter(|p| !declared.contains_key(&p.name)).map(|p| p.name.as_str()).collect();
+    if !extra.is_empty() {
+        let known: Vec<&str> = declared.keys().map(|s| s.as_str()).collect();
+        return Err(bad(format!("unexpected input(s): {} (this pipeline takes: {})", extra.join(", "), known.join(", "))));
+    }
+    let mut rows = None;
+    for p in &parsed {
+        let spec = &declared[&p.name];
+        if p.dtype != spec.dtype {
+            return Err(bad(format!("input '{}' must be {} ({}), got {}", p.name, spec.dtype, spec.dtype.v2_name(), p.dtype.v2_name())));
+        }
+        if !spec.accepts_shape(&p.shape) {
+            return Err(bad(format!("input '{}' must have shape {}, got {:?}", p.name, spec.shape_string(), p.shape)));
+        }
+        let r = p.shape[0];
+        if r == 0 {
+            return Err(bad(format!("input '{}' has no rows", p.name)));
+        }
+        match rows {
+            None => rows = Some((r, p.name.clone())),
+            Some((r0, ref n0)) if r0 != r => {
+                return Err(bad(format!("inputs '{n0}' and '{}' have different row counts ({r0} and {r})", p.name)))
+            }
+            _ => {}
+        }
+    }
+    parsed.sort_by(|a, b| a.name.cmp(&b.name));
+    let sizes: Vec<usize> = parsed.iter().map(|p| numel(&p.shape) as usize * p.dtype.size()).collect();
+    let total: usize = sizes.iter().map(|&s| align(s)).sum();
+    let block = arena.ingress_block(total)?;
+    let buf = block.as_mut_slice();
+    let mut at = 0usize;
+    let mut out = Vec::with_capacity(parsed.len());
+    for (p, &size) in parsed.into_iter().zip(&sizes) {
+        let dst = &mut buf[at..at + size];
+        match p.source {
+            Source::Raw(bytes) => dst.copy_from_slice(bytes),
+            Source::Json(v) => {
+                let w = p.dtype.size();
+                let mut i = 0;
+                for_each_leaf(v, &mut |leaf| {
+                    write_scalar(leaf, p.dtype, &mut dst[i..i + w], &p.name)?;
+                    i += w;
+                    Ok(())
+                })?;
+            }
+        }
+        out.push((
+            p.name,
+            TensorRef { block: block.clone(), offset: block.offset() + at as u64, nbytes: size as u64, dtype: p.dtype, shape: p.shape },
+        ));
+        at += align(size);
+    }
+    Ok(out)
+}
+
+fn parse_json(body: &[u8]) -> Result<Value, NodeError> {
+    serde_json::from_slice(body).map_err(|e| NodeError::BadRequest(format!("body is not valid JSON: {e}")))
+}
+
+/// Decode a pipeline-API request body: `{"inputs": {"x": [[...]]}}`.
+pub fn decode_v1(body: &[u8], declared: &BTreeMap<String, TensorSpec>, arena: &Arena) -> Result<Tensors, NodeError> {
+    let v = parse_json(body)?;
+    let inputs = v
+        .get("inputs")
+        .and_then(Value::as_object)
+        .ok_or_else(|| NodeError::BadRequest("body must be an object with an \"inputs\" object".into()))?;
+    let mut parsed = Vec::with_capacity(inputs.len());
+    for (name, val) in inputs {
+        let Some(spec) = declared.get(name) else {
+            parsed.push(Parsed { name: name.clone(), dtype: DType::Float32, shape: vec![], source: Source::Json(val) });
+            continue;
+        };
+        if !val.is_array() {
+            return Err(bad(format!("input '{name}' must be a (nested) array")));
+        }
+        let shape = json_shape(val, name)?;
+        parsed.push(Parsed { name: name.clone(), dtype: spec.dtype, shape, source: Source::Json(val) });
+    }
+    validate_and_store(parsed, declared, arena)
+}
+
+/// What a v2 request asked of its outputs.
+#[derive(Debug, Default)]
+pub struct V2Request {
+    pub id: Option<Value>,
+    /// Names asked for, in order; empty means all.
+    pub outputs: Vec<String>,
+    /// Output names to be returned as binary (extension), or all if `binary_all`.
+    pub binary: Vec<String>,
+    pub binary_all: bool,
+}
+
+fn param_bool(v: &Value, key: &str) -> bool {
+    v.get("parameters").and_then(|p| p.get(key)).and_then(Value::as_bool).unwrap_or(false)
+}
+
+/// Decode an Open Inference Protocol request (JSON, or JSON header plus
+/// binary tensors when `header_len` is given).
+pub fn decode_v2(
+    body: &[u8],
+    header_len: Option<usize>,
+    declared: &BTreeMap<String, TensorSpec>,
+    arena: &Arena,
+) -> Result<(Tensors, V2Request), NodeError> {
+    let (json, mut binary) = match header_len {
+        Some(n) if n > body.len() => {
+            return Err(NodeError::BadRequest(format!("Inference-Header-Content-Length {n} exceeds the body ({} bytes)", body.len())))
+        }
+        Some(n) => (&body[..n], &body[n..]),
+        None => (body, &body[body.len()..]),
+    };
+    let v = parse_json(json)?;
+    let inputs = v
+        .get("inputs")
+        .and_then(Value::as_array)
+        .ok_or_else(|| NodeError::BadRequest("body must have an \"inputs\" array".into()))?;
+    let mut parsed = Vec::with_capacity(inputs.len());
+    for inp in inputs {
+        let name = inp.get("name").and_then(Value::as_str).ok_or_else(|| bad("every input needs a \"name\""))?;
+        let dt = inp.get("datatype").and_then(Value::as_str).ok_or_else(|| bad(format!("input '{name}' needs a \"datatype\"")))?;
+        let dtype = DType::from_v2(dt).ok_or_else(|| bad(format!("input '{name}': unsupported datatype '{dt}'")))?;
+        let shape: Vec<u64> = inp
+            .get("shape")
+            .and_then(Value::as_array)
+            .and_then(|a| a.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
+            .ok_or_else(|| bad(format!("input '{name}' needs a \"shape\" of non-negative integers")))?;
+        let n = numel(&shape);
+        let binary_size = inp.get("parameters").and_then(|p| p.get("binary_data_size")).and_then(Value::as_u64);
+        let source = if let Some(size) = binary_size {
+            let want = n * dtype.size() as u64;
+            if size != want {
+                return Err(bad(format!("input '{name}': binary_data_size {size} does not match shape {shape:?} of {dt} ({want} bytes)")));
+            }
+            if (size as usize) > binary.len() {
+                return Err(bad(format!("input '{name}': binary data is shorter than binary_data_size")));
+            }
+            let (this, rest) = binary.split_at(size as usize);
+            binary = rest;
+            Source::Raw(this)
+        } else {
+            let data = inp.get("data").ok_or_else(|| bad(format!("input '{name}' has neither \"data\" nor binary_data_size")))?;
+            let mut count = 0u64;
+            for_each_leaf(data, &mut |_| {
+                count += 1;
+                Ok(())
+            })?;
+            if count != n {
+                return Err(bad(format!("input '{name}' has {count} values but shape {shape:?} needs {n}")));
+            }
+            Source::Json(data)
+        };
+        parsed.push(Parsed { name: name.to_string(), dtype, shape, source });
+    }
+    if !binary.is_empty() {
+        return Err(bad(format!("{} bytes of binary data belong to no input", binary.len())));
+    }
+    let mut req = V2Request { id: v.get("id").cloned(), binary_all: param_bool(&v, "binary_data_output"), ..Default::default() };
+    if let Some(outs) = v.get("outputs").and_then(Value::as_array) {
+        for o in outs {
+            let name = o.get("name").and_then(Value::as_str).ok_or_else(|| bad("every requested output needs a \"name\""))?;
+            req.outputs.push(name.to_string());
+            if param_bool(o, "binary_data") {
+                req.binary.push(name.to_string());
+            }
+        }
+    }
+    let tensors = validate_and_store(parsed, declared, arena)?;
+    Ok((tensors, req))
+}
+
+/// Append the elements of `t` as JSON numbers, nested by its shape.
+fn write_json_tensor(out: &mut Vec<u8>, t: &TensorRef, nested: bool) {
+    let bytes = t.bytes();
+    let w = t.dtype.size();
+    let mut fbuf = ryu::Buffer::new();
+    let mut ibuf = itoa::Buffer::new();
+    let mut write_elem = |out: &mut Vec<u8>, e: &[u8]| {
+        macro_rules! int {
+            ($t:ty) => {
+                out.extend_from_slice(ibuf.format(<$t>::from_le_bytes(e.try_into().unwrap())).as_bytes())
+            };
+        }
+        let mut float = |out: &mut Vec<u8>, x: f64, single: bool| {
+            if x.is_finite() {
+                let s = if single { fbuf.format_finite(x as f32) } else { fbuf.format_finite(x) };
+                out.extend_from_slice(s.as_bytes())
+            } else {
+                out.extend_from_slice(b"null")
+            }
+        };
+        match t.dtype {
+            DType::Bool => out.extend_from_slice(if e[0] != 0 { b"true" } else { b"false" }),
+            DType::Float32 => float(out, f32::from_le_bytes(e.try_into().unwrap()) as f64, true),
+            DType::Float64 => float(out, f64::from_le_bytes(e.try_into().unwrap()), false),
+            DType::Float16 => float(out, half::f16::from_le_bytes(e.try_into().unwrap()).to_f64(), true),
+            DType::Uint8 => int!(u8),
+            DType::Uint16 => int!(u16),
+            DType::Uint32 => int!(u32),
+            DType::Uint64 => int!(u64),
+            DType::Int8 => int!(i8),
+            DType::Int16 => int!(i16),
+            DType::Int32 => int!(i32),
+            DType::Int64 => int!(i64),
+        }
+    };
+    let shape: &[u64] = if nested { &t.shape } else { &[] };
+    let n = numel(&t.shape) as usize;
+    if shape.is_empty() {
+        out.push(b'[');
+        for i in 0..n {
+            if i > 0 {
+                out.push(b',');
+            }
+            write_elem(out, &bytes[i * w..(i + 1) * w]);
+        }
+        out.push(b']');
+        return;
+    }
+    // Nested: open/close brackets at dimension boundaries.
+    let strides: Vec<usize> =
+        (0..shape.len()).map(|d| shape[d + 1..].iter().product::<u64>() as usize).collect();
+    for _ in 0..shape.len() {
+        out.push(b'[');
+    }
+    for i in 0..n {
+        if i > 0 {
+            let closes = strides.iter().filter(|&&s| s > 0 && i % s == 0).count() - 1;
+            for _ in 0..closes {
+                out.push(b']');
+            }
+            out.push(b',');
+            for _ in 0..closes {
+                out.push(b'[');
+            }
+        }
+        write_elem(out, &bytes[i * w..(i + 1) * w]);
+    }
+    for _ in 0..shape.len() {
+        out.push(b']');
+    }
+}
+
+/// `{"outputs": {"y": [[...]]}}`
+pub fn encode_v1(outputs: &Tensors) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64 + outputs.iter().map(|(_, t)| t.nbytes as usize * 3).sum::<usize>());
+    out.extend_from_slice(b"{\"outputs\":{");
+    for (i, (name, t)) in outputs.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        serde_json::to_writer(&mut out, name).expect("string serialises");
+        out.push(b':');
+        write_json_tensor(&mut out, t, true);
+    }
+    out.extend_from_slice(b"}}");
+    out
+}
+
+/// An arena slice that outlives the request: lets egress hand tensor bytes
+/// to the socket without copying them.
+struct ArenaBytes(TensorRef);
+
+impl AsRef<[u8]> for ArenaBytes {
+    fn as_ref(&self) -> &[u8] {
+        self.0.bytes()
+    }
+}
+
+/// Encoded v2 response: body chunks, and the JSON header length when the
+/// binary extension is used.
+pub struct V2Response {
+    pub chunks: Vec<Bytes>,
+    pub header_len: Option<usize>,
+}
+
+pub fn encode_v2(model: &str, req: &V2Request, outputs: &Tensors) -> Result<V2Response, NodeError> {
+    let selected: Vec<&(String, TensorRef)> = if req.outputs.is_empty() {
+        outputs.iter().collect()
+    } else {
+        req.outputs
+            .iter()
+            .map(|n| {
+                outputs.iter().find(|(k, _)| k == n).ok_or_else(|| {
+                    let known: Vec<&str> = outputs.iter().map(|(k, _)| k.as_str()).collect();
+                    bad(format!("unknown output '{n}' requested (outputs: {})", known.join(", ")))
+                })
+            })
+            .collect::<Result<_, _>>()?
+    };
+    let mut head = Map::new();
+    head.insert("model_name".into(), Value::String(model.into()));
+    head.insert("model_version".into(), Value::String("1".into()));
+    if let Some(id) = &req.id {
+        head.insert("id".into(), id.clone());
+    }
+    let mut json = serde_json::to_vec(&Value::Object(head)).expect("serialises");
+    json.pop(); // reopen the object to append "outputs" without a Value per element
+    json.extend_from_slice(b",\"outputs\":[");
+    let mut blobs = Vec::new();
+    for (i, (name, t)) in selected.into_iter().enumerate() {
+        if i > 0 {
+            json.push(b',');
+        }
+        json.extend_from_slice(b"{\"name\":");
+        serde_json::to_writer(&mut json, name).expect("serialises");
+        json.extend_from_slice(format!(",\"datatype\":\"{}\",\"shape\":{:?}", t.dtype.v2_name(), t.shape).replace(' ', "").as_bytes());
+        if req.binary_all || req.binary.iter().any(|b| b == name) {
+            json.extend_from_slice(format!(",\"parameters\":{{\"binary_data_size\":{}}}}}", t.nbytes).as_bytes());
+            blobs.push(Bytes::from_owner(ArenaBytes(t.clone())));
+        } else {
+            json.extend_from_slice(b",\"data\":");
+            write_json_tensor(&mut json, t, false);
+            json.push(b'}');
+        }
+    }
+    json.extend_from_slice(b"]}");
+    let header_len = (!blobs.is_empty()).then_some(json.len());
+    let mut chunks = vec![Bytes::from(json)];
+    chunks.extend(blobs);
+    Ok(V2Response { chunks, header_len })
+}
+
+/// The v2 metadata of one declared tensor.
+pub fn v2_tensor_meta(name: &str, spec: &TensorSpec) -> Value {
+    serde_json::json!({ "name": name, "datatype": spec.dtype.v2_name(), "shape": spec.shape })
+}
+
+/// Keep `Arc` in scope for doc links and future use.
+#[allow(dead_code)]
+type _ArcBlock = Arc<slipstream_shm::Block>;

@@ -1,0 +1,67 @@
+//! The node's error kinds. Each variant has a stable `kind()` string that
+//! clients can match on; the mapping to HTTP status lives in one place,
+//! [`NodeError::http_status`], used only by the HTTP edge.
+
+use slipstream_shm::ShmError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error("malformed request: {0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    BadInput(String),
+    #[error("unknown pipeline '{0}'")]
+    UnknownPipeline(String),
+    #[error("no route for {0}")]
+    NotFound(String),
+    #[error("method {0} not allowed here")]
+    MethodNotAllowed(String),
+    #[error("request body exceeds the limit of {limit} bytes")]
+    PayloadTooLarge { limit: usize },
+    #[error("component '{stage}' raised: {message}")]
+    Component { stage: String, message: String },
+    #[error("stage '{stage}' is unavailable: {reason}")]
+    Unavailable { stage: String, reason: String },
+    #[error("request did not finish within {ms} ms")]
+    Timeout { ms: u64 },
+    #[error("the node is shutting down")]
+    ShuttingDown,
+    #[error("shared memory: {0}")]
+    Arena(#[from] ShmError),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl NodeError {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            NodeError::BadRequest(_) => "bad_request",
+            NodeError::BadInput(_) => "bad_input",
+            NodeError::UnknownPipeline(_) => "unknown_pipeline",
+            NodeError::NotFound(_) => "not_found",
+            NodeError::MethodNotAllowed(_) => "method_not_allowed",
+            NodeError::PayloadTooLarge { .. } => "payload_too_large",
+            NodeError::Component { .. } => "component_error",
+            NodeError::Unavailable { .. } => "unavailable",
+            NodeError::Timeout { .. } => "timeout",
+            NodeError::ShuttingDown => "shutting_down",
+            NodeError::Arena(e) => e.kind(),
+            NodeError::Internal(_) => "internal",
+        }
+    }
+
+    /// The one place where error kinds become HTTP statuses.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            NodeError::BadRequest(_) | NodeError::BadInput(_) => 400,
+            NodeError::UnknownPipeline(_) | NodeError::NotFound(_) => 404,
+            NodeError::MethodNotAllowed(_) => 405,
+            NodeError::PayloadTooLarge { .. } => 413,
+            NodeError::Component { .. } | NodeError::Internal(_) => 500,
+            NodeError::Unavailable { .. } | NodeError::ShuttingDown => 503,
+            NodeError::Arena(ShmError::Full { .. }) => 503,
+            NodeError::Arena(_) => 500,
+            NodeError::Timeout { .. } => 504,
+        }
+    }
+}

@@ -1,0 +1,258 @@
+//! The HTTP edge: routes, body limits, and the mapping of errors to
+//! responses (`{"error": {"kind": ..., "message": ...}}` with the status from
+//! [`NodeError::http_status`]).
+//!
+//! Routes:
+//! - pipeline API: `POST /v1/pipelines/{name}/infer`, `GET /v1/pipelines`,
+//!   `GET /v1/pipelines/{name}`, `GET /v1/status`, `POST /v1/admin/reset-metrics`
+//! - Open Inference Protocol (KServe v2): `POST /v2/models/{name}[/versions/{v}]/infer`,
+//!   `GET /v2/models/{name}`, `GET /v2/models/{name}/ready`, `GET /v2`,
+//!   `GET /v2/health/live`, `GET /v2/health/ready`
+//! - operations: `GET /healthz`, `GET /readyz`, `GET /metrics` (Prometheus)
+
+use crate::arena::Tensors;
+use crate::codec;
+use crate::error::NodeError;
+use crate::node::Node;
+use crate::pipeline::{PipelineRt, Request};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Limited};
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::header::{HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
+use hyper::{Method, Response, StatusCode};
+use serde_json::{json, Value};
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+/// A response body made of ready chunks (a JSON header and, for binary v2
+/// outputs, arena-backed tensor bytes). Its exact size is known, so hyper
+/// sends a Content-Length.
+pub struct Chunks {
+    chunks: VecDeque<Bytes>,
+    len: u64,
+}
+
+impl Chunks {
+    pub fn new(chunks: Vec<Bytes>) -> Chunks {
+        let len = chunks.iter().map(|c| c.len() as u64).sum();
+        Chunks { chunks: chunks.into(), len }
+    }
+}
+
+impl Body for Chunks {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        let next = self.chunks.pop_front();
+        if let Some(c) = &next {
+            self.len -= c.len() as u64;
+        }
+        Poll::Ready(next.map(|c| Ok(Frame::data(c))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.chunks.is_empty()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.len)
+    }
+}
+
+type Resp = Response<Chunks>;
+
+fn respond(status: u16, content_type: &'static str, chunks: Vec<Bytes>) -> Resp {
+    let mut r = Response::new(Chunks::new(chunks));
+    *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    r
+}
+
+fn json_resp(status: u16, v: &Value) -> Resp {
+    respond(status, "application/json", vec![Bytes::from(serde_json::to_vec(v).expect("serialises"))])
+}
+
+pub fn error_resp(e: &NodeError) -> Resp {
+    let mut r = json_resp(e.http_status(), &json!({"error": {"kind": e.kind(), "message": e.to_string()}}));
+    if e.http_status() == 503 {
+        r.headers_mut().insert("retry-after", HeaderValue::from_static("1"));
+    }
+    r
+}
+
+/// Entry point for every HTTP request.
+pub async fn handle(node: Arc<Node>, req: hyper::Request<Incoming>) -> Result<Resp, Infallible> {
+    let result = route(&node, req).await;
+    Ok(result.unwrap_or_else(|e| error_resp(&e)))
+}
+
+async fn route(node: &Arc<Node>, req: hyper::Request<Incoming>) -> Result<Resp, NodeError> {
+    let path = req.uri().path().trim_end_matches('/').to_string();
+    let parts: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
+    let method = req.method().clone();
+    let get = method == Method::GET;
+    let post = method == Method::POST;
+    let wrong_method = || NodeError::MethodNotAllowed(method.to_string());
+    match parts.as_slice() {
+        ["v1", "pipelines", name, "infer"] => {
+            if !post {
+                return Err(wrong_method());
+            }
+            let pipe = node.pipeline(name)?;
+            let body = read_body(node, req).await?;
+            let tensors = codec::decode_v1(&body, &pipe.spec.inputs, &node.arena)?;
+            let outputs = infer(node, &pipe, tensors).await?;
+            Ok(respond(200, "application/json", vec![Bytes::from(codec::encode_v1(&outputs))]))
+        }
+        ["v2", "models", name, "infer"] | ["v2", "models", name, "versions", _, "infer"] => {
+            if !post {
+                return Err(wrong_method());
+            }
+            let pipe = node.pipeline(name)?;
+            let header_len = match req.headers().get("inference-header-content-length") {
+                None => None,
+                Some(v) => Some(v.to_str().ok().and_then(|s| s.trim().parse::<usize>().ok()).ok_or_else(|| {
+                    NodeError::BadRequest("Inference-Header-Content-Length must be an integer".into())
+                })?),
+            };
+            let body = read_body(node, req).await?;
+            let (tensors, v2req) = codec::decode_v2(&body, header_len, &pipe.spec.inputs, &node.arena)?;
+            let outputs = infer(node, &pipe, tensors).await?;
+            let enc = codec::encode_v2(pipe.name(), &v2req, &outputs)?;
+            let binary = enc.header_len.is_some();
+            let mut r = respond(200, if binary { "application/octet-stream" } else { "application/json" }, enc.chunks);
+            if let Some(n) = enc.header_len {
+                r.headers_mut().insert("inference-header-content-length", HeaderValue::from(n));
+            }
+            Ok(r)
+        }
+        _ if !get && !(post && parts == ["v1", "admin", "reset-metrics"]) => {
+            if known_get_route(&parts) {
+                Err(wrong_method())
+            } else {
+                Err(NodeError::NotFound(format!("{method} {path}")))
+            }
+        }
+        ["healthz"] | ["v2", "health", "live"] => Ok(json_resp(200, &json!({"status": "live"}))),
+        ["readyz"] | ["v2", "health", "ready"] => Ok(if node.is_ready() {
+            json_resp(200, &json!({"status": "ready"}))
+        } else {
+            json_resp(503, &json!({"status": "not ready", "draining": node.draining.load(Relaxed)}))
+        }),
+        ["v1", "pipelines"] => Ok(json_resp(200, &json!({"pipelines": node.pipelines.values().map(|p| describe(p)).collect::<Vec<_>>()}))),
+        ["v1", "pipelines", name] => Ok(json_resp(200, &describe(node.pipeline(name)?.as_ref()))),
+        ["v1", "status"] => Ok(json_resp(200, &node.status())),
+        ["v1", "admin", "reset-metrics"] => {
+            node.reset_metrics();
+            Ok(json_resp(200, &json!({"reset": true})))
+        }
+        ["metrics"] => Ok(respond(200, "text/plain; version=0.0.4", vec![Bytes::from(node.prometheus())])),
+        ["v2"] => Ok(json_resp(200, &json!({"name": "slipstream", "version": env!("CARGO_PKG_VERSION"), "extensions": ["binary_tensor_data"]}))),
+        ["v2", "models", name] | ["v2", "models", name, "versions", _] => Ok(json_resp(200, &v2_metadata(node.pipeline(name)?.as_ref()))),
+        ["v2", "models", name, "ready"] | ["v2", "models", name, "versions", _, "ready"] => {
+            node.pipeline(name)?;
+            Ok(if node.is_ready() { json_resp(200, &json!({"ready": true})) } else { json_resp(503, &json!({"ready": false})) })
+        }
+        _ => Err(NodeError::NotFound(format!("{method} {path}"))),
+    }
+}
+
+fn known_get_route(parts: &[&str]) -> bool {
+    matches!(
+        parts,
+        ["healthz"] | ["readyz"] | ["metrics"] | ["v1", "pipelines"] | ["v1", "pipelines", _] | ["v1", "status"] | ["v2", ..]
+    )
+}
+
+async fn read_body(node: &Node, req: hyper::Request<Incoming>) -> Result<Bytes, NodeError> {
+    let limit = node.opts.max_body_bytes;
+    let too_large = || NodeError::PayloadTooLarge { limit };
+    if let Some(len) = req.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|s| s.parse::<usize>().ok()) {
+        if len > limit {
+            return Err(too_large());
+        }
+    }
+    match Limited::new(req.into_body(), limit).collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
+        Err(e) => Err(NodeError::BadRequest(format!("could not read the body: {e}"))),
+    }
+}
+
+/// Counts a request as in flight for as long as it lives (graceful drain).
+struct InFlight<'a>(&'a Node);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if self.0.inflight.fetch_sub(1, Relaxed) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
+/// Run one request through a pipeline.
+async fn infer(node: &Node, pipe: &Arc<PipelineRt>, tensors: Tensors) -> Result<Tensors, NodeError> {
+    node.inflight.fetch_add(1, Relaxed);
+    let _guard = InFlight(node);
+    if node.draining.load(Relaxed) {
+        return Err(NodeError::ShuttingDown);
+    }
+    let arrival = Instant::now();
+    let id = node.next_id.fetch_add(1, Relaxed);
+    let (req, rx) = Request::new(id, pipe.clone(), tensors, arrival);
+    req.start();
+    let result = match tokio::time::timeout(pipe.timeout, rx).await {
+        Ok(Ok(reply)) => reply,
+        Ok(Err(_)) => Err(NodeError::Internal("request was dropped without an answer".into())),
+        Err(_) => {
+            let e = NodeError::Timeout { ms: pipe.timeout.as_millis() as u64 };
+            req.fail(NodeError::Timeout { ms: pipe.timeout.as_millis() as u64 });
+            Err(e)
+        }
+    };
+    match &result {
+        Ok(_) => {
+            pipe.metrics.ok.fetch_add(1, Relaxed);
+            pipe.metrics.latency_us.record(arrival.elapsed().as_micros() as u64);
+        }
+        Err(e) => pipe.metrics.error(e.kind()),
+    }
+    result
+}
+
+/// `GET /v1/pipelines/{name}`: stages, inputs with dtypes and shapes, SLO.
+pub fn describe(p: &PipelineRt) -> Value {
+    let tensors = |m: &std::collections::BTreeMap<String, slipstream_types::TensorSpec>| -> Value {
+        m.iter().map(|(k, s)| (k.clone(), json!({"dtype": s.dtype, "shape": s.shape}))).collect::<serde_json::Map<_, _>>().into()
+    };
+    json!({
+        "name": p.name(),
+        "inputs": tensors(&p.spec.inputs),
+        "outputs": tensors(&p.spec.outputs),
+        "slo": p.spec.slo.map(|s| json!({"p99_ms": s.p99_ms, "max_miss_rate": s.max_miss_rate})),
+        "timeout_ms": p.timeout.as_millis() as u64,
+        "stages": p.stages.iter().map(|s| json!({
+            "name": s.name,
+            "component": s.component,
+            "parents": s.parents.iter().map(|&i| p.stages[i].name.clone()).collect::<Vec<_>>(),
+            "replicas": s.replicas.len(),
+            "max_batch_size": s.max_batch,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+fn v2_metadata(p: &PipelineRt) -> Value {
+    json!({
+        "name": p.name(),
+        "versions": ["1"],
+        "platform": "slipstream",
+        "inputs": p.spec.inputs.iter().map(|(n, s)| codec::v2_tensor_meta(n, s)).collect::<Vec<_>>(),
+        "outputs": p.spec.outputs.iter().map(|(n, s)| codec::v2_tensor_meta(n, s)).collect::<Vec<_>>(),
+    })
+}

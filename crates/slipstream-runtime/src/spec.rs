@@ -1,0 +1,176 @@
+//! The application spec: what the Python front end hands the node.
+//!
+//! `slipstream serve app.py` imports the user's module in Python, turns its
+//! `Pipeline` objects into this JSON-shaped description, and passes it to
+//! [`crate::run`]. Everything here is checked once, at start-up, so the
+//! request path can rely on it: stage names unique, parents known, the graph
+//! acyclic, at least one stage, batch sizes and replica counts positive.
+
+use serde::Deserialize;
+use slipstream_types::TensorSpec;
+use std::collections::{BTreeMap, HashMap};
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct AppSpec {
+    pub pipelines: Vec<PipelineSpec>,
+    /// Command that starts one worker; the node appends per-replica flags.
+    pub worker_argv: Vec<String>,
+    #[serde(default)]
+    pub worker_env: BTreeMap<String, String>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct PipelineSpec {
+    pub name: String,
+    pub inputs: BTreeMap<String, TensorSpec>,
+    #[serde(default)]
+    pub outputs: BTreeMap<String, TensorSpec>,
+    #[serde(default)]
+    pub slo: Option<SloSpec>,
+    /// In any order; `parents` name other stages of this pipeline. Stages
+    /// without parents receive the pipeline's inputs.
+    pub stages: Vec<StageSpec>,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
+pub struct SloSpec {
+    pub p99_ms: f64,
+    #[serde(default = "default_miss")]
+    pub max_miss_rate: f64,
+}
+
+fn default_miss() -> f64 {
+    0.01
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct StageSpec {
+    pub name: String,
+    /// Import path the worker uses to find the component (e.g. `Normalize`).
+    pub component: String,
+    #[serde(default)]
+    pub parents: Vec<String>,
+    #[serde(default = "one")]
+    pub replicas: usize,
+    #[serde(default = "one")]
+    pub max_batch_size: usize,
+}
+
+fn one() -> usize {
+    1
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("invalid pipeline '{pipeline}': {reason}")]
+pub struct SpecError {
+    pub pipeline: String,
+    pub reason: String,
+}
+
+impl PipelineSpec {
+    /// Check the pipeline and return its stages in topological order
+    /// (indices into `self.stages`).
+    pub fn validate(&self) -> Result<Vec<usize>, SpecError> {
+        let err = |reason: String| SpecError { pipeline: self.name.clone(), reason };
+        if self.name.is_empty() || !self.name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
+            return Err(err("names may use letters, digits, '-', '_' and '.' only".into()));
+        }
+        if self.stages.is_empty() {
+            return Err(err("it has no stages".into()));
+        }
+        if self.inputs.is_empty() {
+            return Err(err("it declares no inputs".into()));
+        }
+        for (name, spec) in &self.inputs {
+            if spec.shape.is_empty() {
+                return Err(err(format!(
+                    "input '{name}' must have at least one dimension (the first is the row dimension)"
+                )));
+            }
+        }
+        if let Some(slo) = self.slo {
+            if !(slo.p99_ms > 0.0) || !(0.0..1.0).contains(&slo.max_miss_rate) {
+                return Err(err("the SLO needs p99_ms > 0 and 0 <= max_miss_rate < 1".into()));
+            }
+        }
+        let mut index = HashMap::new();
+        for (i, s) in self.stages.iter().enumerate() {
+            if index.insert(s.name.as_str(), i).is_some() {
+                return Err(err(format!("stage name '{}' is used twice", s.name)));
+            }
+            if s.replicas == 0 || s.max_batch_size == 0 {
+                return Err(err(format!("stage '{}' needs replicas >= 1 and max_batch_size >= 1", s.name)));
+            }
+        }
+        let mut indegree = vec![0usize; self.stages.len()];
+        for (i, s) in self.stages.iter().enumerate() {
+            for p in &s.parents {
+                if !index.contains_key(p.as_str()) {
+                    return Err(err(format!("stage '{}' names unknown parent '{p}'", s.name)));
+                }
+                if p == &s.name {
+                    return Err(err(format!("stage '{}' is its own parent", s.name)));
+                }
+                indegree[i] += 1;
+            }
+        }
+        // Kahn's algorithm; stable in declaration order.
+        let mut order = Vec::with_capacity(self.stages.len());
+        let mut ready: Vec<usize> = (0..self.stages.len()).filter(|&i| indegree[i] == 0).collect();
+        ready.reverse();
+        while let Some(i) = ready.pop() {
+            order.push(i);
+            for (j, s) in self.stages.iter().enumerate() {
+                let edges = s.parents.iter().filter(|p| p.as_str() == self.stages[i].name).count();
+                if edges > 0 {
+                    indegree[j] -= edges;
+                    if indegree[j] == 0 {
+                        ready.insert(0, j);
+                    }
+                }
+            }
+        }
+        if order.len() != self.stages.len() {
+            return Err(err("its stages form a cycle".into()));
+        }
+        Ok(order)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pipe(stages: &str) -> PipelineSpec {
+        serde_json::from_str(&format!(
+            r#"{{"name":"p","inputs":{{"x":{{"dtype":"float32","shape":[-1,2]}}}},"stages":{stages}}}"#
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn diamond_orders_topologically() {
+        let p = pipe(
+            r#"[{"name":"d","component":"D","parents":["b","c"]},
+                {"name":"b","component":"B","parents":["a"]},
+                {"name":"a","component":"A"},
+                {"name":"c","component":"C","parents":["a"]}]"#,
+        );
+        let order = p.validate().unwrap();
+        let names: Vec<_> = order.iter().map(|&i| p.stages[i].name.as_str()).collect();
+        assert_eq!(names[0], "a");
+        assert_eq!(names[3], "d");
+    }
+
+    #[test]
+    fn rejects_cycles_unknown_parents_and_duplicates() {
+        let cyc = pipe(r#"[{"name":"a","component":"A","parents":["b"]},{"name":"b","component":"B","parents":["a"]}]"#);
+        assert!(cyc.validate().unwrap_err().reason.contains("cycle"));
+        let unk = pipe(r#"[{"name":"a","component":"A","parents":["zz"]}]"#);
+        assert!(unk.validate().unwrap_err().reason.contains("unknown parent"));
+        let dup = pipe(r#"[{"name":"a","component":"A"},{"name":"a","component":"A"}]"#);
+        assert!(dup.validate().unwrap_err().reason.contains("twice"));
+        let zero = pipe(r#"[{"name":"a","component":"A","replicas":0}]"#);
+        assert!(zero.validate().is_err());
+    }
+}

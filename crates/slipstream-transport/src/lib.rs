@@ -1,0 +1,196 @@
+//! Messages between the node and its worker processes, and their framing.
+//!
+//! Each message is one frame: a little-endian `u32` byte length followed by
+//! that many bytes of JSON. Only descriptors travel here (which pool, which
+//! offset, dtype and shape); tensor payloads stay in shared memory. Frames are
+//! per batch, not per request, so the cost of JSON is spread over the batch
+//! and the format stays easy to read from Python (`struct` + `json`) and to
+//! debug. The Python side of this protocol lives in
+//! `python/slipstream/_internal/protocol.py`; keep the two in step.
+
+use serde::{Deserialize, Serialize};
+use slipstream_types::TensorDesc;
+use std::collections::BTreeMap;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// Frames larger than this are refused: they can only come from a bug or a
+/// corrupted stream, since payloads never travel in frames.
+pub const MAX_FRAME: usize = 16 << 20;
+
+/// Node -> worker.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum ToWorker {
+    /// Run the component on one batch. `rows[i]` is the number of rows that
+    /// request `i` contributes; every input's first dimension is `sum(rows)`.
+    Batch {
+        id: u64,
+        rows: Vec<u32>,
+        inputs: BTreeMap<String, TensorDesc>,
+    },
+    /// Finish and exit.
+    Shutdown,
+}
+
+/// How a worker produced an output tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum OutputOrigin {
+    /// Copied once from the component's array into the worker's own pool; the
+    /// node takes ownership of the block and frees it.
+    #[default]
+    Copied,
+    /// The component returned (a contiguous slice of) one of its inputs; the
+    /// descriptor points into memory the node already owns. Nothing copied.
+    Borrowed,
+}
+
+/// One output tensor of a batch.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OutputDesc {
+    #[serde(flatten)]
+    pub desc: TensorDesc,
+    #[serde(default)]
+    pub origin: OutputOrigin,
+}
+
+/// Worker -> node.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum FromWorker {
+    /// The component is constructed and the worker serves batches.
+    Ready { pid: u32 },
+    /// A batch finished. `compute_us` is the time spent in the component
+    /// itself, so the node can tell its own overhead from the model's.
+    Result {
+        id: u64,
+        outputs: BTreeMap<String, OutputDesc>,
+        compute_us: u64,
+    },
+    /// The component raised on this batch; the worker keeps serving.
+    Error {
+        id: u64,
+        kind: String,
+        message: String,
+    },
+    /// The worker cannot start (import error, constructor raised, bad config).
+    Fatal { message: String },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    #[error("connection closed")]
+    Closed,
+    #[error("i/o error: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("frame of {0} bytes exceeds the {MAX_FRAME} byte limit")]
+    TooLarge(usize),
+    #[error("malformed frame: {0}")]
+    Malformed(#[from] serde_json::Error),
+}
+
+impl FrameError {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            FrameError::Closed => "closed",
+            FrameError::Io(_) => "io",
+            FrameError::TooLarge(_) => "frame_too_large",
+            FrameError::Malformed(_) => "malformed_frame",
+        }
+    }
+}
+
+/// Encode `msg` as one frame (length prefix included).
+pub fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
+    let mut buf = vec![0u8; 4];
+    serde_json::to_writer(&mut buf, msg).expect("protocol messages always serialise");
+    let len = (buf.len() - 4) as u32;
+    buf[..4].copy_from_slice(&len.to_le_bytes());
+    buf
+}
+
+/// Write one frame.
+pub async fn write_frame<W, T>(w: &mut W, msg: &T) -> Result<(), FrameError>
+where
+    W: AsyncWrite + Unpin,
+    T: Serialize,
+{
+    w.write_all(&encode(msg)).await?;
+    Ok(())
+}
+
+/// Read one frame; `Closed` on a clean end of stream before a frame starts.
+pub async fn read_frame<R, T>(r: &mut R, buf: &mut Vec<u8>) -> Result<T, FrameError>
+where
+    R: AsyncRead + Unpin,
+    T: for<'de> Deserialize<'de>,
+{
+    let mut len = [0u8; 4];
+    match r.read_exact(&mut len).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(FrameError::Closed),
+        Err(e) => return Err(e.into()),
+    }
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_FRAME {
+        return Err(FrameError::TooLarge(len));
+    }
+    buf.resize(len, 0);
+    r.read_exact(buf).await?;
+    Ok(serde_json::from_slice(buf)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use slipstream_types::DType;
+
+    #[tokio::test]
+    async fn frames_round_trip() {
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        let mut inputs = BTreeMap::new();
+        inputs.insert(
+            "x".to_string(),
+            TensorDesc { pool: 0, offset: 4096, nbytes: 8, dtype: DType::Float32, shape: vec![1, 2] },
+        );
+        let msg = ToWorker::Batch { id: 7, rows: vec![1], inputs };
+        write_frame(&mut a, &msg).await.unwrap();
+        write_frame(&mut a, &ToWorker::Shutdown).await.unwrap();
+        drop(a);
+        let mut buf = Vec::new();
+        let got: ToWorker = read_frame(&mut b, &mut buf).await.unwrap();
+        assert_eq!(got, msg);
+        let got: ToWorker = read_frame(&mut b, &mut buf).await.unwrap();
+        assert_eq!(got, ToWorker::Shutdown);
+        let end = read_frame::<_, ToWorker>(&mut b, &mut buf).await.unwrap_err();
+        assert_eq!(end.kind(), "closed");
+    }
+
+    #[test]
+    fn worker_messages_parse_from_python_spelling() {
+        let s = r#"{"op":"result","id":3,"compute_us":12,"outputs":{"y":{"pool":2,"offset":64,"nbytes":8,"dtype":"float32","shape":[1,2],"origin":"borrowed"}}}"#;
+        let m: FromWorker = serde_json::from_str(s).unwrap();
+        match m {
+            FromWorker::Result { id, outputs, .. } => {
+                assert_eq!(id, 3);
+                assert_eq!(outputs["y"].origin, OutputOrigin::Borrowed);
+                assert_eq!(outputs["y"].desc.shape, vec![1, 2]);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        let e: FromWorker =
+            serde_json::from_str(r#"{"op":"error","id":1,"kind":"component_error","message":"boom"}"#).unwrap();
+        assert!(matches!(e, FromWorker::Error { id: 1, .. }));
+    }
+
+    #[tokio::test]
+    async fn oversized_frame_is_refused() {
+        let (mut a, mut b) = tokio::io::duplex(64);
+        tokio::spawn(async move {
+            let _ = a.write_all(&((MAX_FRAME as u32) + 1).to_le_bytes()).await;
+        });
+        let mut buf = Vec::new();
+        let err = read_frame::<_, FromWorker>(&mut b, &mut buf).await.unwrap_err();
+        assert_eq!(err.kind(), "frame_too_large");
+    }
+}

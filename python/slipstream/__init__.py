@@ -1,0 +1,51 @@
+"""Slipstream: serve multi-stage ML pipelines under a latency SLO.
+
+Declare components (plain Python classes with a batched ``__call__``), wire
+them into a DAG with ``>>``, give the pipeline an SLO, and serve it with
+``slipstream serve app.py``::
+
+    import numpy as np
+    import slipstream as ss
+
+    @ss.component(max_batch_size=64, replicas=2)
+    class Normalize:
+        def __call__(self, batch: ss.Batch) -> dict:
+            x = batch["x"]
+            return {"y": x / np.linalg.norm(x, axis=1, keepdims=True)}
+
+    app = ss.Pipeline("demo", Normalize, inputs={"x": ss.Tensor("float32", (-1, 2))},
+                      slo=ss.SLO(p99_ms=50))
+"""
+
+from slipstream._internal.api import (
+    SLO,
+    Batch,
+    Component,
+    Graph,
+    Pipeline,
+    Tensor,
+    component,
+)
+from slipstream._internal.errors import (
+    ComponentError,
+    ConfigError,
+    Error,
+    ServeError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SLO",
+    "Batch",
+    "Component",
+    "ComponentError",
+    "ConfigError",
+    "Error",
+    "Graph",
+    "Pipeline",
+    "ServeError",
+    "Tensor",
+    "__version__",
+    "component",
+]

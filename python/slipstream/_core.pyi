@@ -1,0 +1,32 @@
+"""Type stubs of the compiled core (crates/slipstream-py)."""
+
+class CoreError(RuntimeError):
+    """args: (kind, message)"""
+
+class Pool:
+    @staticmethod
+    def open(path: str) -> Pool: ...
+    def alloc(self, nbytes: int) -> int: ...
+    def free(self, offset: int, nbytes: int) -> None: ...
+    @property
+    def id(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def used_bytes(self) -> int: ...
+
+def serve(
+    spec_json: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    threads: int = 0,
+    max_body_bytes: int = 0,
+    request_timeout_s: float = 0.0,
+    drain_timeout_s: float = 0.0,
+    worker_start_timeout_s: float = 0.0,
+    pool_mb: int = 0,
+    log: bool = True,
+) -> None: ...
+def bench(config_json: str, quiet: bool = False) -> str: ...
+
+__version__: str

@@ -1,0 +1,1 @@
+"""Implementation details of Slipstream; the public API is ``slipstream``."""

@@ -1,0 +1,344 @@
+"""The declarative API: components, graphs, pipelines, SLOs, tensor specs.
+
+Nothing here runs a model. These objects describe what to serve; ``serve``
+turns them into the JSON spec the node reads (see ``app.py``), and each
+worker process imports the same app file to find its component class.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from slipstream._internal.errors import ConfigError
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+# numpy dtype names the node understands (see slipstream-types DType).
+DTYPES = (
+    "bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
+    "float16", "float32", "float64",
+)
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """Declared dtype and shape of a named tensor. ``-1`` (or ``None``) in a
+    dimension accepts any length. The first dimension is the row dimension:
+    a request may carry several rows and a batch concatenates them."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __init__(self, dtype: Any, shape: Sequence[int | None]):
+        name = np.dtype(dtype).name if not isinstance(dtype, str) or dtype not in DTYPES else dtype
+        if name not in DTYPES:
+            raise ConfigError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+        dims = tuple(-1 if d is None else int(d) for d in shape)
+        if not dims:
+            raise ConfigError("a tensor needs at least one dimension (the row dimension)")
+        if any(d < -1 for d in dims):
+            raise ConfigError(f"invalid shape {shape!r}: dimensions are >= 0, or -1 for any")
+        object.__setattr__(self, "dtype", name)
+        object.__setattr__(self, "shape", dims)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape)}
+
+
+@dataclass(frozen=True)
+class SLO:
+    """A latency objective: ``p99_ms`` at the 99th percentile, and at most
+    ``max_miss_rate`` of requests slower than it."""
+
+    p99_ms: float
+    max_miss_rate: float = 0.01
+
+    def __post_init__(self) -> None:
+        if not self.p99_ms > 0:
+            raise ConfigError(f"SLO p99_ms must be > 0, got {self.p99_ms}")
+        if not 0 <= self.max_miss_rate < 1:
+            raise ConfigError(f"SLO max_miss_rate must be in [0, 1), got {self.max_miss_rate}")
+
+
+class Batch(Mapping[str, np.ndarray]):
+    """The inputs of one batched call.
+
+    ``batch[name]`` is a read-only numpy array whose first dimension is the
+    total number of rows of the batch; it is a view over shared memory, not
+    a copy. ``batch.sizes[i]`` is how many of those rows request ``i`` owns,
+    in order. A component returns a dict of arrays whose first dimension is
+    ``batch.rows``; row ``j`` of an output belongs to the request that owns
+    row ``j`` of the inputs.
+    """
+
+    __slots__ = ("_tensors", "sizes")
+
+    def __init__(self, tensors: dict[str, np.ndarray], sizes: Sequence[int]):
+        self._tensors = tensors
+        self.sizes = list(sizes)
+
+    @property
+    def rows(self) -> int:
+        return int(sum(self.sizes))
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        try:
+            return self._tensors[key]
+        except KeyError:
+            raise KeyError(f"no input {key!r} in this batch (inputs: {', '.join(self._tensors)})") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{k}: {v.dtype}{list(v.shape)}" for k, v in self._tensors.items())
+        return f"Batch(requests={len(self.sizes)}, rows={self.rows}, {shapes})"
+
+
+@dataclass
+class Component:
+    """A component class with its serving options. Made by ``@component``."""
+
+    cls: type
+    name: str
+    max_batch_size: int = 1
+    replicas: int = 1
+    inputs: dict[str, Tensor] = field(default_factory=dict)
+    outputs: dict[str, Tensor] = field(default_factory=dict)
+    init_args: tuple[Any, ...] = ()
+    init_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ConfigError(f"component name {self.name!r} may use letters, digits, '_', '-' and '.' only")
+        if int(self.max_batch_size) < 1:
+            raise ConfigError(f"{self.name}: max_batch_size must be >= 1")
+        if int(self.replicas) < 1:
+            raise ConfigError(f"{self.name}: replicas must be >= 1")
+        if not callable(getattr(self.cls, "__call__", None)):
+            raise ConfigError(f"{self.name}: a component class needs a __call__(self, batch) method")
+
+    def options(self, **changes: Any) -> Component:
+        """A copy with other options, e.g. ``Encoder.options(name="enc2", replicas=4)``."""
+        unknown = set(changes) - {"name", "max_batch_size", "replicas", "inputs", "outputs"}
+        if unknown:
+            raise ConfigError(f"unknown component option(s): {', '.join(sorted(unknown))}")
+        c = copy.copy(self)
+        for k, v in changes.items():
+            setattr(c, k, v)
+        c.__post_init__()
+        return c
+
+    def bind(self, *args: Any, **kwargs: Any) -> Component:
+        """A copy whose class is constructed with these arguments in each worker."""
+        c = copy.copy(self)
+        c.init_args, c.init_kwargs = args, kwargs
+        return c
+
+    def instantiate(self) -> Any:
+        return self.cls(*self.init_args, **self.init_kwargs)
+
+    def __rshift__(self, other: Any) -> Graph:
+        return Graph.of(self) >> other
+
+    def __rrshift__(self, other: Any) -> Graph:
+        return Graph.of(other) >> self
+
+    def __repr__(self) -> str:
+        return f"Component({self.name}, max_batch_size={self.max_batch_size}, replicas={self.replicas})"
+
+
+def component(
+    cls: type | None = None,
+    *,
+    name: str | None = None,
+    max_batch_size: int = 1,
+    replicas: int = 1,
+    inputs: Mapping[str, Tensor] | None = None,
+    outputs: Mapping[str, Tensor] | None = None,
+) -> Any:
+    """Declare a component: a class whose ``__call__(self, batch)`` takes a
+    :class:`Batch` and returns a dict of arrays. The class is constructed once
+    per replica, in that replica's worker process (load models in
+    ``__init__``)."""
+
+    def wrap(c: type) -> Component:
+        if not isinstance(c, type):
+            raise ConfigError("@component decorates a class")
+        return Component(
+            cls=c,
+            name=name or c.__name__,
+            max_batch_size=max_batch_size,
+            replicas=replicas,
+            inputs=dict(inputs or {}),
+            outputs=dict(outputs or {}),
+        )
+
+    return wrap(cls) if cls is not None else wrap
+
+
+class Graph:
+    """A DAG of components. ``A >> B`` chains; ``A >> [B, C] >> D`` fans out
+    to B and C in parallel and joins their outputs in D (fan-in)."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, Component] = {}
+        self.edges: list[tuple[str, str]] = []
+        self.sources: list[str] = []
+        self.sinks: list[str] = []
+
+    @staticmethod
+    def of(x: Any) -> Graph:
+        if isinstance(x, Graph):
+            return x
+        if isinstance(x, Component):
+            g = Graph()
+            g._add(x)
+            g.sources, g.sinks = [x.name], [x.name]
+            return g
+        if isinstance(x, (list, tuple)):
+            g = Graph()
+            for part in x:
+                sub = Graph.of(part)
+                g._merge(sub)
+                g.sources += sub.sources
+                g.sinks += sub.sinks
+            if not g.nodes:
+                raise ConfigError("an empty list cannot be part of a pipeline")
+            return g
+        raise ConfigError(f"cannot put {x!r} in a pipeline: use components, lists of components, or graphs")
+
+    def _add(self, c: Component) -> None:
+        have = self.nodes.get(c.name)
+        if have is not None and have is not c:
+            raise ConfigError(
+                f"two different components are named {c.name!r}; use .options(name=...) to tell them apart"
+            )
+        self.nodes[c.name] = c
+
+    def _merge(self, other: Graph) -> None:
+        for c in other.nodes.values():
+            self._add(c)
+        for e in other.edges:
+            if e not in self.edges:
+                self.edges.append(e)
+
+    def __rshift__(self, other: Any) -> Graph:
+        right = Graph.of(other)
+        g = Graph()
+        g._merge(self)
+        g._merge(right)
+        for a in self.sinks:
+            for b in right.sources:
+                if (a, b) not in g.edges:
+                    g.edges.append((a, b))
+        g.sources = list(self.sources)
+        g.sinks = list(right.sinks)
+        return g
+
+    def __rrshift__(self, other: Any) -> Graph:
+        return Graph.of(other) >> self
+
+    def parents(self, name: str) -> list[str]:
+        return [a for a, b in self.edges if b == name]
+
+
+class Pipeline:
+    """A named DAG of components with declared inputs and an optional SLO.
+
+    ``inputs`` defaults to the declared inputs of the root components.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        graph: Component | Graph | Iterable[Any],
+        *,
+        inputs: Mapping[str, Tensor] | None = None,
+        outputs: Mapping[str, Tensor] | None = None,
+        slo: SLO | None = None,
+    ):
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ConfigError(f"pipeline name {name!r} may use letters, digits, '_', '-' and '.' only")
+        self.name = name
+        self.graph = Graph.of(graph)
+        roots = [c for n, c in self.graph.nodes.items() if not self.graph.parents(n)]
+        if inputs is None:
+            merged: dict[str, Tensor] = {}
+            for c in roots:
+                merged.update(c.inputs)
+            inputs = merged
+        if not inputs:
+            raise ConfigError(
+                f"pipeline {name!r} declares no inputs: pass inputs={{'x': ss.Tensor('float32', (-1, 4))}} "
+                "or declare inputs on its first component"
+            )
+        for k, v in inputs.items():
+            if not isinstance(v, Tensor):
+                raise ConfigError(f"pipeline {name!r}: input {k!r} must be an ss.Tensor, got {v!r}")
+        self.inputs = dict(inputs)
+        if outputs is None:
+            outs: dict[str, Tensor] = {}
+            for n in self.graph.nodes:
+                if not any(a == n for a, _ in self.graph.edges):
+                    outs.update(self.graph.nodes[n].outputs)
+            outputs = outs
+        self.outputs = dict(outputs)
+        if slo is not None and not isinstance(slo, SLO):
+            raise ConfigError(f"pipeline {name!r}: slo must be an ss.SLO")
+        self.slo = slo
+        self._check_acyclic()
+
+    def _check_acyclic(self) -> None:
+        state: dict[str, int] = {}
+
+        def visit(n: str) -> None:
+            if state.get(n) == 1:
+                raise ConfigError(f"pipeline {self.name!r} has a cycle through {n!r}")
+            if state.get(n) == 2:
+                return
+            state[n] = 1
+            for a, b in self.graph.edges:
+                if a == n:
+                    visit(b)
+            state[n] = 2
+
+        for n in self.graph.nodes:
+            visit(n)
+
+    def stage(self, name: str) -> Component:
+        try:
+            return self.graph.nodes[name]
+        except KeyError:
+            raise ConfigError(f"pipeline {self.name!r} has no stage {name!r}") from None
+
+    def to_spec(self) -> dict[str, Any]:
+        """The JSON-shaped description the node reads."""
+        return {
+            "name": self.name,
+            "inputs": {k: v.to_json() for k, v in self.inputs.items()},
+            "outputs": {k: v.to_json() for k, v in self.outputs.items()},
+            "slo": None if self.slo is None else {"p99_ms": self.slo.p99_ms, "max_miss_rate": self.slo.max_miss_rate},
+            "stages": [
+                {
+                    "name": n,
+                    "component": f"{c.cls.__module__}.{c.cls.__qualname__}",
+                    "parents": self.graph.parents(n),
+                    "replicas": int(c.replicas),
+                    "max_batch_size": int(c.max_batch_size),
+                }
+                for n, c in self.graph.nodes.items()
+            ],
+        }
+
+    def __repr__(self) -> str:
+        return f"Pipeline({self.name!r}, stages={list(self.graph.nodes)})"

@@ -1,0 +1,76 @@
+"""Loading a user's app file and describing it to the node.
+
+``slipstream serve examples/echo.py`` imports the file, collects the
+``Pipeline`` objects defined at its top level (or the one named after a
+colon: ``examples/echo.py:app``), and builds the JSON spec the node reads.
+Each worker imports the same file again to construct its component.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from slipstream._internal.api import Pipeline
+from slipstream._internal.errors import ConfigError
+
+
+def split_target(target: str) -> tuple[Path, str | None]:
+    path, _, attr = target.partition(":")
+    p = Path(path).expanduser().resolve()
+    if not p.is_file():
+        raise ConfigError(f"no such app file: {path}")
+    return p, (attr or None)
+
+
+def load_module(path: Path) -> ModuleType:
+    """Import a file as a module (its directory goes on sys.path, so sibling
+    modules import as they would when the file is run as a script)."""
+    name = "slipstream_app_" + "".join(c if c.isalnum() else "_" for c in path.stem)
+    if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(path):
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    parent = str(path.parent)
+    if parent not in sys.path:
+        sys.path.insert(0, parent)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_pipelines(target: str) -> tuple[Path, list[Pipeline]]:
+    path, attr = split_target(target)
+    module = load_module(path)
+    if attr is not None:
+        obj = getattr(module, attr, None)
+        if not isinstance(obj, Pipeline):
+            raise ConfigError(f"{path.name} has no Pipeline named {attr!r}")
+        return path, [obj]
+    found: list[Pipeline] = []
+    for v in vars(module).values():
+        if isinstance(v, Pipeline) and all(v is not p for p in found):
+            found.append(v)
+    if not found:
+        raise ConfigError(f"{path.name} defines no slipstream.Pipeline at its top level")
+    names = [p.name for p in found]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ConfigError(f"{path.name} defines several pipelines named {', '.join(sorted(dup))}")
+    return path, found
+
+
+def app_spec(target: str, pipelines: list[Pipeline]) -> dict[str, Any]:
+    path, attr = split_target(target)
+    env = {"PYTHONUNBUFFERED": "1", "SLIPSTREAM_WORKER": "1"}
+    return {
+        "pipelines": [p.to_spec() for p in pipelines],
+        "worker_argv": [sys.executable, "-m", "slipstream._internal.worker", "--app", str(path) + (f":{attr}" if attr else "")],
+        "worker_env": env | {k: v for k, v in os.environ.items() if k == "PYTHONPATH"},
+    }

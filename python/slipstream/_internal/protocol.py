@@ -1,0 +1,35 @@
+"""The worker side of the node/worker protocol (see the `slipstream-transport`
+crate for the other side; keep the two in step).
+
+A frame is a little-endian u32 length followed by that many bytes of JSON.
+Frames carry descriptors only; tensor bytes stay in shared memory.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any, BinaryIO
+
+_LEN = struct.Struct("<I")
+MAX_FRAME = 16 << 20
+
+
+def encode(msg: dict[str, Any]) -> bytes:
+    data = json.dumps(msg, separators=(",", ":")).encode()
+    return _LEN.pack(len(data)) + data
+
+
+def read(stream: BinaryIO) -> dict[str, Any] | None:
+    """One message, or None when the node closed the connection."""
+    head = stream.read(4)
+    if len(head) < 4:
+        return None
+    (n,) = _LEN.unpack(head)
+    if n > MAX_FRAME:
+        raise ValueError(f"frame of {n} bytes exceeds the limit")
+    data = stream.read(n)
+    if len(data) < n:
+        return None
+    msg: dict[str, Any] = json.loads(data)
+    return msg

@@ -1,0 +1,191 @@
+"""A worker process: runs one replica of one component.
+
+Started by the node as ``python -m slipstream._internal.worker --app FILE
+--pipeline P --stage S ...``. It imports the app file, constructs the
+component (models load here, before the worker reports ready), connects to
+the node's socket, and then loops: read a batch descriptor, build numpy
+views over shared memory (no copy), call the component, put the outputs
+into this replica's own pool, reply with their descriptors.
+
+An output that is (a contiguous slice of) an input is passed back by
+reference instead of copied. An exception in the component fails that batch
+only; the worker keeps serving. The worker exits when the node says so or
+closes the connection, and dies with the node (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from slipstream import _core
+from slipstream._internal import protocol
+from slipstream._internal.api import DTYPES, Batch
+from slipstream._internal.app import load_pipelines
+
+
+class Pools:
+    """Shared-memory pools mapped into this process, opened on first use."""
+
+    def __init__(self, prefix: str, own_id: int):
+        self.prefix = prefix
+        self.own_id = own_id
+        self.own = _core.Pool.open(f"{prefix}-{own_id}")
+        self._maps: dict[int, tuple[mmap.mmap, memoryview, int]] = {}
+
+    def _map(self, pool: int) -> tuple[mmap.mmap, memoryview, int]:
+        m = self._maps.get(pool)
+        if m is None:
+            with open(f"{self.prefix}-{pool}", "r+b") as f:
+                mm = mmap.mmap(f.fileno(), 0)
+            mv = memoryview(mm)
+            base = np.frombuffer(mv, dtype=np.uint8, count=1).__array_interface__["data"][0]
+            m = (mm, mv, base)
+            self._maps[pool] = m
+        return m
+
+    def array(self, desc: Mapping[str, Any]) -> np.ndarray:
+        _, mv, _ = self._map(desc["pool"])
+        shape = desc["shape"]
+        count = int(np.prod(shape)) if shape else 1
+        a = np.frombuffer(mv, dtype=desc["dtype"], count=count, offset=desc["offset"]).reshape(shape)
+        a.flags.writeable = False
+        return a
+
+    def locate(self, a: np.ndarray) -> tuple[int, int] | None:
+        """(pool, offset) if `a` is a C-contiguous view into a mapped pool."""
+        if not a.flags.c_contiguous or a.nbytes == 0:
+            return None
+        ptr = a.__array_interface__["data"][0]
+        for pool, (mm, _, base) in self._maps.items():
+            if base <= ptr and ptr + a.nbytes <= base + len(mm):
+                return pool, ptr - base
+        return None
+
+    def put(self, a: np.ndarray) -> tuple[int, int]:
+        """Copy `a` into a new block of this replica's pool: (offset, nbytes)."""
+        nbytes = a.nbytes
+        off = self.own.alloc(nbytes)
+        _, mv, _ = self._map(self.own_id)
+        dst = np.frombuffer(mv, dtype=a.dtype, count=a.size, offset=off).reshape(a.shape)
+        np.copyto(dst, a, casting="no")
+        return off, nbytes
+
+
+def _as_output(name: str, value: Any, rows: int) -> np.ndarray:
+    a = np.asarray(value)
+    if a.dtype.name not in DTYPES:
+        raise TypeError(f"output {name!r} has dtype {a.dtype}, which cannot be served (use one of {', '.join(DTYPES)})")
+    if a.ndim == 0 or a.shape[0] != rows:
+        raise ValueError(
+            f"output {name!r} has shape {list(a.shape)}; its first dimension must be the batch's {rows} rows"
+        )
+    return a
+
+
+def run_batch(instance: Any, pools: Pools, msg: Mapping[str, Any]) -> dict[str, Any]:
+    sizes = msg["rows"]
+    rows = int(sum(sizes))
+    batch = Batch({k: pools.array(d) for k, d in msg["inputs"].items()}, sizes)
+    t0 = time.perf_counter()
+    result = instance(batch)
+    compute_us = int((time.perf_counter() - t0) * 1e6)
+    if not isinstance(result, Mapping):
+        raise TypeError(f"a component returns a dict of arrays, got {type(result).__name__}")
+    outputs: dict[str, Any] = {}
+    written: list[tuple[int, int]] = []
+    try:
+        for name, value in result.items():
+            a = _as_output(str(name), value, rows)
+            where = pools.locate(a)
+            desc: dict[str, Any] = {"dtype": a.dtype.name, "shape": list(a.shape), "nbytes": a.nbytes}
+            if where is not None:
+                desc.update(pool=where[0], offset=where[1], origin="borrowed")
+            else:
+                off, n = pools.put(np.ascontiguousarray(a))
+                written.append((off, n))
+                desc.update(pool=pools.own_id, offset=off, origin="copied")
+            outputs[str(name)] = desc
+    except BaseException:
+        for off, n in written:
+            pools.own.free(off, n)
+        raise
+    return {"op": "result", "id": msg["id"], "outputs": outputs, "compute_us": compute_us}
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="slipstream-worker")
+    ap.add_argument("--app", required=True)
+    ap.add_argument("--pipeline", required=True)
+    ap.add_argument("--stage", required=True)
+    ap.add_argument("--replica", type=int, default=0)
+    ap.add_argument("--connect", required=True)
+    ap.add_argument("--pool-prefix", required=True)
+    ap.add_argument("--pool", type=int, required=True)
+    args = ap.parse_args(argv)
+    parent = os.getppid()
+    _die_with_parent()
+    # Ctrl-C reaches the whole process group; the node decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if os.getppid() != parent:
+        return 1
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(args.connect)
+    reader = sock.makefile("rb")
+
+    def send(msg: dict[str, Any]) -> None:
+        sock.sendall(protocol.encode(msg))
+
+    label = f"{args.pipeline}/{args.stage}[{args.replica}]"
+    try:
+        _, pipelines = load_pipelines(args.app)
+        pipe = next((p for p in pipelines if p.name == args.pipeline), None)
+        if pipe is None:
+            raise LookupError(f"the app no longer defines pipeline {args.pipeline!r}")
+        instance = pipe.stage(args.stage).instantiate()
+        pools = Pools(args.pool_prefix, args.pool)
+    except BaseException as e:  # report why we cannot start, then exit
+        tb = traceback.format_exc()
+        sys.stderr.write(f"slipstream worker {label}: cannot start:\n{tb}")
+        send({"op": "fatal", "message": f"{type(e).__name__}: {e}"})
+        return 1
+
+    send({"op": "ready", "pid": os.getpid()})
+    while True:
+        msg = protocol.read(reader)
+        if msg is None or msg["op"] == "shutdown":
+            return 0
+        if msg["op"] != "batch":
+            continue
+        try:
+            reply = run_batch(instance, pools, msg)
+        except Exception as e:
+            sys.stderr.write(f"slipstream worker {label}: batch {msg['id']} failed:\n{traceback.format_exc()}")
+            reply = {"op": "error", "id": msg["id"], "kind": "component_error", "message": f"{type(e).__name__}: {e}"}
+        send(reply)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Install what building Slipstream needs on a fresh Debian/Ubuntu machine:
+# a C toolchain, Python's venv module, and Rust (via rustup) if cargo is missing.
+set -euo pipefail
+need_apt=()
+command -v cc >/dev/null 2>&1 || need_apt+=(build-essential)
+python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need_apt+=(python3-venv)
+command -v curl >/dev/null 2>&1 || need_apt+=(curl)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    $SUDO apt-get update -q && $SUDO apt-get install -y -q "${need_apt[@]}"
+  else
+    echo "bootstrap: please install: ${need_apt[*]}" >&2; exit 1
+  fi
+fi
+if ! command -v cargo >/dev/null 2>&1 && [ ! -x "$HOME/.cargo/bin/cargo" ]; then
+  echo "bootstrap: installing Rust with rustup" >&2
+  curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal -c clippy,rustfmt
+fi
