@@ -1,4 +1,4 @@
-//! The open-loop engine for one offered rate: a pacer thread that releases
+//! The open-loop engine for one offered rate: a pacer task that releases
 //! arrivals on schedule, a shared job queue, and a self-growing pool of
 //! keep-alive connection tasks that drain it. See the crate docs for why it
 //! is shaped this way.
@@ -19,6 +19,7 @@ use tokio::sync::Notify;
 use crate::arrival::ArrivalGen;
 use crate::stats::{ErrKind, Percentiles, WindowStats};
 use crate::target::Target;
+use crate::timer::PreciseTimer;
 use crate::{LoadgenError, RunReport};
 
 /// A send that starts more than this after its scheduled time is "late".
@@ -37,7 +38,7 @@ struct Job {
 /// Outcome of one request, as recorded.
 type Outcome = Result<(), ErrKind>;
 
-/// State shared by the pacer thread, the connection tasks and the control
+/// State shared by the pacer task, the connection tasks and the control
 /// loop of one rate run.
 struct Shared {
     target: Arc<Target>,
@@ -295,18 +296,25 @@ async fn serve_connection(sh: &Arc<Shared>) {
     }
 }
 
-/// Releases arrivals on schedule (runs on its own OS thread). Sleeps with
-/// `std::thread::sleep` (tens of µs precision, unlike tokio's 1 ms timer
-/// wheel) and releases everything due on each wake as one batch, so the
-/// wake count is bounded by the sleep granularity, not the request rate.
-fn pace(sh: &Arc<Shared>, mut gen: ArrivalGen, start: Instant, warm_end: Instant, end: Instant) {
+/// Releases arrivals on schedule. Runs as a task on the generator's own
+/// runtime, sleeping on a [`PreciseTimer`] (timerfd) until the next arrival;
+/// on each wake it releases *every* arrival already due as one batch, so the
+/// wake count is bounded by the timer granularity, not the request rate.
+async fn pace(
+    sh: Arc<Shared>,
+    mut gen: ArrivalGen,
+    start: Instant,
+    warm_end: Instant,
+    end: Instant,
+) {
+    let mut timer = PreciseTimer::new();
     let at = |off: f64| start + Duration::from_secs_f64(off);
     let mut next = at(gen.next_offset());
     let mut batch: Vec<Job> = Vec::with_capacity(256);
     while next < end && !sh.closed.load(Ordering::Acquire) {
         let now = Instant::now();
         if next > now {
-            std::thread::sleep(next - now);
+            timer.sleep_until(next).await;
             continue;
         }
         let mut measured = 0;
@@ -380,18 +388,9 @@ pub(crate) fn run_rate(
     let end = warm_end + p.duration;
     let gen = ArrivalGen::new(p.arrival, p.rate, p.seed);
 
-    std::thread::scope(|scope| {
-        let pacer_sh = Arc::clone(&sh);
-        let pacer = std::thread::Builder::new()
-            .name("slipstream-pacer".into())
-            .spawn_scoped(scope, move || pace(&pacer_sh, gen, start, warm_end, end))
-            .map_err(|e| LoadgenError::Runtime(format!("cannot spawn pacer thread: {e}")))?;
-        rt.block_on(control(&sh, p.rate, start, warm_end, end, progress));
-        sh.close();
-        pacer
-            .join()
-            .map_err(|_| LoadgenError::Runtime("pacer thread panicked".into()))
-    })?;
+    rt.spawn(pace(Arc::clone(&sh), gen, start, warm_end, end));
+    rt.block_on(control(&sh, p.rate, start, warm_end, end, progress));
+    sh.close();
     let report = make_report(&sh, p);
     // Drop whatever is still in flight (timed-out exchanges, idle sockets).
     rt.shutdown_timeout(Duration::from_millis(200));

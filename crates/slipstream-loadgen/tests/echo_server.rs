@@ -101,7 +101,7 @@ fn status_503_is_counted_by_kind() {
 }
 
 #[test]
-fn sweep_runs_each_rate_in_order() {
+fn sweep_runs_each_rate_in_order_multithreaded() {
     let addr = start_server(StatusCode::OK);
     let cfg = BenchConfig {
         rates: vec![300.0, 600.0],
@@ -110,6 +110,7 @@ fn sweep_runs_each_rate_in_order() {
         arrival: Arrival::Bursty { burst: 5 },
         method: "GET".into(),
         body: Vec::new(),
+        threads: 2,
         ..config(addr, 0.0)
     };
     let rs = run(&cfg, &mut |_| {}).unwrap();

@@ -76,6 +76,9 @@ impl TensorRef {
 /// Payload copies made on the request path, by where they happen.
 #[derive(Default)]
 pub struct CopyCounters {
+    /// A request body that arrived in several socket reads, joined into one buffer.
+    pub body_join: AtomicU64,
+    pub body_join_bytes: AtomicU64,
     pub ingress: AtomicU64,
     pub ingress_bytes: AtomicU64,
     pub gather: AtomicU64,
@@ -88,6 +91,8 @@ pub struct CopyCounters {
 
 #[derive(Serialize, Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CopySnapshot {
+    pub body_join: u64,
+    pub body_join_bytes: u64,
     pub ingress: u64,
     pub ingress_bytes: u64,
     pub gather: u64,
@@ -107,8 +112,11 @@ impl CopyCounters {
 
     pub fn snapshot(&self) -> CopySnapshot {
         let l = |a: &AtomicU64| a.load(Relaxed);
-        let (i, g, w, e) = (l(&self.ingress), l(&self.gather), l(&self.worker), l(&self.egress));
+        let (j, i, g, w, e) =
+            (l(&self.body_join), l(&self.ingress), l(&self.gather), l(&self.worker), l(&self.egress));
         CopySnapshot {
+            body_join: j,
+            body_join_bytes: l(&self.body_join_bytes),
             ingress: i,
             ingress_bytes: l(&self.ingress_bytes),
             gather: g,
@@ -117,7 +125,7 @@ impl CopyCounters {
             worker_bytes: l(&self.worker_bytes),
             egress: e,
             egress_bytes: l(&self.egress_bytes),
-            total: i + g + w + e,
+            total: j + i + g + w + e,
         }
     }
 }

@@ -16,7 +16,7 @@ use crate::error::NodeError;
 use crate::node::Node;
 use crate::pipeline::{PipelineRt, Request};
 use bytes::Bytes;
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::header::{HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
 use hyper::{Method, Response, StatusCode};
@@ -170,19 +170,44 @@ fn known_get_route(parts: &[&str]) -> bool {
     )
 }
 
+/// A body over the limit is still read (and dropped) up to this many extra
+/// bytes, so that the client gets its 413 instead of a reset connection.
+const DISCARD_CAP: usize = 16 << 20;
+
 async fn read_body(node: &Node, req: hyper::Request<Incoming>) -> Result<Bytes, NodeError> {
     let limit = node.opts.max_body_bytes;
-    let too_large = || NodeError::PayloadTooLarge { limit };
-    if let Some(len) = req.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|s| s.parse::<usize>().ok()) {
-        if len > limit {
-            return Err(too_large());
+    let declared = req.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|s| s.parse::<usize>().ok());
+    let mut body = req.into_body();
+    let mut kept: Vec<Bytes> = Vec::new();
+    let mut seen = 0usize;
+    let over = declared.is_some_and(|n| n > limit);
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| NodeError::BadRequest(format!("could not read the body: {e}")))?;
+        if let Ok(data) = frame.into_data() {
+            seen += data.len();
+            if seen > limit + DISCARD_CAP {
+                break;
+            }
+            if !over && seen <= limit {
+                kept.push(data);
+            }
         }
     }
-    match Limited::new(req.into_body(), limit).collect().await {
-        Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
-        Err(e) => Err(NodeError::BadRequest(format!("could not read the body: {e}"))),
+    if over || seen > limit {
+        return Err(NodeError::PayloadTooLarge { limit });
     }
+    Ok(match kept.len() {
+        0 => Bytes::new(),
+        1 => kept.pop().expect("one chunk"),
+        _ => {
+            // A body that arrived in several reads is joined once; counted.
+            let mut joined = bytes::BytesMut::with_capacity(seen);
+            kept.iter().for_each(|c| joined.extend_from_slice(c));
+            let c = &node.arena.copies;
+            crate::arena::CopyCounters::add(&c.body_join, &c.body_join_bytes, seen as u64);
+            joined.freeze()
+        }
+    })
 }
 
 /// Counts a request as in flight for as long as it lives (graceful drain).

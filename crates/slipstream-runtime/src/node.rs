@@ -208,6 +208,7 @@ impl Node {
         }
         let c = self.arena.copies.snapshot();
         for (site, n, b) in [
+            ("body_join", c.body_join, c.body_join_bytes),
             ("ingress", c.ingress, c.ingress_bytes),
             ("gather", c.gather, c.gather_bytes),
             ("worker", c.worker, c.worker_bytes),
