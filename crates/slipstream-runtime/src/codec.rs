@@ -14,15 +14,76 @@
 //! from the arena; binary v2 outputs are handed to the socket as `Bytes` that
 //! borrow the arena block, so egress copies nothing.
 
-use crate::arena::{Arena, TensorRef, Tensors};
+use crate::arena::{Arena, CopyCounters, TensorRef, Tensors};
 use crate::error::NodeError;
 use bytes::Bytes;
 use serde_json::{Map, Value};
 use slipstream_types::{numel, DType, TensorSpec};
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
 const ALIGN: usize = 64;
+
+/// A request body as hyper delivered it: one or more chunks, never joined
+/// unless a contiguous view is needed (JSON text spanning chunks).
+#[derive(Default)]
+pub struct BodyParts {
+    parts: Vec<Bytes>,
+    len: usize,
+}
+
+impl BodyParts {
+    pub fn new(parts: Vec<Bytes>) -> BodyParts {
+        let len = parts.iter().map(|p| p.len()).sum();
+        BodyParts { parts, len }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes `[start, end)` as one slice: borrowed when they lie in one chunk,
+    /// else joined (and counted as a `body_join` copy when `count` is set).
+    fn contiguous(&self, start: usize, end: usize, arena: &Arena, count: bool) -> std::borrow::Cow<'_, [u8]> {
+        let mut at = 0;
+        for p in &self.parts {
+            if start >= at && end <= at + p.len() {
+                return std::borrow::Cow::Borrowed(&p[start - at..end - at]);
+            }
+            at += p.len();
+        }
+        let mut joined = vec![0u8; end - start];
+        self.copy_out(start, &mut joined);
+        if count {
+            let c = &arena.copies;
+            CopyCounters::add(&c.body_join, &c.body_join_bytes, joined.len() as u64);
+        }
+        std::borrow::Cow::Owned(joined)
+    }
+
+    /// Copy bytes starting at `start` into `dst` (straight from the chunks).
+    fn copy_out(&self, start: usize, dst: &mut [u8]) {
+        let (mut at, mut done) = (0usize, 0usize);
+        for p in &self.parts {
+            let (lo, hi) = (at, at + p.len());
+            at = hi;
+            let want_lo = start + done;
+            if done == dst.len() {
+                break;
+            }
+            if want_lo >= hi {
+                continue;
+            }
+            let from = want_lo - lo;
+            let n = (p.len() - from).min(dst.len() - done);
+            dst[done..done + n].copy_from_slice(&p[from..from + n]);
+            done += n;
+        }
+    }
+}
 
 fn align(n: usize) -> usize {
     n.div_ceil(ALIGN) * ALIGN
@@ -39,8 +100,8 @@ struct Parsed<'a> {
 enum Source<'a> {
     /// Leaves of a (possibly nested) JSON array in row-major order.
     Json(&'a Value),
-    /// Raw little-endian bytes (v2 binary extension).
-    Raw(&'a [u8]),
+    /// Raw little-endian bytes at this offset of the body (v2 binary extension).
+    Raw(usize),
 }
 
 fn bad(msg: impl Into<String>) -> NodeError {
@@ -123,6 +184,7 @@ fn validate_and_store(
     mut parsed: Vec<Parsed<'_>>,
     declared: &BTreeMap<String, TensorSpec>,
     arena: &Arena,
+    body: &BodyParts,
 ) -> Result<Tensors, NodeError> {
     let missing: Vec<&str> =
         declared.keys().filter(|k| !parsed.iter().any(|p| &p.name == *k)).map(|s| s.as_str()).collect();
@@ -166,7 +228,7 @@ fn validate_and_store(
     for (p, &size) in parsed.into_iter().zip(&sizes) {
         let dst = &mut buf[at..at + size];
         match p.source {
-            Source::Raw(bytes) => dst.copy_from_slice(bytes),
+            Source::Raw(at) => body.copy_out(at, dst),
             Source::Json(v) => {
                 let w = p.dtype.size();
                 let mut i = 0;
@@ -191,8 +253,8 @@ fn parse_json(body: &[u8]) -> Result<Value, NodeError> {
 }
 
 /// Decode a pipeline-API request body: `{"inputs": {"x": [[...]]}}`.
-pub fn decode_v1(body: &[u8], declared: &BTreeMap<String, TensorSpec>, arena: &Arena) -> Result<Tensors, NodeError> {
-    let v = parse_json(body)?;
+pub fn decode_v1(body: &BodyParts, declared: &BTreeMap<String, TensorSpec>, arena: &Arena) -> Result<Tensors, NodeError> {
+    let v = parse_json(&body.contiguous(0, body.len(), arena, true))?;
     let inputs = v
         .get("inputs")
         .and_then(Value::as_object)
@@ -209,7 +271,7 @@ pub fn decode_v1(body: &[u8], declared: &BTreeMap<String, TensorSpec>, arena: &A
         let shape = json_shape(val, name)?;
         parsed.push(Parsed { name: name.clone(), dtype: spec.dtype, shape, source: Source::Json(val) });
     }
-    validate_and_store(parsed, declared, arena)
+    validate_and_store(parsed, declared, arena, body)
 }
 
 /// What a v2 request asked of its outputs.
@@ -230,19 +292,22 @@ fn param_bool(v: &Value, key: &str) -> bool {
 /// Decode an Open Inference Protocol request (JSON, or JSON header plus
 /// binary tensors when `header_len` is given).
 pub fn decode_v2(
-    body: &[u8],
+    body: &BodyParts,
     header_len: Option<usize>,
     declared: &BTreeMap<String, TensorSpec>,
     arena: &Arena,
 ) -> Result<(Tensors, V2Request), NodeError> {
-    let (json, mut binary) = match header_len {
+    let json_len = match header_len {
         Some(n) if n > body.len() => {
             return Err(NodeError::BadRequest(format!("Inference-Header-Content-Length {n} exceeds the body ({} bytes)", body.len())))
         }
-        Some(n) => (&body[..n], &body[n..]),
-        None => (body, &body[body.len()..]),
+        Some(n) => n,
+        None => body.len(),
     };
-    let v = parse_json(json)?;
+    // The JSON header may be joined; tensor bytes never are: they are copied
+    // from the body's chunks straight into the arena.
+    let v = parse_json(&body.contiguous(0, json_len, arena, header_len.is_none()))?;
+    let mut binary_at = json_len;
     let inputs = v
         .get("inputs")
         .and_then(Value::as_array)
@@ -264,12 +329,11 @@ pub fn decode_v2(
             if size != want {
                 return Err(bad(format!("input '{name}': binary_data_size {size} does not match shape {shape:?} of {dt} ({want} bytes)")));
             }
-            if (size as usize) > binary.len() {
+            if binary_at + size as usize > body.len() {
                 return Err(bad(format!("input '{name}': binary data is shorter than binary_data_size")));
             }
-            let (this, rest) = binary.split_at(size as usize);
-            binary = rest;
-            Source::Raw(this)
+            binary_at += size as usize;
+            Source::Raw(binary_at - size as usize)
         } else {
             let data = inp.get("data").ok_or_else(|| bad(format!("input '{name}' has neither \"data\" nor binary_data_size")))?;
             let mut count = 0u64;
@@ -284,8 +348,8 @@ pub fn decode_v2(
         };
         parsed.push(Parsed { name: name.to_string(), dtype, shape, source });
     }
-    if !binary.is_empty() {
-        return Err(bad(format!("{} bytes of binary data belong to no input", binary.len())));
+    if binary_at != body.len() {
+        return Err(bad(format!("{} bytes of binary data belong to no input", body.len() - binary_at)));
     }
     let mut req = V2Request { id: v.get("id").cloned(), binary_all: param_bool(&v, "binary_data_output"), ..Default::default() };
     if let Some(outs) = v.get("outputs").and_then(Value::as_array) {
@@ -297,7 +361,7 @@ pub fn decode_v2(
             }
         }
     }
-    let tensors = validate_and_store(parsed, declared, arena)?;
+    let tensors = validate_and_store(parsed, declared, arena, body)?;
     Ok((tensors, req))
 }
 
@@ -457,7 +521,3 @@ pub fn encode_v2(model: &str, req: &V2Request, outputs: &Tensors) -> Result<V2Re
 pub fn v2_tensor_meta(name: &str, spec: &TensorSpec) -> Value {
     serde_json::json!({ "name": name, "datatype": spec.dtype.v2_name(), "shape": spec.shape })
 }
-
-/// Keep `Arc` in scope for doc links and future use.
-#[allow(dead_code)]
-type _ArcBlock = Arc<slipstream_shm::Block>;

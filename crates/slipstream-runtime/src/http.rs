@@ -11,7 +11,7 @@
 //! - operations: `GET /healthz`, `GET /readyz`, `GET /metrics` (Prometheus)
 
 use crate::arena::Tensors;
-use crate::codec;
+use crate::codec::{self, BodyParts};
 use crate::error::NodeError;
 use crate::node::Node;
 use crate::pipeline::{PipelineRt, Request};
@@ -174,7 +174,7 @@ fn known_get_route(parts: &[&str]) -> bool {
 /// bytes, so that the client gets its 413 instead of a reset connection.
 const DISCARD_CAP: usize = 16 << 20;
 
-async fn read_body(node: &Node, req: hyper::Request<Incoming>) -> Result<Bytes, NodeError> {
+async fn read_body(node: &Node, req: hyper::Request<Incoming>) -> Result<BodyParts, NodeError> {
     let limit = node.opts.max_body_bytes;
     let declared = req.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|s| s.parse::<usize>().ok());
     let mut body = req.into_body();
@@ -196,18 +196,7 @@ async fn read_body(node: &Node, req: hyper::Request<Incoming>) -> Result<Bytes, 
     if over || seen > limit {
         return Err(NodeError::PayloadTooLarge { limit });
     }
-    Ok(match kept.len() {
-        0 => Bytes::new(),
-        1 => kept.pop().expect("one chunk"),
-        _ => {
-            // A body that arrived in several reads is joined once; counted.
-            let mut joined = bytes::BytesMut::with_capacity(seen);
-            kept.iter().for_each(|c| joined.extend_from_slice(c));
-            let c = &node.arena.copies;
-            crate::arena::CopyCounters::add(&c.body_join, &c.body_join_bytes, seen as u64);
-            joined.freeze()
-        }
-    })
+    Ok(BodyParts::new(kept))
 }
 
 /// Counts a request as in flight for as long as it lives (graceful drain).
