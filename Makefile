@@ -14,13 +14,12 @@ $(VENV)/.installed: pyproject.toml Cargo.toml Cargo.lock $(shell find crates pyt
 	@scripts/bootstrap.sh
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "maturin>=1.8,<2" numpy
-	$(PY) -m pip install -q -e ".[dev]" --no-build-isolation || \
-	  (cd . && $(VENV)/bin/maturin develop --release -q && $(PY) -m pip install -q ".[dev]" --no-deps)
+	$(PY) -m pip install -q "maturin>=1.8,<2"
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop --release -q --extras dev
 	@touch $@
 
 build: setup
-	$(VENV)/bin/maturin develop --release -q
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop --release -q --extras dev
 
 lint: setup
 	$(CARGO) fmt --all -- --check

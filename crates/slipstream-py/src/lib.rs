@@ -90,6 +90,12 @@ struct Pool {
 
 #[pymethods]
 impl Pool {
+    /// Create a new pool file (the node does this; tests use it too).
+    #[staticmethod]
+    fn create(path: PathBuf, id: u32, capacity: usize) -> PyResult<Pool> {
+        ShmPool::create(&path, id, capacity).map(|inner| Pool { inner }).map_err(|e| core_err(e.kind(), e))
+    }
+
     #[staticmethod]
     fn open(path: PathBuf) -> PyResult<Pool> {
         ShmPool::open(&path).map(|inner| Pool { inner }).map_err(|e| core_err(e.kind(), e))
@@ -118,6 +124,11 @@ impl Pool {
     #[getter]
     fn used_bytes(&self) -> usize {
         self.inner.used_pages() * self.inner.page_size()
+    }
+
+    /// Remove the pool file (mappings stay valid).
+    fn unlink(&self) -> PyResult<()> {
+        self.inner.unlink().map_err(|e| core_err(e.kind(), e))
     }
 }
 

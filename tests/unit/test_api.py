@@ -1,0 +1,98 @@
+"""The declarative API: components, graphs, pipelines, specs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import slipstream as ss
+from slipstream._internal.api import Graph
+
+
+def comp(name: str, **kw: object) -> ss.Component:
+    cls = type(name, (), {"__call__": lambda self, batch: {}})
+    return ss.component(cls, **kw)  # type: ignore[arg-type]
+
+
+def test_chain_and_fan_out_fan_in_edges() -> None:
+    a, b, c, d = comp("A"), comp("B"), comp("C"), comp("D")
+    g = a >> [b, c] >> d
+    assert isinstance(g, Graph)
+    assert list(g.nodes) == ["A", "B", "C", "D"]
+    assert sorted(g.edges) == [("A", "B"), ("A", "C"), ("B", "D"), ("C", "D")]
+    assert g.sources == ["A"] and g.sinks == ["D"]
+    g2 = [b, c] >> d
+    assert sorted(g2.edges) == [("B", "D"), ("C", "D")]
+    assert g2.sources == ["B", "C"]
+
+
+def test_pipeline_spec_has_stages_parents_inputs_and_slo() -> None:
+    a = comp("A", max_batch_size=8, replicas=2, inputs={"x": ss.Tensor("float32", (None, 3))})
+    b = comp("B")
+    p = ss.Pipeline("p", a >> b, slo=ss.SLO(p99_ms=20))
+    spec = p.to_spec()
+    assert spec["inputs"] == {"x": {"dtype": "float32", "shape": [-1, 3]}}
+    assert spec["slo"] == {"p99_ms": 20, "max_miss_rate": 0.01}
+    assert [(s["name"], s["parents"], s["replicas"], s["max_batch_size"]) for s in spec["stages"]] == [
+        ("A", [], 2, 8),
+        ("B", ["A"], 1, 1),
+    ]
+
+
+def test_tensor_accepts_numpy_dtypes_and_rejects_others() -> None:
+    assert ss.Tensor(np.float32, (-1, 2)).dtype == "float32"
+    assert ss.Tensor("int64", [None]).shape == (-1,)
+    with pytest.raises(ss.ConfigError, match="unsupported dtype"):
+        ss.Tensor("complex64", (-1,))
+    with pytest.raises(ss.ConfigError, match="at least one dimension"):
+        ss.Tensor("float32", ())
+    with pytest.raises(ValueError):  # ConfigError is also a ValueError
+        ss.Tensor("float32", (-3,))
+
+
+@pytest.mark.parametrize(
+    ("build", "needle"),
+    [
+        (lambda: ss.SLO(p99_ms=0), "p99_ms"),
+        (lambda: ss.SLO(p99_ms=10, max_miss_rate=1.5), "max_miss_rate"),
+        (lambda: comp("A", max_batch_size=0), "max_batch_size"),
+        (lambda: comp("A", replicas=0), "replicas"),
+        (lambda: comp("bad name"), "component name"),
+        (lambda: ss.Pipeline("p", comp("A")), "declares no inputs"),
+        (lambda: ss.Pipeline("bad/name", comp("A")), "pipeline name"),
+        (lambda: comp("A") >> comp("A"), "two different components"),
+        (lambda: ss.Pipeline("p", 42, inputs={"x": ss.Tensor("float32", (-1,))}), "cannot put"),
+    ],
+)
+def test_bad_declarations_are_config_errors(build: object, needle: str) -> None:
+    with pytest.raises(ss.ConfigError, match=needle):
+        build()  # type: ignore[operator]
+
+
+def test_options_and_bind_copy() -> None:
+    a = comp("A")
+    b = a.options(name="A2", replicas=3)
+    assert (a.name, a.replicas) == ("A", 1)
+    assert (b.name, b.replicas) == ("A2", 3)
+    with pytest.raises(ss.ConfigError, match="unknown component option"):
+        a.options(colour="red")
+
+    class Scaled:
+        def __init__(self, k: int) -> None:
+            self.k = k
+
+        def __call__(self, batch: ss.Batch) -> dict:
+            return {"y": batch["x"] * self.k}
+
+    s = ss.component(Scaled).bind(3)
+    inst = s.instantiate()
+    out = inst(ss.Batch({"x": np.ones((2, 1))}, [1, 1]))
+    assert out["y"].tolist() == [[3.0], [3.0]]
+
+
+def test_batch_mapping_and_rows() -> None:
+    b = ss.Batch({"x": np.zeros((5, 2))}, [2, 3])
+    assert b.rows == 5 and len(b) == 1 and list(b) == ["x"]
+    assert "requests=2" in repr(b)
+    with pytest.raises(KeyError, match="no input 'y'"):
+        b["y"]
