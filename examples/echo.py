@@ -6,7 +6,6 @@
 """
 
 import numpy as np
-
 import slipstream as ss
 
 

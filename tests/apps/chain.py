@@ -4,7 +4,6 @@ import os
 import time
 
 import numpy as np
-
 import slipstream as ss
 
 X = {"x": ss.Tensor("float32", (-1, 2))}

@@ -36,7 +36,7 @@ def test_fan_out_fan_in_joins_per_request(chain_node: Node) -> None:
 
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(one, rows))
-    for r, (status, body) in zip(rows, results):
+    for r, (status, body) in zip(rows, results, strict=True):
         assert status == 200, body
         assert body["outputs"]["both"] == [[r[0] + r[1], r[0] * r[1]]]
 

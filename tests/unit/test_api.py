@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 import slipstream as ss
 from slipstream._internal.api import Graph
 

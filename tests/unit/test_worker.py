@@ -9,7 +9,6 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-
 from slipstream import _core
 from slipstream._internal import protocol
 from slipstream._internal.worker import Pools, run_batch

@@ -8,15 +8,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper::client::conn::http1::{self, SendRequest};
-use hyper::Request;
-use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 
 use crate::arrival::ArrivalGen;
+use crate::h1::Conn;
 use crate::stats::{ErrKind, Percentiles, WindowStats};
 use crate::target::Target;
 use crate::timer::PreciseTimer;
@@ -103,12 +99,6 @@ impl Shared {
         self.grow();
     }
 
-    /// Puts back a job that was never written to the wire.
-    fn requeue(&self, job: Job) {
-        lock(&self.queue).push_front(job);
-        self.notify.notify_one();
-    }
-
     /// Spawns connection tasks while the backlog exceeds the tasks that are
     /// idle or connecting, up to `max_conns`.
     fn grow(self: &Arc<Self>) {
@@ -184,27 +174,9 @@ impl Shared {
     }
 }
 
-/// One request/response exchange; resolves after the whole body is read.
-/// `Err(Some(req))` means the request never reached the wire.
-async fn exchange(
-    sender: &mut SendRequest<Full<Bytes>>,
-    req: Request<Full<Bytes>>,
-) -> Result<u16, Option<Request<Full<Bytes>>>> {
-    let resp = match sender.try_send_request(req).await {
-        Ok(resp) => resp,
-        Err(mut e) => return Err(e.take_message()),
-    };
-    let status = resp.status().as_u16();
-    let mut body = resp.into_body();
-    while let Some(frame) = body.frame().await {
-        frame.map_err(|_| None)?;
-    }
-    Ok(status)
-}
-
 /// Lives as long as one keep-alive connection: connect, then loop taking
-/// jobs from the queue. The hyper connection future is polled inline (no
-/// second task); dropping it closes the socket.
+/// jobs from the queue until the connection fails, times out, is closed by
+/// the server, or the run ends.
 async fn connection_task(sh: Arc<Shared>) {
     serve_connection(&sh).await;
     sh.conns.fetch_sub(1, Ordering::SeqCst);
@@ -214,42 +186,24 @@ async fn connection_task(sh: Arc<Shared>) {
 async fn serve_connection(sh: &Arc<Shared>) {
     let connected = tokio::time::timeout(sh.timeout, TcpStream::connect(sh.target.addr)).await;
     sh.connecting.fetch_sub(1, Ordering::SeqCst);
-    let fail_one = |kind| {
+    let Ok(Ok(stream)) = connected else {
         // Charge the failure to one waiting arrival so a dead server shows
         // up as errors (bounded by the arrival rate, never a spin).
         if let Some(job) = sh.pop() {
-            sh.finish(&job, false, Err(kind), Instant::now());
+            sh.finish(&job, false, Err(ErrKind::Connect), Instant::now());
         }
+        return;
     };
-    let stream = match connected {
-        Ok(Ok(stream)) => stream,
-        _ => return fail_one(ErrKind::Connect),
-    };
-    // Best effort: a failure only costs latency, never correctness.
-    let _ = stream.set_nodelay(true);
-    let (mut sender, conn) = match http1::handshake(TokioIo::new(stream)).await {
-        Ok(pair) => pair,
-        Err(_) => return fail_one(ErrKind::Io),
-    };
+    let mut conn = Conn::new(stream);
     let _open = CountGuard::enter(&sh.open);
     sh.peak_open
         .fetch_max(sh.open.load(Ordering::SeqCst), Ordering::SeqCst);
-    tokio::pin!(conn);
 
     loop {
-        // Idle: wait until the connection can take another request, then for
-        // a job, noticing a server-side close meanwhile.
-        let ready = tokio::select! {
-            biased;
-            _ = &mut conn => return,
-            ready = sender.ready() => ready,
-        };
-        if ready.is_err() {
-            return;
-        }
+        // Idle: wait for a job, noticing a server-side close meanwhile.
         let job = tokio::select! {
             biased;
-            _ = &mut conn => return,
+            () = conn.closed_while_idle() => return,
             job = sh.next_job() => match job {
                 Some(job) => job,
                 None => return,
@@ -263,34 +217,22 @@ async fn serve_connection(sh: &Arc<Shared>) {
             sh.finish(&job, late, Err(ErrKind::Timeout), now);
             continue;
         }
-        let fut =
-            tokio::time::timeout_at(deadline.into(), exchange(&mut sender, sh.target.request()));
-        tokio::pin!(fut);
-        let mut conn_done = false;
-        let res = tokio::select! {
-            biased;
-            res = &mut fut => res,
-            _ = &mut conn => {
-                conn_done = true;
-                fut.await
-            }
-        };
+        let res = tokio::time::timeout_at(
+            deadline.into(),
+            conn.exchange(&sh.target.request, sh.target.head_request),
+        )
+        .await;
         let done_at = Instant::now();
         let (outcome, keep) = match res {
-            Ok(Ok(status)) if (200..300).contains(&status) => (Ok(()), true),
-            Ok(Ok(status)) => (Err(ErrKind::Status(status)), true),
-            Ok(Err(Some(_unsent))) => {
-                // The connection closed under us before writing: retry elsewhere.
-                sh.requeue(job);
-                return;
-            }
-            Ok(Err(None)) => (Err(ErrKind::Io), false),
-            // A timed-out HTTP/1.1 connection has a response still owed:
-            // drop it rather than read a stale response later.
+            Ok(Ok(reply)) if (200..300).contains(&reply.status) => (Ok(()), reply.keep_alive),
+            Ok(Ok(reply)) => (Err(ErrKind::Status(reply.status)), reply.keep_alive),
+            Ok(Err(_)) => (Err(ErrKind::Io), false),
+            // A timed-out HTTP/1.1 connection still owes a response: drop it
+            // rather than read a stale response later.
             Err(_elapsed) => (Err(ErrKind::Timeout), false),
         };
         sh.finish(&job, late, outcome, done_at);
-        if !keep || conn_done {
+        if !keep {
             return;
         }
     }
@@ -496,23 +438,18 @@ pub(crate) fn preflight(target: &Target, timeout: Duration) -> Result<u16, Loadg
                         addr: addr.clone(),
                         reason: e.to_string(),
                     })?;
-            let _ = stream.set_nodelay(true);
-            let io_err = |e: hyper::Error| LoadgenError::Io {
-                addr: addr.clone(),
-                reason: e.to_string(),
-            };
-            let (mut sender, conn) = http1::handshake(TokioIo::new(stream))
+            let reply = Conn::new(stream)
+                .exchange(&target.request, target.head_request)
                 .await
-                .map_err(io_err)?;
-            let driver = tokio::spawn(conn);
-            let resp = sender
-                .send_request(target.request())
-                .await
-                .map_err(io_err)?;
-            let status = resp.status().as_u16();
-            resp.into_body().collect().await.map_err(io_err)?;
-            driver.abort();
-            Ok(status)
+                .map_err(|e| LoadgenError::Io {
+                    addr: addr.clone(),
+                    reason: if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                        "connection closed without a complete HTTP response".into()
+                    } else {
+                        e.to_string()
+                    },
+                })?;
+            Ok(reply.status)
         };
         match tokio::time::timeout(timeout, attempt).await {
             Ok(res) => res,

@@ -56,6 +56,7 @@
 
 mod arrival;
 mod engine;
+mod h1;
 mod stats;
 mod target;
 mod timer;

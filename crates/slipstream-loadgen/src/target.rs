@@ -1,12 +1,7 @@
-//! The request under test: URL parsing, address resolution, and the
-//! pre-built request template that every send clones cheaply.
+//! The request under test: URL parsing, validation, address resolution, and
+//! the request serialized once into the exact bytes every send writes.
 
 use std::net::{SocketAddr, ToSocketAddrs};
-
-use bytes::Bytes;
-use http_body_util::Full;
-use hyper::header::{HeaderName, HeaderValue, CONTENT_TYPE, HOST};
-use hyper::{HeaderMap, Method, Request, Uri};
 
 use crate::{BenchConfig, LoadgenError};
 
@@ -74,15 +69,27 @@ pub(crate) fn parse_url(url: &str) -> Result<ParsedUrl, LoadgenError> {
     })
 }
 
-/// Everything a connection task needs to open sockets and build requests.
+/// RFC 9110 token (method, header name).
+fn is_token(s: &str) -> bool {
+    !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
+/// Header value without CR, LF or other control characters (HTAB allowed).
+fn is_field_value(s: &str) -> bool {
+    s.bytes().all(|b| b == b'\t' || (b >= 0x20 && b != 0x7f))
+}
+
+/// Everything a connection task needs to open sockets and send requests.
 pub(crate) struct Target {
     pub(crate) addr: SocketAddr,
     /// `host:port`, for messages.
     pub(crate) authority: String,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
+    /// The complete serialized request (head and body), written as is.
+    pub(crate) request: Box<[u8]>,
+    /// A HEAD request: responses carry no body whatever they announce.
+    pub(crate) head_request: bool,
 }
 
 impl Target {
@@ -90,33 +97,67 @@ impl Target {
     pub(crate) fn from_config(cfg: &BenchConfig) -> Result<Self, LoadgenError> {
         let url = parse_url(&cfg.url)?;
         let bad_cfg = LoadgenError::BadConfig;
-        let method_str = if cfg.method.trim().is_empty() {
+        let method = if cfg.method.trim().is_empty() {
             "POST".to_string()
         } else {
             cfg.method.trim().to_ascii_uppercase()
         };
-        let method = Method::from_bytes(method_str.as_bytes())
-            .map_err(|_| bad_cfg(format!("invalid method {:?}", cfg.method)))?;
-        let uri: Uri = url
-            .path_and_query
-            .parse()
-            .map_err(|e| LoadgenError::BadUrl(format!("{:?}: bad path: {e}", cfg.url)))?;
-        let mut headers = HeaderMap::new();
-        let host = HeaderValue::from_str(&url.authority)
-            .map_err(|_| LoadgenError::BadUrl(format!("{:?}: bad host", cfg.url)))?;
-        headers.insert(HOST, host);
-        if !cfg.content_type.is_empty() {
-            let ct = HeaderValue::from_str(&cfg.content_type)
-                .map_err(|_| bad_cfg(format!("invalid content_type {:?}", cfg.content_type)))?;
-            headers.insert(CONTENT_TYPE, ct);
+        if !is_token(&method) {
+            return Err(bad_cfg(format!("invalid method {:?}", cfg.method)));
         }
+        if !url.path_and_query.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(LoadgenError::BadUrl(format!(
+                "{:?}: path must be percent-encoded visible ASCII",
+                cfg.url
+            )));
+        }
+        if !is_field_value(&cfg.content_type) {
+            return Err(bad_cfg(format!(
+                "invalid content_type {:?}",
+                cfg.content_type
+            )));
+        }
+        let mut user_host = false;
+        let mut extra = String::new();
         for (k, v) in &cfg.headers {
-            let name = HeaderName::from_bytes(k.as_bytes())
-                .map_err(|_| bad_cfg(format!("invalid header name {k:?}")))?;
-            let value = HeaderValue::from_str(v)
-                .map_err(|_| bad_cfg(format!("invalid value for header {k:?}")))?;
-            headers.append(name, value);
+            if !is_token(k) {
+                return Err(bad_cfg(format!("invalid header name {k:?}")));
+            }
+            if !is_field_value(v) {
+                return Err(bad_cfg(format!("invalid value for header {k:?}")));
+            }
+            if k.eq_ignore_ascii_case("content-length")
+                || k.eq_ignore_ascii_case("transfer-encoding")
+            {
+                return Err(bad_cfg(format!("header {k:?} is set by the generator")));
+            }
+            if k.eq_ignore_ascii_case("content-type") && !cfg.content_type.is_empty() {
+                return Err(bad_cfg(
+                    "content-type given twice (headers and content_type)".into(),
+                ));
+            }
+            user_host |= k.eq_ignore_ascii_case("host");
+            extra.push_str(&format!("{k}: {}\r\n", v.trim()));
         }
+        let mut head = format!("{method} {} HTTP/1.1\r\n", url.path_and_query);
+        if !user_host {
+            head.push_str(&format!("host: {}\r\n", url.authority));
+        }
+        if !cfg.content_type.is_empty() {
+            head.push_str(&format!("content-type: {}\r\n", cfg.content_type));
+        }
+        head.push_str(&extra);
+        let no_body_method = matches!(
+            method.as_str(),
+            "GET" | "HEAD" | "DELETE" | "OPTIONS" | "TRACE"
+        );
+        if !cfg.body.is_empty() || !no_body_method {
+            head.push_str(&format!("content-length: {}\r\n", cfg.body.len()));
+        }
+        head.push_str("\r\n");
+        let mut request = head.into_bytes();
+        request.extend_from_slice(&cfg.body);
+
         let addr = (url.host.as_str(), url.port)
             .to_socket_addrs()
             .map_err(|e| LoadgenError::BadUrl(format!("{:?}: cannot resolve host: {e}", cfg.url)))?
@@ -125,21 +166,9 @@ impl Target {
         Ok(Self {
             addr,
             authority: url.authority,
-            method,
-            uri,
-            headers,
-            body: Bytes::copy_from_slice(&cfg.body),
+            request: request.into_boxed_slice(),
+            head_request: method == "HEAD",
         })
-    }
-
-    /// A fresh request: the body is a refcounted `Bytes` clone (no copy);
-    /// the header map clone is the only per-request allocation here.
-    pub(crate) fn request(&self) -> Request<Full<Bytes>> {
-        let mut req = Request::new(Full::new(self.body.clone()));
-        *req.method_mut() = self.method.clone();
-        *req.uri_mut() = self.uri.clone();
-        *req.headers_mut() = self.headers.clone();
-        req
     }
 }
 
@@ -183,30 +212,80 @@ mod tests {
         }
     }
 
+    fn serialized(cfg: &BenchConfig) -> String {
+        String::from_utf8(Target::from_config(cfg).unwrap().request.to_vec()).unwrap()
+    }
+
     #[test]
-    fn request_template() {
+    fn request_bytes() {
         let cfg = BenchConfig {
             url: "http://127.0.0.1:1/p?q=1".into(),
-            method: "get".into(),
             body: b"{}".to_vec(),
-            headers: vec![("x-a".into(), "1".into())],
+            headers: vec![("x-a".into(), " 1 ".into())],
             ..BenchConfig::default()
         };
-        let t = Target::from_config(&cfg).unwrap();
-        let r = t.request();
-        assert_eq!(r.method(), Method::GET);
-        assert_eq!(r.uri(), "/p?q=1");
-        assert_eq!(r.headers()["host"], "127.0.0.1:1");
-        assert_eq!(r.headers()["content-type"], "application/json");
-        assert_eq!(r.headers()["x-a"], "1");
+        assert_eq!(
+            serialized(&cfg),
+            "POST /p?q=1 HTTP/1.1\r\nhost: 127.0.0.1:1\r\ncontent-type: application/json\r\n\
+             x-a: 1\r\ncontent-length: 2\r\n\r\n{}"
+        );
+        let get = BenchConfig {
+            method: "get".into(),
+            body: vec![],
+            content_type: String::new(),
+            headers: vec![("Host".into(), "example".into())],
+            ..cfg.clone()
+        };
+        assert_eq!(
+            serialized(&get),
+            "GET /p?q=1 HTTP/1.1\r\nHost: example\r\n\r\n"
+        );
+        let head = BenchConfig {
+            method: "HEAD".into(),
+            ..get.clone()
+        };
+        assert!(Target::from_config(&head).unwrap().head_request);
+        let empty_post = BenchConfig {
+            body: vec![],
+            ..cfg.clone()
+        };
+        assert!(serialized(&empty_post).ends_with("content-length: 0\r\n\r\n"));
 
-        let bad = BenchConfig {
-            headers: vec![("bad header".into(), "1".into())],
+        for bad in [
+            BenchConfig {
+                headers: vec![("bad header".into(), "1".into())],
+                ..cfg.clone()
+            },
+            BenchConfig {
+                headers: vec![("x".into(), "a\r\nb".into())],
+                ..cfg.clone()
+            },
+            BenchConfig {
+                headers: vec![("Content-Length".into(), "3".into())],
+                ..cfg.clone()
+            },
+            BenchConfig {
+                headers: vec![("content-type".into(), "a/b".into())],
+                ..cfg.clone()
+            },
+            BenchConfig {
+                method: "PO ST".into(),
+                ..cfg.clone()
+            },
+        ] {
+            assert_eq!(
+                Target::from_config(&bad).err().unwrap().kind(),
+                "bad_config",
+                "{bad:?}"
+            );
+        }
+        let spacey = BenchConfig {
+            url: "http://h:1/a b".into(),
             ..cfg
         };
         assert_eq!(
-            Target::from_config(&bad).err().unwrap().kind(),
-            "bad_config"
+            Target::from_config(&spacey).err().unwrap().kind(),
+            "bad_url"
         );
     }
 }

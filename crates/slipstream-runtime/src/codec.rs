@@ -47,7 +47,13 @@ impl BodyParts {
 
     /// Bytes `[start, end)` as one slice: borrowed when they lie in one chunk,
     /// else joined (and counted as a `body_join` copy when `count` is set).
-    fn contiguous(&self, start: usize, end: usize, arena: &Arena, count: bool) -> std::borrow::Cow<'_, [u8]> {
+    fn contiguous(
+        &self,
+        start: usize,
+        end: usize,
+        arena: &Arena,
+        count: bool,
+    ) -> std::borrow::Cow<'_, [u8]> {
         let mut at = 0;
         for p in &self.parts {
             if start >= at && end <= at + p.len() {
@@ -127,18 +133,27 @@ fn check_rectangular(v: &Value, shape: &[u64], name: &str) -> Result<(), NodeErr
     match (v, shape.split_first()) {
         (Value::Array(a), Some((&n, rest))) => {
             if a.len() as u64 != n {
-                return Err(bad(format!("input '{name}' is ragged: rows of different lengths")));
+                return Err(bad(format!(
+                    "input '{name}' is ragged: rows of different lengths"
+                )));
             }
             a.iter().try_for_each(|x| check_rectangular(x, rest, name))
         }
-        (Value::Array(_), None) => Err(bad(format!("input '{name}' is ragged: nesting depth varies"))),
-        (_, Some(_)) => Err(bad(format!("input '{name}' is ragged: nesting depth varies"))),
+        (Value::Array(_), None) => Err(bad(format!(
+            "input '{name}' is ragged: nesting depth varies"
+        ))),
+        (_, Some(_)) => Err(bad(format!(
+            "input '{name}' is ragged: nesting depth varies"
+        ))),
         (_, None) => Ok(()),
     }
 }
 
 /// Visit the leaves of a nested array in row-major order.
-fn for_each_leaf<'v>(v: &'v Value, f: &mut dyn FnMut(&'v Value) -> Result<(), NodeError>) -> Result<(), NodeError> {
+fn for_each_leaf<'v>(
+    v: &'v Value,
+    f: &mut dyn FnMut(&'v Value) -> Result<(), NodeError>,
+) -> Result<(), NodeError> {
     match v {
         Value::Array(a) => a.iter().try_for_each(|x| for_each_leaf(x, f)),
         leaf => f(leaf),
@@ -162,7 +177,9 @@ fn write_scalar(v: &Value, dtype: DType, out: &mut [u8], name: &str) -> Result<(
     }
     match dtype {
         DType::Bool => out[0] = v.as_bool().ok_or_else(wrong)? as u8,
-        DType::Float32 => out.copy_from_slice(&(v.as_f64().ok_or_else(wrong)? as f32).to_le_bytes()),
+        DType::Float32 => {
+            out.copy_from_slice(&(v.as_f64().ok_or_else(wrong)? as f32).to_le_bytes())
+        }
         DType::Float64 => out.copy_from_slice(&v.as_f64().ok_or_else(wrong)?.to_le_bytes()),
         DType::Float16 => {
             out.copy_from_slice(&half::f16::from_f64(v.as_f64().ok_or_else(wrong)?).to_le_bytes())
@@ -186,25 +203,46 @@ fn validate_and_store(
     arena: &Arena,
     body: &BodyParts,
 ) -> Result<Tensors, NodeError> {
-    let missing: Vec<&str> =
-        declared.keys().filter(|k| !parsed.iter().any(|p| &p.name == *k)).map(|s| s.as_str()).collect();
+    let missing: Vec<&str> = declared
+        .keys()
+        .filter(|k| !parsed.iter().any(|p| &p.name == *k))
+        .map(|s| s.as_str())
+        .collect();
     if !missing.is_empty() {
         return Err(bad(format!("missing input(s): {}", missing.join(", "))));
     }
-    let extra: Vec<&str> =
-        parsed.iter().filter(|p| !declared.contains_key(&p.name)).map(|p| p.name.as_str()).collect();
+    let extra: Vec<&str> = parsed
+        .iter()
+        .filter(|p| !declared.contains_key(&p.name))
+        .map(|p| p.name.as_str())
+        .collect();
     if !extra.is_empty() {
         let known: Vec<&str> = declared.keys().map(|s| s.as_str()).collect();
-        return Err(bad(format!("unexpected input(s): {} (this pipeline takes: {})", extra.join(", "), known.join(", "))));
+        return Err(bad(format!(
+            "unexpected input(s): {} (this pipeline takes: {})",
+            extra.join(", "),
+            known.join(", ")
+        )));
     }
     let mut rows = None;
     for p in &parsed {
         let spec = &declared[&p.name];
         if p.dtype != spec.dtype {
-            return Err(bad(format!("input '{}' must be {} ({}), got {}", p.name, spec.dtype, spec.dtype.v2_name(), p.dtype.v2_name())));
+            return Err(bad(format!(
+                "input '{}' must be {} ({}), got {}",
+                p.name,
+                spec.dtype,
+                spec.dtype.v2_name(),
+                p.dtype.v2_name()
+            )));
         }
         if !spec.accepts_shape(&p.shape) {
-            return Err(bad(format!("input '{}' must have shape {}, got {:?}", p.name, spec.shape_string(), p.shape)));
+            return Err(bad(format!(
+                "input '{}' must have shape {}, got {:?}",
+                p.name,
+                spec.shape_string(),
+                p.shape
+            )));
         }
         let r = p.shape[0];
         if r == 0 {
@@ -213,13 +251,19 @@ fn validate_and_store(
         match rows {
             None => rows = Some((r, p.name.clone())),
             Some((r0, ref n0)) if r0 != r => {
-                return Err(bad(format!("inputs '{n0}' and '{}' have different row counts ({r0} and {r})", p.name)))
+                return Err(bad(format!(
+                    "inputs '{n0}' and '{}' have different row counts ({r0} and {r})",
+                    p.name
+                )))
             }
             _ => {}
         }
     }
     parsed.sort_by(|a, b| a.name.cmp(&b.name));
-    let sizes: Vec<usize> = parsed.iter().map(|p| numel(&p.shape) as usize * p.dtype.size()).collect();
+    let sizes: Vec<usize> = parsed
+        .iter()
+        .map(|p| numel(&p.shape) as usize * p.dtype.size())
+        .collect();
     let total: usize = sizes.iter().map(|&s| align(s)).sum();
     let block = arena.ingress_block(total)?;
     let buf = block.as_mut_slice();
@@ -241,7 +285,13 @@ fn validate_and_store(
         }
         out.push((
             p.name,
-            TensorRef { block: block.clone(), offset: block.offset() + at as u64, nbytes: size as u64, dtype: p.dtype, shape: p.shape },
+            TensorRef {
+                block: block.clone(),
+                offset: block.offset() + at as u64,
+                nbytes: size as u64,
+                dtype: p.dtype,
+                shape: p.shape,
+            },
         ));
         at += align(size);
     }
@@ -249,27 +299,41 @@ fn validate_and_store(
 }
 
 fn parse_json(body: &[u8]) -> Result<Value, NodeError> {
-    serde_json::from_slice(body).map_err(|e| NodeError::BadRequest(format!("body is not valid JSON: {e}")))
+    serde_json::from_slice(body)
+        .map_err(|e| NodeError::BadRequest(format!("body is not valid JSON: {e}")))
 }
 
 /// Decode a pipeline-API request body: `{"inputs": {"x": [[...]]}}`.
-pub fn decode_v1(body: &BodyParts, declared: &BTreeMap<String, TensorSpec>, arena: &Arena) -> Result<Tensors, NodeError> {
+pub fn decode_v1(
+    body: &BodyParts,
+    declared: &BTreeMap<String, TensorSpec>,
+    arena: &Arena,
+) -> Result<Tensors, NodeError> {
     let v = parse_json(&body.contiguous(0, body.len(), arena, true))?;
-    let inputs = v
-        .get("inputs")
-        .and_then(Value::as_object)
-        .ok_or_else(|| NodeError::BadRequest("body must be an object with an \"inputs\" object".into()))?;
+    let inputs = v.get("inputs").and_then(Value::as_object).ok_or_else(|| {
+        NodeError::BadRequest("body must be an object with an \"inputs\" object".into())
+    })?;
     let mut parsed = Vec::with_capacity(inputs.len());
     for (name, val) in inputs {
         let Some(spec) = declared.get(name) else {
-            parsed.push(Parsed { name: name.clone(), dtype: DType::Float32, shape: vec![], source: Source::Json(val) });
+            parsed.push(Parsed {
+                name: name.clone(),
+                dtype: DType::Float32,
+                shape: vec![],
+                source: Source::Json(val),
+            });
             continue;
         };
         if !val.is_array() {
             return Err(bad(format!("input '{name}' must be a (nested) array")));
         }
         let shape = json_shape(val, name)?;
-        parsed.push(Parsed { name: name.clone(), dtype: spec.dtype, shape, source: Source::Json(val) });
+        parsed.push(Parsed {
+            name: name.clone(),
+            dtype: spec.dtype,
+            shape,
+            source: Source::Json(val),
+        });
     }
     validate_and_store(parsed, declared, arena, body)
 }
@@ -286,7 +350,10 @@ pub struct V2Request {
 }
 
 fn param_bool(v: &Value, key: &str) -> bool {
-    v.get("parameters").and_then(|p| p.get(key)).and_then(Value::as_bool).unwrap_or(false)
+    v.get("parameters")
+        .and_then(|p| p.get(key))
+        .and_then(Value::as_bool)
+        .unwrap_or(false)
 }
 
 /// Decode an Open Inference Protocol request (JSON, or JSON header plus
@@ -299,7 +366,10 @@ pub fn decode_v2(
 ) -> Result<(Tensors, V2Request), NodeError> {
     let json_len = match header_len {
         Some(n) if n > body.len() => {
-            return Err(NodeError::BadRequest(format!("Inference-Header-Content-Length {n} exceeds the body ({} bytes)", body.len())))
+            return Err(NodeError::BadRequest(format!(
+                "Inference-Header-Content-Length {n} exceeds the body ({} bytes)",
+                body.len()
+            )))
         }
         Some(n) => n,
         None => body.len(),
@@ -314,47 +384,84 @@ pub fn decode_v2(
         .ok_or_else(|| NodeError::BadRequest("body must have an \"inputs\" array".into()))?;
     let mut parsed = Vec::with_capacity(inputs.len());
     for inp in inputs {
-        let name = inp.get("name").and_then(Value::as_str).ok_or_else(|| bad("every input needs a \"name\""))?;
-        let dt = inp.get("datatype").and_then(Value::as_str).ok_or_else(|| bad(format!("input '{name}' needs a \"datatype\"")))?;
-        let dtype = DType::from_v2(dt).ok_or_else(|| bad(format!("input '{name}': unsupported datatype '{dt}'")))?;
+        let name = inp
+            .get("name")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad("every input needs a \"name\""))?;
+        let dt = inp
+            .get("datatype")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad(format!("input '{name}' needs a \"datatype\"")))?;
+        let dtype = DType::from_v2(dt)
+            .ok_or_else(|| bad(format!("input '{name}': unsupported datatype '{dt}'")))?;
         let shape: Vec<u64> = inp
             .get("shape")
             .and_then(Value::as_array)
             .and_then(|a| a.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
-            .ok_or_else(|| bad(format!("input '{name}' needs a \"shape\" of non-negative integers")))?;
+            .ok_or_else(|| {
+                bad(format!(
+                    "input '{name}' needs a \"shape\" of non-negative integers"
+                ))
+            })?;
         let n = numel(&shape);
-        let binary_size = inp.get("parameters").and_then(|p| p.get("binary_data_size")).and_then(Value::as_u64);
+        let binary_size = inp
+            .get("parameters")
+            .and_then(|p| p.get("binary_data_size"))
+            .and_then(Value::as_u64);
         let source = if let Some(size) = binary_size {
             let want = n * dtype.size() as u64;
             if size != want {
                 return Err(bad(format!("input '{name}': binary_data_size {size} does not match shape {shape:?} of {dt} ({want} bytes)")));
             }
             if binary_at + size as usize > body.len() {
-                return Err(bad(format!("input '{name}': binary data is shorter than binary_data_size")));
+                return Err(bad(format!(
+                    "input '{name}': binary data is shorter than binary_data_size"
+                )));
             }
             binary_at += size as usize;
             Source::Raw(binary_at - size as usize)
         } else {
-            let data = inp.get("data").ok_or_else(|| bad(format!("input '{name}' has neither \"data\" nor binary_data_size")))?;
+            let data = inp.get("data").ok_or_else(|| {
+                bad(format!(
+                    "input '{name}' has neither \"data\" nor binary_data_size"
+                ))
+            })?;
             let mut count = 0u64;
             for_each_leaf(data, &mut |_| {
                 count += 1;
                 Ok(())
             })?;
             if count != n {
-                return Err(bad(format!("input '{name}' has {count} values but shape {shape:?} needs {n}")));
+                return Err(bad(format!(
+                    "input '{name}' has {count} values but shape {shape:?} needs {n}"
+                )));
             }
             Source::Json(data)
         };
-        parsed.push(Parsed { name: name.to_string(), dtype, shape, source });
+        parsed.push(Parsed {
+            name: name.to_string(),
+            dtype,
+            shape,
+            source,
+        });
     }
     if binary_at != body.len() {
-        return Err(bad(format!("{} bytes of binary data belong to no input", body.len() - binary_at)));
+        return Err(bad(format!(
+            "{} bytes of binary data belong to no input",
+            body.len() - binary_at
+        )));
     }
-    let mut req = V2Request { id: v.get("id").cloned(), binary_all: param_bool(&v, "binary_data_output"), ..Default::default() };
+    let mut req = V2Request {
+        id: v.get("id").cloned(),
+        binary_all: param_bool(&v, "binary_data_output"),
+        ..Default::default()
+    };
     if let Some(outs) = v.get("outputs").and_then(Value::as_array) {
         for o in outs {
-            let name = o.get("name").and_then(Value::as_str).ok_or_else(|| bad("every requested output needs a \"name\""))?;
+            let name = o
+                .get("name")
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad("every requested output needs a \"name\""))?;
             req.outputs.push(name.to_string());
             if param_bool(o, "binary_data") {
                 req.binary.push(name.to_string());
@@ -374,12 +481,19 @@ fn write_json_tensor(out: &mut Vec<u8>, t: &TensorRef, nested: bool) {
     let mut write_elem = |out: &mut Vec<u8>, e: &[u8]| {
         macro_rules! int {
             ($t:ty) => {
-                out.extend_from_slice(ibuf.format(<$t>::from_le_bytes(e.try_into().unwrap())).as_bytes())
+                out.extend_from_slice(
+                    ibuf.format(<$t>::from_le_bytes(e.try_into().unwrap()))
+                        .as_bytes(),
+                )
             };
         }
         let mut float = |out: &mut Vec<u8>, x: f64, single: bool| {
             if x.is_finite() {
-                let s = if single { fbuf.format_finite(x as f32) } else { fbuf.format_finite(x) };
+                let s = if single {
+                    fbuf.format_finite(x as f32)
+                } else {
+                    fbuf.format_finite(x)
+                };
                 out.extend_from_slice(s.as_bytes())
             } else {
                 out.extend_from_slice(b"null")
@@ -389,7 +503,11 @@ fn write_json_tensor(out: &mut Vec<u8>, t: &TensorRef, nested: bool) {
             DType::Bool => out.extend_from_slice(if e[0] != 0 { b"true" } else { b"false" }),
             DType::Float32 => float(out, f32::from_le_bytes(e.try_into().unwrap()) as f64, true),
             DType::Float64 => float(out, f64::from_le_bytes(e.try_into().unwrap()), false),
-            DType::Float16 => float(out, half::f16::from_le_bytes(e.try_into().unwrap()).to_f64(), true),
+            DType::Float16 => float(
+                out,
+                half::f16::from_le_bytes(e.try_into().unwrap()).to_f64(),
+                true,
+            ),
             DType::Uint8 => int!(u8),
             DType::Uint16 => int!(u16),
             DType::Uint32 => int!(u32),
@@ -414,8 +532,9 @@ fn write_json_tensor(out: &mut Vec<u8>, t: &TensorRef, nested: bool) {
         return;
     }
     // Nested: open/close brackets at dimension boundaries.
-    let strides: Vec<usize> =
-        (0..shape.len()).map(|d| shape[d + 1..].iter().product::<u64>() as usize).collect();
+    let strides: Vec<usize> = (0..shape.len())
+        .map(|d| shape[d + 1..].iter().product::<u64>() as usize)
+        .collect();
     for _ in 0..shape.len() {
         out.push(b'[');
     }
@@ -439,7 +558,12 @@ fn write_json_tensor(out: &mut Vec<u8>, t: &TensorRef, nested: bool) {
 
 /// `{"outputs": {"y": [[...]]}}`
 pub fn encode_v1(outputs: &Tensors) -> Vec<u8> {
-    let mut out = Vec::with_capacity(64 + outputs.iter().map(|(_, t)| t.nbytes as usize * 3).sum::<usize>());
+    let mut out = Vec::with_capacity(
+        64 + outputs
+            .iter()
+            .map(|(_, t)| t.nbytes as usize * 3)
+            .sum::<usize>(),
+    );
     out.extend_from_slice(b"{\"outputs\":{");
     for (i, (name, t)) in outputs.iter().enumerate() {
         if i > 0 {
@@ -479,7 +603,10 @@ pub fn encode_v2(model: &str, req: &V2Request, outputs: &Tensors) -> Result<V2Re
             .map(|n| {
                 outputs.iter().find(|(k, _)| k == n).ok_or_else(|| {
                     let known: Vec<&str> = outputs.iter().map(|(k, _)| k.as_str()).collect();
-                    bad(format!("unknown output '{n}' requested (outputs: {})", known.join(", ")))
+                    bad(format!(
+                        "unknown output '{n}' requested (outputs: {})",
+                        known.join(", ")
+                    ))
                 })
             })
             .collect::<Result<_, _>>()?
@@ -500,9 +627,19 @@ pub fn encode_v2(model: &str, req: &V2Request, outputs: &Tensors) -> Result<V2Re
         }
         json.extend_from_slice(b"{\"name\":");
         serde_json::to_writer(&mut json, name).expect("serialises");
-        json.extend_from_slice(format!(",\"datatype\":\"{}\",\"shape\":{:?}", t.dtype.v2_name(), t.shape).replace(' ', "").as_bytes());
+        json.extend_from_slice(
+            format!(
+                ",\"datatype\":\"{}\",\"shape\":{:?}",
+                t.dtype.v2_name(),
+                t.shape
+            )
+            .replace(' ', "")
+            .as_bytes(),
+        );
         if req.binary_all || req.binary.iter().any(|b| b == name) {
-            json.extend_from_slice(format!(",\"parameters\":{{\"binary_data_size\":{}}}}}", t.nbytes).as_bytes());
+            json.extend_from_slice(
+                format!(",\"parameters\":{{\"binary_data_size\":{}}}}}", t.nbytes).as_bytes(),
+            );
             blobs.push(Bytes::from_owner(ArenaBytes(t.clone())));
         } else {
             json.extend_from_slice(b",\"data\":");

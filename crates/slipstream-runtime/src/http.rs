@@ -40,7 +40,10 @@ pub struct Chunks {
 impl Chunks {
     pub fn new(chunks: Vec<Bytes>) -> Chunks {
         let len = chunks.iter().map(|c| c.len() as u64).sum();
-        Chunks { chunks: chunks.into(), len }
+        Chunks {
+            chunks: chunks.into(),
+            len,
+        }
     }
 }
 
@@ -48,7 +51,10 @@ impl Body for Chunks {
     type Data = Bytes;
     type Error = Infallible;
 
-    fn poll_frame(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
         let next = self.chunks.pop_front();
         if let Some(c) = &next {
             self.len -= c.len() as u64;
@@ -70,18 +76,27 @@ type Resp = Response<Chunks>;
 fn respond(status: u16, content_type: &'static str, chunks: Vec<Bytes>) -> Resp {
     let mut r = Response::new(Chunks::new(chunks));
     *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    r.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
     r
 }
 
 fn json_resp(status: u16, v: &Value) -> Resp {
-    respond(status, "application/json", vec![Bytes::from(serde_json::to_vec(v).expect("serialises"))])
+    respond(
+        status,
+        "application/json",
+        vec![Bytes::from(serde_json::to_vec(v).expect("serialises"))],
+    )
 }
 
 pub fn error_resp(e: &NodeError) -> Resp {
-    let mut r = json_resp(e.http_status(), &json!({"error": {"kind": e.kind(), "message": e.to_string()}}));
+    let mut r = json_resp(
+        e.http_status(),
+        &json!({"error": {"kind": e.kind(), "message": e.to_string()}}),
+    );
     if e.http_status() == 503 {
-        r.headers_mut().insert("retry-after", HeaderValue::from_static("1"));
+        r.headers_mut()
+            .insert("retry-after", HeaderValue::from_static("1"));
     }
     r
 }
@@ -108,7 +123,11 @@ async fn route(node: &Arc<Node>, req: hyper::Request<Incoming>) -> Result<Resp, 
             let body = read_body(node, req).await?;
             let tensors = codec::decode_v1(&body, &pipe.spec.inputs, &node.arena)?;
             let outputs = infer(node, &pipe, tensors).await?;
-            Ok(respond(200, "application/json", vec![Bytes::from(codec::encode_v1(&outputs))]))
+            Ok(respond(
+                200,
+                "application/json",
+                vec![Bytes::from(codec::encode_v1(&outputs))],
+            ))
         }
         ["v2", "models", name, "infer"] | ["v2", "models", name, "versions", _, "infer"] => {
             if !post {
@@ -117,22 +136,39 @@ async fn route(node: &Arc<Node>, req: hyper::Request<Incoming>) -> Result<Resp, 
             let pipe = node.pipeline(name)?;
             let header_len = match req.headers().get("inference-header-content-length") {
                 None => None,
-                Some(v) => Some(v.to_str().ok().and_then(|s| s.trim().parse::<usize>().ok()).ok_or_else(|| {
-                    NodeError::BadRequest("Inference-Header-Content-Length must be an integer".into())
-                })?),
+                Some(v) => Some(
+                    v.to_str()
+                        .ok()
+                        .and_then(|s| s.trim().parse::<usize>().ok())
+                        .ok_or_else(|| {
+                            NodeError::BadRequest(
+                                "Inference-Header-Content-Length must be an integer".into(),
+                            )
+                        })?,
+                ),
             };
             let body = read_body(node, req).await?;
-            let (tensors, v2req) = codec::decode_v2(&body, header_len, &pipe.spec.inputs, &node.arena)?;
+            let (tensors, v2req) =
+                codec::decode_v2(&body, header_len, &pipe.spec.inputs, &node.arena)?;
             let outputs = infer(node, &pipe, tensors).await?;
             let enc = codec::encode_v2(pipe.name(), &v2req, &outputs)?;
             let binary = enc.header_len.is_some();
-            let mut r = respond(200, if binary { "application/octet-stream" } else { "application/json" }, enc.chunks);
+            let mut r = respond(
+                200,
+                if binary {
+                    "application/octet-stream"
+                } else {
+                    "application/json"
+                },
+                enc.chunks,
+            );
             if let Some(n) = enc.header_len {
-                r.headers_mut().insert("inference-header-content-length", HeaderValue::from(n));
+                r.headers_mut()
+                    .insert("inference-header-content-length", HeaderValue::from(n));
             }
             Ok(r)
         }
-        _ if !get && !(post && parts == ["v1", "admin", "reset-metrics"]) => {
+        _ if !(get || post && parts == ["v1", "admin", "reset-metrics"]) => {
             if known_get_route(&parts) {
                 Err(wrong_method())
             } else {
@@ -143,21 +179,40 @@ async fn route(node: &Arc<Node>, req: hyper::Request<Incoming>) -> Result<Resp, 
         ["readyz"] | ["v2", "health", "ready"] => Ok(if node.is_ready() {
             json_resp(200, &json!({"status": "ready"}))
         } else {
-            json_resp(503, &json!({"status": "not ready", "draining": node.draining.load(Relaxed)}))
+            json_resp(
+                503,
+                &json!({"status": "not ready", "draining": node.draining.load(Relaxed)}),
+            )
         }),
-        ["v1", "pipelines"] => Ok(json_resp(200, &json!({"pipelines": node.pipelines.values().map(|p| describe(p)).collect::<Vec<_>>()}))),
+        ["v1", "pipelines"] => Ok(json_resp(
+            200,
+            &json!({"pipelines": node.pipelines.values().map(|p| describe(p)).collect::<Vec<_>>()}),
+        )),
         ["v1", "pipelines", name] => Ok(json_resp(200, &describe(node.pipeline(name)?.as_ref()))),
         ["v1", "status"] => Ok(json_resp(200, &node.status())),
         ["v1", "admin", "reset-metrics"] => {
             node.reset_metrics();
             Ok(json_resp(200, &json!({"reset": true})))
         }
-        ["metrics"] => Ok(respond(200, "text/plain; version=0.0.4", vec![Bytes::from(node.prometheus())])),
-        ["v2"] => Ok(json_resp(200, &json!({"name": "slipstream", "version": env!("CARGO_PKG_VERSION"), "extensions": ["binary_tensor_data"]}))),
-        ["v2", "models", name] | ["v2", "models", name, "versions", _] => Ok(json_resp(200, &v2_metadata(node.pipeline(name)?.as_ref()))),
+        ["metrics"] => Ok(respond(
+            200,
+            "text/plain; version=0.0.4",
+            vec![Bytes::from(node.prometheus())],
+        )),
+        ["v2"] => Ok(json_resp(
+            200,
+            &json!({"name": "slipstream", "version": env!("CARGO_PKG_VERSION"), "extensions": ["binary_tensor_data"]}),
+        )),
+        ["v2", "models", name] | ["v2", "models", name, "versions", _] => {
+            Ok(json_resp(200, &v2_metadata(node.pipeline(name)?.as_ref())))
+        }
         ["v2", "models", name, "ready"] | ["v2", "models", name, "versions", _, "ready"] => {
             node.pipeline(name)?;
-            Ok(if node.is_ready() { json_resp(200, &json!({"ready": true})) } else { json_resp(503, &json!({"ready": false})) })
+            Ok(if node.is_ready() {
+                json_resp(200, &json!({"ready": true}))
+            } else {
+                json_resp(503, &json!({"ready": false}))
+            })
         }
         _ => Err(NodeError::NotFound(format!("{method} {path}"))),
     }
@@ -166,7 +221,13 @@ async fn route(node: &Arc<Node>, req: hyper::Request<Incoming>) -> Result<Resp, 
 fn known_get_route(parts: &[&str]) -> bool {
     matches!(
         parts,
-        ["healthz"] | ["readyz"] | ["metrics"] | ["v1", "pipelines"] | ["v1", "pipelines", _] | ["v1", "status"] | ["v2", ..]
+        ["healthz"]
+            | ["readyz"]
+            | ["metrics"]
+            | ["v1", "pipelines"]
+            | ["v1", "pipelines", _]
+            | ["v1", "status"]
+            | ["v2", ..]
     )
 }
 
@@ -176,13 +237,18 @@ const DISCARD_CAP: usize = 16 << 20;
 
 async fn read_body(node: &Node, req: hyper::Request<Incoming>) -> Result<BodyParts, NodeError> {
     let limit = node.opts.max_body_bytes;
-    let declared = req.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|s| s.parse::<usize>().ok());
+    let declared = req
+        .headers()
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|s| s.parse::<usize>().ok());
     let mut body = req.into_body();
     let mut kept: Vec<Bytes> = Vec::new();
     let mut seen = 0usize;
     let over = declared.is_some_and(|n| n > limit);
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| NodeError::BadRequest(format!("could not read the body: {e}")))?;
+        let frame =
+            frame.map_err(|e| NodeError::BadRequest(format!("could not read the body: {e}")))?;
         if let Ok(data) = frame.into_data() {
             seen += data.len();
             if seen > limit + DISCARD_CAP {
@@ -211,7 +277,11 @@ impl Drop for InFlight<'_> {
 }
 
 /// Run one request through a pipeline.
-async fn infer(node: &Node, pipe: &Arc<PipelineRt>, tensors: Tensors) -> Result<Tensors, NodeError> {
+async fn infer(
+    node: &Node,
+    pipe: &Arc<PipelineRt>,
+    tensors: Tensors,
+) -> Result<Tensors, NodeError> {
     node.inflight.fetch_add(1, Relaxed);
     let _guard = InFlight(node);
     if node.draining.load(Relaxed) {
@@ -223,17 +293,25 @@ async fn infer(node: &Node, pipe: &Arc<PipelineRt>, tensors: Tensors) -> Result<
     req.start();
     let result = match tokio::time::timeout(pipe.timeout, rx).await {
         Ok(Ok(reply)) => reply,
-        Ok(Err(_)) => Err(NodeError::Internal("request was dropped without an answer".into())),
+        Ok(Err(_)) => Err(NodeError::Internal(
+            "request was dropped without an answer".into(),
+        )),
         Err(_) => {
-            let e = NodeError::Timeout { ms: pipe.timeout.as_millis() as u64 };
-            req.fail(NodeError::Timeout { ms: pipe.timeout.as_millis() as u64 });
+            let e = NodeError::Timeout {
+                ms: pipe.timeout.as_millis() as u64,
+            };
+            req.fail(NodeError::Timeout {
+                ms: pipe.timeout.as_millis() as u64,
+            });
             Err(e)
         }
     };
     match &result {
         Ok(_) => {
             pipe.metrics.ok.fetch_add(1, Relaxed);
-            pipe.metrics.latency_us.record(arrival.elapsed().as_micros() as u64);
+            pipe.metrics
+                .latency_us
+                .record(arrival.elapsed().as_micros() as u64);
         }
         Err(e) => pipe.metrics.error(e.kind()),
     }
@@ -243,7 +321,10 @@ async fn infer(node: &Node, pipe: &Arc<PipelineRt>, tensors: Tensors) -> Result<
 /// `GET /v1/pipelines/{name}`: stages, inputs with dtypes and shapes, SLO.
 pub fn describe(p: &PipelineRt) -> Value {
     let tensors = |m: &std::collections::BTreeMap<String, slipstream_types::TensorSpec>| -> Value {
-        m.iter().map(|(k, s)| (k.clone(), json!({"dtype": s.dtype, "shape": s.shape}))).collect::<serde_json::Map<_, _>>().into()
+        m.iter()
+            .map(|(k, s)| (k.clone(), json!({"dtype": s.dtype, "shape": s.shape})))
+            .collect::<serde_json::Map<_, _>>()
+            .into()
     };
     json!({
         "name": p.name(),

@@ -17,7 +17,9 @@ pub struct Hist(Mutex<Histogram<u64>>);
 
 impl Default for Hist {
     fn default() -> Self {
-        Hist(Mutex::new(Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid bounds")))
+        Hist(Mutex::new(
+            Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid bounds"),
+        ))
     }
 }
 
@@ -96,7 +98,12 @@ impl StageMetrics {
         for c in [&self.batches, &self.requests, &self.errors, &self.retries] {
             c.store(0, Relaxed);
         }
-        for h in [&self.batch_size, &self.queue_wait_us, &self.compute_us, &self.hop_us] {
+        for h in [
+            &self.batch_size,
+            &self.queue_wait_us,
+            &self.compute_us,
+            &self.hop_us,
+        ] {
             h.reset();
         }
     }
@@ -139,12 +146,22 @@ impl PromText {
     pub fn summary(&mut self, name: &str, help: &str, labels: &[(&str, &str)], h: &Hist) {
         self.declare(name, "summary", help);
         let s = h.summary(1e6);
-        for (q, v) in [("0.5", s.p50), ("0.9", s.p90), ("0.99", s.p99), ("0.999", s.p999)] {
+        for (q, v) in [
+            ("0.5", s.p50),
+            ("0.9", s.p90),
+            ("0.99", s.p99),
+            ("0.999", s.p999),
+        ] {
             let mut l = labels.to_vec();
             l.push(("quantile", q));
             let _ = writeln!(self.out, "{name}{} {v}", fmt_labels(&l));
         }
-        let _ = writeln!(self.out, "{name}_sum{} {}", fmt_labels(labels), s.mean * s.count as f64);
+        let _ = writeln!(
+            self.out,
+            "{name}_sum{} {}",
+            fmt_labels(labels),
+            s.mean * s.count as f64
+        );
         let _ = writeln!(self.out, "{name}_count{} {}", fmt_labels(labels), s.count);
     }
 

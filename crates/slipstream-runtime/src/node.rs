@@ -56,7 +56,9 @@ impl Default for NodeOptions {
         NodeOptions {
             host: "127.0.0.1".into(),
             port: 8000,
-            threads: std::thread::available_parallelism().map(|n| n.get().min(4)).unwrap_or(2),
+            threads: std::thread::available_parallelism()
+                .map(|n| n.get().min(4))
+                .unwrap_or(2),
             max_body_bytes: 64 << 20,
             request_timeout: Duration::from_secs(30),
             drain_timeout: Duration::from_secs(30),
@@ -74,7 +76,10 @@ pub enum RunError {
     #[error(transparent)]
     Spec(#[from] crate::spec::SpecError),
     #[error("cannot listen on {addr}: {source}")]
-    Bind { addr: String, source: std::io::Error },
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
     #[error("component {stage} failed to start: {message}")]
     WorkerStart { stage: String, message: String },
     #[error(transparent)]
@@ -109,7 +114,10 @@ pub struct Node {
 
 impl Node {
     pub fn pipeline(&self, name: &str) -> Result<Arc<PipelineRt>, NodeError> {
-        self.pipelines.get(name).cloned().ok_or_else(|| NodeError::UnknownPipeline(name.to_string()))
+        self.pipelines
+            .get(name)
+            .cloned()
+            .ok_or_else(|| NodeError::UnknownPipeline(name.to_string()))
     }
 
     pub fn is_ready(&self) -> bool {
@@ -184,26 +192,91 @@ impl Node {
         let mut t = PromText::default();
         for p in self.pipelines.values() {
             let pl = [("pipeline", p.name())];
-            t.counter("slipstream_requests_ok_total", "Requests answered successfully.", &pl, p.metrics.ok.load(Relaxed));
+            t.counter(
+                "slipstream_requests_ok_total",
+                "Requests answered successfully.",
+                &pl,
+                p.metrics.ok.load(Relaxed),
+            );
             for (kind, n) in p.metrics.errors.lock().iter() {
-                t.counter("slipstream_requests_failed_total", "Requests answered with an error, by kind.", &[pl[0], ("kind", kind)], *n);
+                t.counter(
+                    "slipstream_requests_failed_total",
+                    "Requests answered with an error, by kind.",
+                    &[pl[0], ("kind", kind)],
+                    *n,
+                );
             }
-            t.summary("slipstream_request_latency_seconds", "Latency inside the node.", &pl, &p.metrics.latency_us);
+            t.summary(
+                "slipstream_request_latency_seconds",
+                "Latency inside the node.",
+                &pl,
+                &p.metrics.latency_us,
+            );
             for s in &p.stages {
                 let l = [("pipeline", p.name()), ("stage", s.name.as_str())];
                 let m = &s.metrics;
-                t.counter("slipstream_stage_batches_total", "Batches run.", &l, m.batches.load(Relaxed));
-                t.counter("slipstream_stage_requests_total", "Requests run.", &l, m.requests.load(Relaxed));
-                t.counter("slipstream_stage_errors_total", "Requests failed by the component.", &l, m.errors.load(Relaxed));
-                t.counter("slipstream_stage_retries_total", "Requests retried after a worker died.", &l, m.retries.load(Relaxed));
-                t.counter("slipstream_stage_restarts_total", "Worker restarts.", &l, m.restarts.load(Relaxed));
+                t.counter(
+                    "slipstream_stage_batches_total",
+                    "Batches run.",
+                    &l,
+                    m.batches.load(Relaxed),
+                );
+                t.counter(
+                    "slipstream_stage_requests_total",
+                    "Requests run.",
+                    &l,
+                    m.requests.load(Relaxed),
+                );
+                t.counter(
+                    "slipstream_stage_errors_total",
+                    "Requests failed by the component.",
+                    &l,
+                    m.errors.load(Relaxed),
+                );
+                t.counter(
+                    "slipstream_stage_retries_total",
+                    "Requests retried after a worker died.",
+                    &l,
+                    m.retries.load(Relaxed),
+                );
+                t.counter(
+                    "slipstream_stage_restarts_total",
+                    "Worker restarts.",
+                    &l,
+                    m.restarts.load(Relaxed),
+                );
                 let depth: usize = s.replicas.iter().map(|r| r.queue_len()).sum();
-                t.gauge("slipstream_stage_queue_depth", "Requests waiting.", &l, depth as f64);
-                t.summary("slipstream_stage_queue_wait_seconds", "Time from enqueue to dispatch.", &l, &m.queue_wait_us);
-                t.summary("slipstream_stage_compute_seconds", "Component time per batch.", &l, &m.compute_us);
-                t.summary("slipstream_stage_hop_seconds", "Node-worker-node overhead per batch.", &l, &m.hop_us);
+                t.gauge(
+                    "slipstream_stage_queue_depth",
+                    "Requests waiting.",
+                    &l,
+                    depth as f64,
+                );
+                t.summary(
+                    "slipstream_stage_queue_wait_seconds",
+                    "Time from enqueue to dispatch.",
+                    &l,
+                    &m.queue_wait_us,
+                );
+                t.summary(
+                    "slipstream_stage_compute_seconds",
+                    "Component time per batch.",
+                    &l,
+                    &m.compute_us,
+                );
+                t.summary(
+                    "slipstream_stage_hop_seconds",
+                    "Node-worker-node overhead per batch.",
+                    &l,
+                    &m.hop_us,
+                );
                 let bs = m.batch_size.summary(1.0);
-                t.gauge("slipstream_stage_batch_size_mean", "Mean requests per batch.", &l, bs.mean);
+                t.gauge(
+                    "slipstream_stage_batch_size_mean",
+                    "Mean requests per batch.",
+                    &l,
+                    bs.mean,
+                );
             }
         }
         let c = self.arena.copies.snapshot();
@@ -214,26 +287,54 @@ impl Node {
             ("worker", c.worker, c.worker_bytes),
             ("egress", c.egress, c.egress_bytes),
         ] {
-            t.counter("slipstream_payload_copies_total", "Payload copies by site.", &[("site", site)], n);
-            t.counter("slipstream_payload_copied_bytes_total", "Payload bytes copied by site.", &[("site", site)], b);
+            t.counter(
+                "slipstream_payload_copies_total",
+                "Payload copies by site.",
+                &[("site", site)],
+                n,
+            );
+            t.counter(
+                "slipstream_payload_copied_bytes_total",
+                "Payload bytes copied by site.",
+                &[("site", site)],
+                b,
+            );
         }
         t.finish()
     }
 }
 
-fn build_pipelines(spec: &AppSpec, opts: &NodeOptions, arena: &Arena) -> Result<BTreeMap<String, Arc<PipelineRt>>, RunError> {
+fn build_pipelines(
+    spec: &AppSpec,
+    opts: &NodeOptions,
+    arena: &Arena,
+) -> Result<BTreeMap<String, Arc<PipelineRt>>, RunError> {
     let mut out = BTreeMap::new();
     let epoch = Instant::now();
     for p in &spec.pipelines {
         let order = p.validate()?;
         if out.contains_key(&p.name) {
-            return Err(crate::spec::SpecError { pipeline: p.name.clone(), reason: "two pipelines share this name".into() }.into());
+            return Err(crate::spec::SpecError {
+                pipeline: p.name.clone(),
+                reason: "two pipelines share this name".into(),
+            }
+            .into());
         }
-        let index: BTreeMap<&str, usize> = p.stages.iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
+        let index: BTreeMap<&str, usize> = p
+            .stages
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.name.as_str(), i))
+            .collect();
         let mut stages = Vec::with_capacity(p.stages.len());
         for (i, s) in p.stages.iter().enumerate() {
             let replicas = (0..s.replicas)
-                .map(|r| Ok(Arc::new(Replica::new(r, arena.create_pool(opts.replica_pool_bytes)?))))
+                .map(|r| {
+                    Ok(Arc::new(Replica::new(
+                        r,
+                        arena.create_pool(opts.replica_pool_bytes)?,
+                    )))
+                })
                 .collect::<Result<Vec<_>, NodeError>>()?;
             stages.push(StageRt {
                 index: i,
@@ -241,13 +342,27 @@ fn build_pipelines(spec: &AppSpec, opts: &NodeOptions, arena: &Arena) -> Result<
                 component: s.component.clone(),
                 max_batch: s.max_batch_size,
                 parents: s.parents.iter().map(|n| index[n.as_str()]).collect(),
-                children: p.stages.iter().enumerate().filter(|(_, c)| c.parents.contains(&s.name)).map(|(j, _)| j).collect(),
+                children: p
+                    .stages
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, c)| c.parents.contains(&s.name))
+                    .map(|(j, _)| j)
+                    .collect(),
                 replicas,
                 metrics: StageMetrics::default(),
             });
         }
-        let roots = order.iter().copied().filter(|&i| stages[i].parents.is_empty()).collect();
-        let sinks = order.iter().copied().filter(|&i| stages[i].children.is_empty()).collect();
+        let roots = order
+            .iter()
+            .copied()
+            .filter(|&i| stages[i].parents.is_empty())
+            .collect();
+        let sinks = order
+            .iter()
+            .copied()
+            .filter(|&i| stages[i].children.is_empty())
+            .collect();
         out.insert(
             p.name.clone(),
             Arc::new(PipelineRt {
@@ -265,8 +380,15 @@ fn build_pipelines(spec: &AppSpec, opts: &NodeOptions, arena: &Arena) -> Result<
 }
 
 /// Run a node until SIGINT/SIGTERM. Builds its own tokio runtime.
-pub fn run_blocking(spec: AppSpec, opts: NodeOptions, on_listen: impl FnOnce(SocketAddr) + Send) -> Result<(), RunError> {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(opts.threads.max(1)).enable_all().build()?;
+pub fn run_blocking(
+    spec: AppSpec,
+    opts: NodeOptions,
+    on_listen: impl FnOnce(SocketAddr) + Send,
+) -> Result<(), RunError> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(opts.threads.max(1))
+        .enable_all()
+        .build()?;
     rt.block_on(run(spec, opts, on_listen, shutdown_signal()))
 }
 
@@ -288,7 +410,11 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), RunError> {
     if spec.pipelines.is_empty() {
-        return Err(crate::spec::SpecError { pipeline: "-".into(), reason: "the app defines no pipeline".into() }.into());
+        return Err(crate::spec::SpecError {
+            pipeline: "-".into(),
+            reason: "the app defines no pipeline".into(),
+        }
+        .into());
     }
     let arena = Arc::new(Arena::new(opts.shm_dir.clone(), opts.ingress_pool_bytes)?);
     let pipelines = build_pipelines(&spec, &opts, &arena)?;
@@ -354,13 +480,21 @@ pub async fn run(
             match rx.await {
                 Ok(Ok(())) => {}
                 Ok(Err(message)) => return Err(RunError::WorkerStart { stage, message }),
-                Err(_) => return Err(RunError::WorkerStart { stage, message: "replica task ended".into() }),
+                Err(_) => {
+                    return Err(RunError::WorkerStart {
+                        stage,
+                        message: "replica task ended".into(),
+                    })
+                }
             }
         }
         node.ready.store(true, Relaxed);
         if opts.log {
             let names: Vec<&str> = node.pipelines.keys().map(|s| s.as_str()).collect();
-            eprintln!("slipstream: ready, serving {} on http://{local}", names.join(", "));
+            eprintln!(
+                "slipstream: ready, serving {} on http://{local}",
+                names.join(", ")
+            );
         }
         Ok(())
     };
@@ -417,8 +551,15 @@ pub async fn run(
             notified.await;
         }
     };
-    if tokio::time::timeout(opts.drain_timeout, drained).await.is_err() && opts.log {
-        eprintln!("slipstream: drain timed out with {} request(s) in flight", node.inflight.load(Relaxed));
+    if tokio::time::timeout(opts.drain_timeout, drained)
+        .await
+        .is_err()
+        && opts.log
+    {
+        eprintln!(
+            "slipstream: drain timed out with {} request(s) in flight",
+            node.inflight.load(Relaxed)
+        );
     }
     let _ = tokio::time::timeout(Duration::from_secs(5), graceful.shutdown()).await;
     let _ = stop_tx.send(true);

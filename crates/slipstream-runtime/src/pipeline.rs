@@ -60,7 +60,13 @@ impl Replica {
     pub fn push(&self, req: Arc<Request>, epoch: Instant) {
         let deadline_ns = req.deadline.saturating_duration_since(epoch).as_nanos() as u64;
         self.outstanding.fetch_add(1, Relaxed);
-        self.queue.lock().push(deadline_ns, Work { req, enqueued: Instant::now() });
+        self.queue.lock().push(
+            deadline_ns,
+            Work {
+                req,
+                enqueued: Instant::now(),
+            },
+        );
         self.notify.notify_one();
     }
 
@@ -84,7 +90,10 @@ impl StageRt {
     pub fn loads(&self) -> Vec<ReplicaLoad> {
         self.replicas
             .iter()
-            .map(|r| ReplicaLoad { healthy: r.healthy.load(Relaxed), outstanding: r.outstanding.load(Relaxed) })
+            .map(|r| ReplicaLoad {
+                healthy: r.healthy.load(Relaxed),
+                outstanding: r.outstanding.load(Relaxed),
+            })
             .collect()
     }
 }
@@ -111,7 +120,10 @@ impl PipelineRt {
     pub fn route(&self, tiebreak: u64) -> Vec<usize> {
         self.stages
             .iter()
-            .map(|s| choose_replica(&s.loads(), tiebreak).unwrap_or((tiebreak as usize) % s.replicas.len()))
+            .map(|s| {
+                choose_replica(&s.loads(), tiebreak)
+                    .unwrap_or((tiebreak as usize) % s.replicas.len())
+            })
             .collect()
     }
 
@@ -150,10 +162,19 @@ pub struct Request {
 }
 
 impl Request {
-    pub fn new(id: u64, pipe: Arc<PipelineRt>, inputs: Tensors, arrival: Instant) -> (Arc<Request>, oneshot::Receiver<Reply>) {
+    pub fn new(
+        id: u64,
+        pipe: Arc<PipelineRt>,
+        inputs: Tensors,
+        arrival: Instant,
+    ) -> (Arc<Request>, oneshot::Receiver<Reply>) {
         let (tx, rx) = oneshot::channel();
         let deadline = arrival
-            + pipe.spec.slo.map(|s| std::time::Duration::from_secs_f64(s.p99_ms / 1e3)).unwrap_or(pipe.timeout);
+            + pipe
+                .spec
+                .slo
+                .map(|s| std::time::Duration::from_secs_f64(s.p99_ms / 1e3))
+                .unwrap_or(pipe.timeout);
         let route = pipe.route(id);
         let n = pipe.stages.len();
         let state = State {
@@ -197,7 +218,9 @@ impl Request {
         }
         let mut merged: Tensors = Vec::new();
         for &p in parents {
-            let outs = st.outputs[p].as_ref().ok_or_else(|| NodeError::Internal("parent output missing".into()))?;
+            let outs = st.outputs[p]
+                .as_ref()
+                .ok_or_else(|| NodeError::Internal("parent output missing".into()))?;
             for (name, t) in outs {
                 if merged.iter().any(|(n, _)| n == name) {
                     return Err(NodeError::Internal(format!(

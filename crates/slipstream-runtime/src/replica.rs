@@ -73,7 +73,12 @@ impl ReplicaCtx {
     }
 
     fn label(&self) -> String {
-        format!("{}/{}[{}]", self.pipe.name(), self.stage_name(), self.replica)
+        format!(
+            "{}/{}[{}]",
+            self.pipe.name(),
+            self.stage_name(),
+            self.replica
+        )
     }
 }
 
@@ -107,22 +112,32 @@ pub async fn run(mut ctx: ReplicaCtx, first_start: oneshot::Sender<Result<(), St
             }
         };
         let me = ctx.me().clone();
-        me.pid.store(worker.child.id().unwrap_or(0) as usize, Relaxed);
+        me.pid
+            .store(worker.child.id().unwrap_or(0) as usize, Relaxed);
         me.healthy.store(true, Relaxed);
         let ended = serve(&mut ctx, &mut worker).await;
         me.healthy.store(false, Relaxed);
         match ended {
             Ended::Stopped => {
                 let _ = write_frame(&mut worker.conn, &ToWorker::Shutdown).await;
-                if tokio::time::timeout(Duration::from_secs(5), worker.child.wait()).await.is_err() {
+                if tokio::time::timeout(Duration::from_secs(5), worker.child.wait())
+                    .await
+                    .is_err()
+                {
                     let _ = worker.child.kill().await;
                 }
                 return;
             }
             Ended::Died(why) => {
                 let _ = worker.child.kill().await;
-                eprintln!("slipstream: worker {} died ({why}); restarting", ctx.label());
-                ctx.pipe.stages[ctx.stage].metrics.restarts.fetch_add(1, Relaxed);
+                eprintln!(
+                    "slipstream: worker {} died ({why}); restarting",
+                    ctx.label()
+                );
+                ctx.pipe.stages[ctx.stage]
+                    .metrics
+                    .restarts
+                    .fetch_add(1, Relaxed);
                 move_queue_elsewhere(&ctx);
             }
         }
@@ -139,9 +154,15 @@ fn describe_exit(status: std::io::Result<ExitStatus>) -> String {
 async fn spawn_worker(ctx: &ReplicaCtx) -> Result<Worker, String> {
     let launch = &ctx.launch;
     let me = ctx.me();
-    let sock = launch.socket_dir.join(format!("{}-{}-{}.sock", ctx.pipe.name(), ctx.stage, ctx.replica));
+    let sock = launch.socket_dir.join(format!(
+        "{}-{}-{}.sock",
+        ctx.pipe.name(),
+        ctx.stage,
+        ctx.replica
+    ));
     let _ = std::fs::remove_file(&sock);
-    let listener = UnixListener::bind(&sock).map_err(|e| format!("cannot bind {}: {e}", sock.display()))?;
+    let listener =
+        UnixListener::bind(&sock).map_err(|e| format!("cannot bind {}: {e}", sock.display()))?;
     let (exe, args) = launch.argv.split_first().ok_or("empty worker command")?;
     let mut cmd = Command::new(exe);
     cmd.args(args)
@@ -160,7 +181,9 @@ async fn spawn_worker(ctx: &ReplicaCtx) -> Result<Worker, String> {
         .envs(&launch.env)
         .stdin(std::process::Stdio::null())
         .kill_on_drop(true);
-    let mut child = cmd.spawn().map_err(|e| format!("cannot start worker `{exe}`: {e}"))?;
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("cannot start worker `{exe}`: {e}"))?;
     let deadline = tokio::time::Instant::now() + launch.start_timeout;
     let conn = tokio::select! {
         r = tokio::time::timeout_at(deadline, listener.accept()) => match r {
@@ -171,7 +194,11 @@ async fn spawn_worker(ctx: &ReplicaCtx) -> Result<Worker, String> {
         status = child.wait() => return Err(format!("worker exited before connecting ({})", describe_exit(status))),
     };
     let _ = std::fs::remove_file(&sock);
-    let mut w = Worker { child, conn, buf: Vec::new() };
+    let mut w = Worker {
+        child,
+        conn,
+        buf: Vec::new(),
+    };
     let hello = tokio::select! {
         r = tokio::time::timeout_at(deadline, read_frame::<_, FromWorker>(&mut w.conn, &mut w.buf)) => r,
         status = w.child.wait() => return Err(format!("worker exited while starting ({})", describe_exit(status))),
@@ -185,9 +212,15 @@ async fn spawn_worker(ctx: &ReplicaCtx) -> Result<Worker, String> {
         Ok(Ok(other)) => Err(format!("worker sent {other:?} before ready")),
         Ok(Err(e)) => {
             let status = tokio::time::timeout(Duration::from_secs(2), w.child.wait()).await;
-            Err(format!("worker failed while starting: {e} ({})", status.map(describe_exit).unwrap_or_default()))
+            Err(format!(
+                "worker failed while starting: {e} ({})",
+                status.map(describe_exit).unwrap_or_default()
+            ))
         }
-        Err(_) => Err(format!("worker was not ready within {:?}", launch.start_timeout)),
+        Err(_) => Err(format!(
+            "worker was not ready within {:?}",
+            launch.start_timeout
+        )),
     }
 }
 
@@ -196,7 +229,9 @@ async fn serve(ctx: &mut ReplicaCtx, w: &mut Worker) -> Ended {
     let me = ctx.me().clone();
     let max_batch = ctx.pipe.stages[ctx.stage].max_batch;
     loop {
-        let batch = take_batch(&mut me.queue.lock(), max_batch, |work: &Work| !work.req.is_done());
+        let batch = take_batch(&mut me.queue.lock(), max_batch, |work: &Work| {
+            !work.req.is_done()
+        });
         if batch.is_empty() {
             // Requests skipped by take_batch were counted as outstanding.
             resync_outstanding(&me);
@@ -235,17 +270,28 @@ fn move_queue_elsewhere(ctx: &ReplicaCtx) {
 }
 
 /// A batch input: either a span of adjacent request tensors, or a gathered copy.
-fn batch_input(arena: &Arena, parts: &[&TensorRef], keep: &mut Vec<Arc<Block>>) -> Result<TensorDesc, NodeError> {
+fn batch_input(
+    arena: &Arena,
+    parts: &[&TensorRef],
+    keep: &mut Vec<Arc<Block>>,
+) -> Result<TensorDesc, NodeError> {
     let first = parts[0];
     let rows: u64 = parts.iter().map(|t| t.rows()).sum();
     let mut shape = first.shape.clone();
     shape[0] = rows;
     let nbytes: u64 = parts.iter().map(|t| t.nbytes).sum();
     let adjacent = parts.windows(2).all(|w| {
-        Arc::ptr_eq(w[0].block.pool(), w[1].block.pool()) && w[0].offset + w[0].nbytes == w[1].offset
+        Arc::ptr_eq(w[0].block.pool(), w[1].block.pool())
+            && w[0].offset + w[0].nbytes == w[1].offset
     });
     if adjacent {
-        return Ok(TensorDesc { pool: first.block.pool().id(), offset: first.offset, nbytes, dtype: first.dtype, shape });
+        return Ok(TensorDesc {
+            pool: first.block.pool().id(),
+            offset: first.offset,
+            nbytes,
+            dtype: first.dtype,
+            shape,
+        });
     }
     let block = Arc::new(Block::alloc(&arena.ingress(), nbytes as usize)?);
     let dst = block.as_mut_slice();
@@ -255,7 +301,13 @@ fn batch_input(arena: &Arena, parts: &[&TensorRef], keep: &mut Vec<Arc<Block>>) 
         at += t.nbytes as usize;
     }
     CopyCounters::add(&arena.copies.gather, &arena.copies.gather_bytes, nbytes);
-    let desc = TensorDesc { pool: block.pool().id(), offset: block.offset(), nbytes, dtype: first.dtype, shape };
+    let desc = TensorDesc {
+        pool: block.pool().id(),
+        offset: block.offset(),
+        nbytes,
+        dtype: first.dtype,
+        shape,
+    };
     keep.push(block);
     Ok(desc)
 }
@@ -263,7 +315,10 @@ fn batch_input(arena: &Arena, parts: &[&TensorRef], keep: &mut Vec<Arc<Block>>) 
 /// The tail shape and dtype of every input: requests can share a batch only
 /// when these agree.
 fn signature(inputs: &Tensors) -> Vec<(&str, slipstream_types::DType, &[u64])> {
-    inputs.iter().map(|(n, t)| (n.as_str(), t.dtype, &t.shape[1..])).collect()
+    inputs
+        .iter()
+        .map(|(n, t)| (n.as_str(), t.dtype, &t.shape[1..]))
+        .collect()
 }
 
 /// Run one batch on the worker. Err means the worker is gone.
@@ -276,7 +331,10 @@ async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>) -> Result<
     let mut members: Vec<(Arc<Request>, Tensors)> = Vec::with_capacity(batch.len());
     let mut deferred = Vec::new();
     for work in batch {
-        stage.metrics.queue_wait_us.record(now.duration_since(work.enqueued).as_micros() as u64);
+        stage
+            .metrics
+            .queue_wait_us
+            .record(now.duration_since(work.enqueued).as_micros() as u64);
         match work.req.stage_inputs(ctx.stage) {
             Ok(inputs) => {
                 if let Some((_, first)) = members.first() {
@@ -301,7 +359,10 @@ async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>) -> Result<
         return Ok(());
     }
     let n = members.len();
-    let rows: Vec<u32> = members.iter().map(|(_, i)| request_rows(i) as u32).collect();
+    let rows: Vec<u32> = members
+        .iter()
+        .map(|(_, i)| request_rows(i) as u32)
+        .collect();
     let total_rows: u64 = rows.iter().map(|&r| r as u64).sum();
     let mut keep = Vec::new();
     let mut inputs = BTreeMap::new();
@@ -314,14 +375,21 @@ async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>) -> Result<
             }
             Err(e) => {
                 let msg = e.to_string();
-                finish_all(me, members, |_| NodeError::Unavailable { stage: stage.name.clone(), reason: msg.clone() });
+                finish_all(me, members, |_| NodeError::Unavailable {
+                    stage: stage.name.clone(),
+                    reason: msg.clone(),
+                });
                 return Ok(());
             }
         }
     }
     let id = BATCH_IDS.fetch_add(1, Relaxed);
     let sent = Instant::now();
-    let msg = ToWorker::Batch { id, rows: rows.clone(), inputs };
+    let msg = ToWorker::Batch {
+        id,
+        rows: rows.clone(),
+        inputs,
+    };
     let reply = match write_frame(&mut w.conn, &msg).await {
         Ok(()) => read_frame::<_, FromWorker>(&mut w.conn, &mut w.buf).await,
         Err(e) => Err(e),
@@ -332,15 +400,29 @@ async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>) -> Result<
     stage.metrics.requests.fetch_add(n as u64, Relaxed);
     stage.metrics.batch_size.record(n as u64);
     match reply {
-        Ok(FromWorker::Result { id: rid, outputs, compute_us }) if rid == id => {
+        Ok(FromWorker::Result {
+            id: rid,
+            outputs,
+            compute_us,
+        }) if rid == id => {
             stage.metrics.compute_us.record(compute_us);
-            stage.metrics.hop_us.record((rtt.as_micros() as u64).saturating_sub(compute_us));
-            let worker_copies: Vec<u64> =
-                outputs.values().filter(|o| o.origin == OutputOrigin::Copied).map(|o| o.desc.nbytes).collect();
+            stage
+                .metrics
+                .hop_us
+                .record((rtt.as_micros() as u64).saturating_sub(compute_us));
+            let worker_copies: Vec<u64> = outputs
+                .values()
+                .filter(|o| o.origin == OutputOrigin::Copied)
+                .map(|o| o.desc.nbytes)
+                .collect();
             match split_outputs(ctx, &members, &keep, outputs, total_rows) {
                 Ok(per_request) => {
                     for b in worker_copies {
-                        CopyCounters::add(&ctx.arena.copies.worker, &ctx.arena.copies.worker_bytes, b);
+                        CopyCounters::add(
+                            &ctx.arena.copies.worker,
+                            &ctx.arena.copies.worker_bytes,
+                            b,
+                        );
                     }
                     me.outstanding.fetch_sub(n, Relaxed);
                     for ((req, _), outs) in members.into_iter().zip(per_request) {
@@ -350,14 +432,22 @@ async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>) -> Result<
                 Err(e) => {
                     stage.metrics.errors.fetch_add(n as u64, Relaxed);
                     let msg = e.to_string();
-                    finish_all(me, members, |_| NodeError::Component { stage: stage.name.clone(), message: msg.clone() });
+                    finish_all(me, members, |_| NodeError::Component {
+                        stage: stage.name.clone(),
+                        message: msg.clone(),
+                    });
                 }
             }
             Ok(())
         }
-        Ok(FromWorker::Error { id: rid, message, .. }) if rid == id => {
+        Ok(FromWorker::Error {
+            id: rid, message, ..
+        }) if rid == id => {
             stage.metrics.errors.fetch_add(n as u64, Relaxed);
-            finish_all(me, members, |_| NodeError::Component { stage: stage.name.clone(), message: message.clone() });
+            finish_all(me, members, |_| NodeError::Component {
+                stage: stage.name.clone(),
+                message: message.clone(),
+            });
             Ok(())
         }
         Ok(other) => {
@@ -377,7 +467,11 @@ async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>) -> Result<
     }
 }
 
-fn finish_all(me: &Replica, members: Vec<(Arc<Request>, Tensors)>, err: impl Fn(&Request) -> NodeError) {
+fn finish_all(
+    me: &Replica,
+    members: Vec<(Arc<Request>, Tensors)>,
+    err: impl Fn(&Request) -> NodeError,
+) {
     me.outstanding.fetch_sub(members.len(), Relaxed);
     for (req, _) in members {
         let e = err(&req);
@@ -422,7 +516,10 @@ fn split_outputs(
         let d = out.desc;
         let expect = numel(&d.shape) * d.dtype.size() as u64;
         if d.nbytes != expect {
-            return Err(NodeError::Internal(format!("output '{name}': {} bytes do not match shape {:?}", d.nbytes, d.shape)));
+            return Err(NodeError::Internal(format!(
+                "output '{name}': {} bytes do not match shape {:?}",
+                d.nbytes, d.shape
+            )));
         }
         if d.shape.first() != Some(&total_rows) {
             return Err(NodeError::BadInput(format!(
@@ -433,14 +530,29 @@ fn split_outputs(
         let (block, borrowed) = match out.origin {
             OutputOrigin::Copied => {
                 if d.pool != me.pool.id() {
-                    return Err(NodeError::Internal(format!("worker wrote output '{name}' outside its pool")));
+                    return Err(NodeError::Internal(format!(
+                        "worker wrote output '{name}' outside its pool"
+                    )));
                 }
-                (Arc::new(Block::adopt(&me.pool, d.offset, d.nbytes as usize)?), None)
+                (
+                    Arc::new(Block::adopt(&me.pool, d.offset, d.nbytes as usize)?),
+                    None,
+                )
             }
             // Placeholder owner; each request's slice finds its real owner below.
             OutputOrigin::Borrowed => (members[0].1[0].1.block.clone(), Some(d.pool)),
         };
-        whole.push((name, TensorRef { block, offset: d.offset, nbytes: d.nbytes, dtype: d.dtype, shape: d.shape }, borrowed));
+        whole.push((
+            name,
+            TensorRef {
+                block,
+                offset: d.offset,
+                nbytes: d.nbytes,
+                dtype: d.dtype,
+                shape: d.shape,
+            },
+            borrowed,
+        ));
     }
     let mut per_request = Vec::with_capacity(members.len());
     let mut row = 0u64;
@@ -451,7 +563,9 @@ fn split_outputs(
             let mut part = t.rows_slice(row, r);
             if let Some(pool) = *borrowed {
                 part.block = find_owner(members, gathered, pool, &part).ok_or_else(|| {
-                    NodeError::Internal(format!("output '{name}' borrows memory that is not an input of this batch"))
+                    NodeError::Internal(format!(
+                        "output '{name}' borrows memory that is not an input of this batch"
+                    ))
                 })?;
             }
             outs.push((name.clone(), part));
@@ -463,13 +577,23 @@ fn split_outputs(
 }
 
 /// The block, among this batch's inputs, that holds `t`'s bytes entirely.
-fn find_owner(members: &[(Arc<Request>, Tensors)], gathered: &[Arc<Block>], pool: u32, t: &TensorRef) -> Option<Arc<Block>> {
+fn find_owner(
+    members: &[(Arc<Request>, Tensors)],
+    gathered: &[Arc<Block>],
+    pool: u32,
+    t: &TensorRef,
+) -> Option<Arc<Block>> {
     let holds = |b: &Arc<Block>| {
-        b.pool().id() == pool && b.offset() <= t.offset && t.offset + t.nbytes <= b.offset() + b.len() as u64
+        b.pool().id() == pool
+            && b.offset() <= t.offset
+            && t.offset + t.nbytes <= b.offset() + b.len() as u64
     };
-    gathered
-        .iter()
-        .find(|b| holds(b))
-        .cloned()
-        .or_else(|| members.iter().flat_map(|(_, i)| i.iter()).map(|(_, x)| &x.block).find(|b| holds(b)).cloned())
+    gathered.iter().find(|b| holds(b)).cloned().or_else(|| {
+        members
+            .iter()
+            .flat_map(|(_, i)| i.iter())
+            .map(|(_, x)| &x.block)
+            .find(|b| holds(b))
+            .cloned()
+    })
 }

@@ -71,9 +71,19 @@ impl PipelineSpec {
     /// Check the pipeline and return its stages in topological order
     /// (indices into `self.stages`).
     pub fn validate(&self) -> Result<Vec<usize>, SpecError> {
-        let err = |reason: String| SpecError { pipeline: self.name.clone(), reason };
-        if self.name.is_empty() || !self.name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
-            return Err(err("names may use letters, digits, '-', '_' and '.' only".into()));
+        let err = |reason: String| SpecError {
+            pipeline: self.name.clone(),
+            reason,
+        };
+        if self.name.is_empty()
+            || !self
+                .name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        {
+            return Err(err(
+                "names may use letters, digits, '-', '_' and '.' only".into()
+            ));
         }
         if self.stages.is_empty() {
             return Err(err("it has no stages".into()));
@@ -89,8 +99,10 @@ impl PipelineSpec {
             }
         }
         if let Some(slo) = self.slo {
-            if !(slo.p99_ms > 0.0) || !(0.0..1.0).contains(&slo.max_miss_rate) {
-                return Err(err("the SLO needs p99_ms > 0 and 0 <= max_miss_rate < 1".into()));
+            if slo.p99_ms.is_nan() || slo.p99_ms <= 0.0 || !(0.0..1.0).contains(&slo.max_miss_rate) {
+                return Err(err(
+                    "the SLO needs p99_ms > 0 and 0 <= max_miss_rate < 1".into()
+                ));
             }
         }
         let mut index = HashMap::new();
@@ -99,14 +111,20 @@ impl PipelineSpec {
                 return Err(err(format!("stage name '{}' is used twice", s.name)));
             }
             if s.replicas == 0 || s.max_batch_size == 0 {
-                return Err(err(format!("stage '{}' needs replicas >= 1 and max_batch_size >= 1", s.name)));
+                return Err(err(format!(
+                    "stage '{}' needs replicas >= 1 and max_batch_size >= 1",
+                    s.name
+                )));
             }
         }
         let mut indegree = vec![0usize; self.stages.len()];
         for (i, s) in self.stages.iter().enumerate() {
             for p in &s.parents {
                 if !index.contains_key(p.as_str()) {
-                    return Err(err(format!("stage '{}' names unknown parent '{p}'", s.name)));
+                    return Err(err(format!(
+                        "stage '{}' names unknown parent '{p}'",
+                        s.name
+                    )));
                 }
                 if p == &s.name {
                     return Err(err(format!("stage '{}' is its own parent", s.name)));
@@ -116,12 +134,18 @@ impl PipelineSpec {
         }
         // Kahn's algorithm; stable in declaration order.
         let mut order = Vec::with_capacity(self.stages.len());
-        let mut ready: Vec<usize> = (0..self.stages.len()).filter(|&i| indegree[i] == 0).collect();
+        let mut ready: Vec<usize> = (0..self.stages.len())
+            .filter(|&i| indegree[i] == 0)
+            .collect();
         ready.reverse();
         while let Some(i) = ready.pop() {
             order.push(i);
             for (j, s) in self.stages.iter().enumerate() {
-                let edges = s.parents.iter().filter(|p| p.as_str() == self.stages[i].name).count();
+                let edges = s
+                    .parents
+                    .iter()
+                    .filter(|p| p.as_str() == self.stages[i].name)
+                    .count();
                 if edges > 0 {
                     indegree[j] -= edges;
                     if indegree[j] == 0 {
@@ -164,10 +188,16 @@ mod tests {
 
     #[test]
     fn rejects_cycles_unknown_parents_and_duplicates() {
-        let cyc = pipe(r#"[{"name":"a","component":"A","parents":["b"]},{"name":"b","component":"B","parents":["a"]}]"#);
+        let cyc = pipe(
+            r#"[{"name":"a","component":"A","parents":["b"]},{"name":"b","component":"B","parents":["a"]}]"#,
+        );
         assert!(cyc.validate().unwrap_err().reason.contains("cycle"));
         let unk = pipe(r#"[{"name":"a","component":"A","parents":["zz"]}]"#);
-        assert!(unk.validate().unwrap_err().reason.contains("unknown parent"));
+        assert!(unk
+            .validate()
+            .unwrap_err()
+            .reason
+            .contains("unknown parent"));
         let dup = pipe(r#"[{"name":"a","component":"A"},{"name":"a","component":"A"}]"#);
         assert!(dup.validate().unwrap_err().reason.contains("twice"));
         let zero = pipe(r#"[{"name":"a","component":"A","replicas":0}]"#);

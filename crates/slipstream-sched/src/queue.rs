@@ -42,7 +42,10 @@ pub struct EdfQueue<T> {
 
 impl<T> Default for EdfQueue<T> {
     fn default() -> Self {
-        Self { heap: BinaryHeap::new(), seq: 0 }
+        Self {
+            heap: BinaryHeap::new(),
+            seq: 0,
+        }
     }
 }
 
@@ -53,7 +56,11 @@ impl<T> EdfQueue<T> {
 
     pub fn push(&mut self, deadline_ns: u64, item: T) {
         self.seq += 1;
-        self.heap.push(Entry { deadline_ns, seq: self.seq, item });
+        self.heap.push(Entry {
+            deadline_ns,
+            seq: self.seq,
+            item,
+        });
     }
 
     pub fn pop(&mut self) -> Option<(u64, T)> {
@@ -86,7 +93,11 @@ impl<T> EdfQueue<T> {
 /// Opportunistic batching: pop up to `max_batch` items, most urgent first,
 /// skipping (and dropping) those for which `keep` says no (requests that
 /// already finished, e.g. failed elsewhere or timed out).
-pub fn take_batch<T>(q: &mut EdfQueue<T>, max_batch: usize, mut keep: impl FnMut(&T) -> bool) -> Vec<T> {
+pub fn take_batch<T>(
+    q: &mut EdfQueue<T>,
+    max_batch: usize,
+    mut keep: impl FnMut(&T) -> bool,
+) -> Vec<T> {
     let mut batch = Vec::with_capacity(max_batch.min(q.len()));
     while batch.len() < max_batch {
         match q.pop() {

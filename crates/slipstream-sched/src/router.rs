@@ -40,7 +40,10 @@ mod tests {
     use super::*;
 
     fn l(healthy: bool, outstanding: usize) -> ReplicaLoad {
-        ReplicaLoad { healthy, outstanding }
+        ReplicaLoad {
+            healthy,
+            outstanding,
+        }
     }
 
     #[test]

@@ -151,9 +151,19 @@ mod tests {
         let mut inputs = BTreeMap::new();
         inputs.insert(
             "x".to_string(),
-            TensorDesc { pool: 0, offset: 4096, nbytes: 8, dtype: DType::Float32, shape: vec![1, 2] },
+            TensorDesc {
+                pool: 0,
+                offset: 4096,
+                nbytes: 8,
+                dtype: DType::Float32,
+                shape: vec![1, 2],
+            },
         );
-        let msg = ToWorker::Batch { id: 7, rows: vec![1], inputs };
+        let msg = ToWorker::Batch {
+            id: 7,
+            rows: vec![1],
+            inputs,
+        };
         write_frame(&mut a, &msg).await.unwrap();
         write_frame(&mut a, &ToWorker::Shutdown).await.unwrap();
         drop(a);
@@ -162,7 +172,9 @@ mod tests {
         assert_eq!(got, msg);
         let got: ToWorker = read_frame(&mut b, &mut buf).await.unwrap();
         assert_eq!(got, ToWorker::Shutdown);
-        let end = read_frame::<_, ToWorker>(&mut b, &mut buf).await.unwrap_err();
+        let end = read_frame::<_, ToWorker>(&mut b, &mut buf)
+            .await
+            .unwrap_err();
         assert_eq!(end.kind(), "closed");
     }
 
@@ -178,8 +190,10 @@ mod tests {
             }
             other => panic!("unexpected {other:?}"),
         }
-        let e: FromWorker =
-            serde_json::from_str(r#"{"op":"error","id":1,"kind":"component_error","message":"boom"}"#).unwrap();
+        let e: FromWorker = serde_json::from_str(
+            r#"{"op":"error","id":1,"kind":"component_error","message":"boom"}"#,
+        )
+        .unwrap();
         assert!(matches!(e, FromWorker::Error { id: 1, .. }));
     }
 
@@ -190,7 +204,9 @@ mod tests {
             let _ = a.write_all(&((MAX_FRAME as u32) + 1).to_le_bytes()).await;
         });
         let mut buf = Vec::new();
-        let err = read_frame::<_, FromWorker>(&mut b, &mut buf).await.unwrap_err();
+        let err = read_frame::<_, FromWorker>(&mut b, &mut buf)
+            .await
+            .unwrap_err();
         assert_eq!(err.kind(), "frame_too_large");
     }
 }

@@ -104,7 +104,10 @@ impl DType {
     }
 
     pub fn is_signed(self) -> bool {
-        matches!(self, DType::Int8 | DType::Int16 | DType::Int32 | DType::Int64)
+        matches!(
+            self,
+            DType::Int8 | DType::Int16 | DType::Int32 | DType::Int64
+        )
     }
 }
 
@@ -157,7 +160,13 @@ impl TensorSpec {
         let dims: Vec<String> = self
             .shape
             .iter()
-            .map(|d| if *d < 0 { "-1".to_string() } else { d.to_string() })
+            .map(|d| {
+                if *d < 0 {
+                    "-1".to_string()
+                } else {
+                    d.to_string()
+                }
+            })
             .collect();
         format!("[{}]", dims.join(", "))
     }
@@ -198,7 +207,10 @@ mod tests {
 
     #[test]
     fn spec_shape_matching() {
-        let spec = TensorSpec { dtype: DType::Float32, shape: vec![-1, 2] };
+        let spec = TensorSpec {
+            dtype: DType::Float32,
+            shape: vec![-1, 2],
+        };
         assert!(spec.accepts_shape(&[1, 2]));
         assert!(spec.accepts_shape(&[7, 2]));
         assert!(!spec.accepts_shape(&[1, 3]));

@@ -124,7 +124,7 @@ class Component:
             raise ConfigError(f"{self.name}: max_batch_size must be >= 1")
         if int(self.replicas) < 1:
             raise ConfigError(f"{self.name}: replicas must be >= 1")
-        if not callable(getattr(self.cls, "__call__", None)):
+        if "__call__" not in dir(self.cls):
             raise ConfigError(f"{self.name}: a component class needs a __call__(self, batch) method")
 
     def options(self, **changes: Any) -> Component:
