@@ -99,7 +99,8 @@ impl PipelineSpec {
             }
         }
         if let Some(slo) = self.slo {
-            if slo.p99_ms.is_nan() || slo.p99_ms <= 0.0 || !(0.0..1.0).contains(&slo.max_miss_rate) {
+            if slo.p99_ms.is_nan() || slo.p99_ms <= 0.0 || !(0.0..1.0).contains(&slo.max_miss_rate)
+            {
                 return Err(err(
                     "the SLO needs p99_ms > 0 and 0 <= max_miss_rate < 1".into()
                 ));
