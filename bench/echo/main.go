@@ -4,7 +4,10 @@
 // (content-type application/json). No dependencies beyond the standard
 // library.
 //
-//	go run ./bench/echo -addr 127.0.0.1:9100
+//	go -C bench/echo run . -addr 127.0.0.1:9100      # from the repo root
+//	go -C bench/echo build -o /tmp/echo . && /tmp/echo -addr 127.0.0.1:9100
+//
+// (`go run ./bench/echo` from the root needs a go.work that uses ./bench/echo.)
 package main
 
 import (

@@ -51,7 +51,7 @@ struct Shared {
     connecting: AtomicUsize,
     /// Live connection tasks (connecting + open); capped by `max_conns`.
     conns: AtomicUsize,
-    /// Open (handshaken) connections, and their peak.
+    /// Open (connected) connections, and their peak.
     open: AtomicUsize,
     peak_open: AtomicUsize,
     closed: AtomicBool,
@@ -139,9 +139,10 @@ impl Shared {
             let notified = self.notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            // Count as idle *before* re-checking, so a concurrent `dispatch`
-            // either sees us idle (and its notify reaches our enabled
-            // `Notified`) or we see its job.
+            // `enable()` before re-checking: a job queued after the re-check
+            // notifies this `Notified`, so no wake-up is lost. Counting as
+            // idle first keeps `grow()` from opening a connection for a job
+            // we are about to take.
             let _idle = CountGuard::enter(&self.idle);
             if let Some(job) = self.pop() {
                 return Some(job);

@@ -658,3 +658,117 @@ pub fn encode_v2(model: &str, req: &V2Request, outputs: &Tensors) -> Result<V2Re
 pub fn v2_tensor_meta(name: &str, spec: &TensorSpec) -> Value {
     serde_json::json!({ "name": name, "datatype": spec.dtype.v2_name(), "shape": spec.shape })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn arena() -> (Arena, tempdir::Dir) {
+        let dir = tempdir::Dir::new();
+        (Arena::new(dir.0.clone(), 1 << 20).unwrap(), dir)
+    }
+
+    /// A throwaway directory removed on drop.
+    mod tempdir {
+        pub struct Dir(pub std::path::PathBuf);
+        impl Dir {
+            pub fn new() -> Dir {
+                use std::sync::atomic::{AtomicU32, Ordering};
+                static N: AtomicU32 = AtomicU32::new(0);
+                let p = std::env::temp_dir()
+                    .join(format!("ss-codec-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
+                std::fs::create_dir_all(&p).unwrap();
+                Dir(p)
+            }
+        }
+        impl Drop for Dir {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir_all(&self.0);
+            }
+        }
+    }
+
+    fn declared(dtype: DType, shape: &[i64]) -> BTreeMap<String, TensorSpec> {
+        BTreeMap::from([("x".to_string(), TensorSpec { dtype, shape: shape.to_vec() })])
+    }
+
+    fn body(parts: &[&[u8]]) -> BodyParts {
+        BodyParts::new(parts.iter().map(|p| Bytes::copy_from_slice(p)).collect())
+    }
+
+    #[test]
+    fn body_parts_copy_across_chunks() {
+        let (a, _d) = arena();
+        let b = body(&[b"hello ", b"wor", b"ld"]);
+        let mut out = [0u8; 7];
+        b.copy_out(4, &mut out);
+        assert_eq!(&out, b"o world");
+        assert_eq!(&*b.contiguous(0, 5, &a, true), b"hello");
+        assert_eq!(a.copies.snapshot().body_join, 0, "inside one chunk: borrowed");
+        assert_eq!(&*b.contiguous(3, 9, &a, true), b"lo wor");
+        assert_eq!(a.copies.snapshot().body_join, 1);
+    }
+
+    #[test]
+    fn v1_decodes_converts_and_round_trips() {
+        let (a, _d) = arena();
+        let t = decode_v1(&body(&[br#"{"inputs": {"x": [[1, 2.5], [3, -4]]}}"#]), &declared(DType::Float32, &[-1, 2]), &a)
+            .unwrap();
+        assert_eq!(t[0].1.shape, vec![2, 2]);
+        let json = String::from_utf8(encode_v1(&t)).unwrap();
+        assert_eq!(json, r#"{"outputs":{"x":[[1.0,2.5],[3.0,-4.0]]}}"#);
+        assert_eq!(a.copies.snapshot().ingress, 1);
+    }
+
+    #[test]
+    fn v1_integer_range_and_type_errors() {
+        let (a, _d) = arena();
+        let d = declared(DType::Uint8, &[-1]);
+        let e = decode_v1(&body(&[br#"{"inputs": {"x": [300]}}"#]), &d, &a).unwrap_err();
+        assert!(e.to_string().contains("expects uint8"), "{e}");
+        let e = decode_v1(&body(&[br#"{"inputs": {"x": [1.5]}}"#]), &d, &a).unwrap_err();
+        assert_eq!(e.kind(), "bad_input");
+        let ok = decode_v1(&body(&[br#"{"inputs": {"x": [0, 255]}}"#]), &d, &a).unwrap();
+        assert_eq!(ok[0].1.bytes(), &[0u8, 255]);
+    }
+
+    #[test]
+    fn v2_binary_input_split_across_chunks() {
+        let (a, _d) = arena();
+        let head = br#"{"inputs":[{"name":"x","shape":[1,2],"datatype":"FP32","parameters":{"binary_data_size":8}}],"outputs":[{"name":"x","parameters":{"binary_data":true}}]}"#;
+        let data: Vec<u8> = [1.5f32, -2.0].iter().flat_map(|f| f.to_le_bytes()).collect();
+        let b = body(&[head, &data[..3], &data[3..]]);
+        let (t, req) = decode_v2(&b, Some(head.len()), &declared(DType::Float32, &[-1, 2]), &a).unwrap();
+        assert_eq!(t[0].1.bytes(), &data[..]);
+        assert_eq!(a.copies.snapshot().body_join, 0, "binary tensors are never joined");
+        let resp = encode_v2("m", &req, &t).unwrap();
+        assert_eq!(resp.chunks.len(), 2);
+        assert_eq!(&resp.chunks[1][..], &data[..]);
+        let meta: Value = serde_json::from_slice(&resp.chunks[0]).unwrap();
+        assert_eq!(meta["outputs"][0]["parameters"]["binary_data_size"], 8);
+        assert_eq!(resp.header_len, Some(resp.chunks[0].len()));
+    }
+
+    #[test]
+    fn v2_rejects_leftover_or_short_binary() {
+        let (a, _d) = arena();
+        let head = br#"{"inputs":[{"name":"x","shape":[2],"datatype":"FP32","parameters":{"binary_data_size":8}}]}"#;
+        let d = declared(DType::Float32, &[-1]);
+        let short = body(&[head, &[0u8; 4]]);
+        assert!(decode_v2(&short, Some(head.len()), &d, &a).unwrap_err().to_string().contains("shorter"));
+        let long = body(&[head, &[0u8; 12]]);
+        assert!(decode_v2(&long, Some(head.len()), &d, &a).unwrap_err().to_string().contains("belong to no input"));
+    }
+
+    #[test]
+    fn nested_json_for_3d_tensor() {
+        let (a, _d) = arena();
+        let t = decode_v1(
+            &body(&[br#"{"inputs": {"x": [[[1, 2], [3, 4]], [[5, 6], [7, 8]]]}}"#]),
+            &declared(DType::Int64, &[-1, 2, 2]),
+            &a,
+        )
+        .unwrap();
+        assert_eq!(String::from_utf8(encode_v1(&t)).unwrap(), r#"{"outputs":{"x":[[[1,2],[3,4]],[[5,6],[7,8]]]}}"#);
+    }
+}

@@ -1,0 +1,192 @@
+"""`make bench`: the runtime's own overhead on this machine, in one run.
+
+1. The bare HTTP limit: a Go echo server (bench/echo) driven by the same
+   open-loop generator (skipped if Go is missing).
+2. Slipstream: the two-stage no-op chain (examples/noop.py: an ingress
+   stage and a child stage, both Python components) at the same rates.
+
+Prints a table and writes bench/results/runtime.json. The generator shares
+the machine's cores with the server, as the issue prescribes; quote medians
+of repeated runs (--repeat) on a noisy machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from slipstream import _core
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def load(url: str, body: bytes, rates: list[float], duration: float, warmup: float) -> list[dict[str, Any]]:
+    cfg = {
+        "url": url, "method": "POST", "body": list(body), "content_type": "application/json",
+        "headers": [], "rates": rates, "duration_s": duration, "warmup_s": warmup,
+        "arrival": {"kind": "poisson"}, "max_connections": 512, "timeout_s": 10.0, "threads": 1, "seed": 7,
+    }
+    return list(json.loads(_core.bench(json.dumps(cfg), quiet=True)))
+
+
+def start_echo() -> tuple[subprocess.Popen[bytes], str] | None:
+    go = shutil.which("go")
+    if go is None:
+        print("go not found: skipping the bare HTTP echo baseline", file=sys.stderr)
+        return None
+    exe = ROOT / "target" / "bench-echo"
+    subprocess.run([go, "build", "-o", str(exe), "."], cwd=ROOT / "bench" / "echo", check=True)
+    port = free_port()
+    proc = subprocess.Popen([str(exe), "-addr", f"127.0.0.1:{port}"])
+    url = f"http://127.0.0.1:{port}/echo"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return proc, url
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("echo server did not start")
+
+
+def start_node(app: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "slipstream._internal.cli", "serve", app, "--port", "0"],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True,
+    )
+    assert proc.stderr is not None
+    url = None
+    for line in proc.stderr:
+        m = re.search(r"listening on (http://[\d.]+:\d+)", line)
+        if m:
+            url = m.group(1)
+        if "ready, serving" in line:
+            break
+    if url is None:
+        raise RuntimeError("node did not start")
+    return proc, url
+
+
+def summarise(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Median over repeats, per rate."""
+    out = []
+    for per_rate in zip(*runs, strict=True):
+        def med(f: Any) -> float:
+            return statistics.median(f(r) for r in per_rate)
+        out.append({
+            "offered_rps": per_rate[0]["offered_rps"],
+            "achieved_rps": med(lambda r: r["achieved_rps"]),
+            "p50_ms": med(lambda r: r["latency_ms"]["p50"]),
+            "p99_ms": med(lambda r: r["latency_ms"]["p99"]),
+            "p999_ms": med(lambda r: r["latency_ms"]["p999"]),
+            "errors": med(lambda r: r["errors"]),
+            "late_sends": med(lambda r: r["late_sends"]),
+            "repeats": len(per_rate),
+        })
+    return out
+
+
+def table(name: str, rows: list[dict[str, Any]]) -> None:
+    print(f"\n{name}")
+    print(f"{'offered/s':>10}{'achieved/s':>12}{'p50 ms':>9}{'p99 ms':>9}{'p99.9 ms':>10}{'errors':>8}{'late':>7}")
+    for r in rows:
+        print(f"{r['offered_rps']:>10.0f}{r['achieved_rps']:>12.0f}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}"
+              f"{r['p999_ms']:>10.2f}{r['errors']:>8.0f}{r['late_sends']:>7.0f}")
+
+
+def highest_within(rows: list[dict[str, Any]], p99_ms: float) -> float:
+    ok = [r["offered_rps"] for r in rows
+          if r["p99_ms"] <= p99_ms and r["errors"] == 0 and r["achieved_rps"] >= 0.98 * r["offered_rps"]]
+    return max(ok, default=0.0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rates", default="5000,10000,15000,20000,25000")
+    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--warmup", type=float, default=2.0)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--no-echo", action="store_true")
+    ap.add_argument("--out", default=str(RESULTS / "runtime.json"))
+    a = ap.parse_args()
+    rates = [float(r) for r in a.rates.split(",")]
+    body = json.dumps({"inputs": {"x": [[1.0, 2.0, 3.0, 4.0]]}}).encode()
+    result: dict[str, Any] = {"machine": {"cores": os.cpu_count()}, "rates": rates, "duration_s": a.duration}
+
+    if not a.no_echo:
+        echo = start_echo()
+        if echo is not None:
+            proc, url = echo
+            try:
+                runs = []
+                for i in range(a.repeat):
+                    print(f"bare HTTP echo, run {i + 1}/{a.repeat} ...", file=sys.stderr, flush=True)
+                    runs.append(load(url, body, rates, a.duration, a.warmup))
+                result["echo"] = summarise(runs)
+            finally:
+                proc.kill()
+                proc.wait()
+            table("bare HTTP echo (Go net/http), same load generator", result["echo"])
+
+    node, base = start_node("examples/noop.py")
+    try:
+        runs = []
+        stages = []
+        for i in range(a.repeat):
+            print(f"slipstream noop chain, run {i + 1}/{a.repeat} ...", file=sys.stderr, flush=True)
+            urllib.request.urlopen(urllib.request.Request(base + "/v1/admin/reset-metrics", method="POST"))
+            runs.append(load(base + "/v1/pipelines/noop/infer", body, rates, a.duration, a.warmup))
+            with urllib.request.urlopen(base + "/v1/status") as r:
+                st = json.loads(r.read())
+            stages.append({s["name"]: {"hop_ms": s["hop_ms"], "batch_size": s["batch_size"]}
+                           for s in st["pipelines"][0]["stages"]})
+        result["slipstream"] = summarise(runs)
+        result["hop"] = {
+            name: {
+                "p50_us": statistics.median(s[name]["hop_ms"]["p50"] * 1000 for s in stages),
+                "p99_us": statistics.median(s[name]["hop_ms"]["p99"] * 1000 for s in stages),
+                "mean_batch": statistics.median(s[name]["batch_size"]["mean"] for s in stages),
+            }
+            for name in stages[0]
+        }
+    finally:
+        node.send_signal(signal.SIGINT)
+        node.wait(30)
+    table("slipstream: two-stage no-op chain (First -> Second, Python workers)", result["slipstream"])
+    print("\nper-hop overhead node -> worker -> node (all rates of the sweep):")
+    for name, h in result["hop"].items():
+        print(f"  {name:<8} p50 {h['p50_us']:.0f} us   p99 {h['p99_us']:.0f} us   mean batch {h['mean_batch']:.1f}")
+    result["highest_rate_p99_under_10ms"] = {
+        "slipstream": highest_within(result["slipstream"], 10.0),
+        **({"echo": highest_within(result["echo"], 10.0)} if "echo" in result else {}),
+    }
+    print(f"\nhighest offered rate with p99 <= 10 ms: {result['highest_rate_p99_under_10ms']}")
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
