@@ -92,6 +92,9 @@ def test_timeout_releases_half_joined_parts(chain_node: Node) -> None:
     wait_for(lambda: chain_node.infer("diamond", x=[[2, 3]]) == (200, {"outputs": {"both": [[5.0, 6.0]]}}), timeout=10)
     diamond = next(p for p in chain_node.status()["pipelines"] if p["name"] == "diamond")
     assert diamond["errors"].get("timeout", 0) >= 1
+    # Nothing stays allocated once the node is idle: the timed-out request's
+    # inputs and Sum's half of the join were released.
+    wait_for(lambda: all(p["used_bytes"] == 0 for p in chain_node.status()["arena"]), timeout=10)
 
 
 def test_killed_worker_is_retried_on_another_replica(chain_node: Node) -> None:

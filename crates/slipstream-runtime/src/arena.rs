@@ -183,6 +183,21 @@ impl Arena {
         self.pools.read().get(id as usize).cloned()
     }
 
+    /// Bytes in use per pool (pool 0 is the ingress pool).
+    pub fn usage(&self) -> Vec<serde_json::Value> {
+        self.pools
+            .read()
+            .iter()
+            .map(|p| {
+                serde_json::json!({
+                    "pool": p.id(),
+                    "used_bytes": p.used_pages() * p.page_size(),
+                    "capacity_bytes": p.capacity_bytes(),
+                })
+            })
+            .collect()
+    }
+
     /// Remove every pool file (mappings stay valid until dropped).
     pub fn unlink_all(&self) {
         for p in self.pools.read().iter() {

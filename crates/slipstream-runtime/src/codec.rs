@@ -675,8 +675,11 @@ mod tests {
             pub fn new() -> Dir {
                 use std::sync::atomic::{AtomicU32, Ordering};
                 static N: AtomicU32 = AtomicU32::new(0);
-                let p = std::env::temp_dir()
-                    .join(format!("ss-codec-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
+                let p = std::env::temp_dir().join(format!(
+                    "ss-codec-{}-{}",
+                    std::process::id(),
+                    N.fetch_add(1, Ordering::Relaxed)
+                ));
                 std::fs::create_dir_all(&p).unwrap();
                 Dir(p)
             }
@@ -689,7 +692,13 @@ mod tests {
     }
 
     fn declared(dtype: DType, shape: &[i64]) -> BTreeMap<String, TensorSpec> {
-        BTreeMap::from([("x".to_string(), TensorSpec { dtype, shape: shape.to_vec() })])
+        BTreeMap::from([(
+            "x".to_string(),
+            TensorSpec {
+                dtype,
+                shape: shape.to_vec(),
+            },
+        )])
     }
 
     fn body(parts: &[&[u8]]) -> BodyParts {
@@ -704,7 +713,11 @@ mod tests {
         b.copy_out(4, &mut out);
         assert_eq!(&out, b"o world");
         assert_eq!(&*b.contiguous(0, 5, &a, true), b"hello");
-        assert_eq!(a.copies.snapshot().body_join, 0, "inside one chunk: borrowed");
+        assert_eq!(
+            a.copies.snapshot().body_join,
+            0,
+            "inside one chunk: borrowed"
+        );
         assert_eq!(&*b.contiguous(3, 9, &a, true), b"lo wor");
         assert_eq!(a.copies.snapshot().body_join, 1);
     }
@@ -712,8 +725,12 @@ mod tests {
     #[test]
     fn v1_decodes_converts_and_round_trips() {
         let (a, _d) = arena();
-        let t = decode_v1(&body(&[br#"{"inputs": {"x": [[1, 2.5], [3, -4]]}}"#]), &declared(DType::Float32, &[-1, 2]), &a)
-            .unwrap();
+        let t = decode_v1(
+            &body(&[br#"{"inputs": {"x": [[1, 2.5], [3, -4]]}}"#]),
+            &declared(DType::Float32, &[-1, 2]),
+            &a,
+        )
+        .unwrap();
         assert_eq!(t[0].1.shape, vec![2, 2]);
         let json = String::from_utf8(encode_v1(&t)).unwrap();
         assert_eq!(json, r#"{"outputs":{"x":[[1.0,2.5],[3.0,-4.0]]}}"#);
@@ -736,11 +753,24 @@ mod tests {
     fn v2_binary_input_split_across_chunks() {
         let (a, _d) = arena();
         let head = br#"{"inputs":[{"name":"x","shape":[1,2],"datatype":"FP32","parameters":{"binary_data_size":8}}],"outputs":[{"name":"x","parameters":{"binary_data":true}}]}"#;
-        let data: Vec<u8> = [1.5f32, -2.0].iter().flat_map(|f| f.to_le_bytes()).collect();
+        let data: Vec<u8> = [1.5f32, -2.0]
+            .iter()
+            .flat_map(|f| f.to_le_bytes())
+            .collect();
         let b = body(&[head, &data[..3], &data[3..]]);
-        let (t, req) = decode_v2(&b, Some(head.len()), &declared(DType::Float32, &[-1, 2]), &a).unwrap();
+        let (t, req) = decode_v2(
+            &b,
+            Some(head.len()),
+            &declared(DType::Float32, &[-1, 2]),
+            &a,
+        )
+        .unwrap();
         assert_eq!(t[0].1.bytes(), &data[..]);
-        assert_eq!(a.copies.snapshot().body_join, 0, "binary tensors are never joined");
+        assert_eq!(
+            a.copies.snapshot().body_join,
+            0,
+            "binary tensors are never joined"
+        );
         let resp = encode_v2("m", &req, &t).unwrap();
         assert_eq!(resp.chunks.len(), 2);
         assert_eq!(&resp.chunks[1][..], &data[..]);
@@ -755,9 +785,15 @@ mod tests {
         let head = br#"{"inputs":[{"name":"x","shape":[2],"datatype":"FP32","parameters":{"binary_data_size":8}}]}"#;
         let d = declared(DType::Float32, &[-1]);
         let short = body(&[head, &[0u8; 4]]);
-        assert!(decode_v2(&short, Some(head.len()), &d, &a).unwrap_err().to_string().contains("shorter"));
+        assert!(decode_v2(&short, Some(head.len()), &d, &a)
+            .unwrap_err()
+            .to_string()
+            .contains("shorter"));
         let long = body(&[head, &[0u8; 12]]);
-        assert!(decode_v2(&long, Some(head.len()), &d, &a).unwrap_err().to_string().contains("belong to no input"));
+        assert!(decode_v2(&long, Some(head.len()), &d, &a)
+            .unwrap_err()
+            .to_string()
+            .contains("belong to no input"));
     }
 
     #[test]
@@ -769,6 +805,9 @@ mod tests {
             &a,
         )
         .unwrap();
-        assert_eq!(String::from_utf8(encode_v1(&t)).unwrap(), r#"{"outputs":{"x":[[[1,2],[3,4]],[[5,6],[7,8]]]}}"#);
+        assert_eq!(
+            String::from_utf8(encode_v1(&t)).unwrap(),
+            r#"{"outputs":{"x":[[[1,2],[3,4]],[[5,6],[7,8]]]}}"#
+        );
     }
 }

@@ -183,6 +183,7 @@ impl Node {
             "draining": self.draining.load(Relaxed),
             "inflight": self.inflight.load(Relaxed),
             "copies": self.arena.copies.snapshot(),
+            "arena": self.arena.usage(),
             "pipelines": pipelines,
         })
     }

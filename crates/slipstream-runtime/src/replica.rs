@@ -510,10 +510,27 @@ fn split_outputs(
     total_rows: u64,
 ) -> Result<Vec<Tensors>, NodeError> {
     let me = ctx.me();
-    // (name, whole-batch tensor, the pool it borrows from if it is an input's memory)
-    let mut whole = Vec::with_capacity(outputs.len());
+    // Take ownership of every block the worker wrote before checking anything,
+    // so that a rejected batch still frees them.
+    let mut owned = Vec::with_capacity(outputs.len());
     for (name, out) in outputs {
-        let d = out.desc;
+        let block =
+            match out.origin {
+                OutputOrigin::Copied if out.desc.pool == me.pool.id() => Some(Arc::new(
+                    Block::adopt(&me.pool, out.desc.offset, out.desc.nbytes as usize)?,
+                )),
+                OutputOrigin::Copied => {
+                    return Err(NodeError::Internal(format!(
+                        "worker wrote output '{name}' outside its pool"
+                    )))
+                }
+                OutputOrigin::Borrowed => None,
+            };
+        owned.push((name, out.desc, block));
+    }
+    // (name, whole-batch tensor, the pool it borrows from if it is an input's memory)
+    let mut whole = Vec::with_capacity(owned.len());
+    for (name, d, block) in owned {
         let expect = numel(&d.shape) * d.dtype.size() as u64;
         if d.nbytes != expect {
             return Err(NodeError::Internal(format!(
@@ -527,20 +544,10 @@ fn split_outputs(
                 d.shape
             )));
         }
-        let (block, borrowed) = match out.origin {
-            OutputOrigin::Copied => {
-                if d.pool != me.pool.id() {
-                    return Err(NodeError::Internal(format!(
-                        "worker wrote output '{name}' outside its pool"
-                    )));
-                }
-                (
-                    Arc::new(Block::adopt(&me.pool, d.offset, d.nbytes as usize)?),
-                    None,
-                )
-            }
+        let (block, borrowed) = match block {
+            Some(b) => (b, None),
             // Placeholder owner; each request's slice finds its real owner below.
-            OutputOrigin::Borrowed => (members[0].1[0].1.block.clone(), Some(d.pool)),
+            None => (members[0].1[0].1.block.clone(), Some(d.pool)),
         };
         whole.push((
             name,
