@@ -32,7 +32,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     _, pipelines = load_pipelines(a.app)
     spec = app_spec(a.app, pipelines)
     for p in pipelines:
-        stages = " -> ".join(s["name"] for s in p.to_spec()["stages"])
+        stages = ", ".join(
+            s["name"] + (f" <- {' + '.join(s['parents'])}" if s["parents"] else " <- inputs")
+            for s in p.to_spec()["stages"]
+        )
         print(f"slipstream: pipeline {p.name}: {stages}", file=sys.stderr)
     try:
         _core.serve(
@@ -75,17 +78,16 @@ def cmd_status(a: argparse.Namespace) -> int:
         slo_s = f"SLO p99<={slo['p99_ms']}ms" if slo else "no SLO"
         print(f"\npipeline {p['name']}  ({slo_s})  ok={p['ok']} errors={errs}  "
               f"latency p50={lat['p50']:.2f}ms p99={lat['p99']:.2f}ms")
-        hdr = f"  {'stage':<18}{'replicas':>9}{'healthy':>8}{'queue':>7}{'batches':>9}{'mean batch':>11}{'max':>5}" \
-              f"{'wait p50':>10}{'compute p50':>12}{'hop p50':>9}{'hop p99':>9}"
-        print(hdr)
+        print(f"  {'stage':<16}{'replicas':>9}{'healthy':>8}{'queued':>7}{'batches':>9}{'batch mean':>11}"
+              f"{'max':>5}   {'ms: wait p50':>12}{'compute p50':>12}{'hop p50':>8}{'hop p99':>8}")
         for s in p["stages"]:
             reps = s["replicas"]
             healthy = sum(1 for r in reps if r["healthy"])
             queue = sum(r["queue"] for r in reps)
             bs = s["batch_size"]
-            print(f"  {s['name']:<18}{len(reps):>9}{healthy:>8}{queue:>7}{s['batches']:>9}{bs['mean']:>11.1f}"
-                  f"{bs['max']:>5.0f}{s['queue_wait_ms']['p50']:>9.2f}m{s['compute_ms']['p50']:>11.2f}m"
-                  f"{s['hop_ms']['p50']:>8.2f}m{s['hop_ms']['p99']:>8.2f}m")
+            print(f"  {s['name']:<16}{len(reps):>9}{healthy:>8}{queue:>7}{s['batches']:>9}{bs['mean']:>11.1f}"
+                  f"{bs['max']:>5.0f}   {s['queue_wait_ms']['p50']:>12.2f}{s['compute_ms']['p50']:>12.2f}"
+                  f"{s['hop_ms']['p50']:>8.2f}{s['hop_ms']['p99']:>8.2f}")
     return 0
 
 
