@@ -70,6 +70,13 @@ impl Replica {
         self.notify.notify_one();
     }
 
+    /// `n` requests left this replica (done, failed, moved or skipped).
+    pub fn release(&self, n: usize) {
+        let _ = self
+            .outstanding
+            .fetch_update(Relaxed, Relaxed, |v| Some(v.saturating_sub(n)));
+    }
+
     pub fn queue_len(&self) -> usize {
         self.queue.lock().len()
     }

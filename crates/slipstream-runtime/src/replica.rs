@@ -229,12 +229,14 @@ async fn serve(ctx: &mut ReplicaCtx, w: &mut Worker) -> Ended {
     let me = ctx.me().clone();
     let max_batch = ctx.pipe.stages[ctx.stage].max_batch;
     loop {
+        let mut skipped = 0;
         let batch = take_batch(&mut me.queue.lock(), max_batch, |work: &Work| {
-            !work.req.is_done()
+            let live = !work.req.is_done();
+            skipped += usize::from(!live);
+            live
         });
+        me.release(skipped);
         if batch.is_empty() {
-            // Requests skipped by take_batch were counted as outstanding.
-            resync_outstanding(&me);
             if *ctx.stop.borrow() {
                 return Ended::Stopped;
             }
@@ -250,10 +252,6 @@ async fn serve(ctx: &mut ReplicaCtx, w: &mut Worker) -> Ended {
     }
 }
 
-fn resync_outstanding(me: &Replica) {
-    me.outstanding.store(me.queue_len(), Relaxed);
-}
-
 /// Requeue what waited for a dead worker onto healthy replicas, if any.
 fn move_queue_elsewhere(ctx: &ReplicaCtx) {
     let stage = &ctx.pipe.stages[ctx.stage];
@@ -261,7 +259,7 @@ fn move_queue_elsewhere(ctx: &ReplicaCtx) {
         return; // nowhere better: they wait for the restart
     }
     let drained = ctx.me().queue.lock().drain();
-    ctx.me().outstanding.store(0, Relaxed);
+    ctx.me().release(drained.len());
     for (_, work) in drained {
         if let Some(r) = choose_replica(&stage.loads(), work.req.id) {
             stage.replicas[r].push(work.req, ctx.pipe.epoch);
@@ -346,13 +344,13 @@ async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>) -> Result<
                 members.push((work.req, inputs));
             }
             Err(e) => {
-                me.outstanding.fetch_sub(1, Relaxed);
+                me.release(1);
                 work.req.fail(e);
             }
         }
     }
     for req in deferred {
-        me.outstanding.fetch_sub(1, Relaxed);
+        me.release(1);
         me.push(req, ctx.pipe.epoch);
     }
     if members.is_empty() {
@@ -424,7 +422,7 @@ async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>) -> Result<
                             b,
                         );
                     }
-                    me.outstanding.fetch_sub(n, Relaxed);
+                    me.release(n);
                     for ((req, _), outs) in members.into_iter().zip(per_request) {
                         req.finish_stage(ctx.stage, outs);
                     }
@@ -472,7 +470,7 @@ fn finish_all(
     members: Vec<(Arc<Request>, Tensors)>,
     err: impl Fn(&Request) -> NodeError,
 ) {
-    me.outstanding.fetch_sub(members.len(), Relaxed);
+    me.release(members.len());
     for (req, _) in members {
         let e = err(&req);
         req.fail(e);
@@ -485,7 +483,7 @@ fn retry_or_fail(ctx: &ReplicaCtx, members: Vec<(Arc<Request>, Tensors)>, why: &
     let stage = &ctx.pipe.stages[ctx.stage];
     let me = ctx.me();
     me.healthy.store(false, Relaxed);
-    me.outstanding.fetch_sub(members.len(), Relaxed);
+    me.release(members.len());
     for (req, _) in members {
         let target = choose_replica(&stage.loads(), req.id).filter(|&r| r != ctx.replica);
         match target {
