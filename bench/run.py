@@ -91,7 +91,7 @@ def summarise(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Median over repeats, per rate."""
     out = []
     for per_rate in zip(*runs, strict=True):
-        def med(f: Any) -> float:
+        def med(f: Any, per_rate: tuple[dict[str, Any], ...] = per_rate) -> float:
             return statistics.median(f(r) for r in per_rate)
         out.append({
             "offered_rps": per_rate[0]["offered_rps"],

@@ -90,12 +90,19 @@ def test_wrong_row_count_or_type_raises_and_frees(pools: Pools) -> None:
     with pytest.raises(TypeError, match="dict of arrays"):
         run_batch(NotADict(), pools, msg)
 
-    class Strings:
+    class Complex:
         def __call__(self, batch):  # type: ignore[no-untyped-def]
-            return {"s": np.array(["a", "b"])}
+            return {"c": np.array([1j, 2j])}
 
     with pytest.raises(TypeError, match="cannot be served"):
-        run_batch(Strings(), pools, msg)
+        run_batch(Complex(), pools, msg)
+
+    class Mixed:
+        def __call__(self, batch):  # type: ignore[no-untyped-def]
+            return {"m": np.array(["a", b"b"], dtype=object)}
+
+    with pytest.raises(TypeError, match="only str or only bytes"):
+        run_batch(Mixed(), pools, msg)
 
 
 def test_protocol_round_trip() -> None:

@@ -54,22 +54,48 @@ impl TensorRef {
         self.shape.first().copied().unwrap_or(1)
     }
 
-    pub fn row_bytes(&self) -> u64 {
-        self.shape.iter().skip(1).product::<u64>() * self.dtype.size() as u64
+    /// Elements in one row (the product of the trailing dimensions).
+    fn row_elems(&self) -> u64 {
+        self.shape.iter().skip(1).product::<u64>()
     }
 
-    /// Rows `[start, start + n)` of this tensor, sharing its block.
-    pub fn rows_slice(&self, start: u64, n: u64) -> TensorRef {
-        let rb = self.row_bytes();
-        let mut shape = self.shape.clone();
-        shape[0] = n;
-        TensorRef {
-            block: self.block.clone(),
-            offset: self.offset + start * rb,
-            nbytes: n * rb,
-            dtype: self.dtype,
-            shape,
+    /// Split into consecutive pieces of `rows[i]` rows each, sharing the block.
+    /// `None` if the rows do not add up, or variable-size elements are malformed.
+    pub fn split_rows(&self, rows: &[u64]) -> Option<Vec<TensorRef>> {
+        let total: u64 = rows.iter().sum();
+        if self.shape.first() != Some(&total) {
+            return None;
         }
+        // Byte offset of every row start, plus the end.
+        let row_at: Vec<u64> = if self.dtype.is_variable() {
+            slipstream_types::var::group_offsets(
+                self.bytes(),
+                self.row_elems() as usize,
+                total as usize,
+            )?
+            .into_iter()
+            .map(|o| o as u64)
+            .collect()
+        } else {
+            let rb = self.row_elems() * self.dtype.size() as u64;
+            (0..=total).map(|r| r * rb).collect()
+        };
+        let mut out = Vec::with_capacity(rows.len());
+        let mut row = 0usize;
+        for &n in rows {
+            let (lo, hi) = (row_at[row], row_at[row + n as usize]);
+            let mut shape = self.shape.clone();
+            shape[0] = n;
+            out.push(TensorRef {
+                block: self.block.clone(),
+                offset: self.offset + lo,
+                nbytes: hi - lo,
+                dtype: self.dtype,
+                shape,
+            });
+            row += n as usize;
+        }
+        Some(out)
     }
 }
 

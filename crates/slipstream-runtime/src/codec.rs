@@ -97,6 +97,9 @@ fn align(n: usize) -> usize {
 
 /// One input as parsed, before it is written to the arena.
 struct Parsed<'a> {
+    /// Bytes elements written as JSON strings are base64 (pipeline API) or
+    /// the string's own bytes (v2 JSON, as the protocol specifies).
+    base64_bytes: bool,
     name: String,
     dtype: DType,
     shape: Vec<u64>,
@@ -106,8 +109,9 @@ struct Parsed<'a> {
 enum Source<'a> {
     /// Leaves of a (possibly nested) JSON array in row-major order.
     Json(&'a Value),
-    /// Raw little-endian bytes at this offset of the body (v2 binary extension).
-    Raw(usize),
+    /// Raw bytes `[at, at + len)` of the body (v2 binary extension); for
+    /// variable-size dtypes already in the length-prefixed layout.
+    Raw { at: usize, len: usize },
 }
 
 fn bad(msg: impl Into<String>) -> NodeError {
@@ -192,8 +196,83 @@ fn write_scalar(v: &Value, dtype: DType, out: &mut [u8], name: &str) -> Result<(
         DType::Int16 => int!(i16),
         DType::Int32 => int!(i32),
         DType::Int64 => int!(i64),
+        DType::String | DType::Bytes => {
+            unreachable!("variable-size elements are written by write_var")
+        }
     }
     Ok(())
+}
+
+/// The bytes of one variable-size JSON element: (length, how to get them).
+fn var_len(v: &Value, dtype: DType, base64_bytes: bool, name: &str) -> Result<usize, NodeError> {
+    let s = v.as_str().ok_or_else(|| {
+        bad(format!(
+            "input '{name}' expects {dtype} values (JSON strings), got {v}"
+        ))
+    })?;
+    if dtype == DType::Bytes && base64_bytes {
+        use base64::Engine;
+        base64::engine::general_purpose::STANDARD
+            .decode(s)
+            .map(|b| b.len())
+            .map_err(|e| bad(format!("input '{name}' expects base64 strings: {e}")))
+    } else {
+        Ok(s.len())
+    }
+}
+
+/// Write one variable-size JSON element (length prefix + bytes) at `out`.
+fn write_var(v: &Value, dtype: DType, base64_bytes: bool, out: &mut [u8]) -> usize {
+    let s = v.as_str().expect("checked by var_len");
+    let body = &mut out[4..];
+    let n = if dtype == DType::Bytes && base64_bytes {
+        use base64::Engine;
+        base64::engine::general_purpose::STANDARD
+            .decode_slice(s, body)
+            .expect("checked by var_len")
+    } else {
+        body[..s.len()].copy_from_slice(s.as_bytes());
+        s.len()
+    };
+    out[..4].copy_from_slice(&(n as u32).to_le_bytes());
+    4 + n
+}
+
+/// Bytes a parsed input takes in the arena.
+fn stored_size(p: &Parsed<'_>, body: &BodyParts, arena: &Arena) -> Result<usize, NodeError> {
+    match (&p.source, p.dtype.is_variable()) {
+        (Source::Raw { len, .. }, false) => Ok(*len),
+        (Source::Json(_), false) => Ok(numel(&p.shape) as usize * p.dtype.size()),
+        (Source::Raw { at, len }, true) => {
+            let raw = body.contiguous(*at, at + len, arena, false);
+            let elems = slipstream_types::var::elements(&raw)
+                .ok_or_else(|| bad(format!("input '{}': malformed BYTES data", p.name)))?;
+            if elems.len() as u64 != numel(&p.shape) {
+                return Err(bad(format!(
+                    "input '{}' has {} elements but shape {:?} needs {}",
+                    p.name,
+                    elems.len(),
+                    p.shape,
+                    numel(&p.shape)
+                )));
+            }
+            if p.dtype == DType::String && elems.iter().any(|e| std::str::from_utf8(e).is_err()) {
+                return Err(bad(format!(
+                    "input '{}' is a string tensor but holds invalid UTF-8",
+                    p.name
+                )));
+            }
+            Ok(*len)
+        }
+        (Source::Json(v), true) => {
+            let mut total = 0usize;
+            for_each_leaf(v, &mut |leaf| {
+                total += 4 + var_len(leaf, p.dtype, p.base64_bytes, &p.name)?;
+                Ok(())
+            })?;
+            Ok(total)
+        }
+    }
 }
 
 /// Check parsed inputs against the declared ones; write them into one block.
@@ -225,8 +304,11 @@ fn validate_and_store(
         )));
     }
     let mut rows = None;
-    for p in &parsed {
+    for p in &mut parsed {
         let spec = &declared[&p.name];
+        if p.dtype == DType::Bytes && spec.dtype.is_variable() {
+            p.dtype = spec.dtype; // v2 says BYTES for both string and bytes tensors
+        }
         if p.dtype != spec.dtype {
             return Err(bad(format!(
                 "input '{}' must be {} ({}), got {}",
@@ -262,8 +344,8 @@ fn validate_and_store(
     parsed.sort_by(|a, b| a.name.cmp(&b.name));
     let sizes: Vec<usize> = parsed
         .iter()
-        .map(|p| numel(&p.shape) as usize * p.dtype.size())
-        .collect();
+        .map(|p| stored_size(p, body, arena))
+        .collect::<Result<_, _>>()?;
     let total: usize = sizes.iter().map(|&s| align(s)).sum();
     let block = arena.ingress_block(total)?;
     let buf = block.as_mut_slice();
@@ -272,7 +354,14 @@ fn validate_and_store(
     for (p, &size) in parsed.into_iter().zip(&sizes) {
         let dst = &mut buf[at..at + size];
         match p.source {
-            Source::Raw(at) => body.copy_out(at, dst),
+            Source::Raw { at, .. } => body.copy_out(at, dst),
+            Source::Json(v) if p.dtype.is_variable() => {
+                let mut i = 0;
+                for_each_leaf(v, &mut |leaf| {
+                    i += write_var(leaf, p.dtype, p.base64_bytes, &mut dst[i..]);
+                    Ok(())
+                })?;
+            }
             Source::Json(v) => {
                 let w = p.dtype.size();
                 let mut i = 0;
@@ -317,6 +406,7 @@ pub fn decode_v1(
     for (name, val) in inputs {
         let Some(spec) = declared.get(name) else {
             parsed.push(Parsed {
+                base64_bytes: true,
                 name: name.clone(),
                 dtype: DType::Float32,
                 shape: vec![],
@@ -329,6 +419,7 @@ pub fn decode_v1(
         }
         let shape = json_shape(val, name)?;
         parsed.push(Parsed {
+            base64_bytes: true,
             name: name.clone(),
             dtype: spec.dtype,
             shape,
@@ -410,7 +501,7 @@ pub fn decode_v2(
             .and_then(Value::as_u64);
         let source = if let Some(size) = binary_size {
             let want = n * dtype.size() as u64;
-            if size != want {
+            if !dtype.is_variable() && size != want {
                 return Err(bad(format!("input '{name}': binary_data_size {size} does not match shape {shape:?} of {dt} ({want} bytes)")));
             }
             if binary_at + size as usize > body.len() {
@@ -419,7 +510,10 @@ pub fn decode_v2(
                 )));
             }
             binary_at += size as usize;
-            Source::Raw(binary_at - size as usize)
+            Source::Raw {
+                at: binary_at - size as usize,
+                len: size as usize,
+            }
         } else {
             let data = inp.get("data").ok_or_else(|| {
                 bad(format!(
@@ -439,6 +533,7 @@ pub fn decode_v2(
             Source::Json(data)
         };
         parsed.push(Parsed {
+            base64_bytes: false,
             name: name.to_string(),
             dtype,
             shape,
@@ -476,6 +571,12 @@ pub fn decode_v2(
 fn write_json_tensor(out: &mut Vec<u8>, t: &TensorRef, nested: bool) {
     let bytes = t.bytes();
     let w = t.dtype.size();
+    let elems: Vec<&[u8]> = if t.dtype.is_variable() {
+        // Validated when the tensor entered the node (ingress or worker reply).
+        slipstream_types::var::elements(bytes).unwrap_or_default()
+    } else {
+        bytes.chunks_exact(w).collect()
+    };
     let mut fbuf = ryu::Buffer::new();
     let mut ibuf = itoa::Buffer::new();
     let mut write_elem = |out: &mut Vec<u8>, e: &[u8]| {
@@ -516,17 +617,29 @@ fn write_json_tensor(out: &mut Vec<u8>, t: &TensorRef, nested: bool) {
             DType::Int16 => int!(i16),
             DType::Int32 => int!(i32),
             DType::Int64 => int!(i64),
+            DType::String => serde_json::to_writer(&mut *out, &String::from_utf8_lossy(e))
+                .expect("string serialises"),
+            DType::Bytes => {
+                use base64::Engine;
+                out.push(b'"');
+                out.extend_from_slice(
+                    base64::engine::general_purpose::STANDARD
+                        .encode(e)
+                        .as_bytes(),
+                );
+                out.push(b'"');
+            }
         }
     };
     let shape: &[u64] = if nested { &t.shape } else { &[] };
     let n = numel(&t.shape) as usize;
     if shape.is_empty() {
         out.push(b'[');
-        for i in 0..n {
+        for (i, e) in elems.iter().enumerate() {
             if i > 0 {
                 out.push(b',');
             }
-            write_elem(out, &bytes[i * w..(i + 1) * w]);
+            write_elem(out, e);
         }
         out.push(b']');
         return;
@@ -538,7 +651,7 @@ fn write_json_tensor(out: &mut Vec<u8>, t: &TensorRef, nested: bool) {
     for _ in 0..shape.len() {
         out.push(b'[');
     }
-    for i in 0..n {
+    for (i, e) in elems.iter().enumerate().take(n) {
         if i > 0 {
             let closes = strides.iter().filter(|&&s| s > 0 && i % s == 0).count() - 1;
             for _ in 0..closes {
@@ -549,7 +662,7 @@ fn write_json_tensor(out: &mut Vec<u8>, t: &TensorRef, nested: bool) {
                 out.push(b'[');
             }
         }
-        write_elem(out, &bytes[i * w..(i + 1) * w]);
+        write_elem(out, e);
     }
     for _ in 0..shape.len() {
         out.push(b']');

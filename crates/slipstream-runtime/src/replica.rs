@@ -530,7 +530,7 @@ fn split_outputs(
     let mut whole = Vec::with_capacity(owned.len());
     for (name, d, block) in owned {
         let expect = numel(&d.shape) * d.dtype.size() as u64;
-        if d.nbytes != expect {
+        if !d.dtype.is_variable() && d.nbytes != expect {
             return Err(NodeError::Internal(format!(
                 "output '{name}': {} bytes do not match shape {:?}",
                 d.nbytes, d.shape
@@ -559,13 +559,21 @@ fn split_outputs(
             borrowed,
         ));
     }
-    let mut per_request = Vec::with_capacity(members.len());
-    let mut row = 0u64;
-    for (_, inputs) in members {
-        let r = request_rows(inputs);
-        let mut outs = Vec::with_capacity(whole.len());
-        for (name, t, borrowed) in &whole {
-            let mut part = t.rows_slice(row, r);
+    let rows: Vec<u64> = members
+        .iter()
+        .map(|(_, inputs)| request_rows(inputs))
+        .collect();
+    let mut per_request: Vec<Tensors> = (0..members.len())
+        .map(|_| Vec::with_capacity(whole.len()))
+        .collect();
+    for (name, t, borrowed) in &whole {
+        let parts = t.split_rows(&rows).ok_or_else(|| {
+            NodeError::Internal(format!(
+                "output '{name}' of {} bytes does not hold {:?} {} elements",
+                t.nbytes, t.shape, t.dtype
+            ))
+        })?;
+        for (i, mut part) in parts.into_iter().enumerate() {
             if let Some(pool) = *borrowed {
                 part.block = find_owner(members, gathered, pool, &part).ok_or_else(|| {
                     NodeError::Internal(format!(
@@ -573,10 +581,8 @@ fn split_outputs(
                     ))
                 })?;
             }
-            outs.push((name.clone(), part));
+            per_request[i].push((name.clone(), part));
         }
-        per_request.push(outs);
-        row += r;
     }
     Ok(per_request)
 }

@@ -30,9 +30,13 @@ pub enum DType {
     Float16,
     Float32,
     Float64,
+    /// UTF-8 text, one string per element (variable size).
+    String,
+    /// Raw bytes, one byte string per element (variable size).
+    Bytes,
 }
 
-const ALL: [DType; 12] = [
+const ALL: [DType; 14] = [
     DType::Bool,
     DType::Uint8,
     DType::Uint16,
@@ -45,12 +49,15 @@ const ALL: [DType; 12] = [
     DType::Float16,
     DType::Float32,
     DType::Float64,
+    DType::String,
+    DType::Bytes,
 ];
 
 impl DType {
-    /// Bytes per element.
+    /// Bytes per element; 0 for the variable-size types (see [`var`]).
     pub fn size(self) -> usize {
         match self {
+            DType::String | DType::Bytes => 0,
             DType::Bool | DType::Uint8 | DType::Int8 => 1,
             DType::Uint16 | DType::Int16 | DType::Float16 => 2,
             DType::Uint32 | DType::Int32 | DType::Float32 => 4,
@@ -73,7 +80,14 @@ impl DType {
             DType::Float16 => "float16",
             DType::Float32 => "float32",
             DType::Float64 => "float64",
+            DType::String => "string",
+            DType::Bytes => "bytes",
         }
+    }
+
+    /// Whether elements have a variable size (stored as [`var`] encodes them).
+    pub fn is_variable(self) -> bool {
+        matches!(self, DType::String | DType::Bytes)
     }
 
     /// Open Inference Protocol (KServe v2) spelling, e.g. `FP32`.
@@ -91,11 +105,15 @@ impl DType {
             DType::Float16 => "FP16",
             DType::Float32 => "FP32",
             DType::Float64 => "FP64",
+            DType::String | DType::Bytes => "BYTES",
         }
     }
 
-    /// Parse the Open Inference Protocol spelling.
+    /// Parse the Open Inference Protocol spelling (`BYTES` reads as [`DType::Bytes`]).
     pub fn from_v2(s: &str) -> Option<DType> {
+        if s == "BYTES" {
+            return Some(DType::Bytes);
+        }
         ALL.into_iter().find(|d| d.v2_name() == s)
     }
 
@@ -185,6 +203,51 @@ pub struct TensorDesc {
     pub shape: Vec<u64>,
 }
 
+/// The layout of variable-size elements in memory and on the wire: each
+/// element is a little-endian `u32` byte length followed by its bytes, with
+/// no padding. This is the Open Inference Protocol's binary BYTES layout, so
+/// binary v2 tensors are stored as they arrive.
+pub mod var {
+    /// Append one element.
+    pub fn push(out: &mut Vec<u8>, elem: &[u8]) {
+        out.extend_from_slice(&(elem.len() as u32).to_le_bytes());
+        out.extend_from_slice(elem);
+    }
+
+    /// The elements of `buf`, or `None` if it is not a whole number of them.
+    pub fn elements(buf: &[u8]) -> Option<Vec<&[u8]>> {
+        let mut out = Vec::new();
+        let mut at = 0usize;
+        while at < buf.len() {
+            let len = u32::from_le_bytes(buf.get(at..at + 4)?.try_into().ok()?) as usize;
+            out.push(buf.get(at + 4..at + 4 + len)?);
+            at += 4 + len;
+        }
+        Some(out)
+    }
+
+    /// Byte offsets where each group of `per_group` elements starts, plus the
+    /// end: `groups + 1` offsets. `None` if `buf` holds a different count.
+    pub fn group_offsets(buf: &[u8], per_group: usize, groups: usize) -> Option<Vec<usize>> {
+        let mut offsets = Vec::with_capacity(groups + 1);
+        let mut at = 0usize;
+        for _ in 0..groups {
+            offsets.push(at);
+            for _ in 0..per_group {
+                let len = u32::from_le_bytes(buf.get(at..at + 4)?.try_into().ok()?) as usize;
+                at = at.checked_add(4 + len)?;
+                if at > buf.len() {
+                    return None;
+                }
+            }
+        }
+        (at == buf.len()).then(|| {
+            offsets.push(at);
+            offsets
+        })
+    }
+}
+
 /// Number of elements of a shape (1 for a scalar).
 pub fn numel(shape: &[u64]) -> u64 {
     shape.iter().product()
@@ -198,11 +261,34 @@ mod tests {
     fn dtype_spellings_round_trip() {
         for d in ALL {
             assert_eq!(d.name().parse::<DType>().unwrap(), d);
-            assert_eq!(d.v2_name().parse::<DType>().unwrap(), d);
+            if d != DType::String {
+                assert_eq!(d.v2_name().parse::<DType>().unwrap(), d);
+            }
             let json = serde_json::to_string(&d).unwrap();
             assert_eq!(json, format!("\"{}\"", d.name()));
         }
         assert!("complex64".parse::<DType>().is_err());
+    }
+
+    #[test]
+    fn variable_elements_round_trip_and_group() {
+        let mut buf = Vec::new();
+        for e in ["a", "", "xyz", "hello"] {
+            var::push(&mut buf, e.as_bytes());
+        }
+        let els = var::elements(&buf).unwrap();
+        assert_eq!(els, vec![&b"a"[..], b"", b"xyz", b"hello"]);
+        assert_eq!(
+            var::group_offsets(&buf, 2, 2).unwrap(),
+            vec![0, 9, buf.len()]
+        );
+        assert!(
+            var::group_offsets(&buf, 3, 2).is_none(),
+            "4 elements are not 2 groups of 3"
+        );
+        assert!(var::elements(&buf[..buf.len() - 1]).is_none(), "truncated");
+        assert_eq!(DType::from_v2("BYTES"), Some(DType::Bytes));
+        assert_eq!(DType::String.v2_name(), "BYTES");
     }
 
     #[test]

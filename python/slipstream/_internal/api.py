@@ -22,21 +22,35 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 # numpy dtype names the node understands (see slipstream-types DType).
 DTYPES = (
     "bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
-    "float16", "float32", "float64",
+    "float16", "float32", "float64", "string", "bytes",
 )
+# Variable-size element types: numpy object arrays of str / bytes in workers.
+VAR_DTYPES = ("string", "bytes")
 
 
 @dataclass(frozen=True)
 class Tensor:
     """Declared dtype and shape of a named tensor. ``-1`` (or ``None``) in a
-    dimension accepts any length. The first dimension is the row dimension:
+    dimension accepts any length. ``dtype`` is a numpy dtype, or ``"string"``
+    (``str``) for text, or ``"bytes"`` for raw byte strings; workers see those
+    two as numpy object arrays of ``str`` / ``bytes``. The first dimension is the row dimension:
     a request may carry several rows and a batch concatenates them."""
 
     dtype: str
     shape: tuple[int, ...]
 
     def __init__(self, dtype: Any, shape: Sequence[int | None]):
-        name = np.dtype(dtype).name if not isinstance(dtype, str) or dtype not in DTYPES else dtype
+        if dtype is str:
+            name = "string"
+        elif dtype is bytes:
+            name = "bytes"
+        elif isinstance(dtype, str) and dtype in DTYPES:
+            name = dtype
+        else:
+            try:
+                name = np.dtype(dtype).name
+            except TypeError:
+                name = str(dtype)
         if name not in DTYPES:
             raise ConfigError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
         dims = tuple(-1 if d is None else int(d) for d in shape)

@@ -20,6 +20,7 @@ import mmap
 import os
 import signal
 import socket
+import struct
 import sys
 import time
 import traceback
@@ -30,7 +31,7 @@ import numpy as np
 
 from slipstream import _core
 from slipstream._internal import protocol
-from slipstream._internal.api import DTYPES, Batch
+from slipstream._internal.api import DTYPES, VAR_DTYPES, Batch
 from slipstream._internal.app import load_pipelines
 
 
@@ -57,6 +58,8 @@ class Pools:
     def array(self, desc: Mapping[str, Any]) -> np.ndarray:
         _, mv, _ = self._map(desc["pool"])
         shape = desc["shape"]
+        if desc["dtype"] in VAR_DTYPES:
+            return decode_var(mv[desc["offset"]:desc["offset"] + desc["nbytes"]], shape, desc["dtype"] == "string")
         count = int(np.prod(shape)) if shape else 1
         a = np.frombuffer(mv, dtype=desc["dtype"], count=count, offset=desc["offset"]).reshape(shape)
         a.flags.writeable = False
@@ -72,6 +75,12 @@ class Pools:
                 return pool, ptr - base
         return None
 
+    def put_bytes(self, data: bytes) -> tuple[int, int]:
+        off = self.own.alloc(len(data))
+        _, mv, _ = self._map(self.own_id)
+        mv[off:off + len(data)] = data
+        return off, len(data)
+
     def put(self, a: np.ndarray) -> tuple[int, int]:
         """Copy `a` into a new block of this replica's pool: (offset, nbytes)."""
         nbytes = a.nbytes
@@ -82,9 +91,52 @@ class Pools:
         return off, nbytes
 
 
+_LEN = struct.Struct("<I")
+
+
+def decode_var(buf: memoryview, shape: list[int], text: bool) -> np.ndarray:
+    """Elements laid out as u32 length + bytes each -> object array of str/bytes."""
+    out = []
+    at, end = 0, len(buf)
+    raw = bytes(buf)
+    while at < end:
+        (n,) = _LEN.unpack_from(raw, at)
+        piece = raw[at + 4:at + 4 + n]
+        out.append(piece.decode() if text else piece)
+        at += 4 + n
+    a = np.empty(len(out), dtype=object)
+    a[:] = out
+    return a.reshape(shape)
+
+
+def encode_var(a: np.ndarray, text: bool) -> bytes:
+    parts = []
+    for x in a.ravel():
+        b = x.encode() if isinstance(x, str) else bytes(x)
+        parts.append(_LEN.pack(len(b)))
+        parts.append(b)
+    return b"".join(parts)
+
+
+def _var_kind(a: np.ndarray) -> str | None:
+    """'string' or 'bytes' for arrays of text or byte strings, else None."""
+    if a.dtype.kind == "U":
+        return "string"
+    if a.dtype.kind == "S":
+        return "bytes"
+    if a.dtype.kind == "O":
+        flat = a.ravel()
+        if all(isinstance(x, str) for x in flat):
+            return "string"
+        if all(isinstance(x, (bytes, bytearray, memoryview)) for x in flat):
+            return "bytes"
+        raise TypeError("an object array output must hold only str or only bytes")
+    return None
+
+
 def _as_output(name: str, value: Any, rows: int) -> np.ndarray:
     a = np.asarray(value)
-    if a.dtype.name not in DTYPES:
+    if a.dtype.name not in DTYPES and _var_kind(a) is None:
         raise TypeError(f"output {name!r} has dtype {a.dtype}, which cannot be served (use one of {', '.join(DTYPES)})")
     if a.ndim == 0 or a.shape[0] != rows:
         raise ValueError(
@@ -107,6 +159,13 @@ def run_batch(instance: Any, pools: Pools, msg: Mapping[str, Any]) -> dict[str, 
     try:
         for name, value in result.items():
             a = _as_output(str(name), value, rows)
+            kind = _var_kind(a)
+            if kind is not None:
+                off, n = pools.put_bytes(encode_var(a, kind == "string"))
+                written.append((off, n))
+                outputs[str(name)] = {"dtype": kind, "shape": list(a.shape), "nbytes": n,
+                                      "pool": pools.own_id, "offset": off, "origin": "copied"}
+                continue
             where = pools.locate(a)
             desc: dict[str, Any] = {"dtype": a.dtype.name, "shape": list(a.shape), "nbytes": a.nbytes}
             if where is not None:

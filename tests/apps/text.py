@@ -1,0 +1,30 @@
+"""Test app: string and bytes tensors through a chain."""
+
+import numpy as np
+import slipstream as ss
+
+
+@ss.component(max_batch_size=16, inputs={"text": ss.Tensor("string", (-1,))})
+class Shout:
+    def __call__(self, batch: ss.Batch) -> dict:
+        t = batch["text"]
+        assert t.dtype == object and all(isinstance(x, str) for x in t)
+        return {"loud": np.array([x.upper() + "!" for x in t], dtype=object),
+                "n": np.array([[len(x)] for x in t], dtype=np.int64)}
+
+
+@ss.component(max_batch_size=16)
+class Pair:
+    def __call__(self, batch: ss.Batch) -> dict:
+        loud = batch["loud"]
+        return {"loud": loud, "n": batch["n"], "pair": np.array([[x, x.lower()] for x in loud], dtype=str)}
+
+
+@ss.component(max_batch_size=16, inputs={"blob": ss.Tensor("bytes", (-1,))})
+class Reverse:
+    def __call__(self, batch: ss.Batch) -> dict:
+        return {"rev": np.array([bytes(reversed(b)) for b in batch["blob"]], dtype=object)}
+
+
+text = ss.Pipeline("text", Shout >> Pair)
+blob = ss.Pipeline("blob", Reverse)
