@@ -1,0 +1,319 @@
+//! The batch former: when a replica frees up, how many of its queued
+//! requests to run now, whether to wait for more, and which requests can no
+//! longer make their deadline.
+//!
+//! Deadline-aware policy (the default):
+//! 1. Requests at the head of the (EDF) queue that would miss their deadline
+//!    even in a batch of one are *expired*: the caller drops them rather than
+//!    spend compute on a certain miss.
+//! 2. Take the largest batch `n` (up to the AIMD limit) whose predicted
+//!    finish, `now + L(n) + rest`, still meets the most urgent deadline,
+//!    where `rest` is the predicted remaining critical path after this stage.
+//! 3. Delayed batching (Clipper): if everything queued fits, the queue is
+//!    short of the limit, more work is arriving, and a larger batch would be
+//!    cheaper per request, wait, but only as long as the most urgent
+//!    request's slack allows and at most `max_wait`.
+//! 4. AIMD on the batch limit (Clipper): when a batch runs over its
+//!    prediction by more than `overshoot`, cut the limit multiplicatively;
+//!    otherwise grow it by one. Every batch also refines the profile.
+//!
+//! Fixed policy (the Triton / Ray Serve baseline, for comparison): run when
+//! `max_batch` requests are queued or the oldest has waited `fixed_wait`;
+//! no deadlines, no expiry, no AIMD.
+//!
+//! Times are `u64` nanoseconds from the caller's clock; nothing here reads a
+//! clock, so every decision is unit-testable.
+
+use crate::profile::LatencyProfile;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Policy {
+    DeadlineAware,
+    Fixed { wait_ns: u64 },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// Drop the first `expired` queued requests (they cannot make their
+    /// deadline), then run the next `n` as one batch (`n` may be 0).
+    Dispatch { expired: usize, n: usize },
+    /// Drop the first `expired`, then look again at `at` (or when work arrives).
+    WaitUntil { expired: usize, at: u64 },
+}
+
+#[derive(Clone, Debug)]
+pub struct BatchFormer {
+    pub policy: Policy,
+    pub max_batch: u32,
+    /// AIMD limit on the batch size, `1..=max_batch`.
+    pub limit: u32,
+    pub profile: LatencyProfile,
+    /// Longest delayed-batching wait.
+    pub max_wait_ns: u64,
+    /// Relative overrun of a batch over its prediction that triggers a cut.
+    pub overshoot: f64,
+    /// Multiplicative cut of the limit on overrun.
+    pub decrease: f64,
+    /// Mean gap between arrivals (EWMA), ns; 0 when unknown.
+    gap_ns: f64,
+    last_arrival: Option<u64>,
+}
+
+const US: f64 = 1_000.0;
+
+impl BatchFormer {
+    pub fn new(policy: Policy, max_batch: u32, profile: LatencyProfile) -> BatchFormer {
+        let max_batch = max_batch.max(1);
+        BatchFormer {
+            policy,
+            max_batch,
+            limit: max_batch,
+            profile,
+            max_wait_ns: 2_000_000,
+            overshoot: 0.5,
+            decrease: 0.75,
+            gap_ns: 0.0,
+            last_arrival: None,
+        }
+    }
+
+    /// Note a request joining the queue (feeds the arrival-rate estimate).
+    pub fn on_arrival(&mut self, now: u64) {
+        if let Some(prev) = self.last_arrival {
+            let gap = now.saturating_sub(prev) as f64;
+            self.gap_ns = if self.gap_ns == 0.0 {
+                gap
+            } else {
+                self.gap_ns + 0.05 * (gap - self.gap_ns)
+            };
+        }
+        self.last_arrival = Some(now);
+    }
+
+    /// Predicted latency (ns) of a batch of `n` at this stage.
+    pub fn predict_ns(&self, n: usize) -> u64 {
+        (self.profile.predict(n as u32) * US) as u64
+    }
+
+    /// Decide what to do with a queue whose deadlines are `deadlines` (most
+    /// urgent first). `oldest_enqueued` is when the head joined the queue
+    /// (for the fixed policy's wait); `rest_ns` the predicted remaining
+    /// critical path after this stage.
+    pub fn decide(
+        &self,
+        now: u64,
+        deadlines: &[u64],
+        oldest_enqueued: u64,
+        rest_ns: u64,
+    ) -> Decision {
+        if deadlines.is_empty() {
+            return Decision::Dispatch { expired: 0, n: 0 };
+        }
+        match self.policy {
+            Policy::Fixed { wait_ns } => {
+                let n = deadlines.len().min(self.max_batch as usize);
+                if n == self.max_batch as usize || now >= oldest_enqueued.saturating_add(wait_ns) {
+                    Decision::Dispatch { expired: 0, n }
+                } else {
+                    Decision::WaitUntil {
+                        expired: 0,
+                        at: oldest_enqueued + wait_ns,
+                    }
+                }
+            }
+            Policy::DeadlineAware => self.decide_deadline_aware(now, deadlines, rest_ns),
+        }
+    }
+
+    fn decide_deadline_aware(&self, now: u64, deadlines: &[u64], rest_ns: u64) -> Decision {
+        let one = self.predict_ns(1) + rest_ns;
+        let expired = deadlines.iter().take_while(|&&d| now + one > d).count();
+        let live = &deadlines[expired..];
+        if live.is_empty() {
+            return Decision::Dispatch { expired, n: 0 };
+        }
+        let head = live[0];
+        let cap = live.len().min(self.limit as usize).max(1);
+        // Largest n <= cap that still meets the head's deadline; latency
+        // grows with n, so scan down from the cap.
+        let mut n = cap;
+        while n > 1 && now + self.predict_ns(n) + rest_ns > head {
+            n -= 1;
+        }
+        if n < live.len() || live.len() >= self.limit as usize || self.gap_ns <= 0.0 {
+            return Decision::Dispatch { expired, n };
+        }
+        // Delayed batching: everything queued fits and the limit is not reached.
+        let target = self.limit as usize;
+        let per_item_now = self.predict_ns(n) as f64 / n as f64;
+        let want_wait = ((target - n) as f64 * self.gap_ns) as u64;
+        let mut wait = want_wait.min(self.max_wait_ns);
+        // How many are expected by then, and does that batch still make it?
+        loop {
+            let m = (n + (wait as f64 / self.gap_ns) as usize).min(target);
+            if m <= n {
+                return Decision::Dispatch { expired, n };
+            }
+            let per_item_then = self.predict_ns(m) as f64 / m as f64;
+            let fits = now + wait + self.predict_ns(m) + rest_ns <= head;
+            if fits && per_item_then < 0.9 * per_item_now {
+                return Decision::WaitUntil {
+                    expired,
+                    at: now + wait,
+                };
+            }
+            if !fits && wait > 50_000 {
+                wait /= 2;
+                continue;
+            }
+            return Decision::Dispatch { expired, n };
+        }
+    }
+
+    /// A batch of `n` took `observed_ns`: refine the profile and adjust the limit.
+    pub fn on_batch_done(&mut self, n: usize, observed_ns: u64) {
+        let predicted = self.profile.predict(n as u32);
+        let observed_us = observed_ns as f64 / US;
+        if let Policy::DeadlineAware = self.policy {
+            if !self.profile.is_empty() && observed_us > predicted * (1.0 + self.overshoot) {
+                self.limit = ((self.limit as f64 * self.decrease) as u32).max(1);
+            } else if n as u32 >= self.limit && self.limit < self.max_batch {
+                self.limit += 1;
+            }
+        }
+        self.profile.observe(n as u32, observed_us);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    /// 1 ms + 0.1 ms per request: batching pays.
+    fn linear() -> LatencyProfile {
+        LatencyProfile::from_measurements(&[(1, 1100.0, 1100.0), (64, 7400.0, 7400.0)])
+    }
+
+    fn former() -> BatchFormer {
+        BatchFormer::new(Policy::DeadlineAware, 64, linear())
+    }
+
+    #[test]
+    fn takes_everything_when_slack_allows() {
+        let f = former();
+        let deadlines = vec![100 * MS; 10];
+        assert_eq!(
+            f.decide(0, &deadlines, 0, 0),
+            Decision::Dispatch { expired: 0, n: 10 }
+        );
+    }
+
+    #[test]
+    fn sizes_the_batch_to_the_most_urgent_deadline() {
+        let f = former();
+        // Head must finish by 3 ms with 1 ms of downstream work: L(n) <= 2 ms -> n <= 10.
+        let mut deadlines = vec![3 * MS];
+        deadlines.extend(std::iter::repeat_n(100 * MS, 40));
+        match f.decide(0, &deadlines, 0, MS) {
+            Decision::Dispatch { expired: 0, n } => {
+                assert_eq!(n, 10);
+                assert!(f.predict_ns(n) + MS <= 3 * MS && f.predict_ns(n + 1) + MS > 3 * MS);
+            }
+            d => panic!("{d:?}"),
+        }
+    }
+
+    #[test]
+    fn expires_requests_that_cannot_make_it_alone() {
+        let f = former();
+        // At t = 5 ms, the first two deadlines (5.5 ms, 6 ms) cannot fit L(1) = 1.1 ms.
+        let deadlines = [5_500_000, 6_000_000, 50 * MS];
+        assert_eq!(
+            f.decide(5 * MS, &deadlines, 0, 0),
+            Decision::Dispatch { expired: 2, n: 1 }
+        );
+        assert_eq!(
+            f.decide(60 * MS, &deadlines, 0, 0),
+            Decision::Dispatch { expired: 3, n: 0 }
+        );
+    }
+
+    #[test]
+    fn delays_only_when_slack_allows_and_batching_pays() {
+        let mut f = former();
+        for t in 0..100u64 {
+            f.on_arrival(t * 50_000); // one arrival every 50 µs
+        }
+        // Two queued, deadline far away: wait for more (bounded by max_wait).
+        match f.decide(0, &[100 * MS, 100 * MS], 0, 0) {
+            Decision::WaitUntil { expired: 0, at } => assert!(at > 0 && at <= f.max_wait_ns),
+            d => panic!("expected a wait, got {d:?}"),
+        }
+        // Tight deadline: no slack to wait, dispatch now.
+        assert_eq!(
+            f.decide(0, &[1_150_000, 100 * MS], 0, 0),
+            Decision::Dispatch { expired: 0, n: 1 }
+        );
+        assert_eq!(
+            f.decide(0, &[1_200_000, 100 * MS], 0, 0),
+            Decision::Dispatch { expired: 0, n: 2 }
+        );
+        // Flat profile (batching does not pay): no wait.
+        let mut flat = BatchFormer::new(
+            Policy::DeadlineAware,
+            64,
+            LatencyProfile::from_measurements(&[(1, 100.0, 100.0), (64, 6400.0, 6400.0)]),
+        );
+        for t in 0..100u64 {
+            flat.on_arrival(t * 50_000);
+        }
+        assert_eq!(
+            flat.decide(0, &[100 * MS, 100 * MS], 0, 0),
+            Decision::Dispatch { expired: 0, n: 2 }
+        );
+        // Unknown arrival rate: no wait.
+        assert_eq!(
+            former().decide(0, &[100 * MS; 2], 0, 0),
+            Decision::Dispatch { expired: 0, n: 2 }
+        );
+    }
+
+    #[test]
+    fn aimd_backs_off_on_overshoot_and_recovers() {
+        let mut f = former();
+        assert_eq!(f.limit, 64);
+        f.on_batch_done(64, 30 * MS); // predicted 7.4 ms: way over
+        assert_eq!(f.limit, 48);
+        f.on_batch_done(48, 60 * MS);
+        assert_eq!(f.limit, 36);
+        // Within prediction at the limit: additive increase.
+        let predicted = f.predict_ns(36);
+        f.on_batch_done(36, predicted / 2);
+        assert_eq!(f.limit, 37);
+        // The limit caps what one decision takes.
+        let d = f.decide(0, &vec![1_000 * MS; 200], 0, 0);
+        assert_eq!(d, Decision::Dispatch { expired: 0, n: 37 });
+    }
+
+    #[test]
+    fn fixed_policy_waits_for_a_full_batch_or_the_timeout() {
+        let f = BatchFormer::new(Policy::Fixed { wait_ns: 2 * MS }, 8, linear());
+        assert_eq!(
+            f.decide(MS, &[0; 3], 0, 0),
+            Decision::WaitUntil {
+                expired: 0,
+                at: 2 * MS
+            }
+        );
+        assert_eq!(
+            f.decide(2 * MS, &[0; 3], 0, 0),
+            Decision::Dispatch { expired: 0, n: 3 }
+        );
+        assert_eq!(
+            f.decide(0, &[0; 20], 0, 0),
+            Decision::Dispatch { expired: 0, n: 8 }
+        );
+    }
+}

@@ -1,0 +1,184 @@
+//! A component's latency as a function of batch size.
+//!
+//! Starts from the points `slipstream profile` measured (or from nothing) and
+//! is refined online from real batches: each batch size keeps an
+//! exponentially weighted mean and mean absolute deviation of what was
+//! observed, and predictions interpolate linearly between known sizes
+//! (extrapolating from the last two beyond the largest). A prediction is
+//! `mean + k * deviation`, so a noisy component is given a safety margin.
+
+use std::collections::BTreeMap;
+
+/// Weight of a new observation in the running estimates.
+const ALPHA: f64 = 0.1;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Point {
+    mean_us: f64,
+    dev_us: f64,
+}
+
+#[derive(Clone, Debug)]
+pub struct LatencyProfile {
+    points: BTreeMap<u32, Point>,
+    /// Deviations added to the mean in a prediction.
+    pub k: f64,
+    /// Used while nothing at all is known: a fixed cost per batch.
+    pub default_us: f64,
+}
+
+impl Default for LatencyProfile {
+    fn default() -> Self {
+        LatencyProfile {
+            points: BTreeMap::new(),
+            k: 2.0,
+            default_us: 1000.0,
+        }
+    }
+}
+
+impl LatencyProfile {
+    /// From measured `(batch size, mean µs, p99 µs)` points.
+    pub fn from_measurements(points: &[(u32, f64, f64)]) -> LatencyProfile {
+        let mut p = LatencyProfile::default();
+        for &(b, mean, p99) in points {
+            if b > 0 && mean.is_finite() && mean >= 0.0 {
+                // Treat the p99 excess as ~2.3 deviations of a normal tail.
+                let dev = ((p99 - mean) / 2.3).max(0.0);
+                p.points.insert(
+                    b,
+                    Point {
+                        mean_us: mean,
+                        dev_us: dev,
+                    },
+                );
+            }
+        }
+        p
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.points.is_empty()
+    }
+
+    /// Fold in one observed batch.
+    pub fn observe(&mut self, batch: u32, observed_us: f64) {
+        if batch == 0 || !observed_us.is_finite() {
+            return;
+        }
+        let prior = self.points.get(&batch).copied();
+        let p = match prior {
+            Some(p) => {
+                let err = observed_us - p.mean_us;
+                Point {
+                    mean_us: p.mean_us + ALPHA * err,
+                    dev_us: p.dev_us + ALPHA * (err.abs() - p.dev_us),
+                }
+            }
+            None => {
+                // First sight of this size: start from the interpolated prediction.
+                let guess = if self.points.is_empty() {
+                    observed_us
+                } else {
+                    self.mean(batch)
+                };
+                let err = observed_us - guess;
+                Point {
+                    mean_us: guess + 0.5 * err,
+                    dev_us: err.abs() * 0.5,
+                }
+            }
+        };
+        self.points.insert(batch, p);
+    }
+
+    /// Expected latency of a batch of `batch` (mean only).
+    pub fn mean(&self, batch: u32) -> f64 {
+        self.interpolate(batch, |p| p.mean_us)
+    }
+
+    /// Latency to plan with for a batch of `batch`: mean + k * deviation.
+    pub fn predict(&self, batch: u32) -> f64 {
+        self.interpolate(batch, |p| p.mean_us + self.k * p.dev_us)
+    }
+
+    fn interpolate(&self, batch: u32, f: impl Fn(&Point) -> f64) -> f64 {
+        let b = batch.max(1);
+        if self.points.is_empty() {
+            return self.default_us;
+        }
+        if let Some(p) = self.points.get(&b) {
+            return f(p);
+        }
+        let below = self.points.range(..b).next_back();
+        let above = self.points.range(b..).next();
+        let line = |(b0, y0): (u32, f64), (b1, y1): (u32, f64)| {
+            if b1 == b0 {
+                y0
+            } else {
+                y0 + (y1 - y0) * (b as f64 - b0 as f64) / (b1 as f64 - b0 as f64)
+            }
+        };
+        let v = match (below, above) {
+            (Some((&b0, p0)), Some((&b1, p1))) => line((b0, f(p0)), (b1, f(p1))),
+            // Below the smallest known size: no cheaper than it, scaled down at most linearly.
+            (None, Some((&b1, p1))) => f(p1) * (0.5 + 0.5 * b as f64 / b1 as f64),
+            // Beyond the largest: extend the last segment (or grow linearly per item).
+            (Some((&b1, p1)), None) => match self.points.range(..b1).next_back() {
+                Some((&b0, p0)) => line((b0, f(p0)), (b1, f(p1))).max(f(p1)),
+                None => f(p1) * b as f64 / b1 as f64,
+            },
+            (None, None) => self.default_us,
+        };
+        v.max(0.0)
+    }
+
+    /// The measured/learned points: `(batch, mean µs, deviation µs)`.
+    pub fn points(&self) -> Vec<(u32, f64, f64)> {
+        self.points
+            .iter()
+            .map(|(&b, p)| (b, p.mean_us, p.dev_us))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interpolates_and_extrapolates() {
+        let p = LatencyProfile::from_measurements(&[
+            (1, 100.0, 100.0),
+            (8, 400.0, 400.0),
+            (32, 1000.0, 1000.0),
+        ]);
+        assert_eq!(p.predict(1), 100.0);
+        assert!((p.predict(4) - (100.0 + 300.0 * 3.0 / 7.0)).abs() < 1e-9);
+        assert_eq!(p.predict(20), 700.0);
+        assert_eq!(p.predict(64), 1800.0, "extends the last segment");
+    }
+
+    #[test]
+    fn online_observations_move_the_estimate_and_add_margin() {
+        let mut p = LatencyProfile::from_measurements(&[(4, 200.0, 200.0)]);
+        for _ in 0..200 {
+            p.observe(4, 300.0);
+        }
+        assert!((p.mean(4) - 300.0).abs() < 1.0);
+        let mut noisy = LatencyProfile::default();
+        for i in 0..400 {
+            noisy.observe(2, if i % 2 == 0 { 100.0 } else { 300.0 });
+        }
+        assert!(
+            noisy.predict(2) > noisy.mean(2) + 100.0,
+            "deviation widens the plan"
+        );
+    }
+
+    #[test]
+    fn empty_profile_uses_default() {
+        let p = LatencyProfile::default();
+        assert_eq!(p.predict(8), p.default_us);
+    }
+}
