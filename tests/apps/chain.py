@@ -77,8 +77,22 @@ class Identity2:
         return {"y": batch["x"]}
 
 
-chain = ss.Pipeline("chain", Double >> AddOne, slo=ss.SLO(p99_ms=100))
+chain = ss.Pipeline("chain", Double >> AddOne, slo=ss.SLO(p99_ms=5000))
 diamond = ss.Pipeline("diamond", Identity.options(name="Fan") >> [Sum, Prod] >> Join)
 retry = ss.Pipeline("retry", Slow)
 solo = ss.Pipeline("solo", SlowSolo)
 noop = ss.Pipeline("noop", Identity >> Identity2)
+
+
+@ss.component(max_batch_size=8, inputs=X)
+class Sleepy:
+    """Takes x[0, 1] milliseconds per batch."""
+
+    def __call__(self, batch: ss.Batch) -> dict:
+        time.sleep(float(batch["x"][:, 1].max()) / 1000.0)
+        return {"y": batch["x"]}
+
+
+# A tight SLO: requests stuck behind a slow batch are dropped once late;
+# a backlog that cannot be cleared in time is refused at ingress.
+tight = ss.Pipeline("tight", Sleepy, slo=ss.SLO(p99_ms=150))

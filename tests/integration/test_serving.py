@@ -19,11 +19,11 @@ def test_health_and_description(chain_node: Node) -> None:
     assert chain_node.get("/readyz")[0] == 200
     status, listing = chain_node.get("/v1/pipelines")
     assert status == 200
-    assert {p["name"] for p in listing["pipelines"]} == {"chain", "diamond", "retry", "solo", "noop"}
+    assert {p["name"] for p in listing["pipelines"]} == {"chain", "diamond", "retry", "solo", "noop", "tight"}
     status, desc = chain_node.get("/v1/pipelines/chain")
     assert status == 200
     assert desc["inputs"] == {"x": {"dtype": "float32", "shape": [-1, 2]}}
-    assert desc["slo"] == {"p99_ms": 100.0, "max_miss_rate": 0.01}
+    assert desc["slo"] == {"p99_ms": 5000.0, "max_miss_rate": 0.01}
     assert [s["name"] for s in desc["stages"]] == ["Double", "AddOne"]
     assert desc["stages"][1]["parents"] == ["Double"]
 

@@ -11,9 +11,7 @@ fn main() {
         std::process::exit(2);
     }
     let num = |i: usize, default: f64| -> f64 {
-        args.get(i).map_or(default, |s| {
-            s.parse().unwrap_or_else(|_| panic!("not a number: {s}"))
-        })
+        args.get(i).map_or(default, |s| s.parse().unwrap_or_else(|_| panic!("not a number: {s}")))
     };
     let cfg = BenchConfig {
         url: args[1].clone(),
@@ -24,10 +22,7 @@ fn main() {
         ..BenchConfig::default()
     };
     match run(&cfg, &mut |line| eprintln!("{line}")) {
-        Ok(reports) => println!(
-            "{}",
-            serde_json::to_string_pretty(&reports).expect("report serializes")
-        ),
+        Ok(reports) => println!("{}", serde_json::to_string_pretty(&reports).expect("report serializes")),
         Err(e) => {
             eprintln!("error ({}): {e}", e.kind());
             std::process::exit(1);

@@ -44,14 +44,7 @@ pub(crate) struct ArrivalGen {
 impl ArrivalGen {
     /// `rate` must be finite and > 0 (validated by the caller).
     pub(crate) fn new(kind: Arrival, rate: f64, seed: u64) -> Self {
-        Self {
-            kind,
-            rate,
-            rng: StdRng::seed_from_u64(seed),
-            t: 0.0,
-            n: 0,
-            burst_left: 0,
-        }
+        Self { kind, rate, rng: StdRng::seed_from_u64(seed), t: 0.0, n: 0, burst_left: 0 }
     }
 
     /// Exponential variate with the given mean; `1 - U` keeps `ln` finite.

@@ -107,8 +107,7 @@ impl Shared {
         }
         let backlog = lock(&self.queue).len();
         loop {
-            let available =
-                self.idle.load(Ordering::SeqCst) + self.connecting.load(Ordering::SeqCst);
+            let available = self.idle.load(Ordering::SeqCst) + self.connecting.load(Ordering::SeqCst);
             if backlog <= available {
                 return;
             }
@@ -116,11 +115,7 @@ impl Shared {
             if c >= self.max_conns {
                 return;
             }
-            if self
-                .conns
-                .compare_exchange(c, c + 1, Ordering::SeqCst, Ordering::SeqCst)
-                .is_ok()
-            {
+            if self.conns.compare_exchange(c, c + 1, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
                 self.connecting.fetch_add(1, Ordering::SeqCst);
                 self.handle.spawn(connection_task(Arc::clone(self)));
             }
@@ -197,8 +192,7 @@ async fn serve_connection(sh: &Arc<Shared>) {
     };
     let mut conn = Conn::new(stream);
     let _open = CountGuard::enter(&sh.open);
-    sh.peak_open
-        .fetch_max(sh.open.load(Ordering::SeqCst), Ordering::SeqCst);
+    sh.peak_open.fetch_max(sh.open.load(Ordering::SeqCst), Ordering::SeqCst);
 
     loop {
         // Idle: wait for a job, noticing a server-side close meanwhile.
@@ -218,11 +212,8 @@ async fn serve_connection(sh: &Arc<Shared>) {
             sh.finish(&job, late, Err(ErrKind::Timeout), now);
             continue;
         }
-        let res = tokio::time::timeout_at(
-            deadline.into(),
-            conn.exchange(&sh.target.request, sh.target.head_request),
-        )
-        .await;
+        let res =
+            tokio::time::timeout_at(deadline.into(), conn.exchange(&sh.target.request, sh.target.head_request)).await;
         let done_at = Instant::now();
         let (outcome, keep) = match res {
             Ok(Ok(reply)) if (200..300).contains(&reply.status) => (Ok(()), reply.keep_alive),
@@ -243,13 +234,7 @@ async fn serve_connection(sh: &Arc<Shared>) {
 /// runtime, sleeping on a [`PreciseTimer`] (timerfd) until the next arrival;
 /// on each wake it releases *every* arrival already due as one batch, so the
 /// wake count is bounded by the timer granularity, not the request rate.
-async fn pace(
-    sh: Arc<Shared>,
-    mut gen: ArrivalGen,
-    start: Instant,
-    warm_end: Instant,
-    end: Instant,
-) {
+async fn pace(sh: Arc<Shared>, mut gen: ArrivalGen, start: Instant, warm_end: Instant, end: Instant) {
     let mut timer = PreciseTimer::new();
     let at = |off: f64| start + Duration::from_secs_f64(off);
     let mut next = at(gen.next_offset());
@@ -264,10 +249,7 @@ async fn pace(
         while next <= now && next < end {
             let m = next >= warm_end;
             measured += u64::from(m);
-            batch.push(Job {
-                at: next,
-                measured: m,
-            });
+            batch.push(Job { at: next, measured: m });
             next = at(gen.next_offset());
         }
         sh.dispatch(&mut batch, measured);
@@ -290,9 +272,7 @@ pub(crate) struct RateRun<'a> {
 
 pub(crate) fn build_runtime(threads: usize) -> Result<tokio::runtime::Runtime, LoadgenError> {
     let rt = if threads <= 1 {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
+        tokio::runtime::Builder::new_current_thread().enable_all().build()
     } else {
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(threads)
@@ -304,10 +284,7 @@ pub(crate) fn build_runtime(threads: usize) -> Result<tokio::runtime::Runtime, L
 }
 
 /// Runs one offered rate: warmup, measured window, drain. Blocks.
-pub(crate) fn run_rate(
-    p: &RateRun<'_>,
-    progress: &mut dyn FnMut(&str),
-) -> Result<RunReport, LoadgenError> {
+pub(crate) fn run_rate(p: &RateRun<'_>, progress: &mut dyn FnMut(&str)) -> Result<RunReport, LoadgenError> {
     let rt = build_runtime(p.threads)?;
     let sh = Arc::new(Shared {
         target: Arc::clone(p.target),
@@ -375,13 +352,7 @@ async fn control(
     }
 }
 
-fn progress_line(
-    sh: &Shared,
-    rate: f64,
-    now: Instant,
-    start: Instant,
-    warm_end: Instant,
-) -> String {
+fn progress_line(sh: &Shared, rate: f64, now: Instant, start: Instant, warm_end: Instant) -> String {
     let conns = sh.open.load(Ordering::Relaxed);
     if now < warm_end {
         let t = now.saturating_duration_since(start).as_secs_f64();
@@ -391,15 +362,8 @@ fn progress_line(
     let t = now.saturating_duration_since(warm_end).as_secs_f64();
     let sent = sh.sent.load(Ordering::Relaxed);
     let s = lock(&sh.stats);
-    let p99 = if s.hist.is_empty() {
-        0.0
-    } else {
-        s.hist.value_at_quantile(0.99) as f64 / 1000.0
-    };
-    format!(
-        "rate {rate:.0}/s  t={t:.0}s  sent={sent} ok={} err={} p99={p99:.1}ms  conns={conns}",
-        s.ok, s.errors
-    )
+    let p99 = if s.hist.is_empty() { 0.0 } else { s.hist.value_at_quantile(0.99) as f64 / 1000.0 };
+    format!("rate {rate:.0}/s  t={t:.0}s  sent={sent} ok={} err={} p99={p99:.1}ms  conns={conns}", s.ok, s.errors)
 }
 
 fn make_report(sh: &Shared, p: &RateRun<'_>) -> RunReport {
@@ -432,32 +396,24 @@ pub(crate) fn preflight(target: &Target, timeout: Duration) -> Result<u16, Loadg
     let addr = target.authority.clone();
     rt.block_on(async {
         let attempt = async {
-            let stream =
-                TcpStream::connect(target.addr)
-                    .await
-                    .map_err(|e| LoadgenError::Connect {
-                        addr: addr.clone(),
-                        reason: e.to_string(),
-                    })?;
-            let reply = Conn::new(stream)
-                .exchange(&target.request, target.head_request)
+            let stream = TcpStream::connect(target.addr)
                 .await
-                .map_err(|e| LoadgenError::Io {
+                .map_err(|e| LoadgenError::Connect { addr: addr.clone(), reason: e.to_string() })?;
+            let reply = Conn::new(stream).exchange(&target.request, target.head_request).await.map_err(|e| {
+                LoadgenError::Io {
                     addr: addr.clone(),
                     reason: if e.kind() == std::io::ErrorKind::UnexpectedEof {
                         "connection closed without a complete HTTP response".into()
                     } else {
                         e.to_string()
                     },
-                })?;
+                }
+            })?;
             Ok(reply.status)
         };
         match tokio::time::timeout(timeout, attempt).await {
             Ok(res) => res,
-            Err(_) => Err(LoadgenError::Timeout {
-                addr: addr.clone(),
-                secs: timeout.as_secs_f64(),
-            }),
+            Err(_) => Err(LoadgenError::Timeout { addr: addr.clone(), secs: timeout.as_secs_f64() }),
         }
     })
 }

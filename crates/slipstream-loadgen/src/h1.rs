@@ -65,9 +65,7 @@ struct Head {
 }
 
 fn has_token(value: &[u8], token: &str) -> bool {
-    value
-        .split(|&b| b == b',')
-        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
+    value.split(|&b| b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
 }
 
 /// Parses a response head at the start of `buf`; `Ok(None)` if incomplete.
@@ -123,12 +121,7 @@ fn parse_head(buf: &[u8], head_request: bool) -> io::Result<Option<Head>> {
     if body == Body::UntilEof {
         keep_alive = false;
     }
-    Ok(Some(Head {
-        status,
-        len,
-        body,
-        keep_alive,
-    }))
+    Ok(Some(Head { status, len, body, keep_alive }))
 }
 
 impl Body {
@@ -168,30 +161,18 @@ fn advance_chunked(state: &mut Chunk, data: &[u8]) -> io::Result<(usize, bool)> 
                     }
                     continue;
                 }
-                let hex = line
-                    .split(|&b| b == b';')
-                    .next()
-                    .unwrap_or_default()
-                    .trim_ascii();
+                let hex = line.split(|&b| b == b';').next().unwrap_or_default().trim_ascii();
                 let size = std::str::from_utf8(hex)
                     .ok()
                     .filter(|h| !h.is_empty() && h.len() <= 16)
                     .and_then(|h| u64::from_str_radix(h, 16).ok())
                     .ok_or_else(|| bad("invalid chunk size"))?;
-                *state = if size == 0 {
-                    Chunk::Trailers
-                } else {
-                    Chunk::Data(size)
-                };
+                *state = if size == 0 { Chunk::Trailers } else { Chunk::Data(size) };
             }
             Chunk::Data(left) => {
                 let take = left.min(rest.len() as u64);
                 pos += take as usize;
-                *state = if take == left {
-                    Chunk::DataEnd
-                } else {
-                    Chunk::Data(left - take)
-                };
+                *state = if take == left { Chunk::DataEnd } else { Chunk::Data(left - take) };
                 if *state != Chunk::DataEnd {
                     return Ok((pos, false));
                 }
@@ -225,12 +206,7 @@ impl Conn {
     pub(crate) fn new(stream: TcpStream) -> Self {
         // Best effort: a failure only costs latency, never correctness.
         let _ = stream.set_nodelay(true);
-        Self {
-            stream,
-            buf: vec![0; INIT_BUF],
-            start: 0,
-            end: 0,
-        }
+        Self { stream, buf: vec![0; INIT_BUF], start: 0, end: 0 }
     }
 
     /// Reads more bytes after `buf[start..end]`; returns 0 at EOF.
@@ -258,11 +234,7 @@ impl Conn {
 
     /// Sends `request` (complete serialized bytes) and reads the whole
     /// response. Skips 1xx responses. Errors are transport/protocol failures.
-    pub(crate) async fn exchange(
-        &mut self,
-        request: &[u8],
-        head_request: bool,
-    ) -> io::Result<Reply> {
+    pub(crate) async fn exchange(&mut self, request: &[u8], head_request: bool) -> io::Result<Reply> {
         self.stream.write_all(request).await?;
         loop {
             let head = loop {
@@ -301,10 +273,7 @@ impl Conn {
             }
             self.start = 0;
             self.end = 0;
-            return Ok(Reply {
-                status: head.status,
-                keep_alive,
-            });
+            return Ok(Reply { status: head.status, keep_alive });
         }
     }
 
@@ -335,18 +304,14 @@ mod tests {
     #[test]
     fn framing_rules() {
         let h = head("HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello");
-        assert_eq!(
-            (h.status, h.body, h.keep_alive, h.len),
-            (200, Body::Length(5), true, 38)
-        );
+        assert_eq!((h.status, h.body, h.keep_alive, h.len), (200, Body::Length(5), true, 38));
         let h = head("HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n");
         assert_eq!(h.body, Body::Chunked(Chunk::Size));
         let h = head("HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n");
         assert_eq!((h.body, h.keep_alive), (Body::UntilEof, false));
         let h = head("HTTP/1.1 200 OK\r\n\r\n");
         assert_eq!((h.body, h.keep_alive), (Body::UntilEof, false));
-        let h =
-            head("HTTP/1.1 503 Busy\r\nContent-Length: 0\r\nConnection: keep-alive, Close\r\n\r\n");
+        let h = head("HTTP/1.1 503 Busy\r\nContent-Length: 0\r\nConnection: keep-alive, Close\r\n\r\n");
         assert_eq!((h.status, h.body, h.keep_alive), (503, Body::Empty, false));
         let h = head("HTTP/1.1 204 No Content\r\nContent-Length: 10\r\n\r\n");
         assert_eq!(h.body, Body::Empty);
@@ -354,19 +319,11 @@ mod tests {
         assert!(!h.keep_alive);
         let h = head("HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 1\r\n\r\n");
         assert!(h.keep_alive);
-        let h = parse_head(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n", true)
-            .unwrap()
-            .unwrap();
+        let h = parse_head(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n", true).unwrap().unwrap();
         assert_eq!(h.body, Body::Empty);
-        assert!(parse_head(b"HTTP/1.1 200 OK\r\nContent-Len", false)
-            .unwrap()
-            .is_none());
+        assert!(parse_head(b"HTTP/1.1 200 OK\r\nContent-Len", false).unwrap().is_none());
         assert!(parse_head(b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n", false).is_err());
-        assert!(parse_head(
-            b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
-            false
-        )
-        .is_err());
+        assert!(parse_head(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", false).is_err());
         assert!(parse_head(b"garbage\r\n\r\n", false).is_err());
     }
 
@@ -399,10 +356,7 @@ mod tests {
         // Nothing past the end is consumed.
         let mut extra = body.to_vec();
         extra.extend_from_slice(b"HTTP/1.1");
-        assert_eq!(
-            feed(Body::Chunked(Chunk::Size), &extra, extra.len()).unwrap(),
-            body.len()
-        );
+        assert_eq!(feed(Body::Chunked(Chunk::Size), &extra, extra.len()).unwrap(), body.len());
         assert!(feed(Body::Chunked(Chunk::Size), b"zz\r\n", 4).is_err());
         assert!(feed(Body::Chunked(Chunk::Size), b"3\r\nabcX\r\n", 9).is_err());
     }
@@ -435,13 +389,11 @@ mod tests {
 
     #[test]
     fn exchanges_over_a_socket() {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         rt.block_on(async {
             let req = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n";
-            let mut c = scripted(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 3\r\n\r\nabc").await;
+            let mut c =
+                scripted(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 3\r\n\r\nabc").await;
             let r = c.exchange(req, false).await.unwrap();
             assert_eq!(r, Reply { status: 201, keep_alive: true });
 

@@ -189,9 +189,7 @@ fn check_secs(name: &str, v: f64, allow_zero: bool) -> Result<Duration, LoadgenE
     let ok = v.is_finite() && (v > 0.0 || (allow_zero && v == 0.0)) && v < 1e9;
     if !ok {
         let want = if allow_zero { ">= 0" } else { "> 0" };
-        return Err(LoadgenError::BadConfig(format!(
-            "{name} must be finite and {want}, got {v}"
-        )));
+        return Err(LoadgenError::BadConfig(format!("{name} must be finite and {want}, got {v}")));
     }
     Ok(Duration::from_secs_f64(v))
 }
@@ -200,9 +198,7 @@ fn check_rate(rate: f64) -> Result<(), LoadgenError> {
     if rate.is_finite() && rate > 0.0 {
         Ok(())
     } else {
-        Err(LoadgenError::BadConfig(format!(
-            "rate must be finite and > 0, got {rate}"
-        )))
+        Err(LoadgenError::BadConfig(format!("rate must be finite and > 0, got {rate}")))
     }
 }
 
@@ -224,26 +220,14 @@ fn prepare(cfg: &BenchConfig) -> Result<Prepared, LoadgenError> {
     let warmup = check_secs("warmup_s", cfg.warmup_s, true)?;
     let timeout = check_secs("timeout_s", cfg.timeout_s, false)?;
     if cfg.max_connections == 0 {
-        return Err(LoadgenError::BadConfig(
-            "max_connections must be >= 1".into(),
-        ));
+        return Err(LoadgenError::BadConfig("max_connections must be >= 1".into()));
     }
     let target = Arc::new(target::Target::from_config(cfg)?);
     engine::preflight(&target, timeout)?;
-    Ok(Prepared {
-        target,
-        duration,
-        warmup,
-        timeout,
-    })
+    Ok(Prepared { target, duration, warmup, timeout })
 }
 
-fn rate_run<'a>(
-    cfg: &BenchConfig,
-    p: &'a Prepared,
-    rate: f64,
-    index: usize,
-) -> engine::RateRun<'a> {
+fn rate_run<'a>(cfg: &BenchConfig, p: &'a Prepared, rate: f64, index: usize) -> engine::RateRun<'a> {
     engine::RateRun {
         target: &p.target,
         arrival: cfg.arrival,
@@ -266,10 +250,7 @@ fn rate_run<'a>(
 /// Fails before sending load if the config is invalid or one preflight
 /// request to the URL gets no HTTP response. Must not be called from inside
 /// a tokio runtime (it blocks the calling thread).
-pub fn run(
-    cfg: &BenchConfig,
-    progress: &mut dyn FnMut(&str),
-) -> Result<Vec<RunReport>, LoadgenError> {
+pub fn run(cfg: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<Vec<RunReport>, LoadgenError> {
     if cfg.rates.is_empty() {
         return Err(LoadgenError::BadConfig("rates is empty".into()));
     }
@@ -287,11 +268,7 @@ pub fn run(
 }
 
 /// Runs a single offered `rate` (ignoring `cfg.rates`), preflight included.
-pub fn run_one(
-    cfg: &BenchConfig,
-    rate: f64,
-    progress: &mut dyn FnMut(&str),
-) -> Result<RunReport, LoadgenError> {
+pub fn run_one(cfg: &BenchConfig, rate: f64, progress: &mut dyn FnMut(&str)) -> Result<RunReport, LoadgenError> {
     check_rate(rate)?;
     let prepared = prepare(cfg)?;
     engine::run_rate(&rate_run(cfg, &prepared, rate, 0), progress)
@@ -319,67 +296,34 @@ mod tests {
 
     #[test]
     fn config_json_round_trip_and_defaults() {
-        let cfg: BenchConfig = serde_json::from_str(
-            r#"{"url":"http://h:1/x","rates":[5,10],"arrival":{"kind":"bursty","burst":4}}"#,
-        )
-        .unwrap();
+        let cfg: BenchConfig =
+            serde_json::from_str(r#"{"url":"http://h:1/x","rates":[5,10],"arrival":{"kind":"bursty","burst":4}}"#)
+                .unwrap();
         assert_eq!(cfg.method, "POST");
         assert_eq!(cfg.max_connections, 512);
         assert_eq!(cfg.rates, vec![5.0, 10.0]);
         assert_eq!(cfg.arrival, Arrival::Bursty { burst: 4 });
-        let back: BenchConfig =
-            serde_json::from_str(&serde_json::to_string(&cfg).unwrap()).unwrap();
+        let back: BenchConfig = serde_json::from_str(&serde_json::to_string(&cfg).unwrap()).unwrap();
         assert_eq!(back.url, cfg.url);
     }
 
     #[test]
     fn invalid_configs_fail_before_connecting() {
-        let base = BenchConfig {
-            url: "http://127.0.0.1:9/".into(),
-            ..BenchConfig::default()
-        };
+        let base = BenchConfig { url: "http://127.0.0.1:9/".into(), ..BenchConfig::default() };
         let cases = [
-            BenchConfig {
-                rates: vec![],
-                ..base.clone()
-            },
-            BenchConfig {
-                rates: vec![0.0],
-                ..base.clone()
-            },
-            BenchConfig {
-                rates: vec![f64::NAN],
-                ..base.clone()
-            },
-            BenchConfig {
-                duration_s: 0.0,
-                ..base.clone()
-            },
-            BenchConfig {
-                warmup_s: -1.0,
-                ..base.clone()
-            },
-            BenchConfig {
-                timeout_s: f64::INFINITY,
-                ..base.clone()
-            },
-            BenchConfig {
-                max_connections: 0,
-                ..base.clone()
-            },
+            BenchConfig { rates: vec![], ..base.clone() },
+            BenchConfig { rates: vec![0.0], ..base.clone() },
+            BenchConfig { rates: vec![f64::NAN], ..base.clone() },
+            BenchConfig { duration_s: 0.0, ..base.clone() },
+            BenchConfig { warmup_s: -1.0, ..base.clone() },
+            BenchConfig { timeout_s: f64::INFINITY, ..base.clone() },
+            BenchConfig { max_connections: 0, ..base.clone() },
         ];
         for cfg in cases {
             let e = run(&cfg, &mut |_| {}).unwrap_err();
             assert_eq!(e.kind(), "bad_config", "{cfg:?}: {e}");
         }
-        let e = run(
-            &BenchConfig {
-                url: "https://x:1/".into(),
-                ..base
-            },
-            &mut |_| {},
-        )
-        .unwrap_err();
+        let e = run(&BenchConfig { url: "https://x:1/".into(), ..base }, &mut |_| {}).unwrap_err();
         assert_eq!(e.kind(), "bad_url");
     }
 }

@@ -77,8 +77,7 @@ pub(crate) struct WindowStats {
 impl WindowStats {
     pub(crate) fn new() -> Self {
         Self {
-            hist: Histogram::new_with_bounds(1, MAX_LATENCY_US, 3)
-                .expect("static histogram bounds are valid"),
+            hist: Histogram::new_with_bounds(1, MAX_LATENCY_US, 3).expect("static histogram bounds are valid"),
             ok: 0,
             errors: 0,
             by_kind: BTreeMap::new(),
@@ -125,10 +124,7 @@ mod tests {
     #[test]
     fn empty_histogram_is_all_zero() {
         let s = WindowStats::new();
-        assert_eq!(
-            Percentiles::from_histogram_us(&s.hist),
-            Percentiles::default()
-        );
+        assert_eq!(Percentiles::from_histogram_us(&s.hist), Percentiles::default());
     }
 
     #[test]

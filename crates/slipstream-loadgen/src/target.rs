@@ -23,9 +23,7 @@ pub(crate) fn parse_url(url: &str) -> Result<ParsedUrl, LoadgenError> {
     let url = url.trim();
     let rest = match url.split_once("://") {
         Some((scheme, rest)) if scheme.eq_ignore_ascii_case("http") => rest,
-        Some((scheme, _)) => {
-            return Err(bad(&format!("scheme {scheme:?} unsupported (http only)")))
-        }
+        Some((scheme, _)) => return Err(bad(&format!("scheme {scheme:?} unsupported (http only)"))),
         None => return Err(bad("expected http://host:port/path")),
     };
     if rest.contains('#') {
@@ -37,17 +35,11 @@ pub(crate) fn parse_url(url: &str) -> Result<ParsedUrl, LoadgenError> {
         return Err(bad("userinfo is not supported"));
     }
     let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
-        let (h, p) = v6
-            .split_once(']')
-            .ok_or_else(|| bad("unclosed '[' in host"))?;
-        let p = p
-            .strip_prefix(':')
-            .ok_or_else(|| bad("port required (host:port)"))?;
+        let (h, p) = v6.split_once(']').ok_or_else(|| bad("unclosed '[' in host"))?;
+        let p = p.strip_prefix(':').ok_or_else(|| bad("port required (host:port)"))?;
         (h, p)
     } else {
-        authority
-            .rsplit_once(':')
-            .ok_or_else(|| bad("port required (host:port)"))?
+        authority.rsplit_once(':').ok_or_else(|| bad("port required (host:port)"))?
     };
     if host.is_empty() {
         return Err(bad("empty host"));
@@ -56,24 +48,13 @@ pub(crate) fn parse_url(url: &str) -> Result<ParsedUrl, LoadgenError> {
     if port == 0 {
         return Err(bad("port 0"));
     }
-    let path_and_query = if tail.starts_with('/') {
-        tail.to_string()
-    } else {
-        format!("/{tail}")
-    };
-    Ok(ParsedUrl {
-        authority: authority.to_string(),
-        host: host.to_string(),
-        port,
-        path_and_query,
-    })
+    let path_and_query = if tail.starts_with('/') { tail.to_string() } else { format!("/{tail}") };
+    Ok(ParsedUrl { authority: authority.to_string(), host: host.to_string(), port, path_and_query })
 }
 
 /// RFC 9110 token (method, header name).
 fn is_token(s: &str) -> bool {
-    !s.is_empty()
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+    !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
 }
 
 /// Header value without CR, LF or other control characters (HTAB allowed).
@@ -97,25 +78,16 @@ impl Target {
     pub(crate) fn from_config(cfg: &BenchConfig) -> Result<Self, LoadgenError> {
         let url = parse_url(&cfg.url)?;
         let bad_cfg = LoadgenError::BadConfig;
-        let method = if cfg.method.trim().is_empty() {
-            "POST".to_string()
-        } else {
-            cfg.method.trim().to_ascii_uppercase()
-        };
+        let method =
+            if cfg.method.trim().is_empty() { "POST".to_string() } else { cfg.method.trim().to_ascii_uppercase() };
         if !is_token(&method) {
             return Err(bad_cfg(format!("invalid method {:?}", cfg.method)));
         }
         if !url.path_and_query.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(LoadgenError::BadUrl(format!(
-                "{:?}: path must be percent-encoded visible ASCII",
-                cfg.url
-            )));
+            return Err(LoadgenError::BadUrl(format!("{:?}: path must be percent-encoded visible ASCII", cfg.url)));
         }
         if !is_field_value(&cfg.content_type) {
-            return Err(bad_cfg(format!(
-                "invalid content_type {:?}",
-                cfg.content_type
-            )));
+            return Err(bad_cfg(format!("invalid content_type {:?}", cfg.content_type)));
         }
         let mut user_host = false;
         let mut extra = String::new();
@@ -126,15 +98,11 @@ impl Target {
             if !is_field_value(v) {
                 return Err(bad_cfg(format!("invalid value for header {k:?}")));
             }
-            if k.eq_ignore_ascii_case("content-length")
-                || k.eq_ignore_ascii_case("transfer-encoding")
-            {
+            if k.eq_ignore_ascii_case("content-length") || k.eq_ignore_ascii_case("transfer-encoding") {
                 return Err(bad_cfg(format!("header {k:?} is set by the generator")));
             }
             if k.eq_ignore_ascii_case("content-type") && !cfg.content_type.is_empty() {
-                return Err(bad_cfg(
-                    "content-type given twice (headers and content_type)".into(),
-                ));
+                return Err(bad_cfg("content-type given twice (headers and content_type)".into()));
             }
             user_host |= k.eq_ignore_ascii_case("host");
             extra.push_str(&format!("{k}: {}\r\n", v.trim()));
@@ -147,10 +115,7 @@ impl Target {
             head.push_str(&format!("content-type: {}\r\n", cfg.content_type));
         }
         head.push_str(&extra);
-        let no_body_method = matches!(
-            method.as_str(),
-            "GET" | "HEAD" | "DELETE" | "OPTIONS" | "TRACE"
-        );
+        let no_body_method = matches!(method.as_str(), "GET" | "HEAD" | "DELETE" | "OPTIONS" | "TRACE");
         if !cfg.body.is_empty() || !no_body_method {
             head.push_str(&format!("content-length: {}\r\n", cfg.body.len()));
         }
@@ -163,12 +128,7 @@ impl Target {
             .map_err(|e| LoadgenError::BadUrl(format!("{:?}: cannot resolve host: {e}", cfg.url)))?
             .next()
             .ok_or_else(|| LoadgenError::BadUrl(format!("{:?}: host has no address", cfg.url)))?;
-        Ok(Self {
-            addr,
-            authority: url.authority,
-            request: request.into_boxed_slice(),
-            head_request: method == "HEAD",
-        })
+        Ok(Self { addr, authority: url.authority, request: request.into_boxed_slice(), head_request: method == "HEAD" })
     }
 }
 
@@ -236,56 +196,22 @@ mod tests {
             headers: vec![("Host".into(), "example".into())],
             ..cfg.clone()
         };
-        assert_eq!(
-            serialized(&get),
-            "GET /p?q=1 HTTP/1.1\r\nHost: example\r\n\r\n"
-        );
-        let head = BenchConfig {
-            method: "HEAD".into(),
-            ..get.clone()
-        };
+        assert_eq!(serialized(&get), "GET /p?q=1 HTTP/1.1\r\nHost: example\r\n\r\n");
+        let head = BenchConfig { method: "HEAD".into(), ..get.clone() };
         assert!(Target::from_config(&head).unwrap().head_request);
-        let empty_post = BenchConfig {
-            body: vec![],
-            ..cfg.clone()
-        };
+        let empty_post = BenchConfig { body: vec![], ..cfg.clone() };
         assert!(serialized(&empty_post).ends_with("content-length: 0\r\n\r\n"));
 
         for bad in [
-            BenchConfig {
-                headers: vec![("bad header".into(), "1".into())],
-                ..cfg.clone()
-            },
-            BenchConfig {
-                headers: vec![("x".into(), "a\r\nb".into())],
-                ..cfg.clone()
-            },
-            BenchConfig {
-                headers: vec![("Content-Length".into(), "3".into())],
-                ..cfg.clone()
-            },
-            BenchConfig {
-                headers: vec![("content-type".into(), "a/b".into())],
-                ..cfg.clone()
-            },
-            BenchConfig {
-                method: "PO ST".into(),
-                ..cfg.clone()
-            },
+            BenchConfig { headers: vec![("bad header".into(), "1".into())], ..cfg.clone() },
+            BenchConfig { headers: vec![("x".into(), "a\r\nb".into())], ..cfg.clone() },
+            BenchConfig { headers: vec![("Content-Length".into(), "3".into())], ..cfg.clone() },
+            BenchConfig { headers: vec![("content-type".into(), "a/b".into())], ..cfg.clone() },
+            BenchConfig { method: "PO ST".into(), ..cfg.clone() },
         ] {
-            assert_eq!(
-                Target::from_config(&bad).err().unwrap().kind(),
-                "bad_config",
-                "{bad:?}"
-            );
+            assert_eq!(Target::from_config(&bad).err().unwrap().kind(), "bad_config", "{bad:?}");
         }
-        let spacey = BenchConfig {
-            url: "http://h:1/a b".into(),
-            ..cfg
-        };
-        assert_eq!(
-            Target::from_config(&spacey).err().unwrap().kind(),
-            "bad_url"
-        );
+        let spacey = BenchConfig { url: "http://h:1/a b".into(), ..cfg };
+        assert_eq!(Target::from_config(&spacey).err().unwrap().kind(), "bad_url");
     }
 }

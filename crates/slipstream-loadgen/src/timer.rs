@@ -20,12 +20,9 @@ impl PreciseTimer {
         #[cfg(target_os = "linux")]
         {
             use rustix::time::{timerfd_create, TimerfdClockId, TimerfdFlags};
-            let fd = timerfd_create(
-                TimerfdClockId::Monotonic,
-                TimerfdFlags::NONBLOCK | TimerfdFlags::CLOEXEC,
-            )
-            .ok()
-            .and_then(|fd| register(fd).ok());
+            let fd = timerfd_create(TimerfdClockId::Monotonic, TimerfdFlags::NONBLOCK | TimerfdFlags::CLOEXEC)
+                .ok()
+                .and_then(|fd| register(fd).ok());
             Self { fd }
         }
         #[cfg(not(target_os = "linux"))]
@@ -65,9 +62,7 @@ impl PreciseTimer {
 /// constructor is sound here and keeps this crate free of `unsafe`.
 #[cfg(target_os = "linux")]
 #[allow(deprecated)]
-fn register(
-    fd: std::os::fd::OwnedFd,
-) -> std::io::Result<tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>> {
+fn register(fd: std::os::fd::OwnedFd) -> std::io::Result<tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>> {
     tokio::io::unix::AsyncFd::new(fd)
 }
 
@@ -80,10 +75,7 @@ async fn timerfd_sleep(
     // A zero it_value disarms the timer, so never ask for less than 1 µs.
     let after = after.max(std::time::Duration::from_micros(1));
     let spec = Itimerspec {
-        it_interval: Timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        },
+        it_interval: Timespec { tv_sec: 0, tv_nsec: 0 },
         it_value: Timespec {
             tv_sec: i64::try_from(after.as_secs()).unwrap_or(i64::MAX),
             tv_nsec: after.subsec_nanos().into(),
@@ -112,10 +104,7 @@ mod tests {
 
     #[test]
     fn sleeps_are_precise_and_never_early() {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         rt.block_on(async {
             let mut t = PreciseTimer::new();
             let mut late = Vec::new();
@@ -127,21 +116,13 @@ mod tests {
                 late.push(now - deadline);
             }
             // Past deadlines return immediately.
-            t.sleep_until(Instant::now() - Duration::from_millis(1))
-                .await;
+            t.sleep_until(Instant::now() - Duration::from_millis(1)).await;
             late.sort();
             let median = late[late.len() / 2];
-            eprintln!(
-                "precise={} median lateness {median:?} max {:?}",
-                t.is_precise(),
-                late[late.len() - 1]
-            );
+            eprintln!("precise={} median lateness {median:?} max {:?}", t.is_precise(), late[late.len() - 1]);
             if t.is_precise() {
                 // Generous: shared CI machines; tokio's wheel would be ~700 µs.
-                assert!(
-                    median < Duration::from_micros(500),
-                    "median lateness {median:?}"
-                );
+                assert!(median < Duration::from_micros(500), "median lateness {median:?}");
             }
         });
     }

@@ -18,10 +18,7 @@ use slipstream_loadgen::{run, run_one, Arrival, BenchConfig};
 fn start_server(status: StatusCode) -> SocketAddr {
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         rt.block_on(async move {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             tx.send(listener.local_addr().unwrap()).unwrap();
@@ -30,19 +27,13 @@ fn start_server(status: StatusCode) -> SocketAddr {
                 stream.set_nodelay(true).unwrap();
                 tokio::spawn(async move {
                     let svc = service_fn(move |req: Request<Incoming>| async move {
-                        let body = req
-                            .into_body()
-                            .collect()
-                            .await
-                            .map(|b| b.to_bytes())
-                            .unwrap_or_default();
+                        let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
                         let mut resp = Response::new(Full::new(body));
                         *resp.status_mut() = status;
                         Ok::<_, Infallible>(resp)
                     });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
+                    let _ =
+                        hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
                 });
             }
         });
@@ -74,11 +65,7 @@ fn echo_at_2000_rps_is_all_ok() {
     assert!(r.sent > 1700 && r.sent < 2300, "sent {}", r.sent);
     assert_eq!(r.errors, 0, "{:?}", r.errors_by_kind);
     assert_eq!(r.ok, r.sent);
-    assert!(
-        (r.achieved_rps / 2000.0 - 1.0).abs() < 0.10,
-        "achieved {}",
-        r.achieved_rps
-    );
+    assert!((r.achieved_rps / 2000.0 - 1.0).abs() < 0.10, "achieved {}", r.achieved_rps);
     assert!(r.latency_ms.p50 > 0.0 && r.latency_ms.p50 <= r.latency_ms.p99);
     assert!(r.latency_ms.p99 <= r.latency_ms.max);
     assert!(r.max_connections_used >= 1 && r.max_connections_used <= 512);
@@ -88,10 +75,7 @@ fn echo_at_2000_rps_is_all_ok() {
 #[test]
 fn status_503_is_counted_by_kind() {
     let addr = start_server(StatusCode::SERVICE_UNAVAILABLE);
-    let cfg = BenchConfig {
-        arrival: Arrival::Uniform,
-        ..config(addr, 500.0)
-    };
+    let cfg = BenchConfig { arrival: Arrival::Uniform, ..config(addr, 500.0) };
     let r = run_one(&cfg, 500.0, &mut |_| {}).unwrap();
     assert_eq!(r.ok, 0);
     assert_eq!(r.errors, r.sent);
@@ -126,15 +110,8 @@ fn sweep_runs_each_rate_in_order_multithreaded() {
 #[test]
 fn unreachable_url_fails_with_connect() {
     // Bind then drop to get a port that is (almost certainly) closed.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let cfg = BenchConfig {
-        url: format!("http://127.0.0.1:{port}/"),
-        ..BenchConfig::default()
-    };
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let cfg = BenchConfig { url: format!("http://127.0.0.1:{port}/"), ..BenchConfig::default() };
     let e = run(&cfg, &mut |_| {}).unwrap_err();
     assert_eq!(e.kind(), "connect", "{e}");
     assert!(e.to_string().contains("cannot connect"), "{e}");
@@ -153,21 +130,14 @@ fn slow_server_requests_time_out() {
             use std::io::{Read, Write};
             let mut buf = [0u8; 4096];
             let _ = s.read(&mut buf);
-            let _ =
-                s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+            let _ = s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
         }
         while let Ok((s, _)) = l.accept() {
             held.push(s);
         }
     });
     let addr = rx.recv_timeout(Duration::from_secs(10)).unwrap();
-    let cfg = BenchConfig {
-        duration_s: 0.3,
-        warmup_s: 0.0,
-        timeout_s: 0.2,
-        max_connections: 4,
-        ..config(addr, 100.0)
-    };
+    let cfg = BenchConfig { duration_s: 0.3, warmup_s: 0.0, timeout_s: 0.2, max_connections: 4, ..config(addr, 100.0) };
     let r = run_one(&cfg, 100.0, &mut |_| {}).unwrap();
     assert!(r.sent > 10, "sent {}", r.sent);
     assert_eq!(r.ok, 0);

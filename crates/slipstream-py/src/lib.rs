@@ -15,12 +15,7 @@ use slipstream_shm::Pool as ShmPool;
 use std::path::PathBuf;
 use std::time::Duration;
 
-create_exception!(
-    _core,
-    CoreError,
-    PyRuntimeError,
-    "An error from the compiled core: args are (kind, message)."
-);
+create_exception!(_core, CoreError, PyRuntimeError, "An error from the compiled core: args are (kind, message).");
 
 fn core_err(kind: &str, message: impl ToString) -> PyErr {
     CoreError::new_err((kind.to_string(), message.to_string()))
@@ -44,12 +39,7 @@ fn serve(
     log: bool,
 ) -> PyResult<()> {
     let spec: AppSpec = serde_json::from_str(spec_json).map_err(|e| core_err("invalid_spec", e))?;
-    let mut opts = NodeOptions {
-        host: host.to_string(),
-        port,
-        log,
-        ..NodeOptions::default()
-    };
+    let mut opts = NodeOptions { host: host.to_string(), port, log, ..NodeOptions::default() };
     if threads > 0 {
         opts.threads = threads;
     }
@@ -69,8 +59,7 @@ fn serve(
         opts.replica_pool_bytes = pool_mb << 20;
         opts.ingress_pool_bytes = (pool_mb << 20).max(opts.ingress_pool_bytes);
     }
-    py.detach(|| slipstream_runtime::run_blocking(spec, opts, |_| {}))
-        .map_err(|e| core_err(e.kind(), e))
+    py.detach(|| slipstream_runtime::run_blocking(spec, opts, |_| {})).map_err(|e| core_err(e.kind(), e))
 }
 
 /// Run the open-loop load generator; `config_json` is a `BenchConfig`.
@@ -103,16 +92,12 @@ impl Pool {
     /// Create a new pool file (the node does this; tests use it too).
     #[staticmethod]
     fn create(path: PathBuf, id: u32, capacity: usize) -> PyResult<Pool> {
-        ShmPool::create(&path, id, capacity)
-            .map(|inner| Pool { inner })
-            .map_err(|e| core_err(e.kind(), e))
+        ShmPool::create(&path, id, capacity).map(|inner| Pool { inner }).map_err(|e| core_err(e.kind(), e))
     }
 
     #[staticmethod]
     fn open(path: PathBuf) -> PyResult<Pool> {
-        ShmPool::open(&path)
-            .map(|inner| Pool { inner })
-            .map_err(|e| core_err(e.kind(), e))
+        ShmPool::open(&path).map(|inner| Pool { inner }).map_err(|e| core_err(e.kind(), e))
     }
 
     /// Reserve `nbytes`; returns the block's byte offset in the pool file.

@@ -68,14 +68,10 @@ impl TensorRef {
         }
         // Byte offset of every row start, plus the end.
         let row_at: Vec<u64> = if self.dtype.is_variable() {
-            slipstream_types::var::group_offsets(
-                self.bytes(),
-                self.row_elems() as usize,
-                total as usize,
-            )?
-            .into_iter()
-            .map(|o| o as u64)
-            .collect()
+            slipstream_types::var::group_offsets(self.bytes(), self.row_elems() as usize, total as usize)?
+                .into_iter()
+                .map(|o| o as u64)
+                .collect()
         } else {
             let rb = self.row_elems() * self.dtype.size() as u64;
             (0..=total).map(|r| r * rb).collect()
@@ -138,13 +134,7 @@ impl CopyCounters {
 
     pub fn snapshot(&self) -> CopySnapshot {
         let l = |a: &AtomicU64| a.load(Relaxed);
-        let (j, i, g, w, e) = (
-            l(&self.body_join),
-            l(&self.ingress),
-            l(&self.gather),
-            l(&self.worker),
-            l(&self.egress),
-        );
+        let (j, i, g, w, e) = (l(&self.body_join), l(&self.ingress), l(&self.gather), l(&self.worker), l(&self.egress));
         CopySnapshot {
             body_join: j,
             body_join_bytes: l(&self.body_join_bytes),
@@ -173,12 +163,7 @@ impl Arena {
     /// Create the ingress pool (id 0) under `dir`.
     pub fn new(dir: PathBuf, ingress_bytes: usize) -> Result<Arena, NodeError> {
         let prefix = format!("slipstream-{}-{:x}", std::process::id(), rand_suffix());
-        let arena = Arena {
-            dir,
-            prefix,
-            pools: RwLock::new(Vec::new()),
-            copies: CopyCounters::default(),
-        };
+        let arena = Arena { dir, prefix, pools: RwLock::new(Vec::new()), copies: CopyCounters::default() };
         arena.create_pool(ingress_bytes)?;
         Ok(arena)
     }
@@ -233,11 +218,7 @@ impl Arena {
 
     /// Allocate an ingress block and count the write that will fill it.
     pub fn ingress_block(&self, nbytes: usize) -> Result<Arc<Block>, NodeError> {
-        CopyCounters::add(
-            &self.copies.ingress,
-            &self.copies.ingress_bytes,
-            nbytes as u64,
-        );
+        CopyCounters::add(&self.copies.ingress, &self.copies.ingress_bytes, nbytes as u64);
         Ok(Arc::new(Block::alloc(&self.ingress(), nbytes)?))
     }
 }
@@ -250,9 +231,6 @@ impl Drop for Arena {
 
 fn rand_suffix() -> u64 {
     use std::time::{SystemTime, UNIX_EPOCH};
-    let t = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
+    let t = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
     (t as u64) ^ ((t >> 64) as u64)
 }

@@ -47,13 +47,7 @@ impl BodyParts {
 
     /// Bytes `[start, end)` as one slice: borrowed when they lie in one chunk,
     /// else joined (and counted as a `body_join` copy when `count` is set).
-    fn contiguous(
-        &self,
-        start: usize,
-        end: usize,
-        arena: &Arena,
-        count: bool,
-    ) -> std::borrow::Cow<'_, [u8]> {
+    fn contiguous(&self, start: usize, end: usize, arena: &Arena, count: bool) -> std::borrow::Cow<'_, [u8]> {
         let mut at = 0;
         for p in &self.parts {
             if start >= at && end <= at + p.len() {
@@ -137,27 +131,18 @@ fn check_rectangular(v: &Value, shape: &[u64], name: &str) -> Result<(), NodeErr
     match (v, shape.split_first()) {
         (Value::Array(a), Some((&n, rest))) => {
             if a.len() as u64 != n {
-                return Err(bad(format!(
-                    "input '{name}' is ragged: rows of different lengths"
-                )));
+                return Err(bad(format!("input '{name}' is ragged: rows of different lengths")));
             }
             a.iter().try_for_each(|x| check_rectangular(x, rest, name))
         }
-        (Value::Array(_), None) => Err(bad(format!(
-            "input '{name}' is ragged: nesting depth varies"
-        ))),
-        (_, Some(_)) => Err(bad(format!(
-            "input '{name}' is ragged: nesting depth varies"
-        ))),
+        (Value::Array(_), None) => Err(bad(format!("input '{name}' is ragged: nesting depth varies"))),
+        (_, Some(_)) => Err(bad(format!("input '{name}' is ragged: nesting depth varies"))),
         (_, None) => Ok(()),
     }
 }
 
 /// Visit the leaves of a nested array in row-major order.
-fn for_each_leaf<'v>(
-    v: &'v Value,
-    f: &mut dyn FnMut(&'v Value) -> Result<(), NodeError>,
-) -> Result<(), NodeError> {
+fn for_each_leaf<'v>(v: &'v Value, f: &mut dyn FnMut(&'v Value) -> Result<(), NodeError>) -> Result<(), NodeError> {
     match v {
         Value::Array(a) => a.iter().try_for_each(|x| for_each_leaf(x, f)),
         leaf => f(leaf),
@@ -181,13 +166,9 @@ fn write_scalar(v: &Value, dtype: DType, out: &mut [u8], name: &str) -> Result<(
     }
     match dtype {
         DType::Bool => out[0] = v.as_bool().ok_or_else(wrong)? as u8,
-        DType::Float32 => {
-            out.copy_from_slice(&(v.as_f64().ok_or_else(wrong)? as f32).to_le_bytes())
-        }
+        DType::Float32 => out.copy_from_slice(&(v.as_f64().ok_or_else(wrong)? as f32).to_le_bytes()),
         DType::Float64 => out.copy_from_slice(&v.as_f64().ok_or_else(wrong)?.to_le_bytes()),
-        DType::Float16 => {
-            out.copy_from_slice(&half::f16::from_f64(v.as_f64().ok_or_else(wrong)?).to_le_bytes())
-        }
+        DType::Float16 => out.copy_from_slice(&half::f16::from_f64(v.as_f64().ok_or_else(wrong)?).to_le_bytes()),
         DType::Uint8 => int!(u8),
         DType::Uint16 => int!(u16),
         DType::Uint32 => int!(u32),
@@ -205,11 +186,7 @@ fn write_scalar(v: &Value, dtype: DType, out: &mut [u8], name: &str) -> Result<(
 
 /// The bytes of one variable-size JSON element: (length, how to get them).
 fn var_len(v: &Value, dtype: DType, base64_bytes: bool, name: &str) -> Result<usize, NodeError> {
-    let s = v.as_str().ok_or_else(|| {
-        bad(format!(
-            "input '{name}' expects {dtype} values (JSON strings), got {v}"
-        ))
-    })?;
+    let s = v.as_str().ok_or_else(|| bad(format!("input '{name}' expects {dtype} values (JSON strings), got {v}")))?;
     if dtype == DType::Bytes && base64_bytes {
         use base64::Engine;
         base64::engine::general_purpose::STANDARD
@@ -227,9 +204,7 @@ fn write_var(v: &Value, dtype: DType, base64_bytes: bool, out: &mut [u8]) -> usi
     let body = &mut out[4..];
     let n = if dtype == DType::Bytes && base64_bytes {
         use base64::Engine;
-        base64::engine::general_purpose::STANDARD
-            .decode_slice(s, body)
-            .expect("checked by var_len")
+        base64::engine::general_purpose::STANDARD.decode_slice(s, body).expect("checked by var_len")
     } else {
         body[..s.len()].copy_from_slice(s.as_bytes());
         s.len()
@@ -257,10 +232,7 @@ fn stored_size(p: &Parsed<'_>, body: &BodyParts, arena: &Arena) -> Result<usize,
                 )));
             }
             if p.dtype == DType::String && elems.iter().any(|e| std::str::from_utf8(e).is_err()) {
-                return Err(bad(format!(
-                    "input '{}' is a string tensor but holds invalid UTF-8",
-                    p.name
-                )));
+                return Err(bad(format!("input '{}' is a string tensor but holds invalid UTF-8", p.name)));
             }
             Ok(*len)
         }
@@ -282,19 +254,12 @@ fn validate_and_store(
     arena: &Arena,
     body: &BodyParts,
 ) -> Result<Tensors, NodeError> {
-    let missing: Vec<&str> = declared
-        .keys()
-        .filter(|k| !parsed.iter().any(|p| &p.name == *k))
-        .map(|s| s.as_str())
-        .collect();
+    let missing: Vec<&str> =
+        declared.keys().filter(|k| !parsed.iter().any(|p| &p.name == *k)).map(|s| s.as_str()).collect();
     if !missing.is_empty() {
         return Err(bad(format!("missing input(s): {}", missing.join(", "))));
     }
-    let extra: Vec<&str> = parsed
-        .iter()
-        .filter(|p| !declared.contains_key(&p.name))
-        .map(|p| p.name.as_str())
-        .collect();
+    let extra: Vec<&str> = parsed.iter().filter(|p| !declared.contains_key(&p.name)).map(|p| p.name.as_str()).collect();
     if !extra.is_empty() {
         let known: Vec<&str> = declared.keys().map(|s| s.as_str()).collect();
         return Err(bad(format!(
@@ -319,12 +284,7 @@ fn validate_and_store(
             )));
         }
         if !spec.accepts_shape(&p.shape) {
-            return Err(bad(format!(
-                "input '{}' must have shape {}, got {:?}",
-                p.name,
-                spec.shape_string(),
-                p.shape
-            )));
+            return Err(bad(format!("input '{}' must have shape {}, got {:?}", p.name, spec.shape_string(), p.shape)));
         }
         let r = p.shape[0];
         if r == 0 {
@@ -333,19 +293,13 @@ fn validate_and_store(
         match rows {
             None => rows = Some((r, p.name.clone())),
             Some((r0, ref n0)) if r0 != r => {
-                return Err(bad(format!(
-                    "inputs '{n0}' and '{}' have different row counts ({r0} and {r})",
-                    p.name
-                )))
+                return Err(bad(format!("inputs '{n0}' and '{}' have different row counts ({r0} and {r})", p.name)))
             }
             _ => {}
         }
     }
     parsed.sort_by(|a, b| a.name.cmp(&b.name));
-    let sizes: Vec<usize> = parsed
-        .iter()
-        .map(|p| stored_size(p, body, arena))
-        .collect::<Result<_, _>>()?;
+    let sizes: Vec<usize> = parsed.iter().map(|p| stored_size(p, body, arena)).collect::<Result<_, _>>()?;
     let total: usize = sizes.iter().map(|&s| align(s)).sum();
     let block = arena.ingress_block(total)?;
     let buf = block.as_mut_slice();
@@ -388,8 +342,7 @@ fn validate_and_store(
 }
 
 fn parse_json(body: &[u8]) -> Result<Value, NodeError> {
-    serde_json::from_slice(body)
-        .map_err(|e| NodeError::BadRequest(format!("body is not valid JSON: {e}")))
+    serde_json::from_slice(body).map_err(|e| NodeError::BadRequest(format!("body is not valid JSON: {e}")))
 }
 
 /// Decode a pipeline-API request body: `{"inputs": {"x": [[...]]}}`.
@@ -399,9 +352,10 @@ pub fn decode_v1(
     arena: &Arena,
 ) -> Result<Tensors, NodeError> {
     let v = parse_json(&body.contiguous(0, body.len(), arena, true))?;
-    let inputs = v.get("inputs").and_then(Value::as_object).ok_or_else(|| {
-        NodeError::BadRequest("body must be an object with an \"inputs\" object".into())
-    })?;
+    let inputs = v
+        .get("inputs")
+        .and_then(Value::as_object)
+        .ok_or_else(|| NodeError::BadRequest("body must be an object with an \"inputs\" object".into()))?;
     let mut parsed = Vec::with_capacity(inputs.len());
     for (name, val) in inputs {
         let Some(spec) = declared.get(name) else {
@@ -441,10 +395,7 @@ pub struct V2Request {
 }
 
 fn param_bool(v: &Value, key: &str) -> bool {
-    v.get("parameters")
-        .and_then(|p| p.get(key))
-        .and_then(Value::as_bool)
-        .unwrap_or(false)
+    v.get("parameters").and_then(|p| p.get(key)).and_then(Value::as_bool).unwrap_or(false)
 }
 
 /// Decode an Open Inference Protocol request (JSON, or JSON header plus
@@ -475,88 +426,56 @@ pub fn decode_v2(
         .ok_or_else(|| NodeError::BadRequest("body must have an \"inputs\" array".into()))?;
     let mut parsed = Vec::with_capacity(inputs.len());
     for inp in inputs {
-        let name = inp
-            .get("name")
-            .and_then(Value::as_str)
-            .ok_or_else(|| bad("every input needs a \"name\""))?;
+        let name = inp.get("name").and_then(Value::as_str).ok_or_else(|| bad("every input needs a \"name\""))?;
         let dt = inp
             .get("datatype")
             .and_then(Value::as_str)
             .ok_or_else(|| bad(format!("input '{name}' needs a \"datatype\"")))?;
-        let dtype = DType::from_v2(dt)
-            .ok_or_else(|| bad(format!("input '{name}': unsupported datatype '{dt}'")))?;
+        let dtype = DType::from_v2(dt).ok_or_else(|| bad(format!("input '{name}': unsupported datatype '{dt}'")))?;
         let shape: Vec<u64> = inp
             .get("shape")
             .and_then(Value::as_array)
             .and_then(|a| a.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
-            .ok_or_else(|| {
-                bad(format!(
-                    "input '{name}' needs a \"shape\" of non-negative integers"
-                ))
-            })?;
+            .ok_or_else(|| bad(format!("input '{name}' needs a \"shape\" of non-negative integers")))?;
         let n = numel(&shape);
-        let binary_size = inp
-            .get("parameters")
-            .and_then(|p| p.get("binary_data_size"))
-            .and_then(Value::as_u64);
+        let binary_size = inp.get("parameters").and_then(|p| p.get("binary_data_size")).and_then(Value::as_u64);
         let source = if let Some(size) = binary_size {
             let want = n * dtype.size() as u64;
             if !dtype.is_variable() && size != want {
-                return Err(bad(format!("input '{name}': binary_data_size {size} does not match shape {shape:?} of {dt} ({want} bytes)")));
-            }
-            if binary_at + size as usize > body.len() {
                 return Err(bad(format!(
-                    "input '{name}': binary data is shorter than binary_data_size"
+                    "input '{name}': binary_data_size {size} does not match shape {shape:?} of {dt} ({want} bytes)"
                 )));
             }
-            binary_at += size as usize;
-            Source::Raw {
-                at: binary_at - size as usize,
-                len: size as usize,
+            if binary_at + size as usize > body.len() {
+                return Err(bad(format!("input '{name}': binary data is shorter than binary_data_size")));
             }
+            binary_at += size as usize;
+            Source::Raw { at: binary_at - size as usize, len: size as usize }
         } else {
-            let data = inp.get("data").ok_or_else(|| {
-                bad(format!(
-                    "input '{name}' has neither \"data\" nor binary_data_size"
-                ))
-            })?;
+            let data = inp
+                .get("data")
+                .ok_or_else(|| bad(format!("input '{name}' has neither \"data\" nor binary_data_size")))?;
             let mut count = 0u64;
             for_each_leaf(data, &mut |_| {
                 count += 1;
                 Ok(())
             })?;
             if count != n {
-                return Err(bad(format!(
-                    "input '{name}' has {count} values but shape {shape:?} needs {n}"
-                )));
+                return Err(bad(format!("input '{name}' has {count} values but shape {shape:?} needs {n}")));
             }
             Source::Json(data)
         };
-        parsed.push(Parsed {
-            base64_bytes: false,
-            name: name.to_string(),
-            dtype,
-            shape,
-            source,
-        });
+        parsed.push(Parsed { base64_bytes: false, name: name.to_string(), dtype, shape, source });
     }
     if binary_at != body.len() {
-        return Err(bad(format!(
-            "{} bytes of binary data belong to no input",
-            body.len() - binary_at
-        )));
+        return Err(bad(format!("{} bytes of binary data belong to no input", body.len() - binary_at)));
     }
-    let mut req = V2Request {
-        id: v.get("id").cloned(),
-        binary_all: param_bool(&v, "binary_data_output"),
-        ..Default::default()
-    };
+    let mut req =
+        V2Request { id: v.get("id").cloned(), binary_all: param_bool(&v, "binary_data_output"), ..Default::default() };
     if let Some(outs) = v.get("outputs").and_then(Value::as_array) {
         for o in outs {
-            let name = o
-                .get("name")
-                .and_then(Value::as_str)
-                .ok_or_else(|| bad("every requested output needs a \"name\""))?;
+            let name =
+                o.get("name").and_then(Value::as_str).ok_or_else(|| bad("every requested output needs a \"name\""))?;
             req.outputs.push(name.to_string());
             if param_bool(o, "binary_data") {
                 req.binary.push(name.to_string());
@@ -582,19 +501,12 @@ fn write_json_tensor(out: &mut Vec<u8>, t: &TensorRef, nested: bool) {
     let mut write_elem = |out: &mut Vec<u8>, e: &[u8]| {
         macro_rules! int {
             ($t:ty) => {
-                out.extend_from_slice(
-                    ibuf.format(<$t>::from_le_bytes(e.try_into().unwrap()))
-                        .as_bytes(),
-                )
+                out.extend_from_slice(ibuf.format(<$t>::from_le_bytes(e.try_into().unwrap())).as_bytes())
             };
         }
         let mut float = |out: &mut Vec<u8>, x: f64, single: bool| {
             if x.is_finite() {
-                let s = if single {
-                    fbuf.format_finite(x as f32)
-                } else {
-                    fbuf.format_finite(x)
-                };
+                let s = if single { fbuf.format_finite(x as f32) } else { fbuf.format_finite(x) };
                 out.extend_from_slice(s.as_bytes())
             } else {
                 out.extend_from_slice(b"null")
@@ -604,11 +516,7 @@ fn write_json_tensor(out: &mut Vec<u8>, t: &TensorRef, nested: bool) {
             DType::Bool => out.extend_from_slice(if e[0] != 0 { b"true" } else { b"false" }),
             DType::Float32 => float(out, f32::from_le_bytes(e.try_into().unwrap()) as f64, true),
             DType::Float64 => float(out, f64::from_le_bytes(e.try_into().unwrap()), false),
-            DType::Float16 => float(
-                out,
-                half::f16::from_le_bytes(e.try_into().unwrap()).to_f64(),
-                true,
-            ),
+            DType::Float16 => float(out, half::f16::from_le_bytes(e.try_into().unwrap()).to_f64(), true),
             DType::Uint8 => int!(u8),
             DType::Uint16 => int!(u16),
             DType::Uint32 => int!(u32),
@@ -617,16 +525,11 @@ fn write_json_tensor(out: &mut Vec<u8>, t: &TensorRef, nested: bool) {
             DType::Int16 => int!(i16),
             DType::Int32 => int!(i32),
             DType::Int64 => int!(i64),
-            DType::String => serde_json::to_writer(&mut *out, &String::from_utf8_lossy(e))
-                .expect("string serialises"),
+            DType::String => serde_json::to_writer(&mut *out, &String::from_utf8_lossy(e)).expect("string serialises"),
             DType::Bytes => {
                 use base64::Engine;
                 out.push(b'"');
-                out.extend_from_slice(
-                    base64::engine::general_purpose::STANDARD
-                        .encode(e)
-                        .as_bytes(),
-                );
+                out.extend_from_slice(base64::engine::general_purpose::STANDARD.encode(e).as_bytes());
                 out.push(b'"');
             }
         }
@@ -645,9 +548,7 @@ fn write_json_tensor(out: &mut Vec<u8>, t: &TensorRef, nested: bool) {
         return;
     }
     // Nested: open/close brackets at dimension boundaries.
-    let strides: Vec<usize> = (0..shape.len())
-        .map(|d| shape[d + 1..].iter().product::<u64>() as usize)
-        .collect();
+    let strides: Vec<usize> = (0..shape.len()).map(|d| shape[d + 1..].iter().product::<u64>() as usize).collect();
     for _ in 0..shape.len() {
         out.push(b'[');
     }
@@ -671,12 +572,7 @@ fn write_json_tensor(out: &mut Vec<u8>, t: &TensorRef, nested: bool) {
 
 /// `{"outputs": {"y": [[...]]}}`
 pub fn encode_v1(outputs: &Tensors) -> Vec<u8> {
-    let mut out = Vec::with_capacity(
-        64 + outputs
-            .iter()
-            .map(|(_, t)| t.nbytes as usize * 3)
-            .sum::<usize>(),
-    );
+    let mut out = Vec::with_capacity(64 + outputs.iter().map(|(_, t)| t.nbytes as usize * 3).sum::<usize>());
     out.extend_from_slice(b"{\"outputs\":{");
     for (i, (name, t)) in outputs.iter().enumerate() {
         if i > 0 {
@@ -716,10 +612,7 @@ pub fn encode_v2(model: &str, req: &V2Request, outputs: &Tensors) -> Result<V2Re
             .map(|n| {
                 outputs.iter().find(|(k, _)| k == n).ok_or_else(|| {
                     let known: Vec<&str> = outputs.iter().map(|(k, _)| k.as_str()).collect();
-                    bad(format!(
-                        "unknown output '{n}' requested (outputs: {})",
-                        known.join(", ")
-                    ))
+                    bad(format!("unknown output '{n}' requested (outputs: {})", known.join(", ")))
                 })
             })
             .collect::<Result<_, _>>()?
@@ -741,18 +634,10 @@ pub fn encode_v2(model: &str, req: &V2Request, outputs: &Tensors) -> Result<V2Re
         json.extend_from_slice(b"{\"name\":");
         serde_json::to_writer(&mut json, name).expect("serialises");
         json.extend_from_slice(
-            format!(
-                ",\"datatype\":\"{}\",\"shape\":{:?}",
-                t.dtype.v2_name(),
-                t.shape
-            )
-            .replace(' ', "")
-            .as_bytes(),
+            format!(",\"datatype\":\"{}\",\"shape\":{:?}", t.dtype.v2_name(), t.shape).replace(' ', "").as_bytes(),
         );
         if req.binary_all || req.binary.iter().any(|b| b == name) {
-            json.extend_from_slice(
-                format!(",\"parameters\":{{\"binary_data_size\":{}}}}}", t.nbytes).as_bytes(),
-            );
+            json.extend_from_slice(format!(",\"parameters\":{{\"binary_data_size\":{}}}}}", t.nbytes).as_bytes());
             blobs.push(Bytes::from_owner(ArenaBytes(t.clone())));
         } else {
             json.extend_from_slice(b",\"data\":");
@@ -805,13 +690,7 @@ mod tests {
     }
 
     fn declared(dtype: DType, shape: &[i64]) -> BTreeMap<String, TensorSpec> {
-        BTreeMap::from([(
-            "x".to_string(),
-            TensorSpec {
-                dtype,
-                shape: shape.to_vec(),
-            },
-        )])
+        BTreeMap::from([("x".to_string(), TensorSpec { dtype, shape: shape.to_vec() })])
     }
 
     fn body(parts: &[&[u8]]) -> BodyParts {
@@ -826,11 +705,7 @@ mod tests {
         b.copy_out(4, &mut out);
         assert_eq!(&out, b"o world");
         assert_eq!(&*b.contiguous(0, 5, &a, true), b"hello");
-        assert_eq!(
-            a.copies.snapshot().body_join,
-            0,
-            "inside one chunk: borrowed"
-        );
+        assert_eq!(a.copies.snapshot().body_join, 0, "inside one chunk: borrowed");
         assert_eq!(&*b.contiguous(3, 9, &a, true), b"lo wor");
         assert_eq!(a.copies.snapshot().body_join, 1);
     }
@@ -838,12 +713,9 @@ mod tests {
     #[test]
     fn v1_decodes_converts_and_round_trips() {
         let (a, _d) = arena();
-        let t = decode_v1(
-            &body(&[br#"{"inputs": {"x": [[1, 2.5], [3, -4]]}}"#]),
-            &declared(DType::Float32, &[-1, 2]),
-            &a,
-        )
-        .unwrap();
+        let t =
+            decode_v1(&body(&[br#"{"inputs": {"x": [[1, 2.5], [3, -4]]}}"#]), &declared(DType::Float32, &[-1, 2]), &a)
+                .unwrap();
         assert_eq!(t[0].1.shape, vec![2, 2]);
         let json = String::from_utf8(encode_v1(&t)).unwrap();
         assert_eq!(json, r#"{"outputs":{"x":[[1.0,2.5],[3.0,-4.0]]}}"#);
@@ -866,24 +738,11 @@ mod tests {
     fn v2_binary_input_split_across_chunks() {
         let (a, _d) = arena();
         let head = br#"{"inputs":[{"name":"x","shape":[1,2],"datatype":"FP32","parameters":{"binary_data_size":8}}],"outputs":[{"name":"x","parameters":{"binary_data":true}}]}"#;
-        let data: Vec<u8> = [1.5f32, -2.0]
-            .iter()
-            .flat_map(|f| f.to_le_bytes())
-            .collect();
+        let data: Vec<u8> = [1.5f32, -2.0].iter().flat_map(|f| f.to_le_bytes()).collect();
         let b = body(&[head, &data[..3], &data[3..]]);
-        let (t, req) = decode_v2(
-            &b,
-            Some(head.len()),
-            &declared(DType::Float32, &[-1, 2]),
-            &a,
-        )
-        .unwrap();
+        let (t, req) = decode_v2(&b, Some(head.len()), &declared(DType::Float32, &[-1, 2]), &a).unwrap();
         assert_eq!(t[0].1.bytes(), &data[..]);
-        assert_eq!(
-            a.copies.snapshot().body_join,
-            0,
-            "binary tensors are never joined"
-        );
+        assert_eq!(a.copies.snapshot().body_join, 0, "binary tensors are never joined");
         let resp = encode_v2("m", &req, &t).unwrap();
         assert_eq!(resp.chunks.len(), 2);
         assert_eq!(&resp.chunks[1][..], &data[..]);
@@ -898,15 +757,9 @@ mod tests {
         let head = br#"{"inputs":[{"name":"x","shape":[2],"datatype":"FP32","parameters":{"binary_data_size":8}}]}"#;
         let d = declared(DType::Float32, &[-1]);
         let short = body(&[head, &[0u8; 4]]);
-        assert!(decode_v2(&short, Some(head.len()), &d, &a)
-            .unwrap_err()
-            .to_string()
-            .contains("shorter"));
+        assert!(decode_v2(&short, Some(head.len()), &d, &a).unwrap_err().to_string().contains("shorter"));
         let long = body(&[head, &[0u8; 12]]);
-        assert!(decode_v2(&long, Some(head.len()), &d, &a)
-            .unwrap_err()
-            .to_string()
-            .contains("belong to no input"));
+        assert!(decode_v2(&long, Some(head.len()), &d, &a).unwrap_err().to_string().contains("belong to no input"));
     }
 
     #[test]
@@ -918,9 +771,6 @@ mod tests {
             &a,
         )
         .unwrap();
-        assert_eq!(
-            String::from_utf8(encode_v1(&t)).unwrap(),
-            r#"{"outputs":{"x":[[[1,2],[3,4]],[[5,6],[7,8]]]}}"#
-        );
+        assert_eq!(String::from_utf8(encode_v1(&t)).unwrap(), r#"{"outputs":{"x":[[[1,2],[3,4]],[[5,6],[7,8]]]}}"#);
     }
 }

@@ -24,6 +24,10 @@ pub enum NodeError {
     Unavailable { stage: String, reason: String },
     #[error("request did not finish within {ms} ms")]
     Timeout { ms: u64 },
+    #[error("refused: predicted to miss its {budget_ms} ms deadline by {over_ms} ms (the pipeline is at capacity)")]
+    Overloaded { budget_ms: u64, over_ms: u64 },
+    #[error("dropped: its deadline passed while it waited at stage '{stage}'")]
+    DeadlineExceeded { stage: String },
     #[error("the node is shutting down")]
     ShuttingDown,
     #[error("shared memory: {0}")]
@@ -44,6 +48,8 @@ impl NodeError {
             NodeError::Component { .. } => "component_error",
             NodeError::Unavailable { .. } => "unavailable",
             NodeError::Timeout { .. } => "timeout",
+            NodeError::Overloaded { .. } => "overloaded",
+            NodeError::DeadlineExceeded { .. } => "deadline_exceeded",
             NodeError::ShuttingDown => "shutting_down",
             NodeError::Arena(e) => e.kind(),
             NodeError::Internal(_) => "internal",
@@ -51,6 +57,15 @@ impl NodeError {
     }
 
     /// The one place where error kinds become HTTP statuses.
+    /// Seconds a client should wait before retrying, for 429 and 503.
+    pub fn retry_after_s(&self) -> Option<u64> {
+        match self {
+            NodeError::Overloaded { over_ms, .. } => Some(over_ms.div_ceil(1000).max(1)),
+            e if e.http_status() == 503 => Some(1),
+            _ => None,
+        }
+    }
+
     pub fn http_status(&self) -> u16 {
         match self {
             NodeError::BadRequest(_) | NodeError::BadInput(_) => 400,
@@ -61,7 +76,8 @@ impl NodeError {
             NodeError::Unavailable { .. } | NodeError::ShuttingDown => 503,
             NodeError::Arena(ShmError::Full { .. }) => 503,
             NodeError::Arena(_) => 500,
-            NodeError::Timeout { .. } => 504,
+            NodeError::Timeout { .. } | NodeError::DeadlineExceeded { .. } => 504,
+            NodeError::Overloaded { .. } => 429,
         }
     }
 }

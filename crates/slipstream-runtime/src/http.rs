@@ -40,10 +40,7 @@ pub struct Chunks {
 impl Chunks {
     pub fn new(chunks: Vec<Bytes>) -> Chunks {
         let len = chunks.iter().map(|c| c.len() as u64).sum();
-        Chunks {
-            chunks: chunks.into(),
-            len,
-        }
+        Chunks { chunks: chunks.into(), len }
     }
 }
 
@@ -51,10 +48,7 @@ impl Body for Chunks {
     type Data = Bytes;
     type Error = Infallible;
 
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+    fn poll_frame(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
         let next = self.chunks.pop_front();
         if let Some(c) = &next {
             self.len -= c.len() as u64;
@@ -76,27 +70,18 @@ type Resp = Response<Chunks>;
 fn respond(status: u16, content_type: &'static str, chunks: Vec<Bytes>) -> Resp {
     let mut r = Response::new(Chunks::new(chunks));
     *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    r.headers_mut()
-        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
     r
 }
 
 fn json_resp(status: u16, v: &Value) -> Resp {
-    respond(
-        status,
-        "application/json",
-        vec![Bytes::from(serde_json::to_vec(v).expect("serialises"))],
-    )
+    respond(status, "application/json", vec![Bytes::from(serde_json::to_vec(v).expect("serialises"))])
 }
 
 pub fn error_resp(e: &NodeError) -> Resp {
-    let mut r = json_resp(
-        e.http_status(),
-        &json!({"error": {"kind": e.kind(), "message": e.to_string()}}),
-    );
-    if e.http_status() == 503 {
-        r.headers_mut()
-            .insert("retry-after", HeaderValue::from_static("1"));
+    let mut r = json_resp(e.http_status(), &json!({"error": {"kind": e.kind(), "message": e.to_string()}}));
+    if let Some(s) = e.retry_after_s() {
+        r.headers_mut().insert("retry-after", HeaderValue::from(s));
     }
     r
 }
@@ -108,6 +93,7 @@ pub async fn handle(node: Arc<Node>, req: hyper::Request<Incoming>) -> Result<Re
 }
 
 async fn route(node: &Arc<Node>, req: hyper::Request<Incoming>) -> Result<Resp, NodeError> {
+    let arrival = arrival_of(&req)?;
     let path = req.uri().path().trim_end_matches('/').to_string();
     let parts: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
     let method = req.method().clone();
@@ -122,12 +108,8 @@ async fn route(node: &Arc<Node>, req: hyper::Request<Incoming>) -> Result<Resp, 
             let pipe = node.pipeline(name)?;
             let body = read_body(node, req).await?;
             let tensors = codec::decode_v1(&body, &pipe.spec.inputs, &node.arena)?;
-            let outputs = infer(node, &pipe, tensors).await?;
-            Ok(respond(
-                200,
-                "application/json",
-                vec![Bytes::from(codec::encode_v1(&outputs))],
-            ))
+            let outputs = infer(node, &pipe, tensors, arrival).await?;
+            Ok(respond(200, "application/json", vec![Bytes::from(codec::encode_v1(&outputs))]))
         }
         ["v2", "models", name, "infer"] | ["v2", "models", name, "versions", _, "infer"] => {
             if !post {
@@ -136,35 +118,18 @@ async fn route(node: &Arc<Node>, req: hyper::Request<Incoming>) -> Result<Resp, 
             let pipe = node.pipeline(name)?;
             let header_len = match req.headers().get("inference-header-content-length") {
                 None => None,
-                Some(v) => Some(
-                    v.to_str()
-                        .ok()
-                        .and_then(|s| s.trim().parse::<usize>().ok())
-                        .ok_or_else(|| {
-                            NodeError::BadRequest(
-                                "Inference-Header-Content-Length must be an integer".into(),
-                            )
-                        })?,
-                ),
+                Some(v) => Some(v.to_str().ok().and_then(|s| s.trim().parse::<usize>().ok()).ok_or_else(|| {
+                    NodeError::BadRequest("Inference-Header-Content-Length must be an integer".into())
+                })?),
             };
             let body = read_body(node, req).await?;
-            let (tensors, v2req) =
-                codec::decode_v2(&body, header_len, &pipe.spec.inputs, &node.arena)?;
-            let outputs = infer(node, &pipe, tensors).await?;
+            let (tensors, v2req) = codec::decode_v2(&body, header_len, &pipe.spec.inputs, &node.arena)?;
+            let outputs = infer(node, &pipe, tensors, arrival).await?;
             let enc = codec::encode_v2(pipe.name(), &v2req, &outputs)?;
             let binary = enc.header_len.is_some();
-            let mut r = respond(
-                200,
-                if binary {
-                    "application/octet-stream"
-                } else {
-                    "application/json"
-                },
-                enc.chunks,
-            );
+            let mut r = respond(200, if binary { "application/octet-stream" } else { "application/json" }, enc.chunks);
             if let Some(n) = enc.header_len {
-                r.headers_mut()
-                    .insert("inference-header-content-length", HeaderValue::from(n));
+                r.headers_mut().insert("inference-header-content-length", HeaderValue::from(n));
             }
             Ok(r)
         }
@@ -179,26 +144,18 @@ async fn route(node: &Arc<Node>, req: hyper::Request<Incoming>) -> Result<Resp, 
         ["readyz"] | ["v2", "health", "ready"] => Ok(if node.is_ready() {
             json_resp(200, &json!({"status": "ready"}))
         } else {
-            json_resp(
-                503,
-                &json!({"status": "not ready", "draining": node.draining.load(Relaxed)}),
-            )
+            json_resp(503, &json!({"status": "not ready", "draining": node.draining.load(Relaxed)}))
         }),
-        ["v1", "pipelines"] => Ok(json_resp(
-            200,
-            &json!({"pipelines": node.pipelines.values().map(|p| describe(p)).collect::<Vec<_>>()}),
-        )),
+        ["v1", "pipelines"] => {
+            Ok(json_resp(200, &json!({"pipelines": node.pipelines.values().map(|p| describe(p)).collect::<Vec<_>>()})))
+        }
         ["v1", "pipelines", name] => Ok(json_resp(200, &describe(node.pipeline(name)?.as_ref()))),
         ["v1", "status"] => Ok(json_resp(200, &node.status())),
         ["v1", "admin", "reset-metrics"] => {
             node.reset_metrics();
             Ok(json_resp(200, &json!({"reset": true})))
         }
-        ["metrics"] => Ok(respond(
-            200,
-            "text/plain; version=0.0.4",
-            vec![Bytes::from(node.prometheus())],
-        )),
+        ["metrics"] => Ok(respond(200, "text/plain; version=0.0.4", vec![Bytes::from(node.prometheus())])),
         ["v2"] => Ok(json_resp(
             200,
             &json!({"name": "slipstream", "version": env!("CARGO_PKG_VERSION"), "extensions": ["binary_tensor_data"]}),
@@ -237,18 +194,14 @@ const DISCARD_CAP: usize = 16 << 20;
 
 async fn read_body(node: &Node, req: hyper::Request<Incoming>) -> Result<BodyParts, NodeError> {
     let limit = node.opts.max_body_bytes;
-    let declared = req
-        .headers()
-        .get(CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|s| s.parse::<usize>().ok());
+    let declared =
+        req.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|s| s.parse::<usize>().ok());
     let mut body = req.into_body();
     let mut kept: Vec<Bytes> = Vec::new();
     let mut seen = 0usize;
     let over = declared.is_some_and(|n| n > limit);
     while let Some(frame) = body.frame().await {
-        let frame =
-            frame.map_err(|e| NodeError::BadRequest(format!("could not read the body: {e}")))?;
+        let frame = frame.map_err(|e| NodeError::BadRequest(format!("could not read the body: {e}")))?;
         if let Ok(data) = frame.into_data() {
             seen += data.len();
             if seen > limit + DISCARD_CAP {
@@ -277,43 +230,75 @@ impl Drop for InFlight<'_> {
 }
 
 /// Run one request through a pipeline.
-async fn infer(
-    node: &Node,
-    pipe: &Arc<PipelineRt>,
-    tensors: Tensors,
-) -> Result<Tensors, NodeError> {
+/// When the request arrived and the deadline budget it asked for.
+pub struct Arrival {
+    pub at: Instant,
+    pub budget: Option<std::time::Duration>,
+}
+
+/// Header by which a client asks for a deadline tighter than the SLO, in ms from arrival.
+pub const DEADLINE_HEADER: &str = "x-slipstream-deadline-ms";
+
+fn arrival_of(req: &hyper::Request<Incoming>) -> Result<Arrival, NodeError> {
+    let budget = match req.headers().get(DEADLINE_HEADER) {
+        None => None,
+        Some(v) => {
+            let ms =
+                v.to_str().ok().and_then(|s| s.trim().parse::<f64>().ok()).filter(|ms| *ms > 0.0 && ms.is_finite());
+            Some(std::time::Duration::from_secs_f64(
+                ms.ok_or_else(|| {
+                    NodeError::BadRequest(format!("{DEADLINE_HEADER} must be a positive number of milliseconds"))
+                })? / 1e3,
+            ))
+        }
+    };
+    Ok(Arrival { at: Instant::now(), budget })
+}
+
+/// Run one request through a pipeline: admission, then the DAG.
+async fn infer(node: &Node, pipe: &Arc<PipelineRt>, tensors: Tensors, arrival: Arrival) -> Result<Tensors, NodeError> {
     node.inflight.fetch_add(1, Relaxed);
     let _guard = InFlight(node);
     if node.draining.load(Relaxed) {
         return Err(NodeError::ShuttingDown);
     }
-    let arrival = Instant::now();
     let id = node.next_id.fetch_add(1, Relaxed);
-    let (req, rx) = Request::new(id, pipe.clone(), tensors, arrival);
+    let (req, rx) = Request::new(id, pipe.clone(), tensors, arrival.at, arrival.budget);
+    let m = &pipe.metrics;
+    if node.admission {
+        if let Err(over) = pipe.admit(&req.route, req.deadline) {
+            m.shed.fetch_add(1, Relaxed);
+            let e = NodeError::Overloaded {
+                budget_ms: req.deadline.saturating_duration_since(arrival.at).as_millis() as u64,
+                over_ms: over.as_millis() as u64,
+            };
+            m.error(e.kind());
+            return Err(e);
+        }
+    }
+    m.admitted.fetch_add(1, Relaxed);
     req.start();
     let result = match tokio::time::timeout(pipe.timeout, rx).await {
         Ok(Ok(reply)) => reply,
-        Ok(Err(_)) => Err(NodeError::Internal(
-            "request was dropped without an answer".into(),
-        )),
+        Ok(Err(_)) => Err(NodeError::Internal("request was dropped without an answer".into())),
         Err(_) => {
-            let e = NodeError::Timeout {
-                ms: pipe.timeout.as_millis() as u64,
-            };
-            req.fail(NodeError::Timeout {
-                ms: pipe.timeout.as_millis() as u64,
-            });
-            Err(e)
+            let ms = pipe.timeout.as_millis() as u64;
+            req.fail(NodeError::Timeout { ms });
+            Err(NodeError::Timeout { ms })
         }
     };
     match &result {
         Ok(_) => {
-            pipe.metrics.ok.fetch_add(1, Relaxed);
-            pipe.metrics
-                .latency_us
-                .record(arrival.elapsed().as_micros() as u64);
+            let done = Instant::now();
+            m.ok.fetch_add(1, Relaxed);
+            m.latency_us.record(done.duration_since(arrival.at).as_micros() as u64);
+            if done <= req.deadline {
+                m.slo_met.fetch_add(1, Relaxed);
+            } else {
+                m.slo_missed.fetch_add(1, Relaxed);
+            }
         }
-        Err(e) => pipe.metrics.error(e.kind()),
+        Err(e) => m.error(e.kind()),
     }
     result
 }

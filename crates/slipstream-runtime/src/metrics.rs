@@ -17,9 +17,7 @@ pub struct Hist(Mutex<Histogram<u64>>);
 
 impl Default for Hist {
     fn default() -> Self {
-        Hist(Mutex::new(
-            Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid bounds"),
-        ))
+        Hist(Mutex::new(Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid bounds")))
     }
 }
 
@@ -64,6 +62,10 @@ impl Hist {
 
 #[derive(Default)]
 pub struct StageMetrics {
+    /// Requests dropped from this stage's queue because their deadline passed.
+    pub dropped_late: AtomicU64,
+    /// Deadline slack of the most urgent request when a batch is dispatched, µs.
+    pub slack_us: Hist,
     pub batches: AtomicU64,
     pub requests: AtomicU64,
     pub errors: AtomicU64,
@@ -82,6 +84,13 @@ pub struct StageMetrics {
 #[derive(Default)]
 pub struct PipelineMetrics {
     pub ok: AtomicU64,
+    /// Requests let in by admission control.
+    pub admitted: AtomicU64,
+    /// Requests refused at ingress (429): predicted to miss their deadline.
+    pub shed: AtomicU64,
+    /// Answered within the SLO (goodput) / answered late.
+    pub slo_met: AtomicU64,
+    pub slo_missed: AtomicU64,
     pub errors: Mutex<BTreeMap<&'static str, u64>>,
     /// End-to-end latency inside the node (body read to response ready), µs.
     pub latency_us: Hist,
@@ -95,15 +104,11 @@ impl PipelineMetrics {
 
 impl StageMetrics {
     pub fn reset(&self) {
-        for c in [&self.batches, &self.requests, &self.errors, &self.retries] {
+        self.slack_us.reset();
+        for c in [&self.batches, &self.requests, &self.errors, &self.retries, &self.dropped_late] {
             c.store(0, Relaxed);
         }
-        for h in [
-            &self.batch_size,
-            &self.queue_wait_us,
-            &self.compute_us,
-            &self.hop_us,
-        ] {
+        for h in [&self.batch_size, &self.queue_wait_us, &self.compute_us, &self.hop_us] {
             h.reset();
         }
     }
@@ -111,7 +116,9 @@ impl StageMetrics {
 
 impl PipelineMetrics {
     pub fn reset(&self) {
-        self.ok.store(0, Relaxed);
+        for c in [&self.ok, &self.admitted, &self.shed, &self.slo_met, &self.slo_missed] {
+            c.store(0, Relaxed);
+        }
         self.errors.lock().clear();
         self.latency_us.reset();
     }
@@ -146,22 +153,12 @@ impl PromText {
     pub fn summary(&mut self, name: &str, help: &str, labels: &[(&str, &str)], h: &Hist) {
         self.declare(name, "summary", help);
         let s = h.summary(1e6);
-        for (q, v) in [
-            ("0.5", s.p50),
-            ("0.9", s.p90),
-            ("0.99", s.p99),
-            ("0.999", s.p999),
-        ] {
+        for (q, v) in [("0.5", s.p50), ("0.9", s.p90), ("0.99", s.p99), ("0.999", s.p999)] {
             let mut l = labels.to_vec();
             l.push(("quantile", q));
             let _ = writeln!(self.out, "{name}{} {v}", fmt_labels(&l));
         }
-        let _ = writeln!(
-            self.out,
-            "{name}_sum{} {}",
-            fmt_labels(labels),
-            s.mean * s.count as f64
-        );
+        let _ = writeln!(self.out, "{name}_sum{} {}", fmt_labels(labels), s.mean * s.count as f64);
         let _ = writeln!(self.out, "{name}_count{} {}", fmt_labels(labels), s.count);
     }
 
@@ -174,10 +171,8 @@ fn fmt_labels(labels: &[(&str, &str)]) -> String {
     if labels.is_empty() {
         return String::new();
     }
-    let parts: Vec<String> = labels
-        .iter()
-        .map(|(k, v)| format!("{k}=\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\"")))
-        .collect();
+    let parts: Vec<String> =
+        labels.iter().map(|(k, v)| format!("{k}=\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\""))).collect();
     format!("{{{}}}", parts.join(","))
 }
 

@@ -22,6 +22,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use hyper_util::server::graceful::GracefulShutdown;
 use serde_json::{json, Value};
+use slipstream_sched::{BatchFormer, LatencyProfile, Policy};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -56,9 +57,7 @@ impl Default for NodeOptions {
         NodeOptions {
             host: "127.0.0.1".into(),
             port: 8000,
-            threads: std::thread::available_parallelism()
-                .map(|n| n.get().min(4))
-                .unwrap_or(2),
+            threads: std::thread::available_parallelism().map(|n| n.get().min(4)).unwrap_or(2),
             max_body_bytes: 64 << 20,
             request_timeout: Duration::from_secs(30),
             drain_timeout: Duration::from_secs(30),
@@ -76,10 +75,7 @@ pub enum RunError {
     #[error(transparent)]
     Spec(#[from] crate::spec::SpecError),
     #[error("cannot listen on {addr}: {source}")]
-    Bind {
-        addr: String,
-        source: std::io::Error,
-    },
+    Bind { addr: String, source: std::io::Error },
     #[error("component {stage} failed to start: {message}")]
     WorkerStart { stage: String, message: String },
     #[error(transparent)]
@@ -110,14 +106,13 @@ pub struct Node {
     pub idle: Notify,
     pub next_id: AtomicU64,
     pub started: Instant,
+    /// Refuse requests predicted to miss their deadline (429).
+    pub admission: bool,
 }
 
 impl Node {
     pub fn pipeline(&self, name: &str) -> Result<Arc<PipelineRt>, NodeError> {
-        self.pipelines
-            .get(name)
-            .cloned()
-            .ok_or_else(|| NodeError::UnknownPipeline(name.to_string()))
+        self.pipelines.get(name).cloned().ok_or_else(|| NodeError::UnknownPipeline(name.to_string()))
     }
 
     pub fn is_ready(&self) -> bool {
@@ -159,6 +154,9 @@ impl Node {
                             "requests": m.requests.load(Relaxed),
                             "errors": m.errors.load(Relaxed),
                             "retries": m.retries.load(Relaxed),
+                            "dropped_late": m.dropped_late.load(Relaxed),
+                            "slack_ms": m.slack_us.summary(ms),
+                            "batch_limit": s.replicas.iter().map(|r| r.former.lock().limit).max().unwrap_or(0),
                             "restarts": m.restarts.load(Relaxed),
                             "batch_size": m.batch_size.summary(1.0),
                             "queue_wait_ms": m.queue_wait_us.summary(ms),
@@ -171,6 +169,10 @@ impl Node {
                     "name": p.name(),
                     "slo": p.spec.slo.map(|s| json!({"p99_ms": s.p99_ms, "max_miss_rate": s.max_miss_rate})),
                     "ok": p.metrics.ok.load(Relaxed),
+                    "admitted": p.metrics.admitted.load(Relaxed),
+                    "shed": p.metrics.shed.load(Relaxed),
+                    "slo_met": p.metrics.slo_met.load(Relaxed),
+                    "slo_missed": p.metrics.slo_missed.load(Relaxed),
                     "errors": *p.metrics.errors.lock(),
                     "latency_ms": p.metrics.latency_us.summary(ms),
                     "stages": stages,
@@ -193,13 +195,21 @@ impl Node {
         let mut t = PromText::default();
         for p in self.pipelines.values() {
             let pl = [("pipeline", p.name())];
-            t.counter(
-                "slipstream_requests_ok_total",
-                "Requests answered successfully.",
-                &pl,
-                p.metrics.ok.load(Relaxed),
-            );
-            for (kind, n) in p.metrics.errors.lock().iter() {
+            let m = &p.metrics;
+            for (name, help, v) in [
+                ("slipstream_requests_ok_total", "Requests answered successfully.", &m.ok),
+                ("slipstream_requests_admitted_total", "Requests let in by admission control.", &m.admitted),
+                (
+                    "slipstream_requests_shed_total",
+                    "Requests refused at ingress (429): predicted to miss the SLO.",
+                    &m.shed,
+                ),
+                ("slipstream_slo_met_total", "Requests answered within their deadline (goodput).", &m.slo_met),
+                ("slipstream_slo_missed_total", "Requests answered after their deadline.", &m.slo_missed),
+            ] {
+                t.counter(name, help, &pl, v.load(Relaxed));
+            }
+            for (kind, n) in m.errors.lock().iter() {
                 t.counter(
                     "slipstream_requests_failed_total",
                     "Requests answered with an error, by kind.",
@@ -207,77 +217,44 @@ impl Node {
                     *n,
                 );
             }
-            t.summary(
-                "slipstream_request_latency_seconds",
-                "Latency inside the node.",
-                &pl,
-                &p.metrics.latency_us,
-            );
+            t.summary("slipstream_request_latency_seconds", "Latency inside the node.", &pl, &m.latency_us);
             for s in &p.stages {
                 let l = [("pipeline", p.name()), ("stage", s.name.as_str())];
                 let m = &s.metrics;
-                t.counter(
-                    "slipstream_stage_batches_total",
-                    "Batches run.",
-                    &l,
-                    m.batches.load(Relaxed),
-                );
-                t.counter(
-                    "slipstream_stage_requests_total",
-                    "Requests run.",
-                    &l,
-                    m.requests.load(Relaxed),
-                );
-                t.counter(
-                    "slipstream_stage_errors_total",
-                    "Requests failed by the component.",
-                    &l,
-                    m.errors.load(Relaxed),
-                );
-                t.counter(
-                    "slipstream_stage_retries_total",
-                    "Requests retried after a worker died.",
-                    &l,
-                    m.retries.load(Relaxed),
-                );
-                t.counter(
-                    "slipstream_stage_restarts_total",
-                    "Worker restarts.",
-                    &l,
-                    m.restarts.load(Relaxed),
-                );
+                for (name, help, v) in [
+                    ("slipstream_stage_batches_total", "Batches run.", &m.batches),
+                    ("slipstream_stage_requests_total", "Requests run.", &m.requests),
+                    ("slipstream_stage_errors_total", "Requests failed by the component.", &m.errors),
+                    ("slipstream_stage_retries_total", "Requests retried after a worker died.", &m.retries),
+                    ("slipstream_stage_restarts_total", "Worker restarts.", &m.restarts),
+                    (
+                        "slipstream_stage_dropped_late_total",
+                        "Requests dropped after their deadline passed.",
+                        &m.dropped_late,
+                    ),
+                ] {
+                    t.counter(name, help, &l, v.load(Relaxed));
+                }
                 let depth: usize = s.replicas.iter().map(|r| r.queue_len()).sum();
-                t.gauge(
-                    "slipstream_stage_queue_depth",
-                    "Requests waiting.",
-                    &l,
-                    depth as f64,
-                );
-                t.summary(
-                    "slipstream_stage_queue_wait_seconds",
-                    "Time from enqueue to dispatch.",
-                    &l,
-                    &m.queue_wait_us,
-                );
-                t.summary(
-                    "slipstream_stage_compute_seconds",
-                    "Component time per batch.",
-                    &l,
-                    &m.compute_us,
-                );
-                t.summary(
-                    "slipstream_stage_hop_seconds",
-                    "Node-worker-node overhead per batch.",
-                    &l,
-                    &m.hop_us,
-                );
-                let bs = m.batch_size.summary(1.0);
+                t.gauge("slipstream_stage_queue_depth", "Requests waiting.", &l, depth as f64);
                 t.gauge(
                     "slipstream_stage_batch_size_mean",
                     "Mean requests per batch.",
                     &l,
-                    bs.mean,
+                    m.batch_size.summary(1.0).mean,
                 );
+                for (name, help, h) in [
+                    ("slipstream_stage_queue_wait_seconds", "Time from enqueue to dispatch.", &m.queue_wait_us),
+                    ("slipstream_stage_compute_seconds", "Component time per batch.", &m.compute_us),
+                    ("slipstream_stage_hop_seconds", "Node-worker-node overhead per batch.", &m.hop_us),
+                    (
+                        "slipstream_stage_slack_seconds",
+                        "Deadline slack of the most urgent request at dispatch.",
+                        &m.slack_us,
+                    ),
+                ] {
+                    t.summary(name, help, &l, h);
+                }
             }
         }
         let c = self.arena.copies.snapshot();
@@ -288,21 +265,38 @@ impl Node {
             ("worker", c.worker, c.worker_bytes),
             ("egress", c.egress, c.egress_bytes),
         ] {
-            t.counter(
-                "slipstream_payload_copies_total",
-                "Payload copies by site.",
-                &[("site", site)],
-                n,
-            );
-            t.counter(
-                "slipstream_payload_copied_bytes_total",
-                "Payload bytes copied by site.",
-                &[("site", site)],
-                b,
-            );
+            t.counter("slipstream_payload_copies_total", "Payload copies by site.", &[("site", site)], n);
+            t.counter("slipstream_payload_copied_bytes_total", "Payload bytes copied by site.", &[("site", site)], b);
         }
         t.finish()
     }
+}
+
+/// The batch former for a replica of `stage`, from the batching options and
+/// the stage's measured profile (if any).
+fn former_for(spec: &AppSpec, pipeline: &str, stage: &crate::spec::StageSpec) -> Result<BatchFormer, RunError> {
+    let b = &spec.batching;
+    let policy = match b.policy.as_str() {
+        "deadline" => Policy::DeadlineAware,
+        "fixed" => Policy::Fixed { wait_ns: (b.fixed_wait_ms * 1e6) as u64 },
+        other => {
+            return Err(crate::spec::SpecError {
+                pipeline: pipeline.into(),
+                reason: format!("unknown batching policy '{other}' (use 'deadline' or 'fixed')"),
+            }
+            .into())
+        }
+    };
+    let points: Vec<(u32, f64, f64)> = spec
+        .profiles
+        .iter()
+        .filter(|p| p.pipeline == pipeline)
+        .filter_map(|p| p.stages.get(&stage.name))
+        .flat_map(|s| s.points.iter().map(|pt| (pt.batch, pt.mean_ms * 1e3, pt.p99_ms * 1e3)))
+        .collect();
+    let mut f = BatchFormer::new(policy, stage.max_batch_size as u32, LatencyProfile::from_measurements(&points));
+    f.max_wait_ns = (b.max_wait_ms * 1e6) as u64;
+    Ok(f)
 }
 
 fn build_pipelines(
@@ -321,22 +315,14 @@ fn build_pipelines(
             }
             .into());
         }
-        let index: BTreeMap<&str, usize> = p
-            .stages
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (s.name.as_str(), i))
-            .collect();
+        let index: BTreeMap<&str, usize> = p.stages.iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
         let mut stages = Vec::with_capacity(p.stages.len());
         for (i, s) in p.stages.iter().enumerate() {
-            let replicas = (0..s.replicas)
-                .map(|r| {
-                    Ok(Arc::new(Replica::new(
-                        r,
-                        arena.create_pool(opts.replica_pool_bytes)?,
-                    )))
-                })
-                .collect::<Result<Vec<_>, NodeError>>()?;
+            let mut replicas = Vec::with_capacity(s.replicas);
+            for r in 0..s.replicas {
+                let pool = arena.create_pool(opts.replica_pool_bytes)?;
+                replicas.push(Arc::new(Replica::new(r, pool, former_for(spec, &p.name, s)?)));
+            }
             stages.push(StageRt {
                 index: i,
                 name: s.name.clone(),
@@ -354,16 +340,8 @@ fn build_pipelines(
                 metrics: StageMetrics::default(),
             });
         }
-        let roots = order
-            .iter()
-            .copied()
-            .filter(|&i| stages[i].parents.is_empty())
-            .collect();
-        let sinks = order
-            .iter()
-            .copied()
-            .filter(|&i| stages[i].children.is_empty())
-            .collect();
+        let roots = order.iter().copied().filter(|&i| stages[i].parents.is_empty()).collect();
+        let sinks = order.iter().copied().filter(|&i| stages[i].children.is_empty()).collect();
         out.insert(
             p.name.clone(),
             Arc::new(PipelineRt {
@@ -386,10 +364,7 @@ pub fn run_blocking(
     opts: NodeOptions,
     on_listen: impl FnOnce(SocketAddr) + Send,
 ) -> Result<(), RunError> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(opts.threads.max(1))
-        .enable_all()
-        .build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(opts.threads.max(1)).enable_all().build()?;
     rt.block_on(run(spec, opts, on_listen, shutdown_signal()))
 }
 
@@ -411,11 +386,9 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), RunError> {
     if spec.pipelines.is_empty() {
-        return Err(crate::spec::SpecError {
-            pipeline: "-".into(),
-            reason: "the app defines no pipeline".into(),
-        }
-        .into());
+        return Err(
+            crate::spec::SpecError { pipeline: "-".into(), reason: "the app defines no pipeline".into() }.into()
+        );
     }
     let arena = Arc::new(Arena::new(opts.shm_dir.clone(), opts.ingress_pool_bytes)?);
     let pipelines = build_pipelines(&spec, &opts, &arena)?;
@@ -437,6 +410,7 @@ pub async fn run(
         idle: Notify::new(),
         next_id: AtomicU64::new(1),
         started: Instant::now(),
+        admission: spec.batching.admission,
     });
 
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -481,21 +455,13 @@ pub async fn run(
             match rx.await {
                 Ok(Ok(())) => {}
                 Ok(Err(message)) => return Err(RunError::WorkerStart { stage, message }),
-                Err(_) => {
-                    return Err(RunError::WorkerStart {
-                        stage,
-                        message: "replica task ended".into(),
-                    })
-                }
+                Err(_) => return Err(RunError::WorkerStart { stage, message: "replica task ended".into() }),
             }
         }
         node.ready.store(true, Relaxed);
         if opts.log {
             let names: Vec<&str> = node.pipelines.keys().map(|s| s.as_str()).collect();
-            eprintln!(
-                "slipstream: ready, serving {} on http://{local}",
-                names.join(", ")
-            );
+            eprintln!("slipstream: ready, serving {} on http://{local}", names.join(", "));
         }
         Ok(())
     };
@@ -552,15 +518,8 @@ pub async fn run(
             notified.await;
         }
     };
-    if tokio::time::timeout(opts.drain_timeout, drained)
-        .await
-        .is_err()
-        && opts.log
-    {
-        eprintln!(
-            "slipstream: drain timed out with {} request(s) in flight",
-            node.inflight.load(Relaxed)
-        );
+    if tokio::time::timeout(opts.drain_timeout, drained).await.is_err() && opts.log {
+        eprintln!("slipstream: drain timed out with {} request(s) in flight", node.inflight.load(Relaxed));
     }
     let _ = tokio::time::timeout(Duration::from_secs(5), graceful.shutdown()).await;
     let _ = stop_tx.send(true);

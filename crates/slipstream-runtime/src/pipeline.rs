@@ -15,9 +15,9 @@ use crate::error::NodeError;
 use crate::metrics::{PipelineMetrics, StageMetrics};
 use crate::spec::PipelineSpec;
 use parking_lot::Mutex;
-use slipstream_sched::{choose_replica, EdfQueue, ReplicaLoad};
+use slipstream_sched::{choose_replica, BatchFormer, EdfQueue, ReplicaLoad};
 use slipstream_shm::Pool;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::{oneshot, Notify};
@@ -41,13 +41,22 @@ pub struct Replica {
     pub outstanding: AtomicUsize,
     pub last_batch: AtomicUsize,
     pub pid: AtomicUsize,
+    /// Batch sizing policy and this replica's latency profile.
+    pub former: Mutex<BatchFormer>,
+    /// When the batch now running was sent (ns since the pipeline epoch; 0 = idle),
+    /// and how long it was predicted to take: for admission control.
+    pub busy_since_ns: AtomicU64,
+    pub busy_predicted_ns: AtomicU64,
 }
 
 impl Replica {
-    pub fn new(index: usize, pool: Arc<Pool>) -> Replica {
+    pub fn new(index: usize, pool: Arc<Pool>, former: BatchFormer) -> Replica {
         Replica {
             index,
             pool,
+            former: Mutex::new(former),
+            busy_since_ns: AtomicU64::new(0),
+            busy_predicted_ns: AtomicU64::new(0),
             queue: Mutex::new(EdfQueue::new()),
             notify: Notify::new(),
             healthy: AtomicBool::new(false),
@@ -59,26 +68,37 @@ impl Replica {
 
     pub fn push(&self, req: Arc<Request>, epoch: Instant) {
         let deadline_ns = req.deadline.saturating_duration_since(epoch).as_nanos() as u64;
+        self.former.lock().on_arrival(epoch.elapsed().as_nanos() as u64);
         self.outstanding.fetch_add(1, Relaxed);
-        self.queue.lock().push(
-            deadline_ns,
-            Work {
-                req,
-                enqueued: Instant::now(),
-            },
-        );
+        self.queue.lock().push(deadline_ns, Work { req, enqueued: Instant::now() });
         self.notify.notify_one();
     }
 
     /// `n` requests left this replica (done, failed, moved or skipped).
     pub fn release(&self, n: usize) {
-        let _ = self
-            .outstanding
-            .fetch_update(Relaxed, Relaxed, |v| Some(v.saturating_sub(n)));
+        let _ = self.outstanding.fetch_update(Relaxed, Relaxed, |v| Some(v.saturating_sub(n)));
     }
 
     pub fn queue_len(&self) -> usize {
         self.queue.lock().len()
+    }
+
+    /// Predicted time until this replica could start a request that joins
+    /// its queue now: what is left of the running batch, plus the queued
+    /// work in batches of the current limit.
+    pub fn backlog_ns(&self, now_ns: u64) -> u64 {
+        let queued = self.queue_len();
+        let former = self.former.lock();
+        let running = match self.busy_since_ns.load(Relaxed) {
+            0 => 0,
+            since => (since + self.busy_predicted_ns.load(Relaxed)).saturating_sub(now_ns),
+        };
+        if queued == 0 {
+            return running;
+        }
+        let per = former.limit.max(1) as usize;
+        let batches = queued.div_ceil(per) as u64;
+        running + batches * former.predict_ns(queued.min(per))
     }
 }
 
@@ -97,10 +117,7 @@ impl StageRt {
     pub fn loads(&self) -> Vec<ReplicaLoad> {
         self.replicas
             .iter()
-            .map(|r| ReplicaLoad {
-                healthy: r.healthy.load(Relaxed),
-                outstanding: r.outstanding.load(Relaxed),
-            })
+            .map(|r| ReplicaLoad { healthy: r.healthy.load(Relaxed), outstanding: r.outstanding.load(Relaxed) })
             .collect()
     }
 }
@@ -123,14 +140,58 @@ impl PipelineRt {
         &self.spec.name
     }
 
+    /// Time a request has from arrival: the SLO target, or the timeout.
+    pub fn slo_budget(&self) -> std::time::Duration {
+        self.spec.slo.map(|s| std::time::Duration::from_secs_f64(s.p99_ms / 1e3)).unwrap_or(self.timeout)
+    }
+
+    pub fn now_ns(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
+    /// Predicted time from the end of `stage` to the end of the request:
+    /// the longest path through its descendants, each at the batch size it
+    /// last ran.
+    pub fn rest_ns(&self, stage: usize) -> u64 {
+        self.stages[stage]
+            .children
+            .iter()
+            .map(|&c| {
+                let r = &self.stages[c].replicas[0];
+                let typical = r.last_batch.load(Relaxed).max(1);
+                r.former.lock().predict_ns(typical) + self.rest_ns(c)
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Admission control: can a request routed as `route`, arriving now,
+    /// finish by `deadline`? Err carries the predicted overshoot. A request
+    /// whose root replicas are idle is always admitted: only queueing can
+    /// make us refuse, and an idle stage keeps refreshing its profile.
+    pub fn admit(&self, route: &[usize], deadline: Instant) -> Result<(), std::time::Duration> {
+        let now = self.now_ns();
+        let deadline_ns = deadline.saturating_duration_since(self.epoch).as_nanos() as u64;
+        let mut finish = now;
+        let mut queued = false;
+        for &s in &self.roots {
+            let r = &self.stages[s].replicas[route[s]];
+            let backlog = r.backlog_ns(now);
+            queued |= backlog > 0;
+            finish = finish.max(now + backlog + r.former.lock().predict_ns(1) + self.rest_ns(s));
+        }
+        if !queued || finish <= deadline_ns {
+            Ok(())
+        } else {
+            Err(std::time::Duration::from_nanos(finish - deadline_ns))
+        }
+    }
+
     /// Pick one replica per stage for a new request (ingress routing).
     pub fn route(&self, tiebreak: u64) -> Vec<usize> {
         self.stages
             .iter()
-            .map(|s| {
-                choose_replica(&s.loads(), tiebreak)
-                    .unwrap_or((tiebreak as usize) % s.replicas.len())
-            })
+            .map(|s| choose_replica(&s.loads(), tiebreak).unwrap_or((tiebreak as usize) % s.replicas.len()))
             .collect()
     }
 
@@ -169,19 +230,19 @@ pub struct Request {
 }
 
 impl Request {
+    /// A new request. Its deadline is `arrival + SLO target` (or the request
+    /// timeout without an SLO), or `budget` from arrival if that is tighter.
+    /// Its route (one replica per stage) is chosen now.
     pub fn new(
         id: u64,
         pipe: Arc<PipelineRt>,
         inputs: Tensors,
         arrival: Instant,
+        budget: Option<std::time::Duration>,
     ) -> (Arc<Request>, oneshot::Receiver<Reply>) {
         let (tx, rx) = oneshot::channel();
-        let deadline = arrival
-            + pipe
-                .spec
-                .slo
-                .map(|s| std::time::Duration::from_secs_f64(s.p99_ms / 1e3))
-                .unwrap_or(pipe.timeout);
+        let slo = pipe.slo_budget();
+        let deadline = arrival + budget.map_or(slo, |b| b.min(slo));
         let route = pipe.route(id);
         let n = pipe.stages.len();
         let state = State {
@@ -225,9 +286,7 @@ impl Request {
         }
         let mut merged: Tensors = Vec::new();
         for &p in parents {
-            let outs = st.outputs[p]
-                .as_ref()
-                .ok_or_else(|| NodeError::Internal("parent output missing".into()))?;
+            let outs = st.outputs[p].as_ref().ok_or_else(|| NodeError::Internal("parent output missing".into()))?;
             for (name, t) in outs {
                 if merged.iter().any(|(n, _)| n == name) {
                     return Err(NodeError::Internal(format!(

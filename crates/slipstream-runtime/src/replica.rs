@@ -17,7 +17,7 @@
 use crate::arena::{Arena, CopyCounters, TensorRef, Tensors};
 use crate::error::NodeError;
 use crate::pipeline::{request_rows, PipelineRt, Replica, Request, Work};
-use slipstream_sched::{choose_replica, take_batch};
+use slipstream_sched::{choose_replica, Decision, Policy};
 use slipstream_shm::Block;
 use slipstream_transport::{read_frame, write_frame, FromWorker, OutputOrigin, ToWorker};
 use slipstream_types::{numel, TensorDesc};
@@ -73,12 +73,7 @@ impl ReplicaCtx {
     }
 
     fn label(&self) -> String {
-        format!(
-            "{}/{}[{}]",
-            self.pipe.name(),
-            self.stage_name(),
-            self.replica
-        )
+        format!("{}/{}[{}]", self.pipe.name(), self.stage_name(), self.replica)
     }
 }
 
@@ -112,32 +107,22 @@ pub async fn run(mut ctx: ReplicaCtx, first_start: oneshot::Sender<Result<(), St
             }
         };
         let me = ctx.me().clone();
-        me.pid
-            .store(worker.child.id().unwrap_or(0) as usize, Relaxed);
+        me.pid.store(worker.child.id().unwrap_or(0) as usize, Relaxed);
         me.healthy.store(true, Relaxed);
         let ended = serve(&mut ctx, &mut worker).await;
         me.healthy.store(false, Relaxed);
         match ended {
             Ended::Stopped => {
                 let _ = write_frame(&mut worker.conn, &ToWorker::Shutdown).await;
-                if tokio::time::timeout(Duration::from_secs(5), worker.child.wait())
-                    .await
-                    .is_err()
-                {
+                if tokio::time::timeout(Duration::from_secs(5), worker.child.wait()).await.is_err() {
                     let _ = worker.child.kill().await;
                 }
                 return;
             }
             Ended::Died(why) => {
                 let _ = worker.child.kill().await;
-                eprintln!(
-                    "slipstream: worker {} died ({why}); restarting",
-                    ctx.label()
-                );
-                ctx.pipe.stages[ctx.stage]
-                    .metrics
-                    .restarts
-                    .fetch_add(1, Relaxed);
+                eprintln!("slipstream: worker {} died ({why}); restarting", ctx.label());
+                ctx.pipe.stages[ctx.stage].metrics.restarts.fetch_add(1, Relaxed);
                 move_queue_elsewhere(&ctx);
             }
         }
@@ -154,15 +139,9 @@ fn describe_exit(status: std::io::Result<ExitStatus>) -> String {
 async fn spawn_worker(ctx: &ReplicaCtx) -> Result<Worker, String> {
     let launch = &ctx.launch;
     let me = ctx.me();
-    let sock = launch.socket_dir.join(format!(
-        "{}-{}-{}.sock",
-        ctx.pipe.name(),
-        ctx.stage,
-        ctx.replica
-    ));
+    let sock = launch.socket_dir.join(format!("{}-{}-{}.sock", ctx.pipe.name(), ctx.stage, ctx.replica));
     let _ = std::fs::remove_file(&sock);
-    let listener =
-        UnixListener::bind(&sock).map_err(|e| format!("cannot bind {}: {e}", sock.display()))?;
+    let listener = UnixListener::bind(&sock).map_err(|e| format!("cannot bind {}: {e}", sock.display()))?;
     let (exe, args) = launch.argv.split_first().ok_or("empty worker command")?;
     let mut cmd = Command::new(exe);
     cmd.args(args)
@@ -181,9 +160,7 @@ async fn spawn_worker(ctx: &ReplicaCtx) -> Result<Worker, String> {
         .envs(&launch.env)
         .stdin(std::process::Stdio::null())
         .kill_on_drop(true);
-    let mut child = cmd
-        .spawn()
-        .map_err(|e| format!("cannot start worker `{exe}`: {e}"))?;
+    let mut child = cmd.spawn().map_err(|e| format!("cannot start worker `{exe}`: {e}"))?;
     let deadline = tokio::time::Instant::now() + launch.start_timeout;
     let conn = tokio::select! {
         r = tokio::time::timeout_at(deadline, listener.accept()) => match r {
@@ -194,11 +171,7 @@ async fn spawn_worker(ctx: &ReplicaCtx) -> Result<Worker, String> {
         status = child.wait() => return Err(format!("worker exited before connecting ({})", describe_exit(status))),
     };
     let _ = std::fs::remove_file(&sock);
-    let mut w = Worker {
-        child,
-        conn,
-        buf: Vec::new(),
-    };
+    let mut w = Worker { child, conn, buf: Vec::new() };
     let hello = tokio::select! {
         r = tokio::time::timeout_at(deadline, read_frame::<_, FromWorker>(&mut w.conn, &mut w.buf)) => r,
         status = w.child.wait() => return Err(format!("worker exited while starting ({})", describe_exit(status))),
@@ -212,44 +185,98 @@ async fn spawn_worker(ctx: &ReplicaCtx) -> Result<Worker, String> {
         Ok(Ok(other)) => Err(format!("worker sent {other:?} before ready")),
         Ok(Err(e)) => {
             let status = tokio::time::timeout(Duration::from_secs(2), w.child.wait()).await;
-            Err(format!(
-                "worker failed while starting: {e} ({})",
-                status.map(describe_exit).unwrap_or_default()
-            ))
+            Err(format!("worker failed while starting: {e} ({})", status.map(describe_exit).unwrap_or_default()))
         }
-        Err(_) => Err(format!(
-            "worker was not ready within {:?}",
-            launch.start_timeout
-        )),
+        Err(_) => Err(format!("worker was not ready within {:?}", launch.start_timeout)),
     }
 }
 
 /// Feed the worker until the node stops or the worker dies.
 async fn serve(ctx: &mut ReplicaCtx, w: &mut Worker) -> Ended {
     let me = ctx.me().clone();
-    let max_batch = ctx.pipe.stages[ctx.stage].max_batch;
     loop {
-        let mut skipped = 0;
-        let batch = take_batch(&mut me.queue.lock(), max_batch, |work: &Work| {
-            let live = !work.req.is_done();
-            skipped += usize::from(!live);
-            live
-        });
-        me.release(skipped);
-        if batch.is_empty() {
-            if *ctx.stop.borrow() {
-                return Ended::Stopped;
+        let step = form_batch(ctx, &me);
+        if !step.batch.is_empty() {
+            if let Err(why) = dispatch(ctx, w, step.batch).await {
+                return Ended::Died(why);
             }
-            tokio::select! {
-                _ = me.notify.notified() => continue,
-                _ = ctx.stop.changed() => continue,
-                status = w.child.wait() => return Ended::Died(describe_exit(status)),
-            }
+            continue;
         }
-        if let Err(why) = dispatch(ctx, w, batch).await {
-            return Ended::Died(why);
+        if *ctx.stop.borrow() && me.queue_len() == 0 {
+            return Ended::Stopped;
+        }
+        let wake = step.wait_until.map(|at| ctx.pipe.epoch + Duration::from_nanos(at));
+        tokio::select! {
+            _ = me.notify.notified() => {}
+            _ = ctx.stop.changed() => {}
+            _ = sleep_until_opt(wake) => {}
+            status = w.child.wait() => return Ended::Died(describe_exit(status)),
         }
     }
+}
+
+async fn sleep_until_opt(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// What the batch former decided: a batch to run now (possibly empty), and
+/// when to look again if it chose to wait.
+struct Step {
+    batch: Vec<Work>,
+    wait_until: Option<u64>,
+}
+
+/// Ask the batch former what to run, drop the requests it found expired,
+/// and put back what waits.
+fn form_batch(ctx: &ReplicaCtx, me: &Replica) -> Step {
+    let pipe = &ctx.pipe;
+    let stage = &pipe.stages[ctx.stage];
+    let now = pipe.now_ns();
+    let rest = pipe.rest_ns(ctx.stage);
+    let (expired, batch, wait_until) = {
+        let mut q = me.queue.lock();
+        let former = me.former.lock();
+        let limit = match former.policy {
+            Policy::Fixed { .. } => former.max_batch,
+            Policy::DeadlineAware => former.limit,
+        } as usize;
+        let mut cand: Vec<(u64, Work)> = Vec::with_capacity(limit.min(q.len()));
+        let mut skipped = 0;
+        while cand.len() < limit {
+            match q.pop() {
+                Some((_, w)) if w.req.is_done() => skipped += 1,
+                Some(x) => cand.push(x),
+                None => break,
+            }
+        }
+        me.release(skipped);
+        let deadlines: Vec<u64> = cand.iter().map(|(d, _)| *d).collect();
+        let oldest = cand.iter().map(|(_, w)| w.enqueued.saturating_duration_since(pipe.epoch).as_nanos() as u64).min();
+        let (expired, n, wait_until) = match former.decide(now, &deadlines, oldest.unwrap_or(now), rest) {
+            Decision::Dispatch { expired, n } => (expired, n, None),
+            Decision::WaitUntil { expired, at } => (expired, 0, Some(at)),
+        };
+        let mut rest_of = cand.split_off(expired);
+        let waiting = rest_of.split_off(n.min(rest_of.len()));
+        for (d, w) in waiting {
+            q.push(d, w);
+        }
+        (cand, rest_of, wait_until)
+    };
+    if !expired.is_empty() {
+        me.release(expired.len());
+        stage.metrics.dropped_late.fetch_add(expired.len() as u64, Relaxed);
+        for (_, w) in expired {
+            w.req.fail(NodeError::DeadlineExceeded { stage: stage.name.clone() });
+        }
+    }
+    if let Some((d, _)) = batch.first() {
+        stage.metrics.slack_us.record(d.saturating_sub(now) / 1_000);
+    }
+    Step { batch: batch.into_iter().map(|(_, w)| w).collect(), wait_until }
 }
 
 /// Requeue what waited for a dead worker onto healthy replicas, if any.
@@ -268,20 +295,15 @@ fn move_queue_elsewhere(ctx: &ReplicaCtx) {
 }
 
 /// A batch input: either a span of adjacent request tensors, or a gathered copy.
-fn batch_input(
-    arena: &Arena,
-    parts: &[&TensorRef],
-    keep: &mut Vec<Arc<Block>>,
-) -> Result<TensorDesc, NodeError> {
+fn batch_input(arena: &Arena, parts: &[&TensorRef], keep: &mut Vec<Arc<Block>>) -> Result<TensorDesc, NodeError> {
     let first = parts[0];
     let rows: u64 = parts.iter().map(|t| t.rows()).sum();
     let mut shape = first.shape.clone();
     shape[0] = rows;
     let nbytes: u64 = parts.iter().map(|t| t.nbytes).sum();
-    let adjacent = parts.windows(2).all(|w| {
-        Arc::ptr_eq(w[0].block.pool(), w[1].block.pool())
-            && w[0].offset + w[0].nbytes == w[1].offset
-    });
+    let adjacent = parts
+        .windows(2)
+        .all(|w| Arc::ptr_eq(w[0].block.pool(), w[1].block.pool()) && w[0].offset + w[0].nbytes == w[1].offset);
     if adjacent {
         return Ok(TensorDesc {
             pool: first.block.pool().id(),
@@ -299,13 +321,7 @@ fn batch_input(
         at += t.nbytes as usize;
     }
     CopyCounters::add(&arena.copies.gather, &arena.copies.gather_bytes, nbytes);
-    let desc = TensorDesc {
-        pool: block.pool().id(),
-        offset: block.offset(),
-        nbytes,
-        dtype: first.dtype,
-        shape,
-    };
+    let desc = TensorDesc { pool: block.pool().id(), offset: block.offset(), nbytes, dtype: first.dtype, shape };
     keep.push(block);
     Ok(desc)
 }
@@ -313,10 +329,7 @@ fn batch_input(
 /// The tail shape and dtype of every input: requests can share a batch only
 /// when these agree.
 fn signature(inputs: &Tensors) -> Vec<(&str, slipstream_types::DType, &[u64])> {
-    inputs
-        .iter()
-        .map(|(n, t)| (n.as_str(), t.dtype, &t.shape[1..]))
-        .collect()
+    inputs.iter().map(|(n, t)| (n.as_str(), t.dtype, &t.shape[1..])).collect()
 }
 
 /// Run one batch on the worker. Err means the worker is gone.
@@ -329,10 +342,7 @@ async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>) -> Result<
     let mut members: Vec<(Arc<Request>, Tensors)> = Vec::with_capacity(batch.len());
     let mut deferred = Vec::new();
     for work in batch {
-        stage
-            .metrics
-            .queue_wait_us
-            .record(now.duration_since(work.enqueued).as_micros() as u64);
+        stage.metrics.queue_wait_us.record(now.duration_since(work.enqueued).as_micros() as u64);
         match work.req.stage_inputs(ctx.stage) {
             Ok(inputs) => {
                 if let Some((_, first)) = members.first() {
@@ -357,10 +367,7 @@ async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>) -> Result<
         return Ok(());
     }
     let n = members.len();
-    let rows: Vec<u32> = members
-        .iter()
-        .map(|(_, i)| request_rows(i) as u32)
-        .collect();
+    let rows: Vec<u32> = members.iter().map(|(_, i)| request_rows(i) as u32).collect();
     let total_rows: u64 = rows.iter().map(|&r| r as u64).sum();
     let mut keep = Vec::new();
     let mut inputs = BTreeMap::new();
@@ -373,54 +380,37 @@ async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>) -> Result<
             }
             Err(e) => {
                 let msg = e.to_string();
-                finish_all(me, members, |_| NodeError::Unavailable {
-                    stage: stage.name.clone(),
-                    reason: msg.clone(),
-                });
+                finish_all(me, members, |_| NodeError::Unavailable { stage: stage.name.clone(), reason: msg.clone() });
                 return Ok(());
             }
         }
     }
     let id = BATCH_IDS.fetch_add(1, Relaxed);
     let sent = Instant::now();
-    let msg = ToWorker::Batch {
-        id,
-        rows: rows.clone(),
-        inputs,
-    };
+    me.busy_predicted_ns.store(me.former.lock().predict_ns(n), Relaxed);
+    me.busy_since_ns.store(ctx.pipe.now_ns().max(1), Relaxed);
+    let msg = ToWorker::Batch { id, rows: rows.clone(), inputs };
     let reply = match write_frame(&mut w.conn, &msg).await {
         Ok(()) => read_frame::<_, FromWorker>(&mut w.conn, &mut w.buf).await,
         Err(e) => Err(e),
     };
     let rtt = sent.elapsed();
+    me.busy_since_ns.store(0, Relaxed);
+    me.former.lock().on_batch_done(n, rtt.as_nanos() as u64);
     me.last_batch.store(n, Relaxed);
     stage.metrics.batches.fetch_add(1, Relaxed);
     stage.metrics.requests.fetch_add(n as u64, Relaxed);
     stage.metrics.batch_size.record(n as u64);
     match reply {
-        Ok(FromWorker::Result {
-            id: rid,
-            outputs,
-            compute_us,
-        }) if rid == id => {
+        Ok(FromWorker::Result { id: rid, outputs, compute_us }) if rid == id => {
             stage.metrics.compute_us.record(compute_us);
-            stage
-                .metrics
-                .hop_us
-                .record((rtt.as_micros() as u64).saturating_sub(compute_us));
-            let worker_copies: Vec<u64> = outputs
-                .values()
-                .filter(|o| o.origin == OutputOrigin::Copied)
-                .map(|o| o.desc.nbytes)
-                .collect();
+            stage.metrics.hop_us.record((rtt.as_micros() as u64).saturating_sub(compute_us));
+            let worker_copies: Vec<u64> =
+                outputs.values().filter(|o| o.origin == OutputOrigin::Copied).map(|o| o.desc.nbytes).collect();
             match split_outputs(ctx, &members, &keep, outputs, total_rows) {
                 Ok(per_request) => {
                     for b in worker_copies {
-                        CopyCounters::add(
-                            &ctx.arena.copies.worker,
-                            &ctx.arena.copies.worker_bytes,
-                            b,
-                        );
+                        CopyCounters::add(&ctx.arena.copies.worker, &ctx.arena.copies.worker_bytes, b);
                     }
                     me.release(n);
                     for ((req, _), outs) in members.into_iter().zip(per_request) {
@@ -438,14 +428,9 @@ async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>) -> Result<
             }
             Ok(())
         }
-        Ok(FromWorker::Error {
-            id: rid, message, ..
-        }) if rid == id => {
+        Ok(FromWorker::Error { id: rid, message, .. }) if rid == id => {
             stage.metrics.errors.fetch_add(n as u64, Relaxed);
-            finish_all(me, members, |_| NodeError::Component {
-                stage: stage.name.clone(),
-                message: message.clone(),
-            });
+            finish_all(me, members, |_| NodeError::Component { stage: stage.name.clone(), message: message.clone() });
             Ok(())
         }
         Ok(other) => {
@@ -465,11 +450,7 @@ async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>) -> Result<
     }
 }
 
-fn finish_all(
-    me: &Replica,
-    members: Vec<(Arc<Request>, Tensors)>,
-    err: impl Fn(&Request) -> NodeError,
-) {
+fn finish_all(me: &Replica, members: Vec<(Arc<Request>, Tensors)>, err: impl Fn(&Request) -> NodeError) {
     me.release(members.len());
     for (req, _) in members {
         let e = err(&req);
@@ -512,18 +493,15 @@ fn split_outputs(
     // so that a rejected batch still frees them.
     let mut owned = Vec::with_capacity(outputs.len());
     for (name, out) in outputs {
-        let block =
-            match out.origin {
-                OutputOrigin::Copied if out.desc.pool == me.pool.id() => Some(Arc::new(
-                    Block::adopt(&me.pool, out.desc.offset, out.desc.nbytes as usize)?,
-                )),
-                OutputOrigin::Copied => {
-                    return Err(NodeError::Internal(format!(
-                        "worker wrote output '{name}' outside its pool"
-                    )))
-                }
-                OutputOrigin::Borrowed => None,
-            };
+        let block = match out.origin {
+            OutputOrigin::Copied if out.desc.pool == me.pool.id() => {
+                Some(Arc::new(Block::adopt(&me.pool, out.desc.offset, out.desc.nbytes as usize)?))
+            }
+            OutputOrigin::Copied => {
+                return Err(NodeError::Internal(format!("worker wrote output '{name}' outside its pool")))
+            }
+            OutputOrigin::Borrowed => None,
+        };
         owned.push((name, out.desc, block));
     }
     // (name, whole-batch tensor, the pool it borrows from if it is an input's memory)
@@ -549,23 +527,12 @@ fn split_outputs(
         };
         whole.push((
             name,
-            TensorRef {
-                block,
-                offset: d.offset,
-                nbytes: d.nbytes,
-                dtype: d.dtype,
-                shape: d.shape,
-            },
+            TensorRef { block, offset: d.offset, nbytes: d.nbytes, dtype: d.dtype, shape: d.shape },
             borrowed,
         ));
     }
-    let rows: Vec<u64> = members
-        .iter()
-        .map(|(_, inputs)| request_rows(inputs))
-        .collect();
-    let mut per_request: Vec<Tensors> = (0..members.len())
-        .map(|_| Vec::with_capacity(whole.len()))
-        .collect();
+    let rows: Vec<u64> = members.iter().map(|(_, inputs)| request_rows(inputs)).collect();
+    let mut per_request: Vec<Tensors> = (0..members.len()).map(|_| Vec::with_capacity(whole.len())).collect();
     for (name, t, borrowed) in &whole {
         let parts = t.split_rows(&rows).ok_or_else(|| {
             NodeError::Internal(format!(
@@ -576,9 +543,7 @@ fn split_outputs(
         for (i, mut part) in parts.into_iter().enumerate() {
             if let Some(pool) = *borrowed {
                 part.block = find_owner(members, gathered, pool, &part).ok_or_else(|| {
-                    NodeError::Internal(format!(
-                        "output '{name}' borrows memory that is not an input of this batch"
-                    ))
+                    NodeError::Internal(format!("output '{name}' borrows memory that is not an input of this batch"))
                 })?;
             }
             per_request[i].push((name.clone(), part));
@@ -595,16 +560,11 @@ fn find_owner(
     t: &TensorRef,
 ) -> Option<Arc<Block>> {
     let holds = |b: &Arc<Block>| {
-        b.pool().id() == pool
-            && b.offset() <= t.offset
-            && t.offset + t.nbytes <= b.offset() + b.len() as u64
+        b.pool().id() == pool && b.offset() <= t.offset && t.offset + t.nbytes <= b.offset() + b.len() as u64
     };
-    gathered.iter().find(|b| holds(b)).cloned().or_else(|| {
-        members
-            .iter()
-            .flat_map(|(_, i)| i.iter())
-            .map(|(_, x)| &x.block)
-            .find(|b| holds(b))
-            .cloned()
-    })
+    gathered
+        .iter()
+        .find(|b| holds(b))
+        .cloned()
+        .or_else(|| members.iter().flat_map(|(_, i)| i.iter()).map(|(_, x)| &x.block).find(|b| holds(b)).cloned())
 }

@@ -17,6 +17,72 @@ pub struct AppSpec {
     pub worker_argv: Vec<String>,
     #[serde(default)]
     pub worker_env: BTreeMap<String, String>,
+    /// Latency profiles from `slipstream profile`, by pipeline.
+    #[serde(default)]
+    pub profiles: Vec<ProfileSpec>,
+    #[serde(default)]
+    pub batching: BatchingSpec,
+}
+
+/// How stages form batches.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+pub struct BatchingSpec {
+    /// `"deadline"` (deadline-aware, the default) or `"fixed"` (max batch
+    /// size + fixed wait: the Triton / Ray Serve policy, for comparison).
+    #[serde(default = "deadline_policy")]
+    pub policy: String,
+    /// The fixed policy's wait for a full batch.
+    #[serde(default = "default_fixed_wait")]
+    pub fixed_wait_ms: f64,
+    /// The deadline-aware policy's longest delayed-batching wait.
+    #[serde(default = "default_max_wait")]
+    pub max_wait_ms: f64,
+    /// Refuse requests at ingress that are predicted to miss their deadline.
+    #[serde(default = "yes")]
+    pub admission: bool,
+}
+
+impl Default for BatchingSpec {
+    fn default() -> Self {
+        BatchingSpec {
+            policy: deadline_policy(),
+            fixed_wait_ms: default_fixed_wait(),
+            max_wait_ms: default_max_wait(),
+            admission: true,
+        }
+    }
+}
+
+fn deadline_policy() -> String {
+    "deadline".into()
+}
+fn default_fixed_wait() -> f64 {
+    2.0
+}
+fn default_max_wait() -> f64 {
+    2.0
+}
+fn yes() -> bool {
+    true
+}
+
+/// A pipeline's measured profile: for each stage, latency by batch size.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ProfileSpec {
+    pub pipeline: String,
+    pub stages: BTreeMap<String, StageProfileSpec>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct StageProfileSpec {
+    pub points: Vec<ProfilePointSpec>,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize)]
+pub struct ProfilePointSpec {
+    pub batch: u32,
+    pub mean_ms: f64,
+    pub p99_ms: f64,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -71,19 +137,9 @@ impl PipelineSpec {
     /// Check the pipeline and return its stages in topological order
     /// (indices into `self.stages`).
     pub fn validate(&self) -> Result<Vec<usize>, SpecError> {
-        let err = |reason: String| SpecError {
-            pipeline: self.name.clone(),
-            reason,
-        };
-        if self.name.is_empty()
-            || !self
-                .name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-        {
-            return Err(err(
-                "names may use letters, digits, '-', '_' and '.' only".into()
-            ));
+        let err = |reason: String| SpecError { pipeline: self.name.clone(), reason };
+        if self.name.is_empty() || !self.name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
+            return Err(err("names may use letters, digits, '-', '_' and '.' only".into()));
         }
         if self.stages.is_empty() {
             return Err(err("it has no stages".into()));
@@ -99,11 +155,8 @@ impl PipelineSpec {
             }
         }
         if let Some(slo) = self.slo {
-            if slo.p99_ms.is_nan() || slo.p99_ms <= 0.0 || !(0.0..1.0).contains(&slo.max_miss_rate)
-            {
-                return Err(err(
-                    "the SLO needs p99_ms > 0 and 0 <= max_miss_rate < 1".into()
-                ));
+            if slo.p99_ms.is_nan() || slo.p99_ms <= 0.0 || !(0.0..1.0).contains(&slo.max_miss_rate) {
+                return Err(err("the SLO needs p99_ms > 0 and 0 <= max_miss_rate < 1".into()));
             }
         }
         let mut index = HashMap::new();
@@ -112,20 +165,14 @@ impl PipelineSpec {
                 return Err(err(format!("stage name '{}' is used twice", s.name)));
             }
             if s.replicas == 0 || s.max_batch_size == 0 {
-                return Err(err(format!(
-                    "stage '{}' needs replicas >= 1 and max_batch_size >= 1",
-                    s.name
-                )));
+                return Err(err(format!("stage '{}' needs replicas >= 1 and max_batch_size >= 1", s.name)));
             }
         }
         let mut indegree = vec![0usize; self.stages.len()];
         for (i, s) in self.stages.iter().enumerate() {
             for p in &s.parents {
                 if !index.contains_key(p.as_str()) {
-                    return Err(err(format!(
-                        "stage '{}' names unknown parent '{p}'",
-                        s.name
-                    )));
+                    return Err(err(format!("stage '{}' names unknown parent '{p}'", s.name)));
                 }
                 if p == &s.name {
                     return Err(err(format!("stage '{}' is its own parent", s.name)));
@@ -135,18 +182,12 @@ impl PipelineSpec {
         }
         // Kahn's algorithm; stable in declaration order.
         let mut order = Vec::with_capacity(self.stages.len());
-        let mut ready: Vec<usize> = (0..self.stages.len())
-            .filter(|&i| indegree[i] == 0)
-            .collect();
+        let mut ready: Vec<usize> = (0..self.stages.len()).filter(|&i| indegree[i] == 0).collect();
         ready.reverse();
         while let Some(i) = ready.pop() {
             order.push(i);
             for (j, s) in self.stages.iter().enumerate() {
-                let edges = s
-                    .parents
-                    .iter()
-                    .filter(|p| p.as_str() == self.stages[i].name)
-                    .count();
+                let edges = s.parents.iter().filter(|p| p.as_str() == self.stages[i].name).count();
                 if edges > 0 {
                     indegree[j] -= edges;
                     if indegree[j] == 0 {
@@ -189,16 +230,11 @@ mod tests {
 
     #[test]
     fn rejects_cycles_unknown_parents_and_duplicates() {
-        let cyc = pipe(
-            r#"[{"name":"a","component":"A","parents":["b"]},{"name":"b","component":"B","parents":["a"]}]"#,
-        );
+        let cyc =
+            pipe(r#"[{"name":"a","component":"A","parents":["b"]},{"name":"b","component":"B","parents":["a"]}]"#);
         assert!(cyc.validate().unwrap_err().reason.contains("cycle"));
         let unk = pipe(r#"[{"name":"a","component":"A","parents":["zz"]}]"#);
-        assert!(unk
-            .validate()
-            .unwrap_err()
-            .reason
-            .contains("unknown parent"));
+        assert!(unk.validate().unwrap_err().reason.contains("unknown parent"));
         let dup = pipe(r#"[{"name":"a","component":"A"},{"name":"a","component":"A"}]"#);
         assert!(dup.validate().unwrap_err().reason.contains("twice"));
         let zero = pipe(r#"[{"name":"a","component":"A","replicas":0}]"#);

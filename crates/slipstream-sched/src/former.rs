@@ -3,9 +3,8 @@
 //! longer make their deadline.
 //!
 //! Deadline-aware policy (the default):
-//! 1. Requests at the head of the (EDF) queue that would miss their deadline
-//!    even in a batch of one are *expired*: the caller drops them rather than
-//!    spend compute on a certain miss.
+//! 1. Requests at the head of the (EDF) queue whose deadline has passed are
+//!    *expired*: the caller drops them rather than spend compute on a miss.
 //! 2. Take the largest batch `n` (up to the AIMD limit) whose predicted
 //!    finish, `now + L(n) + rest`, still meets the most urgent deadline,
 //!    where `rest` is the predicted remaining critical path after this stage.
@@ -81,11 +80,7 @@ impl BatchFormer {
     pub fn on_arrival(&mut self, now: u64) {
         if let Some(prev) = self.last_arrival {
             let gap = now.saturating_sub(prev) as f64;
-            self.gap_ns = if self.gap_ns == 0.0 {
-                gap
-            } else {
-                self.gap_ns + 0.05 * (gap - self.gap_ns)
-            };
+            self.gap_ns = if self.gap_ns == 0.0 { gap } else { self.gap_ns + 0.05 * (gap - self.gap_ns) };
         }
         self.last_arrival = Some(now);
     }
@@ -99,13 +94,7 @@ impl BatchFormer {
     /// urgent first). `oldest_enqueued` is when the head joined the queue
     /// (for the fixed policy's wait); `rest_ns` the predicted remaining
     /// critical path after this stage.
-    pub fn decide(
-        &self,
-        now: u64,
-        deadlines: &[u64],
-        oldest_enqueued: u64,
-        rest_ns: u64,
-    ) -> Decision {
+    pub fn decide(&self, now: u64, deadlines: &[u64], oldest_enqueued: u64, rest_ns: u64) -> Decision {
         if deadlines.is_empty() {
             return Decision::Dispatch { expired: 0, n: 0 };
         }
@@ -115,19 +104,19 @@ impl BatchFormer {
                 if n == self.max_batch as usize || now >= oldest_enqueued.saturating_add(wait_ns) {
                     Decision::Dispatch { expired: 0, n }
                 } else {
-                    Decision::WaitUntil {
-                        expired: 0,
-                        at: oldest_enqueued + wait_ns,
-                    }
+                    Decision::WaitUntil { expired: 0, at: oldest_enqueued + wait_ns }
                 }
             }
-            Policy::DeadlineAware => self.decide_deadline_aware(now, deadlines, rest_ns),
+            Policy::DeadlineAware => self.decide_deadline_aware(now, deadlines, oldest_enqueued, rest_ns),
         }
     }
 
-    fn decide_deadline_aware(&self, now: u64, deadlines: &[u64], rest_ns: u64) -> Decision {
-        let one = self.predict_ns(1) + rest_ns;
-        let expired = deadlines.iter().take_while(|&&d| now + one > d).count();
+    fn decide_deadline_aware(&self, now: u64, deadlines: &[u64], oldest_enqueued: u64, rest_ns: u64) -> Decision {
+        // Only requests whose deadline has already passed expire. Predicted
+        // misses are refused at admission instead, where an idle replica
+        // always admits: expiring on a prediction could starve a stage whose
+        // profile is stale (nothing runs, so nothing corrects it).
+        let expired = deadlines.iter().take_while(|&&d| d <= now).count();
         let live = &deadlines[expired..];
         if live.is_empty() {
             return Decision::Dispatch { expired, n: 0 };
@@ -140,14 +129,22 @@ impl BatchFormer {
         while n > 1 && now + self.predict_ns(n) + rest_ns > head {
             n -= 1;
         }
-        if n < live.len() || live.len() >= self.limit as usize || self.gap_ns <= 0.0 {
+        // No evidence that batching pays (no profile) or no arrivals to wait for.
+        let waited = now.saturating_sub(oldest_enqueued);
+        if n < live.len()
+            || live.len() >= self.limit as usize
+            || self.gap_ns <= 0.0
+            || self.profile.is_empty()
+            || waited >= self.max_wait_ns
+        {
             return Decision::Dispatch { expired, n };
         }
         // Delayed batching: everything queued fits and the limit is not reached.
         let target = self.limit as usize;
         let per_item_now = self.predict_ns(n) as f64 / n as f64;
         let want_wait = ((target - n) as f64 * self.gap_ns) as u64;
-        let mut wait = want_wait.min(self.max_wait_ns);
+        // The head waits at most max_wait in total, however often we look again.
+        let mut wait = want_wait.min(self.max_wait_ns - waited);
         // How many are expected by then, and does that batch still make it?
         loop {
             let m = (n + (wait as f64 / self.gap_ns) as usize).min(target);
@@ -157,10 +154,7 @@ impl BatchFormer {
             let per_item_then = self.predict_ns(m) as f64 / m as f64;
             let fits = now + wait + self.predict_ns(m) + rest_ns <= head;
             if fits && per_item_then < 0.9 * per_item_now {
-                return Decision::WaitUntil {
-                    expired,
-                    at: now + wait,
-                };
+                return Decision::WaitUntil { expired, at: now + wait };
             }
             if !fits && wait > 50_000 {
                 wait /= 2;
@@ -204,10 +198,7 @@ mod tests {
     fn takes_everything_when_slack_allows() {
         let f = former();
         let deadlines = vec![100 * MS; 10];
-        assert_eq!(
-            f.decide(0, &deadlines, 0, 0),
-            Decision::Dispatch { expired: 0, n: 10 }
-        );
+        assert_eq!(f.decide(0, &deadlines, 0, 0), Decision::Dispatch { expired: 0, n: 10 });
     }
 
     #[test]
@@ -226,18 +217,13 @@ mod tests {
     }
 
     #[test]
-    fn expires_requests_that_cannot_make_it_alone() {
+    fn expires_requests_whose_deadline_passed() {
         let f = former();
-        // At t = 5 ms, the first two deadlines (5.5 ms, 6 ms) cannot fit L(1) = 1.1 ms.
-        let deadlines = [5_500_000, 6_000_000, 50 * MS];
-        assert_eq!(
-            f.decide(5 * MS, &deadlines, 0, 0),
-            Decision::Dispatch { expired: 2, n: 1 }
-        );
-        assert_eq!(
-            f.decide(60 * MS, &deadlines, 0, 0),
-            Decision::Dispatch { expired: 3, n: 0 }
-        );
+        let deadlines = [4 * MS, 5 * MS, 50 * MS];
+        assert_eq!(f.decide(5 * MS, &deadlines, 0, 0), Decision::Dispatch { expired: 2, n: 1 });
+        assert_eq!(f.decide(60 * MS, &deadlines, 0, 0), Decision::Dispatch { expired: 3, n: 0 });
+        // A request that can no longer make it but has not passed its deadline runs.
+        assert_eq!(f.decide(5 * MS, &[5_500_000], 0, 0), Decision::Dispatch { expired: 0, n: 1 });
     }
 
     #[test]
@@ -251,15 +237,20 @@ mod tests {
             Decision::WaitUntil { expired: 0, at } => assert!(at > 0 && at <= f.max_wait_ns),
             d => panic!("expected a wait, got {d:?}"),
         }
+        // Looking again later never extends the head's total wait past max_wait.
+        match f.decide(MS, &[100 * MS, 100 * MS], 0, 0) {
+            Decision::WaitUntil { expired: 0, at } => assert!(at <= f.max_wait_ns),
+            d => panic!("expected a wait, got {d:?}"),
+        }
+        assert_eq!(f.decide(f.max_wait_ns, &[100 * MS; 2], 0, 0), Decision::Dispatch { expired: 0, n: 2 });
+        // No profile: no evidence that batching pays, so no wait.
+        let mut blind = BatchFormer::new(Policy::DeadlineAware, 64, LatencyProfile::default());
+        blind.on_arrival(0);
+        blind.on_arrival(50_000);
+        assert_eq!(blind.decide(0, &[100 * MS; 2], 0, 0), Decision::Dispatch { expired: 0, n: 2 });
         // Tight deadline: no slack to wait, dispatch now.
-        assert_eq!(
-            f.decide(0, &[1_150_000, 100 * MS], 0, 0),
-            Decision::Dispatch { expired: 0, n: 1 }
-        );
-        assert_eq!(
-            f.decide(0, &[1_200_000, 100 * MS], 0, 0),
-            Decision::Dispatch { expired: 0, n: 2 }
-        );
+        assert_eq!(f.decide(0, &[1_150_000, 100 * MS], 0, 0), Decision::Dispatch { expired: 0, n: 1 });
+        assert_eq!(f.decide(0, &[1_200_000, 100 * MS], 0, 0), Decision::Dispatch { expired: 0, n: 2 });
         // Flat profile (batching does not pay): no wait.
         let mut flat = BatchFormer::new(
             Policy::DeadlineAware,
@@ -269,15 +260,9 @@ mod tests {
         for t in 0..100u64 {
             flat.on_arrival(t * 50_000);
         }
-        assert_eq!(
-            flat.decide(0, &[100 * MS, 100 * MS], 0, 0),
-            Decision::Dispatch { expired: 0, n: 2 }
-        );
+        assert_eq!(flat.decide(0, &[100 * MS, 100 * MS], 0, 0), Decision::Dispatch { expired: 0, n: 2 });
         // Unknown arrival rate: no wait.
-        assert_eq!(
-            former().decide(0, &[100 * MS; 2], 0, 0),
-            Decision::Dispatch { expired: 0, n: 2 }
-        );
+        assert_eq!(former().decide(0, &[100 * MS; 2], 0, 0), Decision::Dispatch { expired: 0, n: 2 });
     }
 
     #[test]
@@ -300,20 +285,8 @@ mod tests {
     #[test]
     fn fixed_policy_waits_for_a_full_batch_or_the_timeout() {
         let f = BatchFormer::new(Policy::Fixed { wait_ns: 2 * MS }, 8, linear());
-        assert_eq!(
-            f.decide(MS, &[0; 3], 0, 0),
-            Decision::WaitUntil {
-                expired: 0,
-                at: 2 * MS
-            }
-        );
-        assert_eq!(
-            f.decide(2 * MS, &[0; 3], 0, 0),
-            Decision::Dispatch { expired: 0, n: 3 }
-        );
-        assert_eq!(
-            f.decide(0, &[0; 20], 0, 0),
-            Decision::Dispatch { expired: 0, n: 8 }
-        );
+        assert_eq!(f.decide(MS, &[0; 3], 0, 0), Decision::WaitUntil { expired: 0, at: 2 * MS });
+        assert_eq!(f.decide(2 * MS, &[0; 3], 0, 0), Decision::Dispatch { expired: 0, n: 3 });
+        assert_eq!(f.decide(0, &[0; 20], 0, 0), Decision::Dispatch { expired: 0, n: 8 });
     }
 }

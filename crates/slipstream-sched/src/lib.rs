@@ -7,7 +7,9 @@
 //! - [`LatencyProfile`]: a component's latency as a function of batch size,
 //!   from measurements, refined online.
 //! - [`BatchFormer`]: deadline-aware batch sizing, delayed batching, expiry
-//!   and AIMD; or the fixed max-batch + timeout baseline.
+//!   and AIMD; or the fixed max-batch + timeout baseline. (With no profile
+//!   and no deadline pressure it degenerates to opportunistic batching: take
+//!   what is queued, up to the limit.)
 //! - [`choose_replica`]: the ingress router's choice for one stage:
 //!   join-shortest-queue among healthy replicas.
 
@@ -18,5 +20,5 @@ mod router;
 
 pub use former::{BatchFormer, Decision, Policy};
 pub use profile::LatencyProfile;
-pub use queue::{take_batch, EdfQueue};
+pub use queue::EdfQueue;
 pub use router::{choose_replica, ReplicaLoad};

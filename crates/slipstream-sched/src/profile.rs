@@ -29,11 +29,7 @@ pub struct LatencyProfile {
 
 impl Default for LatencyProfile {
     fn default() -> Self {
-        LatencyProfile {
-            points: BTreeMap::new(),
-            k: 2.0,
-            default_us: 1000.0,
-        }
+        LatencyProfile { points: BTreeMap::new(), k: 2.0, default_us: 1000.0 }
     }
 }
 
@@ -45,13 +41,7 @@ impl LatencyProfile {
             if b > 0 && mean.is_finite() && mean >= 0.0 {
                 // Treat the p99 excess as ~2.3 deviations of a normal tail.
                 let dev = ((p99 - mean) / 2.3).max(0.0);
-                p.points.insert(
-                    b,
-                    Point {
-                        mean_us: mean,
-                        dev_us: dev,
-                    },
-                );
+                p.points.insert(b, Point { mean_us: mean, dev_us: dev });
             }
         }
         p
@@ -70,23 +60,13 @@ impl LatencyProfile {
         let p = match prior {
             Some(p) => {
                 let err = observed_us - p.mean_us;
-                Point {
-                    mean_us: p.mean_us + ALPHA * err,
-                    dev_us: p.dev_us + ALPHA * (err.abs() - p.dev_us),
-                }
+                Point { mean_us: p.mean_us + ALPHA * err, dev_us: p.dev_us + ALPHA * (err.abs() - p.dev_us) }
             }
             None => {
                 // First sight of this size: start from the interpolated prediction.
-                let guess = if self.points.is_empty() {
-                    observed_us
-                } else {
-                    self.mean(batch)
-                };
+                let guess = if self.points.is_empty() { observed_us } else { self.mean(batch) };
                 let err = observed_us - guess;
-                Point {
-                    mean_us: guess + 0.5 * err,
-                    dev_us: err.abs() * 0.5,
-                }
+                Point { mean_us: guess + 0.5 * err, dev_us: err.abs() * 0.5 }
             }
         };
         self.points.insert(batch, p);
@@ -135,10 +115,7 @@ impl LatencyProfile {
 
     /// The measured/learned points: `(batch, mean µs, deviation µs)`.
     pub fn points(&self) -> Vec<(u32, f64, f64)> {
-        self.points
-            .iter()
-            .map(|(&b, p)| (b, p.mean_us, p.dev_us))
-            .collect()
+        self.points.iter().map(|(&b, p)| (b, p.mean_us, p.dev_us)).collect()
     }
 }
 
@@ -148,11 +125,7 @@ mod tests {
 
     #[test]
     fn interpolates_and_extrapolates() {
-        let p = LatencyProfile::from_measurements(&[
-            (1, 100.0, 100.0),
-            (8, 400.0, 400.0),
-            (32, 1000.0, 1000.0),
-        ]);
+        let p = LatencyProfile::from_measurements(&[(1, 100.0, 100.0), (8, 400.0, 400.0), (32, 1000.0, 1000.0)]);
         assert_eq!(p.predict(1), 100.0);
         assert!((p.predict(4) - (100.0 + 300.0 * 3.0 / 7.0)).abs() < 1e-9);
         assert_eq!(p.predict(20), 700.0);
@@ -170,10 +143,7 @@ mod tests {
         for i in 0..400 {
             noisy.observe(2, if i % 2 == 0 { 100.0 } else { 300.0 });
         }
-        assert!(
-            noisy.predict(2) > noisy.mean(2) + 100.0,
-            "deviation widens the plan"
-        );
+        assert!(noisy.predict(2) > noisy.mean(2) + 100.0, "deviation widens the plan");
     }
 
     #[test]

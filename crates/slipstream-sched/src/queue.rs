@@ -27,10 +27,7 @@ impl<T> PartialOrd for Entry<T> {
 impl<T> Ord for Entry<T> {
     // BinaryHeap is a max-heap: reverse so the earliest deadline is on top.
     fn cmp(&self, other: &Self) -> Ordering {
-        other
-            .deadline_ns
-            .cmp(&self.deadline_ns)
-            .then_with(|| other.seq.cmp(&self.seq))
+        other.deadline_ns.cmp(&self.deadline_ns).then_with(|| other.seq.cmp(&self.seq))
     }
 }
 
@@ -42,10 +39,7 @@ pub struct EdfQueue<T> {
 
 impl<T> Default for EdfQueue<T> {
     fn default() -> Self {
-        Self {
-            heap: BinaryHeap::new(),
-            seq: 0,
-        }
+        Self { heap: BinaryHeap::new(), seq: 0 }
     }
 }
 
@@ -56,11 +50,7 @@ impl<T> EdfQueue<T> {
 
     pub fn push(&mut self, deadline_ns: u64, item: T) {
         self.seq += 1;
-        self.heap.push(Entry {
-            deadline_ns,
-            seq: self.seq,
-            item,
-        });
+        self.heap.push(Entry { deadline_ns, seq: self.seq, item });
     }
 
     pub fn pop(&mut self) -> Option<(u64, T)> {
@@ -90,25 +80,6 @@ impl<T> EdfQueue<T> {
     }
 }
 
-/// Opportunistic batching: pop up to `max_batch` items, most urgent first,
-/// skipping (and dropping) those for which `keep` says no (requests that
-/// already finished, e.g. failed elsewhere or timed out).
-pub fn take_batch<T>(
-    q: &mut EdfQueue<T>,
-    max_batch: usize,
-    mut keep: impl FnMut(&T) -> bool,
-) -> Vec<T> {
-    let mut batch = Vec::with_capacity(max_batch.min(q.len()));
-    while batch.len() < max_batch {
-        match q.pop() {
-            Some((_, item)) if keep(&item) => batch.push(item),
-            Some(_) => continue,
-            None => break,
-        }
-    }
-    batch
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -123,21 +94,5 @@ mod tests {
         assert_eq!(q.peek_deadline(), Some(10));
         let order: Vec<_> = q.drain().into_iter().map(|(_, x)| x).collect();
         assert_eq!(order, vec!["a1", "a2", "b", "c"]);
-    }
-
-    #[test]
-    fn batch_takes_most_urgent_up_to_max_and_skips_dead() {
-        let mut q = EdfQueue::new();
-        for i in 0..10u64 {
-            q.push(100 - i, i);
-        }
-        // Items 9..=0 in deadline order; drop odd ones as "finished".
-        let b = take_batch(&mut q, 3, |x| x % 2 == 0);
-        assert_eq!(b, vec![8, 6, 4]);
-        // The skipped odd ones (9, 7, 5) are gone; 3, 2, 1, 0 remain.
-        assert_eq!(q.len(), 4);
-        let rest = take_batch(&mut q, 64, |_| true);
-        assert_eq!(rest, vec![3, 2, 1, 0]);
-        assert!(take_batch(&mut q, 4, |_| true).is_empty());
     }
 }

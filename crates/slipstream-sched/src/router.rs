@@ -40,10 +40,7 @@ mod tests {
     use super::*;
 
     fn l(healthy: bool, outstanding: usize) -> ReplicaLoad {
-        ReplicaLoad {
-            healthy,
-            outstanding,
-        }
+        ReplicaLoad { healthy, outstanding }
     }
 
     #[test]

@@ -31,11 +31,7 @@ fn word_masks(start: usize, len: usize) -> impl Iterator<Item = (usize, u64)> {
         }
         let bit = i % BITS;
         let n = (BITS - bit).min(end - i);
-        let mask = if n == BITS {
-            u64::MAX
-        } else {
-            ((1u64 << n) - 1) << bit
-        };
+        let mask = if n == BITS { u64::MAX } else { ((1u64 << n) - 1) << bit };
         let word = i / BITS;
         i += n;
         Some((word, mask))
@@ -44,10 +40,7 @@ fn word_masks(start: usize, len: usize) -> impl Iterator<Item = (usize, u64)> {
 
 impl<'a> Bitmap<'a> {
     pub(crate) fn new(words: &'a [AtomicU64], pages: usize) -> Self {
-        assert!(
-            words.len() * BITS >= pages,
-            "bitmap too small for {pages} pages"
-        );
+        assert!(words.len() * BITS >= pages, "bitmap too small for {pages} pages");
         Bitmap { words, pages }
     }
 
@@ -60,8 +53,7 @@ impl<'a> Bitmap<'a> {
         let cursor = if cursor >= self.pages { 0 } else { cursor };
         // A run found by the second scan starts before `cursor` (otherwise
         // the first scan would have found it) but may extend past it.
-        self.find_run(cursor, self.pages, k)
-            .or_else(|| self.find_run(0, (cursor + k - 1).min(self.pages), k))
+        self.find_run(cursor, self.pages, k).or_else(|| self.find_run(0, (cursor + k - 1).min(self.pages), k))
     }
 
     /// First index `p` with `from <= p` and `p + k <= to` such that pages
@@ -79,11 +71,7 @@ impl<'a> Bitmap<'a> {
             let bit = i % BITS;
             let bits = self.words[i / BITS].load(Ordering::Relaxed) >> bit;
             let span = (BITS - bit).min(to - i);
-            let window = if span == BITS {
-                bits
-            } else {
-                bits & ((1u64 << span) - 1)
-            };
+            let window = if span == BITS { bits } else { bits & ((1u64 << span) - 1) };
             if window == 0 {
                 // `span` free pages at once (a whole word when aligned).
                 run_len += span;
@@ -154,9 +142,7 @@ impl<'a> Bitmap<'a> {
 
     /// Number of set bits among the `pages` pages (a racy snapshot).
     pub(crate) fn count_set(&self) -> usize {
-        word_masks(0, self.pages)
-            .map(|(w, m)| (self.words[w].load(Ordering::Relaxed) & m).count_ones() as usize)
-            .sum()
+        word_masks(0, self.pages).map(|(w, m)| (self.words[w].load(Ordering::Relaxed) & m).count_ones() as usize).sum()
     }
 }
 
@@ -170,9 +156,8 @@ mod tests {
 
     /// Reference implementation: bit-by-bit.
     fn naive_run(bm: &Bitmap<'_>, from: usize, to: usize, k: usize) -> Option<usize> {
-        (from..to.saturating_sub(k - 1)).find(|&p| {
-            (p..p + k).all(|q| bm.words[q / BITS].load(Ordering::Relaxed) & (1 << (q % BITS)) == 0)
-        })
+        (from..to.saturating_sub(k - 1))
+            .find(|&p| (p..p + k).all(|q| bm.words[q / BITS].load(Ordering::Relaxed) & (1 << (q % BITS)) == 0))
     }
 
     #[test]
@@ -236,11 +221,7 @@ mod tests {
                     }
                 };
                 let valid = pages - i * BITS;
-                let r = if valid >= BITS {
-                    r
-                } else {
-                    r & ((1 << valid) - 1)
-                };
+                let r = if valid >= BITS { r } else { r & ((1 << valid) - 1) };
                 word.store(r, Ordering::Relaxed);
             }
             let bm = Bitmap::new(&w, pages);
@@ -268,11 +249,7 @@ mod tests {
         // A run straddling the cursor is found on the wrap.
         assert_eq!(bm.find_next_fit(4, 4), Some(2));
         assert_eq!(bm.find_next_fit(4, 5), None);
-        assert_eq!(
-            bm.find_next_fit(100, 1),
-            Some(2),
-            "cursor past end restarts at 0"
-        );
+        assert_eq!(bm.find_next_fit(100, 1), Some(2), "cursor past end restarts at 0");
         assert_eq!(bm.find_next_fit(0, 11), None);
     }
 }

@@ -32,11 +32,7 @@ impl Block {
     /// Allocate `nbytes` from `pool` (see [`Pool::alloc`]).
     pub fn alloc(pool: &Arc<Pool>, nbytes: usize) -> Result<Block, ShmError> {
         let offset = pool.alloc(nbytes)?;
-        Ok(Block {
-            pool: Arc::clone(pool),
-            offset,
-            len: nbytes,
-        })
+        Ok(Block { pool: Arc::clone(pool), offset, len: nbytes })
     }
 
     /// Adopt a block allocated by another process (e.g. a worker wrote its
@@ -49,11 +45,7 @@ impl Block {
     /// adopting a block twice leads to a double free.
     pub fn adopt(pool: &Arc<Pool>, offset: u64, len: usize) -> Result<Block, ShmError> {
         pool.page_range(offset, len)?;
-        Ok(Block {
-            pool: Arc::clone(pool),
-            offset,
-            len,
-        })
+        Ok(Block { pool: Arc::clone(pool), offset, len })
     }
 
     /// The pool this block lives in.
@@ -85,9 +77,7 @@ impl Block {
         // in the data region of the mapping, which `self.pool` keeps alive.
         // The pages are ours until drop; writers follow the contract of
         // `as_mut_slice`.
-        unsafe {
-            std::slice::from_raw_parts(self.pool.base_ptr().add(self.offset as usize), self.len)
-        }
+        unsafe { std::slice::from_raw_parts(self.pool.base_ptr().add(self.offset as usize), self.len) }
     }
 
     /// Mutable access for filling a freshly allocated block.
@@ -104,9 +94,7 @@ impl Block {
         // SAFETY: the range is in bounds of the live mapping (checked at
         // construction, kept alive by `self.pool`); exclusivity of access is
         // the caller's documented obligation.
-        unsafe {
-            std::slice::from_raw_parts_mut(self.pool.base_ptr().add(self.offset as usize), self.len)
-        }
+        unsafe { std::slice::from_raw_parts_mut(self.pool.base_ptr().add(self.offset as usize), self.len) }
     }
 }
 

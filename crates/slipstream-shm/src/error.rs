@@ -59,10 +59,7 @@ impl ShmError {
     }
 
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        ShmError::Io {
-            path: path.into(),
-            source,
-        }
+        ShmError::Io { path: path.into(), source }
     }
 }
 
@@ -76,17 +73,10 @@ mod tests {
         assert_eq!(io.kind(), "io");
         assert!(io.to_string().contains("/x"));
         assert_eq!(ShmError::BadHeader("m".into()).kind(), "bad_header");
-        let full = ShmError::Full {
-            requested: 10,
-            capacity: 5,
-        };
+        let full = ShmError::Full { requested: 10, capacity: 5 };
         assert_eq!(full.kind(), "arena_full");
         assert!(full.to_string().contains("requested 10"));
-        let oob = ShmError::OutOfBounds {
-            offset: 1,
-            len: 2,
-            size: 3,
-        };
+        let oob = ShmError::OutOfBounds { offset: 1, len: 2, size: 3 };
         assert_eq!(oob.kind(), "out_of_bounds");
     }
 }

@@ -60,25 +60,15 @@ impl Layout {
     /// `None` if the sizes overflow.
     fn new(page_size: usize, num_pages: usize) -> Option<Layout> {
         let bitmap_words = num_pages.div_ceil(64);
-        let bitmap_bytes = bitmap_words
-            .checked_mul(8)?
-            .checked_next_multiple_of(ALIGN)?;
+        let bitmap_bytes = bitmap_words.checked_mul(8)?.checked_next_multiple_of(ALIGN)?;
         // Align data to the page size too, so every block is page-aligned.
-        let data_offset = HEADER_SIZE
-            .checked_add(bitmap_bytes)?
-            .checked_next_multiple_of(page_size.max(ALIGN))?;
+        let data_offset = HEADER_SIZE.checked_add(bitmap_bytes)?.checked_next_multiple_of(page_size.max(ALIGN))?;
         let file_len = data_offset.checked_add(num_pages.checked_mul(page_size)?)?;
         // Offsets travel as u64 and are checked against isize-sized slices.
         if file_len > isize::MAX as usize {
             return None;
         }
-        Some(Layout {
-            page_size,
-            num_pages,
-            bitmap_words,
-            data_offset,
-            file_len,
-        })
+        Some(Layout { page_size, num_pages, bitmap_words, data_offset, file_len })
     }
 }
 
@@ -124,12 +114,7 @@ impl Pool {
 
     /// [`Pool::create`] with an explicit allocation unit; `page_size` must be
     /// a power of two of at least 64 bytes.
-    pub fn create_with_page_size(
-        path: &Path,
-        id: u32,
-        capacity: usize,
-        page_size: usize,
-    ) -> Result<Pool, ShmError> {
+    pub fn create_with_page_size(path: &Path, id: u32, capacity: usize, page_size: usize) -> Result<Pool, ShmError> {
         if !page_size.is_power_of_two() || !(ALIGN..=MAX_PAGE_SIZE).contains(&page_size) {
             return Err(ShmError::io(
                 path,
@@ -143,10 +128,7 @@ impl Pool {
         let layout = Layout::new(page_size, num_pages).ok_or_else(|| {
             ShmError::io(
                 path,
-                std::io::Error::new(
-                    std::io::ErrorKind::InvalidInput,
-                    format!("capacity {capacity} is too large"),
-                ),
+                std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("capacity {capacity} is too large")),
             )
         })?;
 
@@ -158,12 +140,8 @@ impl Pool {
             .open(path)
             .map_err(|e| ShmError::io(path, e))?;
         // Truncation zeroed everything: the bitmap starts all-free.
-        file.set_len(layout.file_len as u64)
-            .map_err(|e| ShmError::io(path, e))?;
-        let map = MmapOptions::new()
-            .len(layout.file_len)
-            .map_raw(&file)
-            .map_err(|e| ShmError::io(path, e))?;
+        file.set_len(layout.file_len as u64).map_err(|e| ShmError::io(path, e))?;
+        let map = MmapOptions::new().len(layout.file_len).map_raw(&file).map_err(|e| ShmError::io(path, e))?;
 
         let mut header = [0u8; 56];
         header[..8].copy_from_slice(&MAGIC);
@@ -187,13 +165,7 @@ impl Pool {
             std::ptr::copy_nonoverlapping(header.as_ptr(), base, 8);
         }
 
-        Ok(Pool {
-            map,
-            path: path.to_path_buf(),
-            id,
-            layout,
-            cursor: Mutex::new(0),
-        })
+        Ok(Pool { map, path: path.to_path_buf(), id, layout, cursor: Mutex::new(0) })
     }
 
     /// Map an existing pool created by [`Pool::create`] (any process).
@@ -201,11 +173,7 @@ impl Pool {
     /// Validates every header field against the file and returns
     /// [`ShmError::BadHeader`] on any mismatch.
     pub fn open(path: &Path) -> Result<Pool, ShmError> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(|e| ShmError::io(path, e))?;
+        let file = OpenOptions::new().read(true).write(true).open(path).map_err(|e| ShmError::io(path, e))?;
         let file_len = file.metadata().map_err(|e| ShmError::io(path, e))?.len();
         if file_len < HEADER_SIZE as u64 {
             return Err(ShmError::BadHeader(format!(
@@ -214,10 +182,7 @@ impl Pool {
         }
         let file_len = usize::try_from(file_len)
             .map_err(|_| ShmError::BadHeader(format!("file length {file_len} exceeds usize")))?;
-        let map = MmapOptions::new()
-            .len(file_len)
-            .map_raw(&file)
-            .map_err(|e| ShmError::io(path, e))?;
+        let map = MmapOptions::new().len(file_len).map_raw(&file).map_err(|e| ShmError::io(path, e))?;
 
         let mut header = [0u8; 56];
         // SAFETY: the mapping is at least HEADER_SIZE > 56 bytes long; we copy
@@ -237,12 +202,10 @@ impl Pool {
         }
         let page_size = u32_at(12) as usize;
         if !page_size.is_power_of_two() || !(ALIGN..=MAX_PAGE_SIZE).contains(&page_size) {
-            return bad(format!(
-                "page size {page_size} is not a power of two in 64..=2^30"
-            ));
+            return bad(format!("page size {page_size} is not a power of two in 64..=2^30"));
         }
-        let num_pages = usize::try_from(u64_at(16))
-            .map_err(|_| ShmError::BadHeader("page count exceeds usize".into()))?;
+        let num_pages =
+            usize::try_from(u64_at(16)).map_err(|_| ShmError::BadHeader("page count exceeds usize".into()))?;
         if num_pages == 0 {
             return bad("pool has zero pages".into());
         }
@@ -251,43 +214,25 @@ impl Pool {
         if header_size != HEADER_SIZE {
             return bad(format!("header size {header_size}, expected {HEADER_SIZE}"));
         }
-        let layout = Layout::new(page_size, num_pages).ok_or_else(|| {
-            ShmError::BadHeader(format!("{num_pages} pages of {page_size} bytes overflow"))
-        })?;
+        let layout = Layout::new(page_size, num_pages)
+            .ok_or_else(|| ShmError::BadHeader(format!("{num_pages} pages of {page_size} bytes overflow")))?;
         let bitmap_offset = u64_at(32);
         if bitmap_offset != HEADER_SIZE as u64 {
-            return bad(format!(
-                "bitmap offset {bitmap_offset}, expected {HEADER_SIZE}"
-            ));
+            return bad(format!("bitmap offset {bitmap_offset}, expected {HEADER_SIZE}"));
         }
         let data_offset = u64_at(40);
         if data_offset != layout.data_offset as u64 {
-            return bad(format!(
-                "data offset {data_offset}, expected {}",
-                layout.data_offset
-            ));
+            return bad(format!("data offset {data_offset}, expected {}", layout.data_offset));
         }
         let declared_len = u64_at(48);
         if declared_len != layout.file_len as u64 {
-            return bad(format!(
-                "declared length {declared_len}, expected {}",
-                layout.file_len
-            ));
+            return bad(format!("declared length {declared_len}, expected {}", layout.file_len));
         }
         if file_len < layout.file_len {
-            return bad(format!(
-                "file is {file_len} bytes but the header needs {} (truncated?)",
-                layout.file_len
-            ));
+            return bad(format!("file is {file_len} bytes but the header needs {} (truncated?)", layout.file_len));
         }
 
-        Ok(Pool {
-            map,
-            path: path.to_path_buf(),
-            id,
-            layout,
-            cursor: Mutex::new(0),
-        })
+        Ok(Pool { map, path: path.to_path_buf(), id, layout, cursor: Mutex::new(0) })
     }
 
     /// The id written into the header at creation.
@@ -346,10 +291,7 @@ impl Pool {
     /// detected and retried.
     pub fn alloc(&self, nbytes: usize) -> Result<u64, ShmError> {
         let pages = self.pages_for(nbytes);
-        let full = || ShmError::Full {
-            requested: nbytes,
-            capacity: self.capacity_bytes(),
-        };
+        let full = || ShmError::Full { requested: nbytes, capacity: self.capacity_bytes() };
         if pages > self.layout.num_pages {
             return Err(full());
         }
@@ -361,11 +303,7 @@ impl Pool {
             // our scan and our claim; scan again (it now sees them set).
             if bitmap.try_claim(start, pages).is_ok() {
                 let next = start + pages;
-                *cursor = if next >= self.layout.num_pages {
-                    0
-                } else {
-                    next
-                };
+                *cursor = if next >= self.layout.num_pages { 0 } else { next };
                 return Ok(self.offset_of_page(start));
             }
         }
@@ -383,11 +321,7 @@ impl Pool {
         match self.page_range(offset, nbytes) {
             Ok((start, pages)) => {
                 let all_set = self.bitmap().release(start, pages);
-                debug_assert!(
-                    all_set,
-                    "double free of offset {offset} ({nbytes} bytes) in pool {}",
-                    self.id
-                );
+                debug_assert!(all_set, "double free of offset {offset} ({nbytes} bytes) in pool {}", self.id);
             }
             Err(e) => {
                 if cfg!(debug_assertions) {
@@ -440,10 +374,7 @@ impl Pool {
         // `&self`. The words are only ever accessed atomically, by this and
         // every other process, so viewing them as `AtomicU64` is sound.
         let words = unsafe {
-            std::slice::from_raw_parts(
-                self.map.as_ptr().add(HEADER_SIZE).cast::<AtomicU64>(),
-                self.layout.bitmap_words,
-            )
+            std::slice::from_raw_parts(self.map.as_ptr().add(HEADER_SIZE).cast::<AtomicU64>(), self.layout.bitmap_words)
         };
         Bitmap::new(words, self.layout.num_pages)
     }
@@ -460,11 +391,7 @@ impl Pool {
     /// Checks `offset .. offset + len` lies in the data region; returns the
     /// start as `usize`.
     fn check_range(&self, offset: u64, len: usize) -> Result<usize, ShmError> {
-        let oob = || ShmError::OutOfBounds {
-            offset,
-            len,
-            size: self.len(),
-        };
+        let oob = || ShmError::OutOfBounds { offset, len, size: self.len() };
         let start = usize::try_from(offset).map_err(|_| oob())?;
         let end = start.checked_add(len).ok_or_else(oob)?;
         if start < self.layout.data_offset || end > self.len() {
@@ -475,16 +402,8 @@ impl Pool {
 
     /// The pages of the block of `nbytes` at `offset`: the offset must be a
     /// page boundary of the data region and the pages must exist.
-    pub(crate) fn page_range(
-        &self,
-        offset: u64,
-        nbytes: usize,
-    ) -> Result<(usize, usize), ShmError> {
-        let oob = || ShmError::OutOfBounds {
-            offset,
-            len: nbytes,
-            size: self.len(),
-        };
+    pub(crate) fn page_range(&self, offset: u64, nbytes: usize) -> Result<(usize, usize), ShmError> {
+        let oob = || ShmError::OutOfBounds { offset, len: nbytes, size: self.len() };
         let start = usize::try_from(offset).map_err(|_| oob())?;
         let rel = start.checked_sub(self.layout.data_offset).ok_or_else(oob)?;
         if rel % self.layout.page_size != 0 {

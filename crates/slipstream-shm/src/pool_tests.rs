@@ -123,27 +123,18 @@ fn randomized_no_overlap_and_accounting() {
                     pool.write(off, &vec![tag; n]).unwrap();
                     live.push((off, n, tag));
                 }
-                Err(ShmError::Full {
-                    requested,
-                    capacity,
-                }) => {
+                Err(ShmError::Full { requested, capacity }) => {
                     assert_eq!((requested, capacity), (n, pages * PS));
                     // Full must mean no run of k free pages exists at all.
                     let longest = shadow.split(|&u| u).map(<[bool]>::len).max().unwrap_or(0);
-                    assert!(
-                        longest < k,
-                        "Full for {k} pages with a free run of {longest}"
-                    );
+                    assert!(longest < k, "Full for {k} pages with a free run of {longest}");
                     fulls += 1;
                 }
                 Err(e) => panic!("unexpected {e}"),
             }
         } else {
             let (off, n, tag) = live.swap_remove(rng.below(live.len()));
-            assert!(
-                pool.slice(off, n).unwrap().iter().all(|&b| b == tag),
-                "block at {off} was overwritten"
-            );
+            assert!(pool.slice(off, n).unwrap().iter().all(|&b| b == tag), "block at {off} was overwritten");
             let first = page_of(&pool, off);
             for used in &mut shadow[first..first + n.div_ceil(PS).max(1)] {
                 *used = false;
@@ -296,20 +287,10 @@ fn two_processes_share_a_pool() {
     node.write(to_read, b"from the parent").unwrap();
     assert_eq!(node.used_pages(), 5 + 16 + 1);
 
-    let test_name = concat!(module_path!(), "::two_processes_share_a_pool")
-        .split_once("::")
-        .expect("crate prefix")
-        .1;
+    let test_name = concat!(module_path!(), "::two_processes_share_a_pool").split_once("::").expect("crate prefix").1;
     let out = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", test_name, "--nocapture", "--test-threads=1"])
-        .env(
-            CHILD_ENV,
-            format!(
-                "{}|{}|{to_fill}|{to_free}|{to_read}",
-                node_path.display(),
-                worker_path.display()
-            ),
-        )
+        .env(CHILD_ENV, format!("{}|{}|{to_fill}|{to_free}|{to_read}", node_path.display(), worker_path.display()))
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -319,10 +300,7 @@ fn two_processes_share_a_pool() {
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(
-        stdout.contains("1 passed"),
-        "child did not run the test:\n{stdout}"
-    );
+    assert!(stdout.contains("1 passed"), "child did not run the test:\n{stdout}");
 
     // The child's writes are visible and its free released the pages.
     let expected: Vec<u8> = (0..300).map(|i| (i % 256) as u8).collect();
@@ -337,11 +315,7 @@ fn two_processes_share_a_pool() {
         .lines()
         // libtest prints "test <name> ... " on the same line first.
         .find_map(|l| l.split_once(CHILD_MARKER))
-        .map(|(_, rest)| {
-            rest.split(|c: char| !c.is_ascii_digit())
-                .next()
-                .unwrap_or("")
-        })
+        .map(|(_, rest)| rest.split(|c: char| !c.is_ascii_digit()).next().unwrap_or(""))
         .and_then(|digits| digits.parse().ok())
         .unwrap_or_else(|| panic!("child printed no offset:\n{stdout}"));
     let worker = Arc::new(Pool::open(&worker_path).unwrap());
@@ -405,17 +379,9 @@ fn open_rejects_bad_files() {
     reject("magic", &|b| b[..8].copy_from_slice(b"NOTSHM!!"), "magic");
     reject("zeros", &|b| b.fill(0), "magic");
     reject("version", &|b| b[8] = 2, "version");
-    reject(
-        "page",
-        &|b| b[12..16].copy_from_slice(&100u32.to_le_bytes()),
-        "page size",
-    );
+    reject("page", &|b| b[12..16].copy_from_slice(&100u32.to_le_bytes()), "page size");
     reject("pages0", &|b| b[16..24].fill(0), "zero pages");
-    reject(
-        "huge",
-        &|b| b[16..24].copy_from_slice(&u64::MAX.to_le_bytes()),
-        "overflow",
-    );
+    reject("huge", &|b| b[16..24].copy_from_slice(&u64::MAX.to_le_bytes()), "overflow");
     reject("hdr", &|b| b[28] ^= 1, "header size");
     reject("bitmap", &|b| b[32] ^= 8, "bitmap offset");
     reject("data", &|b| b[40] ^= 64, "data offset");
@@ -440,24 +406,14 @@ fn slice_and_write_are_bounds_checked() {
     let end = pool.len() as u64;
     assert!(pool.slice(data, 4 * PS).is_ok());
     assert!(pool.slice(end, 0).unwrap().is_empty());
-    for (offset, len) in [
-        (0, 1),
-        (data - 1, 1),
-        (end - 1, 2),
-        (end + 1, 0),
-        (u64::MAX, 1),
-        (data, usize::MAX),
-    ] {
+    for (offset, len) in [(0, 1), (data - 1, 1), (end - 1, 2), (end + 1, 0), (u64::MAX, 1), (data, usize::MAX)] {
         let err = pool.slice(offset, len).unwrap_err();
         assert!(
             matches!(err, ShmError::OutOfBounds { offset: o, len: l, size } if o == offset && l == len && size == pool.len()),
             "{err:?}"
         );
     }
-    assert_eq!(
-        pool.write(end - 3, b"four").unwrap_err().kind(),
-        "out_of_bounds"
-    );
+    assert_eq!(pool.write(end - 3, b"four").unwrap_err().kind(), "out_of_bounds");
     assert_eq!(pool.write(8, b"x").unwrap_err().kind(), "out_of_bounds");
     pool.write(end - 4, b"four").unwrap();
     assert_eq!(pool.slice(end - 4, 4).unwrap(), b"four");

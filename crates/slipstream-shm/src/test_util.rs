@@ -11,10 +11,7 @@ pub(crate) struct TempDir(PathBuf);
 impl TempDir {
     pub(crate) fn new(tag: &str) -> TempDir {
         static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
+        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
         let path = std::env::temp_dir().join(format!(
             "slipstream-shm-{tag}-{}-{}-{nanos}",
             std::process::id(),

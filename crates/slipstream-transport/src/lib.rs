@@ -23,11 +23,7 @@ pub const MAX_FRAME: usize = 16 << 20;
 pub enum ToWorker {
     /// Run the component on one batch. `rows[i]` is the number of rows that
     /// request `i` contributes; every input's first dimension is `sum(rows)`.
-    Batch {
-        id: u64,
-        rows: Vec<u32>,
-        inputs: BTreeMap<String, TensorDesc>,
-    },
+    Batch { id: u64, rows: Vec<u32>, inputs: BTreeMap<String, TensorDesc> },
     /// Finish and exit.
     Shutdown,
 }
@@ -62,17 +58,9 @@ pub enum FromWorker {
     Ready { pid: u32 },
     /// A batch finished. `compute_us` is the time spent in the component
     /// itself, so the node can tell its own overhead from the model's.
-    Result {
-        id: u64,
-        outputs: BTreeMap<String, OutputDesc>,
-        compute_us: u64,
-    },
+    Result { id: u64, outputs: BTreeMap<String, OutputDesc>, compute_us: u64 },
     /// The component raised on this batch; the worker keeps serving.
-    Error {
-        id: u64,
-        kind: String,
-        message: String,
-    },
+    Error { id: u64, kind: String, message: String },
     /// The worker cannot start (import error, constructor raised, bad config).
     Fatal { message: String },
 }
@@ -151,19 +139,9 @@ mod tests {
         let mut inputs = BTreeMap::new();
         inputs.insert(
             "x".to_string(),
-            TensorDesc {
-                pool: 0,
-                offset: 4096,
-                nbytes: 8,
-                dtype: DType::Float32,
-                shape: vec![1, 2],
-            },
+            TensorDesc { pool: 0, offset: 4096, nbytes: 8, dtype: DType::Float32, shape: vec![1, 2] },
         );
-        let msg = ToWorker::Batch {
-            id: 7,
-            rows: vec![1],
-            inputs,
-        };
+        let msg = ToWorker::Batch { id: 7, rows: vec![1], inputs };
         write_frame(&mut a, &msg).await.unwrap();
         write_frame(&mut a, &ToWorker::Shutdown).await.unwrap();
         drop(a);
@@ -172,9 +150,7 @@ mod tests {
         assert_eq!(got, msg);
         let got: ToWorker = read_frame(&mut b, &mut buf).await.unwrap();
         assert_eq!(got, ToWorker::Shutdown);
-        let end = read_frame::<_, ToWorker>(&mut b, &mut buf)
-            .await
-            .unwrap_err();
+        let end = read_frame::<_, ToWorker>(&mut b, &mut buf).await.unwrap_err();
         assert_eq!(end.kind(), "closed");
     }
 
@@ -190,10 +166,8 @@ mod tests {
             }
             other => panic!("unexpected {other:?}"),
         }
-        let e: FromWorker = serde_json::from_str(
-            r#"{"op":"error","id":1,"kind":"component_error","message":"boom"}"#,
-        )
-        .unwrap();
+        let e: FromWorker =
+            serde_json::from_str(r#"{"op":"error","id":1,"kind":"component_error","message":"boom"}"#).unwrap();
         assert!(matches!(e, FromWorker::Error { id: 1, .. }));
     }
 
@@ -204,9 +178,7 @@ mod tests {
             let _ = a.write_all(&((MAX_FRAME as u32) + 1).to_le_bytes()).await;
         });
         let mut buf = Vec::new();
-        let err = read_frame::<_, FromWorker>(&mut b, &mut buf)
-            .await
-            .unwrap_err();
+        let err = read_frame::<_, FromWorker>(&mut b, &mut buf).await.unwrap_err();
         assert_eq!(err.kind(), "frame_too_large");
     }
 }

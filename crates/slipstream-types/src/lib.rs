@@ -122,10 +122,7 @@ impl DType {
     }
 
     pub fn is_signed(self) -> bool {
-        matches!(
-            self,
-            DType::Int8 | DType::Int16 | DType::Int32 | DType::Int64
-        )
+        matches!(self, DType::Int8 | DType::Int16 | DType::Int32 | DType::Int64)
     }
 }
 
@@ -144,10 +141,7 @@ impl FromStr for DType {
     /// Accepts numpy spellings (`float32`, also `f4`-free long names only)
     /// and Open Inference Protocol spellings (`FP32`).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        ALL.into_iter()
-            .find(|d| d.name() == s)
-            .or_else(|| DType::from_v2(s))
-            .ok_or_else(|| UnknownDType(s.to_string()))
+        ALL.into_iter().find(|d| d.name() == s).or_else(|| DType::from_v2(s)).ok_or_else(|| UnknownDType(s.to_string()))
     }
 }
 
@@ -167,25 +161,12 @@ impl TensorSpec {
     /// Whether `shape` matches this spec (rank equal, fixed dims equal).
     pub fn accepts_shape(&self, shape: &[u64]) -> bool {
         self.shape.len() == shape.len()
-            && self
-                .shape
-                .iter()
-                .zip(shape)
-                .all(|(&want, &got)| want < 0 || want as u64 == got)
+            && self.shape.iter().zip(shape).all(|(&want, &got)| want < 0 || want as u64 == got)
     }
 
     pub fn shape_string(&self) -> String {
-        let dims: Vec<String> = self
-            .shape
-            .iter()
-            .map(|d| {
-                if *d < 0 {
-                    "-1".to_string()
-                } else {
-                    d.to_string()
-                }
-            })
-            .collect();
+        let dims: Vec<String> =
+            self.shape.iter().map(|d| if *d < 0 { "-1".to_string() } else { d.to_string() }).collect();
         format!("[{}]", dims.join(", "))
     }
 }
@@ -278,14 +259,8 @@ mod tests {
         }
         let els = var::elements(&buf).unwrap();
         assert_eq!(els, vec![&b"a"[..], b"", b"xyz", b"hello"]);
-        assert_eq!(
-            var::group_offsets(&buf, 2, 2).unwrap(),
-            vec![0, 9, buf.len()]
-        );
-        assert!(
-            var::group_offsets(&buf, 3, 2).is_none(),
-            "4 elements are not 2 groups of 3"
-        );
+        assert_eq!(var::group_offsets(&buf, 2, 2).unwrap(), vec![0, 9, buf.len()]);
+        assert!(var::group_offsets(&buf, 3, 2).is_none(), "4 elements are not 2 groups of 3");
         assert!(var::elements(&buf[..buf.len() - 1]).is_none(), "truncated");
         assert_eq!(DType::from_v2("BYTES"), Some(DType::Bytes));
         assert_eq!(DType::String.v2_name(), "BYTES");
@@ -293,10 +268,7 @@ mod tests {
 
     #[test]
     fn spec_shape_matching() {
-        let spec = TensorSpec {
-            dtype: DType::Float32,
-            shape: vec![-1, 2],
-        };
+        let spec = TensorSpec { dtype: DType::Float32, shape: vec![-1, 2] };
         assert!(spec.accepts_shape(&[1, 2]));
         assert!(spec.accepts_shape(&[7, 2]));
         assert!(!spec.accepts_shape(&[1, 3]));

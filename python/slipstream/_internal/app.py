@@ -9,6 +9,7 @@ Each worker imports the same file again to construct its component.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -66,11 +67,43 @@ def load_pipelines(target: str) -> tuple[Path, list[Pipeline]]:
     return path, found
 
 
-def app_spec(target: str, pipelines: list[Pipeline]) -> dict[str, Any]:
+def default_profile_path(target: str) -> Path:
+    """Where `slipstream profile app.py` writes, and `serve` looks: app.profile.json beside the app."""
+    path, _ = split_target(target)
+    return path.with_suffix(".profile.json")
+
+
+def load_profiles(paths: list[Path]) -> list[dict[str, Any]]:
+    out = []
+    for p in paths:
+        try:
+            doc = json.loads(p.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot read profile {p}: {e}") from None
+        for prof in doc.get("pipelines", []):
+            out.append({
+                "pipeline": prof["pipeline"],
+                "stages": {
+                    name: {"points": [{"batch": pt["batch"], "mean_ms": pt["mean_ms"], "p99_ms": pt["p99_ms"]}
+                                      for pt in st["points"]]}
+                    for name, st in prof["stages"].items()
+                },
+            })
+    return out
+
+
+def app_spec(
+    target: str,
+    pipelines: list[Pipeline],
+    batching: dict[str, Any] | None = None,
+    profiles: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     path, attr = split_target(target)
     env = {"PYTHONUNBUFFERED": "1", "SLIPSTREAM_WORKER": "1"}
     return {
         "pipelines": [p.to_spec() for p in pipelines],
+        "batching": batching or {},
+        "profiles": profiles or [],
         "worker_argv": [sys.executable, "-m", "slipstream._internal.worker", "--app", str(path) + (f":{attr}" if attr else "")],
         "worker_env": env | {k: v for k, v in os.environ.items() if k == "PYTHONPATH"},
     }

@@ -27,10 +27,17 @@ def _fail(msg: str, code: int = 1) -> int:
 
 def cmd_serve(a: argparse.Namespace) -> int:
     from slipstream import _core
-    from slipstream._internal.app import app_spec, load_pipelines
+    from slipstream._internal.app import app_spec, default_profile_path, load_pipelines, load_profiles
 
     _, pipelines = load_pipelines(a.app)
-    spec = app_spec(a.app, pipelines)
+    profile_paths = [Path(p) for p in a.profile]
+    if not profile_paths and default_profile_path(a.app).is_file():
+        profile_paths = [default_profile_path(a.app)]
+    for p in profile_paths:
+        print(f"slipstream: latency profile {p}", file=sys.stderr)
+    batching = {"policy": a.batching, "fixed_wait_ms": a.fixed_wait_ms, "max_wait_ms": a.max_wait_ms,
+                "admission": not a.no_admission}
+    spec = app_spec(a.app, pipelines, batching=batching, profiles=load_profiles(profile_paths))
     for p in pipelines:
         stages = ", ".join(
             s["name"] + (f" <- {' + '.join(s['parents'])}" if s["parents"] else " <- inputs")
@@ -205,6 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drain-timeout", type=float, default=30.0)
     s.add_argument("--worker-start-timeout", type=float, default=300.0)
     s.add_argument("--pool-mb", type=int, default=0, help="shared-memory pool size per replica (MiB)")
+    s.add_argument("--profile", action="append", default=[],
+                   help="latency profile from `slipstream profile` (default: APP.profile.json beside the app, if any)")
+    s.add_argument("--batching", choices=["deadline", "fixed"], default="deadline",
+                   help="deadline-aware batch former (default), or fixed max-batch + wait (the Triton/Ray policy)")
+    s.add_argument("--fixed-wait-ms", type=float, default=2.0, help="the fixed policy's wait for a full batch")
+    s.add_argument("--max-wait-ms", type=float, default=2.0, help="the deadline policy's longest delayed-batching wait")
+    s.add_argument("--no-admission", action="store_true", help="do not refuse requests predicted to miss the SLO")
     s.set_defaults(fn=cmd_serve)
 
     st = sub.add_parser("status", help="stages, replicas, queue depths, batch sizes of a running node")

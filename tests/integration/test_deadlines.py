@@ -1,0 +1,66 @@
+"""SLO-first scheduling through a real node: late requests are dropped,
+a backlog that cannot meet the SLO is refused at ingress (429 + Retry-After),
+an idle stage always admits, and a client can ask for a tighter deadline."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from tests.conftest import Node, wait_for
+
+
+def pipeline_status(node: Node, name: str) -> dict:
+    return next(p for p in node.status()["pipelines"] if p["name"] == name)
+
+
+def test_requests_stuck_behind_a_slow_batch_are_dropped_when_late(chain_node: Node) -> None:
+    slow = threading.Thread(target=lambda: chain_node.infer("tight", x=[[1, 400]]))
+    slow.start()
+    wait_for(lambda: chain_node.stage("tight", "Sleepy")["replicas"][0]["outstanding"] > 0)
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda i: chain_node.infer("tight", x=[[i, 1]]), range(4)))
+    slow.join(10)
+    kinds = sorted(r[1].get("error", {}).get("kind", "ok") for r in results)
+    # Each waited ~400 ms for a 150 ms SLO: dropped (504) or refused (429), never run late.
+    assert set(kinds) <= {"deadline_exceeded", "overloaded"}, results
+    st = chain_node.stage("tight", "Sleepy")
+    p = pipeline_status(chain_node, "tight")
+    assert st["dropped_late"] + p["shed"] >= 4
+    # The node is idle again: a request is admitted and answered in time.
+    status, body = chain_node.infer("tight", x=[[7, 1]])
+    assert status == 200, body
+
+
+def test_backlog_beyond_the_slo_is_refused_fast_with_retry_after(chain_node: Node) -> None:
+    # Teach the stage that a batch takes ~100 ms, then offer a burst.
+    for _ in range(3):
+        assert chain_node.infer("tight", x=[[1, 100]])[0] == 200
+    statuses: list[tuple[int, float, dict]] = []
+
+    def one(i: int) -> None:
+        t0 = time.monotonic()
+        status, hdrs, raw = chain_node.request("POST", "/v1/pipelines/tight/infer",
+                                               {"inputs": {"x": [[i, 100]]}})
+        statuses.append((status, time.monotonic() - t0, {k.lower(): v for k, v in hdrs.items()}))
+
+    with ThreadPoolExecutor(24) as pool:
+        list(pool.map(one, range(24)))
+    refused = [s for s in statuses if s[0] == 429]
+    served = [s for s in statuses if s[0] == 200]
+    assert refused, "a 24-request burst of 100 ms batches of <= 8 cannot all meet a 150 ms SLO"
+    assert served, "the requests that fit are admitted"
+    assert all(int(h["retry-after"]) >= 1 for _, _, h in refused)
+    assert max(t for _, t, _ in refused) < 0.1, "refusals are immediate, not queued"
+    p = pipeline_status(chain_node, "tight")
+    assert p["shed"] >= len(refused) and p["admitted"] >= len(served)
+
+
+def test_client_can_ask_for_a_tighter_deadline(chain_node: Node) -> None:
+    status, _, _ = chain_node.request("POST", "/v1/pipelines/chain/infer", {"inputs": {"x": [[1, 1]]}},
+                                      headers={"x-slipstream-deadline-ms": "garbage"})
+    assert status == 400
+    status, _, _ = chain_node.request("POST", "/v1/pipelines/chain/infer", {"inputs": {"x": [[1, 1]]}},
+                                      headers={"x-slipstream-deadline-ms": "1000"})
+    assert status == 200
