@@ -83,9 +83,10 @@ impl Replica {
         self.queue.lock().len()
     }
 
-    /// Predicted time until this replica could start a request that joins
+    /// Expected time until this replica could start a request that joins
     /// its queue now: what is left of the running batch, plus the queued
-    /// work in batches of the current limit.
+    /// work in batches of the current limit. Expected, not worst case:
+    /// admission refuses only requests that are likely to miss.
     pub fn backlog_ns(&self, now_ns: u64) -> u64 {
         let queued = self.queue_len();
         let former = self.former.lock();
@@ -98,7 +99,7 @@ impl Replica {
         }
         let per = former.limit.max(1) as usize;
         let batches = queued.div_ceil(per) as u64;
-        running + batches * former.predict_ns(queued.min(per))
+        running + batches * former.mean_ns(queued.min(per))
     }
 }
 
@@ -149,7 +150,7 @@ impl PipelineRt {
         self.epoch.elapsed().as_nanos() as u64
     }
 
-    /// Predicted time from the end of `stage` to the end of the request:
+    /// Expected time from the end of `stage` to the end of the request:
     /// the longest path through its descendants, each at the batch size it
     /// last ran.
     pub fn rest_ns(&self, stage: usize) -> u64 {
@@ -159,7 +160,7 @@ impl PipelineRt {
             .map(|&c| {
                 let r = &self.stages[c].replicas[0];
                 let typical = r.last_batch.load(Relaxed).max(1);
-                r.former.lock().predict_ns(typical) + self.rest_ns(c)
+                r.former.lock().mean_ns(typical) + self.rest_ns(c)
             })
             .max()
             .unwrap_or(0)
@@ -178,7 +179,7 @@ impl PipelineRt {
             let r = &self.stages[s].replicas[route[s]];
             let backlog = r.backlog_ns(now);
             queued |= backlog > 0;
-            finish = finish.max(now + backlog + r.former.lock().predict_ns(1) + self.rest_ns(s));
+            finish = finish.max(now + backlog + r.former.lock().mean_ns(1) + self.rest_ns(s));
         }
         if !queued || finish <= deadline_ns {
             Ok(())

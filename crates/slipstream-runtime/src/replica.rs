@@ -197,10 +197,13 @@ async fn serve(ctx: &mut ReplicaCtx, w: &mut Worker) -> Ended {
     loop {
         let step = form_batch(ctx, &me);
         if !step.batch.is_empty() {
-            if let Err(why) = dispatch(ctx, w, step.batch).await {
+            if let Err(why) = dispatch(ctx, w, step.batch, step.budget_ns).await {
                 return Ended::Died(why);
             }
             continue;
+        }
+        if step.dropped {
+            continue; // more may be queued behind the expired ones
         }
         if *ctx.stop.borrow() && me.queue_len() == 0 {
             return Ended::Stopped;
@@ -227,6 +230,10 @@ async fn sleep_until_opt(at: Option<Instant>) {
 struct Step {
     batch: Vec<Work>,
     wait_until: Option<u64>,
+    /// Expired requests were dropped: look at the queue again at once.
+    dropped: bool,
+    /// Slack of the batch's most urgent request (for AIMD).
+    budget_ns: u64,
 }
 
 /// Ask the batch former what to run, drop the requests it found expired,
@@ -266,17 +273,19 @@ fn form_batch(ctx: &ReplicaCtx, me: &Replica) -> Step {
         }
         (cand, rest_of, wait_until)
     };
-    if !expired.is_empty() {
+    let dropped = !expired.is_empty();
+    if dropped {
         me.release(expired.len());
         stage.metrics.dropped_late.fetch_add(expired.len() as u64, Relaxed);
         for (_, w) in expired {
             w.req.fail(NodeError::DeadlineExceeded { stage: stage.name.clone() });
         }
     }
+    let budget_ns = batch.first().map_or(u64::MAX, |(d, _)| d.saturating_sub(now + rest));
     if let Some((d, _)) = batch.first() {
         stage.metrics.slack_us.record(d.saturating_sub(now) / 1_000);
     }
-    Step { batch: batch.into_iter().map(|(_, w)| w).collect(), wait_until }
+    Step { batch: batch.into_iter().map(|(_, w)| w).collect(), wait_until, dropped, budget_ns }
 }
 
 /// Requeue what waited for a dead worker onto healthy replicas, if any.
@@ -333,7 +342,7 @@ fn signature(inputs: &Tensors) -> Vec<(&str, slipstream_types::DType, &[u64])> {
 }
 
 /// Run one batch on the worker. Err means the worker is gone.
-async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>) -> Result<(), String> {
+async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>, budget_ns: u64) -> Result<(), String> {
     let stage = &ctx.pipe.stages[ctx.stage];
     let me = ctx.me();
     let now = Instant::now();
@@ -396,7 +405,7 @@ async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>) -> Result<
     };
     let rtt = sent.elapsed();
     me.busy_since_ns.store(0, Relaxed);
-    me.former.lock().on_batch_done(n, rtt.as_nanos() as u64);
+    me.former.lock().on_batch_done(n, rtt.as_nanos() as u64, budget_ns);
     me.last_batch.store(n, Relaxed);
     stage.metrics.batches.fetch_add(1, Relaxed);
     stage.metrics.requests.fetch_add(n as u64, Relaxed);

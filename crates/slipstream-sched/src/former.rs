@@ -12,9 +12,10 @@
 //!    short of the limit, more work is arriving, and a larger batch would be
 //!    cheaper per request, wait, but only as long as the most urgent
 //!    request's slack allows and at most `max_wait`.
-//! 4. AIMD on the batch limit (Clipper): when a batch runs over its
-//!    prediction by more than `overshoot`, cut the limit multiplicatively;
-//!    otherwise grow it by one. Every batch also refines the profile.
+//! 4. AIMD on the batch limit (Clipper): when a batch runs past the slack
+//!    its most urgent request had (so it caused a miss), cut the limit
+//!    multiplicatively; when a batch at the limit fits, grow it by one.
+//!    Every batch also refines the profile.
 //!
 //! Fixed policy (the Triton / Ray Serve baseline, for comparison): run when
 //! `max_batch` requests are queued or the oldest has waited `fixed_wait`;
@@ -49,8 +50,6 @@ pub struct BatchFormer {
     pub profile: LatencyProfile,
     /// Longest delayed-batching wait.
     pub max_wait_ns: u64,
-    /// Relative overrun of a batch over its prediction that triggers a cut.
-    pub overshoot: f64,
     /// Multiplicative cut of the limit on overrun.
     pub decrease: f64,
     /// Mean gap between arrivals (EWMA), ns; 0 when unknown.
@@ -69,7 +68,6 @@ impl BatchFormer {
             limit: max_batch,
             profile,
             max_wait_ns: 2_000_000,
-            overshoot: 0.5,
             decrease: 0.75,
             gap_ns: 0.0,
             last_arrival: None,
@@ -85,7 +83,12 @@ impl BatchFormer {
         self.last_arrival = Some(now);
     }
 
-    /// Predicted latency (ns) of a batch of `n` at this stage.
+    /// Expected latency (ns) of a batch of `n` at this stage, without margin.
+    pub fn mean_ns(&self, n: usize) -> u64 {
+        (self.profile.mean(n as u32) * US) as u64
+    }
+
+    /// Latency (ns) to plan a batch of `n` with: expected plus margin.
     pub fn predict_ns(&self, n: usize) -> u64 {
         (self.profile.predict(n as u32) * US) as u64
     }
@@ -164,18 +167,20 @@ impl BatchFormer {
         }
     }
 
-    /// A batch of `n` took `observed_ns`: refine the profile and adjust the limit.
-    pub fn on_batch_done(&mut self, n: usize, observed_ns: u64) {
-        let predicted = self.profile.predict(n as u32);
-        let observed_us = observed_ns as f64 / US;
+    /// A batch of `n` took `observed_ns`; it had `budget_ns` before its most
+    /// urgent request would miss (deadline - dispatch time - rest of the
+    /// path). Refine the profile; AIMD on the limit (Clipper): a batch that
+    /// blew its budget cuts the limit multiplicatively, one that fit and was
+    /// at the limit raises it by one.
+    pub fn on_batch_done(&mut self, n: usize, observed_ns: u64, budget_ns: u64) {
         if let Policy::DeadlineAware = self.policy {
-            if !self.profile.is_empty() && observed_us > predicted * (1.0 + self.overshoot) {
+            if observed_ns > budget_ns {
                 self.limit = ((self.limit as f64 * self.decrease) as u32).max(1);
             } else if n as u32 >= self.limit && self.limit < self.max_batch {
                 self.limit += 1;
             }
         }
-        self.profile.observe(n as u32, observed_us);
+        self.profile.observe(n as u32, observed_ns as f64 / US);
     }
 }
 
@@ -266,16 +271,17 @@ mod tests {
     }
 
     #[test]
-    fn aimd_backs_off_on_overshoot_and_recovers() {
+    fn aimd_backs_off_when_a_batch_blows_its_budget_and_recovers() {
         let mut f = former();
         assert_eq!(f.limit, 64);
-        f.on_batch_done(64, 30 * MS); // predicted 7.4 ms: way over
+        f.on_batch_done(64, 30 * MS, 10 * MS); // 30 ms against 10 ms of slack: a miss
         assert_eq!(f.limit, 48);
-        f.on_batch_done(48, 60 * MS);
+        f.on_batch_done(48, 60 * MS, 10 * MS);
         assert_eq!(f.limit, 36);
-        // Within prediction at the limit: additive increase.
-        let predicted = f.predict_ns(36);
-        f.on_batch_done(36, predicted / 2);
+        // Within budget at the limit: additive increase; below the limit: unchanged.
+        f.on_batch_done(36, 5 * MS, 10 * MS);
+        assert_eq!(f.limit, 37);
+        f.on_batch_done(3, 5 * MS, 10 * MS);
         assert_eq!(f.limit, 37);
         // The limit caps what one decision takes.
         let d = f.decide(0, &vec![1_000 * MS; 200], 0, 0);

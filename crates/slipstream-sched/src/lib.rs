@@ -12,13 +12,17 @@
 //!   what is queued, up to the limit.)
 //! - [`choose_replica`]: the ingress router's choice for one stage:
 //!   join-shortest-queue among healthy replicas.
+//! - [`simulate`]: the SLO contract's queueing model: the same policies
+//!   driven by a discrete-event simulation over the measured profiles.
 
 mod former;
 mod profile;
 mod queue;
 mod router;
+mod sim;
 
 pub use former::{BatchFormer, Decision, Policy};
 pub use profile::LatencyProfile;
 pub use queue::EdfQueue;
 pub use router::{choose_replica, ReplicaLoad};
+pub use sim::{simulate, SimConfig, SimResult, SimStage};

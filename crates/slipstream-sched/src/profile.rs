@@ -29,7 +29,7 @@ pub struct LatencyProfile {
 
 impl Default for LatencyProfile {
     fn default() -> Self {
-        LatencyProfile { points: BTreeMap::new(), k: 2.0, default_us: 1000.0 }
+        LatencyProfile { points: BTreeMap::new(), k: 1.0, default_us: 1000.0 }
     }
 }
 

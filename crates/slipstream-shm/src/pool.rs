@@ -83,10 +83,9 @@ pub struct Pool {
     path: PathBuf,
     id: u32,
     layout: Layout,
-    /// Next-fit cursor (page index). Process-local: each process that
-    /// allocates keeps its own; the mutex only serialises this process's
-    /// threads.
-    cursor: Mutex<usize>,
+    /// Serialises this process's allocating threads (allocation is first
+    /// fit; see `alloc`). Process-local: it never crosses processes.
+    alloc_lock: Mutex<()>,
 }
 
 impl fmt::Debug for Pool {
@@ -165,7 +164,7 @@ impl Pool {
             std::ptr::copy_nonoverlapping(header.as_ptr(), base, 8);
         }
 
-        Ok(Pool { map, path: path.to_path_buf(), id, layout, cursor: Mutex::new(0) })
+        Ok(Pool { map, path: path.to_path_buf(), id, layout, alloc_lock: Mutex::new(()) })
     }
 
     /// Map an existing pool created by [`Pool::create`] (any process).
@@ -232,7 +231,7 @@ impl Pool {
             return bad(format!("file is {file_len} bytes but the header needs {} (truncated?)", layout.file_len));
         }
 
-        Ok(Pool { map, path: path.to_path_buf(), id, layout, cursor: Mutex::new(0) })
+        Ok(Pool { map, path: path.to_path_buf(), id, layout, alloc_lock: Mutex::new(()) })
     }
 
     /// The id written into the header at creation.
@@ -295,15 +294,17 @@ impl Pool {
         if pages > self.layout.num_pages {
             return Err(full());
         }
-        let mut cursor = self.cursor.lock();
+        // First fit from the start of the pool: the lowest free pages are the
+        // ones most recently freed, so they are already faulted in. (A
+        // next-fit cursor walked the whole pool and page-faulted every page
+        // once per lap: ~1 ms per MB on a VM.)
+        let _one_allocator = self.alloc_lock.lock();
         let bitmap = self.bitmap();
         loop {
-            let start = bitmap.find_next_fit(*cursor, pages).ok_or_else(full)?;
+            let start = bitmap.find_next_fit(0, pages).ok_or_else(full)?;
             // A conflict means another process allocated these pages between
             // our scan and our claim; scan again (it now sees them set).
             if bitmap.try_claim(start, pages).is_ok() {
-                let next = start + pages;
-                *cursor = if next >= self.layout.num_pages { 0 } else { next };
                 return Ok(self.offset_of_page(start));
             }
         }
@@ -415,11 +416,6 @@ impl Pool {
             Some(end) if end <= self.layout.num_pages => Ok((first, pages)),
             _ => Err(oob()),
         }
-    }
-
-    #[cfg(test)]
-    pub(crate) fn cursor(&self) -> usize {
-        *self.cursor.lock()
     }
 }
 

@@ -216,27 +216,21 @@ fn full_and_recovery() {
 }
 
 #[test]
-fn next_fit_cursor_wraps_around() {
-    let dir = TempDir::new("wrap");
+fn first_fit_reuses_the_lowest_free_pages() {
+    let dir = TempDir::new("first-fit");
     let pool = Pool::create(&dir.path().join("p"), 1, 8 * PS).unwrap();
     let a = pool.alloc(3 * PS).unwrap();
     let b = pool.alloc(3 * PS).unwrap();
     assert_eq!((page_of(&pool, a), page_of(&pool, b)), (0, 3));
-    assert_eq!(pool.cursor(), 6);
     pool.free(a, 3 * PS);
-    // Next fit: continues after b rather than reusing the hole at 0.
+    // The hole at 0 (warm pages) is reused before the untouched pages 6..8.
     let c = pool.alloc(PS).unwrap();
-    assert_eq!(page_of(&pool, c), 6);
-    // Only page 7 is left ahead of the cursor: wrap to the hole at 0.
+    assert_eq!(page_of(&pool, c), 0);
+    // A run that does not fit the rest of the hole (pages 1-2) goes past b.
     let d = pool.alloc(2 * PS).unwrap();
-    assert_eq!(page_of(&pool, d), 0);
-    assert_eq!(pool.cursor(), 2);
-    let e = pool.alloc(PS).unwrap();
-    assert_eq!(page_of(&pool, e), 2);
-    // Filling the last page moves the cursor back to the start.
-    let f = pool.alloc(PS).unwrap();
-    assert_eq!(page_of(&pool, f), 7);
-    assert_eq!(pool.cursor(), 0);
+    assert_eq!(page_of(&pool, d), 1);
+    let e = pool.alloc(2 * PS).unwrap();
+    assert_eq!(page_of(&pool, e), 6);
     assert!(pool.alloc(1).is_err());
     assert_eq!(pool.used_pages(), 8);
 }
