@@ -81,6 +81,99 @@ fn run_bench(py: Python<'_>, config_json: &str, quiet: bool) -> PyResult<String>
     serde_json::to_string(&reports).map_err(|e| core_err("internal", e))
 }
 
+/// One offered load for the SLO model (see `slipstream_sched::simulate`).
+#[derive(serde::Deserialize)]
+struct SimRequest {
+    stages: Vec<SimStageRequest>,
+    slo_ms: f64,
+    rate: f64,
+    #[serde(default = "one")]
+    burst: u32,
+    duration_s: f64,
+    warmup_s: f64,
+    cores: f64,
+    hop_us: f64,
+    #[serde(default = "default_batch_cpu")]
+    batch_cpu_us: f64,
+    ingress_us: f64,
+    cpu_per_request_us: f64,
+    policy: String,
+    #[serde(default)]
+    fixed_wait_ms: f64,
+    max_wait_ms: f64,
+    admission: bool,
+    seed: u64,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn default_batch_cpu() -> f64 {
+    60.0
+}
+
+#[derive(serde::Deserialize)]
+struct SimStageRequest {
+    parents: Vec<usize>,
+    replicas: usize,
+    max_batch: u32,
+    /// `[batch, mean µs, p99 µs]`
+    points: Vec<(u32, f64, f64)>,
+}
+
+/// Run the SLO model at one offered load; returns the result as JSON.
+#[pyfunction]
+fn simulate(py: Python<'_>, config_json: &str) -> PyResult<String> {
+    use slipstream_sched::{LatencyProfile, Policy, SimConfig, SimStage};
+    let r: SimRequest = serde_json::from_str(config_json).map_err(|e| core_err("invalid_config", e))?;
+    let policy = match r.policy.as_str() {
+        "deadline" => Policy::DeadlineAware,
+        "fixed" => Policy::Fixed { wait_ns: (r.fixed_wait_ms * 1e6) as u64 },
+        other => return Err(core_err("invalid_config", format!("unknown policy '{other}'"))),
+    };
+    let cfg = SimConfig {
+        stages: r
+            .stages
+            .into_iter()
+            .map(|s| SimStage {
+                parents: s.parents,
+                replicas: s.replicas,
+                max_batch: s.max_batch,
+                profile: LatencyProfile::from_measurements(&s.points),
+            })
+            .collect(),
+        slo_ns: (r.slo_ms * 1e6) as u64,
+        rate: r.rate,
+        burst: r.burst,
+        duration_s: r.duration_s,
+        warmup_s: r.warmup_s,
+        cores: r.cores,
+        hop_ns: (r.hop_us * 1e3) as u64,
+        batch_cpu_ns: (r.batch_cpu_us * 1e3) as u64,
+        ingress_ns: (r.ingress_us * 1e3) as u64,
+        cpu_per_request_ns: (r.cpu_per_request_us * 1e3) as u64,
+        policy,
+        max_wait_ns: (r.max_wait_ms * 1e6) as u64,
+        admission: r.admission,
+        seed: r.seed,
+    };
+    let res = py.detach(|| slipstream_sched::simulate(&cfg));
+    Ok(serde_json::json!({
+        "offered_rps": res.offered_rps,
+        "arrivals": res.arrivals,
+        "answered": res.answered,
+        "refused": res.refused,
+        "dropped": res.dropped,
+        "late": res.late,
+        "p50_ms": res.p50_ms,
+        "p99_ms": res.p99_ms,
+        "miss_rate": res.miss_rate,
+        "goodput_rps": res.goodput_rps,
+    })
+    .to_string())
+}
+
 /// A worker's handle on a shared-memory pool it allocates from.
 #[pyclass(frozen)]
 struct Pool {
@@ -135,6 +228,7 @@ impl Pool {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(serve, m)?)?;
     m.add_function(wrap_pyfunction!(run_bench, m)?)?;
+    m.add_function(wrap_pyfunction!(simulate, m)?)?;
     m.add_class::<Pool>()?;
     m.add("CoreError", m.py().get_type::<CoreError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -317,6 +317,7 @@ pub fn describe(p: &PipelineRt) -> Value {
         "outputs": tensors(&p.spec.outputs),
         "slo": p.spec.slo.map(|s| json!({"p99_ms": s.p99_ms, "max_miss_rate": s.max_miss_rate})),
         "timeout_ms": p.timeout.as_millis() as u64,
+        "example": p.spec.example,
         "stages": p.stages.iter().map(|s| json!({
             "name": s.name,
             "component": s.component,

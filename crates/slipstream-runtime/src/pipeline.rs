@@ -166,10 +166,27 @@ impl PipelineRt {
             .unwrap_or(0)
     }
 
+    /// Expected time from the end of `stage` to the end of a request routed
+    /// as `route`: through each downstream stage, the queue ahead of it on
+    /// its routed replica plus one batch, along the longest path.
+    pub fn path_ns(&self, stage: usize, route: &[usize], now: u64) -> u64 {
+        self.stages[stage]
+            .children
+            .iter()
+            .map(|&c| {
+                let r = &self.stages[c].replicas[route[c]];
+                let typical = r.last_batch.load(Relaxed).max(1);
+                r.backlog_ns(now) + r.former.lock().mean_ns(typical) + self.path_ns(c, route, now)
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Admission control: can a request routed as `route`, arriving now,
-    /// finish by `deadline`? Err carries the predicted overshoot. A request
-    /// whose root replicas are idle is always admitted: only queueing can
-    /// make us refuse, and an idle stage keeps refreshing its profile.
+    /// finish by `deadline`, given the queues ahead of it at every stage of
+    /// its route? Err carries the predicted overshoot. A request whose whole
+    /// route is idle is always admitted: only queueing can make us refuse,
+    /// and an idle stage keeps refreshing its profile.
     pub fn admit(&self, route: &[usize], deadline: Instant) -> Result<(), std::time::Duration> {
         let now = self.now_ns();
         let deadline_ns = deadline.saturating_duration_since(self.epoch).as_nanos() as u64;
@@ -178,8 +195,9 @@ impl PipelineRt {
         for &s in &self.roots {
             let r = &self.stages[s].replicas[route[s]];
             let backlog = r.backlog_ns(now);
-            queued |= backlog > 0;
-            finish = finish.max(now + backlog + r.former.lock().mean_ns(1) + self.rest_ns(s));
+            let downstream = self.path_ns(s, route, now);
+            queued |= backlog > 0 || downstream > self.rest_ns(s);
+            finish = finish.max(now + backlog + r.former.lock().mean_ns(1) + downstream);
         }
         if !queued || finish <= deadline_ns {
             Ok(())

@@ -93,6 +93,9 @@ pub struct PipelineSpec {
     pub outputs: BTreeMap<String, TensorSpec>,
     #[serde(default)]
     pub slo: Option<SloSpec>,
+    /// One realistic request's inputs, as the pipeline API's JSON `inputs`.
+    #[serde(default)]
+    pub example: Option<serde_json::Value>,
     /// In any order; `parents` name other stages of this pipeline. Stages
     /// without parents receive the pipeline's inputs.
     pub stages: Vec<StageSpec>,

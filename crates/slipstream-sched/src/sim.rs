@@ -5,9 +5,10 @@
 //! ingress, pass admission control, wait in per-replica EDF queues and are
 //! batched by the same [`BatchFormer`] the node runs; a batch of `n` takes a
 //! time drawn from the stage's [`LatencyProfile`] (mean and deviation at
-//! `n`) plus a fixed hop overhead. Replicas share `cores` CPU cores: a batch
+//! `n`) plus a fixed hop latency. Replicas share `cores` CPU cores: a batch
 //! whose replica is free but finds no free core waits for one, which is what
-//! bounds a 2-core machine. The node's own per-request work (HTTP, decode,
+//! bounds a 2-core machine; a batch holds its core for its service time plus
+//! the framing CPU, and its replica for the service time plus the hop. The node's own per-request work (HTTP, decode,
 //! encode) is charged as a fixed latency and as CPU taken from the cores.
 //!
 //! The output is what `slipstream slo` prints: p50/p99 latency of answered
@@ -39,8 +40,11 @@ pub struct SimConfig {
     pub duration_s: f64,
     pub warmup_s: f64,
     pub cores: f64,
-    /// Node <-> worker overhead per batch, ns.
+    /// Node -> worker -> node latency per batch beyond the component's own
+    /// time (wake-ups, framing), ns. The replica is busy for it.
     pub hop_ns: u64,
+    /// CPU that framing takes per batch (held on a core), ns; part of `hop_ns`.
+    pub batch_cpu_ns: u64,
     /// Fixed latency the node adds to every request (ingress + egress), ns.
     pub ingress_ns: u64,
     /// CPU the node and the load generator spend per request, ns.
@@ -91,6 +95,7 @@ enum Event {
     Arrival,
     Enter(usize),
     BatchDone { stage: usize, replica: usize },
+    CoreFree,
     Wake { stage: usize, replica: usize },
 }
 
@@ -153,6 +158,22 @@ impl Sim<'_> {
             .unwrap_or(0)
     }
 
+    /// Expected time from the end of `stage` to the end of a request routed
+    /// as `route`: for each downstream stage, its queue ahead plus one batch.
+    fn path_ns(&self, stage: usize, route: &[usize]) -> u64 {
+        self.children[stage]
+            .iter()
+            .map(|&c| {
+                let typical = self.reps[c][0].last_batch.max(1);
+                self.backlog(c, route[c])
+                    + self.reps[c][0].former.mean_ns(typical)
+                    + self.cfg.hop_ns
+                    + self.path_ns(c, route)
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
     fn backlog(&self, stage: usize, r: usize) -> u64 {
         let rep = &self.reps[stage][r];
         let running = if rep.batch.is_some() { (rep.started + rep.predicted).saturating_sub(self.now) } else { 0 };
@@ -193,8 +214,10 @@ impl Sim<'_> {
             let mut finish = t;
             for &s in &self.roots.clone() {
                 let b = self.backlog(s, route[s]);
-                queued |= b > 0;
-                finish = finish.max(t + self.cfg.ingress_ns / 2 + b + self.predict(s, 1) + self.rest_ns(s));
+                let downstream = self.path_ns(s, &route);
+                queued |= b > 0 || downstream > self.rest_ns(s);
+                let one = self.reps[s][0].former.mean_ns(1) + self.cfg.hop_ns;
+                finish = finish.max(t + self.cfg.ingress_ns / 2 + b + one + downstream);
             }
             if queued && finish > deadline {
                 self.reqs[id].done = true;
@@ -270,6 +293,10 @@ impl Sim<'_> {
             return;
         }
         if live.is_empty() {
+            if expired > 0 {
+                // More may wait behind the expired ones.
+                self.try_dispatch(stage, r);
+            }
             return;
         }
         rep.budget = live[0].0.saturating_sub(now + rest);
@@ -283,10 +310,12 @@ impl Sim<'_> {
             let Some((stage, r)) = self.core_wait.pop_front() else { return };
             self.free_cores -= 1.0;
             let n = self.reps[stage][r].batch.as_ref().map_or(1, |b| b.len());
+            // Service times come from the measured profile, never from the
+            // former's copy, which learns from them (that loop would run away).
             let (mean, dev) = {
-                let f = &self.reps[stage][r].former;
-                let mean = f.profile.mean(n as u32);
-                (mean, (f.profile.predict(n as u32) - mean) / f.profile.k.max(1e-9))
+                let truth = &self.cfg.stages[stage].profile;
+                let mean = truth.mean(n as u32);
+                (mean, (truth.predict(n as u32) - mean) / truth.k.max(1e-9))
             };
             let service = (mean + dev * self.rng.normal()).max(0.3 * mean) * 1e3;
             let now = self.now;
@@ -294,13 +323,13 @@ impl Sim<'_> {
             let rep = &mut self.reps[stage][r];
             rep.started = now;
             rep.predicted = p;
-            let end = now + service as u64 + self.cfg.hop_ns;
-            self.at(end, Event::BatchDone { stage, replica: r });
+            let service = service as u64;
+            self.at(now + service + self.cfg.batch_cpu_ns, Event::CoreFree);
+            self.at(now + service + self.cfg.hop_ns.max(self.cfg.batch_cpu_ns), Event::BatchDone { stage, replica: r });
         }
     }
 
     fn batch_done(&mut self, stage: usize, r: usize) {
-        self.free_cores += 1.0;
         let now = self.now;
         let batch = self.reps[stage][r].batch.take().unwrap_or_default();
         let n = batch.len();
@@ -374,7 +403,7 @@ pub fn simulate(cfg: &SimConfig) -> SimResult {
         })
         .collect();
     // The node's and the load generator's CPU come off the top.
-    let free_cores = (cfg.cores - cfg.rate * cfg.cpu_per_request_ns as f64 / 1e9).max(1.0).floor();
+    let free_cores = (cfg.cores - cfg.rate * cfg.cpu_per_request_ns as f64 / 1e9).max(1.0).round();
     let mut sim = Sim {
         cfg,
         now: 0,
@@ -422,6 +451,10 @@ pub fn simulate(cfg: &SimConfig) -> SimResult {
                 }
             }
             Event::BatchDone { stage, replica } => sim.batch_done(stage, replica),
+            Event::CoreFree => {
+                sim.free_cores += 1.0;
+                sim.start_on_cores();
+            }
             Event::Wake { stage, replica } => {
                 if sim.reps[stage][replica].wake_at == Some(time) {
                     sim.reps[stage][replica].wake_at = None;
@@ -461,6 +494,7 @@ mod tests {
             warmup_s: 2.0,
             cores: 2.0,
             hop_ns: 0,
+            batch_cpu_ns: 0,
             ingress_ns: 0,
             cpu_per_request_ns: 0,
             policy: Policy::DeadlineAware,

@@ -7,6 +7,7 @@ worker process imports the same app file to find its component class.
 
 from __future__ import annotations
 
+import base64
 import copy
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -280,6 +281,7 @@ class Pipeline:
         inputs: Mapping[str, Tensor] | None = None,
         outputs: Mapping[str, Tensor] | None = None,
         slo: SLO | None = None,
+        example: Mapping[str, Any] | None = None,
     ):
         if not isinstance(name, str) or not _NAME.match(name):
             raise ConfigError(f"pipeline name {name!r} may use letters, digits, '_', '-' and '.' only")
@@ -310,7 +312,67 @@ class Pipeline:
         if slo is not None and not isinstance(slo, SLO):
             raise ConfigError(f"pipeline {name!r}: slo must be an ss.SLO")
         self.slo = slo
+        self.example = self._check_example(example)
         self._check_acyclic()
+
+    def _check_example(self, example: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """One realistic request (input name -> nested list with a leading row
+        dimension): used by `slipstream profile` and as `slipstream bench`'s
+        default body."""
+        if example is None:
+            return None
+        missing = set(self.inputs) - set(example)
+        extra = set(example) - set(self.inputs)
+        if missing or extra:
+            raise ConfigError(
+                f"pipeline {self.name!r}: example must give exactly the inputs "
+                f"{sorted(self.inputs)} (missing {sorted(missing)}, unexpected {sorted(extra)})"
+            )
+        out = {}
+        for k, v in example.items():
+            a = np.asarray(v, dtype=object if self.inputs[k].dtype in VAR_DTYPES else self.inputs[k].dtype)
+            if a.ndim != len(self.inputs[k].shape):
+                raise ConfigError(f"pipeline {self.name!r}: example input {k!r} has {a.ndim} dims, "
+                                  f"the declared shape has {len(self.inputs[k].shape)}")
+            out[k] = a.tolist()
+        return out
+
+    def _example_json(self) -> dict[str, Any] | None:
+        """The example as the pipeline API's JSON `inputs` (bytes as base64)."""
+        if self.example is None:
+            return None
+
+        def conv(x: Any) -> Any:
+            if isinstance(x, list):
+                return [conv(v) for v in x]
+            if isinstance(x, (bytes, bytearray)):
+                return base64.b64encode(bytes(x)).decode()
+            return x
+
+        return {k: conv(v) for k, v in self.example.items()}
+
+    def example_batch(self, rows: int = 1) -> dict[str, np.ndarray]:
+        """`rows` requests' worth of inputs: the declared example repeated, or
+        synthetic values of the declared dtypes and shapes."""
+        out: dict[str, np.ndarray] = {}
+        rng = np.random.default_rng(0)
+        for k, spec in self.inputs.items():
+            if self.example is not None:
+                one = np.asarray(self.example[k], dtype=object if spec.dtype in VAR_DTYPES else spec.dtype)
+            else:
+                shape = [1] + [d if d >= 0 else 8 for d in spec.shape[1:]]
+                if spec.dtype == "string":
+                    one = np.full(shape, "an example request", dtype=object)
+                elif spec.dtype == "bytes":
+                    one = np.full(shape, b"example", dtype=object)
+                elif spec.dtype == "bool":
+                    one = np.zeros(shape, dtype=bool)
+                elif spec.dtype.startswith(("int", "uint")):
+                    one = rng.integers(0, 10, size=shape).astype(spec.dtype)
+                else:
+                    one = rng.standard_normal(shape).astype(spec.dtype)
+            out[k] = np.concatenate([one] * rows, axis=0)
+        return out
 
     def _check_acyclic(self) -> None:
         state: dict[str, int] = {}
@@ -342,6 +404,7 @@ class Pipeline:
             "inputs": {k: v.to_json() for k, v in self.inputs.items()},
             "outputs": {k: v.to_json() for k, v in self.outputs.items()},
             "slo": None if self.slo is None else {"p99_ms": self.slo.p99_ms, "max_miss_rate": self.slo.max_miss_rate},
+            "example": self._example_json(),
             "stages": [
                 {
                     "name": n,

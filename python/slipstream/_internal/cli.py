@@ -33,8 +33,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     profile_paths = [Path(p) for p in a.profile]
     if not profile_paths and default_profile_path(a.app).is_file():
         profile_paths = [default_profile_path(a.app)]
-    for p in profile_paths:
-        print(f"slipstream: latency profile {p}", file=sys.stderr)
+    for path in profile_paths:
+        print(f"slipstream: latency profile {path}", file=sys.stderr)
     batching = {"policy": a.batching, "fixed_wait_ms": a.fixed_wait_ms, "max_wait_ms": a.max_wait_ms,
                 "admission": not a.no_admission}
     spec = app_spec(a.app, pipelines, batching=batching, profiles=load_profiles(profile_paths))
@@ -101,6 +101,8 @@ def cmd_status(a: argparse.Namespace) -> int:
 def _example_body(url: str, pipeline: str) -> bytes:
     """A one-row request built from the pipeline's declared inputs."""
     desc = _get(f"{url}/v1/pipelines/{pipeline}")
+    if desc.get("example"):
+        return json.dumps({"inputs": desc["example"]}).encode()
     inputs: dict[str, Any] = {}
     for name, spec in desc["inputs"].items():
         shape = [1] + [d if d >= 0 else 1 for d in spec["shape"][1:]]
@@ -115,6 +117,35 @@ def _parse_rates(a: argparse.Namespace) -> list[float]:
     if a.sweep:
         return [float(x) for x in a.sweep.split(",") if x.strip()]
     return [float(a.rate)]
+
+
+def _compare_slo(a: argparse.Namespace, reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Predicted vs measured p99 at each offered rate."""
+    from slipstream._internal import slo
+    from slipstream._internal.app import default_profile_path, load_pipelines
+
+    _, pipelines = load_pipelines(a.compare_slo)
+    pipe = next((p for p in pipelines if p.name == a.pipeline), None)
+    if pipe is None:
+        raise SystemExit(f"slipstream: error: {a.compare_slo} has no pipeline {a.pipeline!r}")
+    prof = slo.load_profile_for(pipe, [default_profile_path(a.compare_slo)])
+    if a.arrival != "bursty":
+        a.burst = 1  # the model's arrivals match the generator's
+    predicted = _slo_table(a, pipe, prof, [r["offered_rps"] for r in reports])
+    rows = []
+    print(f"\n{'offered/s':>10}{'measured p99':>14}{'predicted p99':>15}{'error':>8}{'measured miss%':>16}{'predicted miss%':>17}")
+    for m, p in zip(reports, predicted, strict=True):
+        mp99 = m["latency_ms"]["p99"]
+        err = (p["p99_ms"] - mp99) / mp99 if mp99 else float("nan")
+        sent = max(m["sent"], 1)
+        assert pipe.slo is not None
+        late = 0  # the generator does not know deadlines: count errors (429/504) as misses
+        mmiss = (m["errors"] + late) / sent
+        print(f"{m['offered_rps']:>10.0f}{mp99:>14.2f}{p['p99_ms']:>15.2f}{100 * err:>7.0f}%{100 * mmiss:>16.2f}"
+              f"{100 * p['miss_rate']:>17.2f}")
+        rows.append({"offered_rps": m["offered_rps"], "measured_p99_ms": mp99, "predicted_p99_ms": p["p99_ms"],
+                     "relative_error": err, "measured_error_rate": mmiss, "predicted_miss_rate": p["miss_rate"]})
+    return rows
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -191,9 +222,96 @@ def cmd_bench(a: argparse.Namespace) -> int:
         for name, s in stages.items():
             print(f"stage {name}: mean batch {s['batch_size']['mean']:.1f}, hop (node->worker->node) "
                   f"p50 {s['hop_ms']['p50'] * 1000:.0f}us p99 {s['hop_ms']['p99'] * 1000:.0f}us")
+    if a.compare_slo:
+        result["slo_check"] = _compare_slo(a, reports)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_profile(a: argparse.Namespace) -> int:
+    import subprocess
+
+    from slipstream._internal import slo
+    from slipstream._internal.app import THREAD_VARS, default_profile_path, load_pipelines
+
+    if os.environ.get("SLIPSTREAM_PROFILE_CHILD") != "1":
+        # Measure under the conditions workers run in: one BLAS/OpenMP thread
+        # each (numeric libraries read these only when they load, so re-exec).
+        env = dict(os.environ, SLIPSTREAM_PROFILE_CHILD="1")
+        for var in THREAD_VARS:
+            env.setdefault(var, "1")
+        return subprocess.run([sys.executable, "-m", "slipstream._internal.cli", *sys.argv[1:]], env=env).returncode
+
+    _, pipelines = load_pipelines(a.app)
+    if a.pipeline:
+        pipelines = [p for p in pipelines if p.name == a.pipeline]
+        if not pipelines:
+            return _fail(f"no pipeline named {a.pipeline!r} in {a.app}")
+    batches = [int(b) for b in a.batches.split(",")] if a.batches else list(slo.DEFAULT_BATCHES)
+    out = Path(a.out) if a.out else default_profile_path(a.app)
+    profiles = []
+    for p in pipelines:
+        print(f"profiling {p.name} on cpu ({os.cpu_count()} cores), batch sizes {batches}", file=sys.stderr)
+        profiles.append(slo.profile_pipeline(p, batches, a.iters, a.budget))
+    slo.write_profile(out, profiles)
+    print(f"wrote {out}")
+    png = slo.plot_profile(out.with_suffix(".png"), profiles)
+    if png:
+        print(f"wrote {png}")
+    for prof in profiles:
+        print(f"\n{prof['pipeline']}: ms per batch (mean / p99)")
+        for name, st in prof["stages"].items():
+            cells = "  ".join(f"b{pt['batch']}: {pt['mean_ms']:.2f}/{pt['p99_ms']:.2f}" for pt in st["points"])
+            print(f"  {name:<16} {cells}")
+    return 0
+
+
+def _slo_table(a: argparse.Namespace, pipe: Any, prof: dict[str, Any], rates: list[float]) -> list[dict[str, Any]]:
+    from slipstream._internal import slo
+
+    return slo.predict(pipe, prof, rates, cores=a.cores, duration_s=a.sim_duration, policy=a.batching,
+                       burst=a.burst, hop_us=a.hop_us, batch_cpu_us=a.batch_cpu_us, ingress_us=a.ingress_us,
+                       cpu_per_request_us=a.cpu_per_request_us)
+
+
+def cmd_slo(a: argparse.Namespace) -> int:
+    from slipstream._internal import slo
+    from slipstream._internal.app import default_profile_path, load_pipelines
+
+    _, pipelines = load_pipelines(a.app)
+    paths = [Path(p) for p in a.profile] or [default_profile_path(a.app)]
+    report = {}
+    for pipe in pipelines:
+        if a.pipeline and pipe.name != a.pipeline:
+            continue
+        if pipe.slo is None:
+            print(f"{pipe.name}: no SLO declared, skipped", file=sys.stderr)
+            continue
+        prof = slo.load_profile_for(pipe, paths)
+        cap = slo.capacity_estimate(pipe, prof, a.cores)
+        rates = [float(r) for r in a.rates.split(",")] if a.rates else \
+            [round(cap * f, 1) for f in (0.1, 0.25, 0.4, 0.55, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5)]
+        rows = _slo_table(a, pipe, prof, rates)
+        best = max((r["offered_rps"] for r in rows if slo.holds(r, pipe)), default=0.0)
+        print(f"\n{pipe.name}: SLO p99 <= {pipe.slo.p99_ms} ms, misses <= {pipe.slo.max_miss_rate:.1%}; "
+              f"{a.cores:g} cores; capacity estimate {cap:.0f} req/s")
+        print(f"{'offered/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'refused':>9}{'dropped':>9}{'late':>7}{'miss %':>8}"
+              f"{'goodput/s':>11}  SLO")
+        for r in rows:
+            ok = "holds" if slo.holds(r, pipe) else "MISSED"
+            print(f"{r['offered_rps']:>10.0f}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}{r['refused']:>9}{r['dropped']:>9}"
+                  f"{r['late']:>7}{100 * r['miss_rate']:>8.2f}{r['goodput_rps']:>11.0f}  {ok}")
+        print(f"highest offered rate at which the SLO holds: {best:.0f} req/s")
+        report[pipe.name] = {"slo": {"p99_ms": pipe.slo.p99_ms, "max_miss_rate": pipe.slo.max_miss_rate},
+                             "capacity_estimate_rps": cap, "highest_rate_slo_holds": best, "curve": rows}
+        png = slo.plot_slo(Path(a.app.split(":")[0]).with_suffix(f".{pipe.name}.slo.png"), pipe, rows)
+        if png:
+            print(f"wrote {png}")
+    out = Path(a.out) if a.out else Path(a.app.split(":")[0]).with_suffix(".slo.json")
+    out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
     return 0
 
@@ -244,8 +362,47 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=1)
     b.add_argument("--out", default="bench/results/bench.json")
     b.add_argument("--quiet", action="store_true")
+    b.add_argument("--compare-slo", metavar="APP",
+                   help="also predict each rate with the SLO model from APP's profile and report the error")
+    add_model_args(b)
     b.set_defaults(fn=cmd_bench)
+
+    pr = sub.add_parser("profile", help="measure each component's latency and memory by batch size")
+    pr.add_argument("app")
+    pr.add_argument("--pipeline", help="only this pipeline")
+    pr.add_argument("--batches", help="comma-separated batch sizes (default 1,2,4,...,256, capped per component)")
+    pr.add_argument("--iters", type=int, default=30, help="timed calls per batch size")
+    pr.add_argument("--budget", type=float, default=3.0, help="seconds at most per batch size and stage")
+    pr.add_argument("--out", help="profile file (default: APP.profile.json beside the app)")
+    pr.set_defaults(fn=cmd_profile)
+
+    so = sub.add_parser("slo", help="predict latency and misses against load from the profile (the SLO contract)")
+    so.add_argument("app")
+    so.add_argument("--pipeline")
+    so.add_argument("--profile", action="append", default=[])
+    so.add_argument("--rates", help="comma-separated offered loads (default: 10%%..150%% of estimated capacity)")
+    so.add_argument("--out")
+    add_model_args(so)
+    so.set_defaults(fn=cmd_slo)
     return ap
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    from slipstream._internal.slo import DEFAULTS
+
+    g = p.add_argument_group("SLO model")
+    g.add_argument("--cores", type=float, default=float(os.cpu_count() or 1), help="cores the replicas share")
+    g.add_argument("--sim-duration", type=float, default=20.0, help="simulated seconds per load")
+    if "--burst" not in p._option_string_actions:
+        g.add_argument("--burst", type=int, default=1, help="arrivals per burst (1 = Poisson)")
+    g.add_argument("--hop-us", type=float, default=DEFAULTS["hop_us"], help="node-worker-node overhead per batch")
+    g.add_argument("--batch-cpu-us", type=float, default=DEFAULTS["batch_cpu_us"],
+                   help="CPU per batch spent framing (held on a core)")
+    g.add_argument("--ingress-us", type=float, default=DEFAULTS["ingress_us"], help="HTTP + codec latency per request")
+    g.add_argument("--cpu-per-request-us", type=float, default=DEFAULTS["cpu_per_request_us"],
+                   help="CPU the node and load generator spend per request")
+    if "--batching" not in p._option_string_actions:
+        g.add_argument("--batching", choices=["deadline", "fixed"], default="deadline")
 
 
 def main(argv: list[str] | None = None) -> int:

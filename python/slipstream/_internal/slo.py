@@ -1,0 +1,264 @@
+"""Latency profiles and the SLO contract.
+
+`slipstream profile app.py` measures, for every component of every pipeline,
+latency (mean, p50, p99) and memory (peak RSS) as a function of batch size,
+by running the components in this process on batches built from the
+pipeline's example request (or synthetic inputs of the declared types). It
+writes `app.profile.json` (which `slipstream serve` loads, and which the node
+keeps refining online from real batches) and draws `app.profile.png`.
+
+`slipstream slo app.py` predicts, from that profile and a queueing model
+(a discrete-event simulation of the node's own batch former, admission and
+routing, with the machine's cores shared by all replicas; see
+`slipstream-sched/src/sim.rs`), p50/p99 latency and the miss rate as
+functions of offered load, prints the table, draws the curve, and names the
+highest rate at which the SLO holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from slipstream._internal.api import Batch, Pipeline
+from slipstream._internal.errors import ConfigError
+
+DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _progress(done: int, total: int, label: str) -> None:
+    width = 30
+    filled = int(width * done / max(total, 1))
+    sys.stderr.write(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _merge_inputs(pipe: Pipeline, name: str, outputs: dict[str, dict[str, np.ndarray]],
+                  roots: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    parents = pipe.graph.parents(name)
+    if not parents:
+        return dict(roots)
+    merged: dict[str, np.ndarray] = {}
+    for p in parents:
+        merged.update(outputs[p])
+    return merged
+
+
+def profile_pipeline(pipe: Pipeline, batches: list[int], iters: int, budget_s: float) -> dict[str, Any]:
+    """Measure every stage of `pipe` at each batch size (capped by its max batch size)."""
+    order = _topological(pipe)
+    instances = {}
+    for name in order:
+        t0 = time.perf_counter()
+        instances[name] = pipe.stage(name).instantiate()
+        print(f"  {pipe.name}/{name}: constructed in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    stages: dict[str, Any] = {name: {"points": []} for name in order}
+    plan = [(b, n) for b in batches for n in order if b <= pipe.stage(n).max_batch_size]
+    total, done = len(plan), 0
+    for b in batches:
+        if not any(b <= pipe.stage(n).max_batch_size for n in order):
+            continue
+        roots = pipe.example_batch(b)
+        outputs: dict[str, dict[str, np.ndarray]] = {}
+        for name in order:
+            comp = pipe.stage(name)
+            inputs = _merge_inputs(pipe, name, outputs, roots)
+            batch = Batch(inputs, [1] * b)
+            # Run once for the outputs the children need (and as warm-up).
+            result = instances[name](batch)
+            outputs[name] = {k: np.asarray(v) for k, v in result.items()}
+            if b > comp.max_batch_size:
+                continue
+            times: list[float] = []
+            deadline = time.perf_counter() + budget_s
+            while len(times) < iters and (len(times) < 3 or time.perf_counter() < deadline):
+                t0 = time.perf_counter()
+                instances[name](batch)
+                times.append((time.perf_counter() - t0) * 1e3)
+            t = np.array(times)
+            stages[name]["points"].append({
+                "batch": b,
+                "mean_ms": float(t.mean()),
+                "p50_ms": float(np.percentile(t, 50)),
+                "p99_ms": float(np.percentile(t, 99)),
+                "samples": len(times),
+                "rss_mb": round(_rss_mb(), 1),
+            })
+            done += 1
+            _progress(done, total, f"{name} batch {b}: {t.mean():.2f} ms")
+    return {"pipeline": pipe.name, "stages": stages}
+
+
+def _topological(pipe: Pipeline) -> list[str]:
+    order: list[str] = []
+    remaining = list(pipe.graph.nodes)
+    while remaining:
+        for n in remaining:
+            if all(p in order for p in pipe.graph.parents(n)):
+                order.append(n)
+                remaining.remove(n)
+                break
+    return order
+
+
+def write_profile(path: Path, profiles: list[dict[str, Any]]) -> None:
+    doc = {
+        "version": 1,
+        "device": "cpu",
+        "cores": os.cpu_count(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "pipelines": profiles,
+    }
+    path.write_text(json.dumps(doc, indent=2))
+
+
+def plot_profile(path: Path, profiles: list[dict[str, Any]]) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return None
+    n = len(profiles)
+    fig, axes = plt.subplots(n, 2, figsize=(11, 3.6 * n), squeeze=False)
+    for row, prof in enumerate(profiles):
+        for name, st in prof["stages"].items():
+            b = [p["batch"] for p in st["points"]]
+            axes[row][0].plot(b, [p["p99_ms"] for p in st["points"]], marker="o", label=f"{name} p99")
+            axes[row][0].plot(b, [p["mean_ms"] for p in st["points"]], ls="--", alpha=0.6, label=f"{name} mean")
+            axes[row][1].plot(b, [p["mean_ms"] / p["batch"] for p in st["points"]], marker="o", label=name)
+        for ax, title in ((axes[row][0], "latency per batch (ms)"), (axes[row][1], "mean ms per request")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("batch size")
+            ax.set_title(f"{prof['pipeline']}: {title}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --- the SLO contract -------------------------------------------------------
+
+# Calibrated on this project's 2-core development machine (docs/benchmarks.md):
+# hop = node -> worker -> node latency per batch beyond compute; batch_cpu =
+# the part of it that is CPU (Python framing); ingress = HTTP + codec latency
+# per request; cpu_per_request = node + load generator CPU per request.
+DEFAULTS = {"hop_us": 300.0, "batch_cpu_us": 60.0, "ingress_us": 400.0, "cpu_per_request_us": 60.0}
+
+
+def load_profile_for(pipe: Pipeline, paths: list[Path]) -> dict[str, Any]:
+    for p in paths:
+        doc = json.loads(p.read_text())
+        for prof in doc.get("pipelines", []):
+            if prof["pipeline"] == pipe.name:
+                missing = set(pipe.graph.nodes) - set(prof["stages"])
+                if missing:
+                    raise ConfigError(f"profile {p} lacks stage(s) {sorted(missing)} of {pipe.name}: profile again")
+                return dict(prof)
+    raise ConfigError(f"no profile for pipeline {pipe.name!r}: run `slipstream profile` first")
+
+
+def model_config(pipe: Pipeline, prof: dict[str, Any], rate: float, *, cores: float, duration_s: float,
+                 policy: str = "deadline", fixed_wait_ms: float = 2.0, max_wait_ms: float = 2.0,
+                 admission: bool = True, burst: int = 1, seed: int = 1, **overheads: float) -> dict[str, Any]:
+    if pipe.slo is None:
+        raise ConfigError(f"pipeline {pipe.name!r} declares no SLO")
+    order = list(pipe.graph.nodes)
+    stages = []
+    for name in order:
+        comp = pipe.stage(name)
+        pts = [[p["batch"], p["mean_ms"] * 1e3, p["p99_ms"] * 1e3] for p in prof["stages"][name]["points"]]
+        stages.append({
+            "parents": [order.index(p) for p in pipe.graph.parents(name)],
+            "replicas": int(comp.replicas),
+            "max_batch": int(comp.max_batch_size),
+            "points": pts,
+        })
+    cfg = {
+        "stages": stages, "slo_ms": pipe.slo.p99_ms, "rate": rate, "burst": burst,
+        "duration_s": duration_s, "warmup_s": min(2.0, duration_s / 5), "cores": cores,
+        "policy": policy, "fixed_wait_ms": fixed_wait_ms, "max_wait_ms": max_wait_ms,
+        "admission": admission, "seed": seed,
+    }
+    cfg.update(DEFAULTS)
+    cfg.update({k: v for k, v in overheads.items() if v is not None})
+    return cfg
+
+
+def predict(pipe: Pipeline, prof: dict[str, Any], rates: list[float], **kw: Any) -> list[dict[str, Any]]:
+    from slipstream import _core
+
+    out = []
+    for r in rates:
+        res: dict[str, Any] = json.loads(_core.simulate(json.dumps(model_config(pipe, prof, r, **kw))))
+        out.append(res)
+    return out
+
+
+def capacity_estimate(pipe: Pipeline, prof: dict[str, Any], cores: float) -> float:
+    """Requests/s the pipeline could sustain at its best batch sizes: the
+    slowest stage, and the cores all stages share."""
+    per_stage = []
+    cpu_per_req = 0.0
+    for name, comp in pipe.graph.nodes.items():
+        pts = [p for p in prof["stages"][name]["points"] if p["batch"] <= comp.max_batch_size]
+        best = max(pts, key=lambda p: p["batch"] / p["mean_ms"])
+        per_stage.append(comp.replicas * best["batch"] / best["mean_ms"] * 1e3)
+        cpu_per_req += best["mean_ms"] / best["batch"] / 1e3
+    return min(min(per_stage), cores / cpu_per_req if cpu_per_req else float("inf"))
+
+
+def holds(r: dict[str, Any], pipe: Pipeline) -> bool:
+    assert pipe.slo is not None
+    return r["answered"] > 0 and r["p99_ms"] <= pipe.slo.p99_ms and r["miss_rate"] <= pipe.slo.max_miss_rate
+
+
+def plot_slo(path: Path, pipe: Pipeline, rows: list[dict[str, Any]], measured: list[dict[str, Any]] | None = None) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    assert pipe.slo is not None
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    x = [r["offered_rps"] for r in rows]
+    a1.plot(x, [r["p50_ms"] for r in rows], marker="o", label="predicted p50")
+    a1.plot(x, [r["p99_ms"] for r in rows], marker="o", label="predicted p99")
+    if measured:
+        a1.plot([m["offered_rps"] for m in measured], [m["p99_ms"] for m in measured], marker="x", ls="--",
+                label="measured p99")
+    a1.axhline(pipe.slo.p99_ms, color="red", ls=":", label=f"SLO {pipe.slo.p99_ms} ms")
+    a1.set_xlabel("offered load (req/s)")
+    a1.set_ylabel("latency (ms)")
+    a1.legend(fontsize=8)
+    a1.grid(alpha=0.3)
+    a2.plot(x, [100 * r["miss_rate"] for r in rows], marker="o", label="predicted miss %")
+    a2.axhline(100 * pipe.slo.max_miss_rate, color="red", ls=":", label="allowed")
+    a2.set_xlabel("offered load (req/s)")
+    a2.set_ylabel("misses (%): refused + dropped + late")
+    a2.legend(fontsize=8)
+    a2.grid(alpha=0.3)
+    fig.suptitle(f"{pipe.name}: SLO contract")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
