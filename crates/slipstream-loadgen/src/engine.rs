@@ -268,6 +268,8 @@ pub(crate) struct RateRun<'a> {
     pub(crate) timeout: Duration,
     pub(crate) max_conns: usize,
     pub(crate) threads: usize,
+    /// Count OK responses slower than this (µs), if set.
+    pub(crate) slo_us: Option<u64>,
 }
 
 pub(crate) fn build_runtime(threads: usize) -> Result<tokio::runtime::Runtime, LoadgenError> {
@@ -384,6 +386,10 @@ fn make_report(sh: &Shared, p: &RateRun<'_>) -> RunReport {
         errors: s.errors,
         errors_by_kind: s.errors_by_kind(),
         latency_ms: Percentiles::from_histogram_us(&s.hist),
+        slower_than_slo: match p.slo_us {
+            Some(slo) if !s.hist.is_empty() => s.hist.count_between(slo + 1, s.hist.max().max(slo + 1)),
+            _ => 0,
+        },
         late_sends: s.late_sends,
         max_connections_used: sh.peak_open.load(Ordering::Relaxed),
     }

@@ -105,6 +105,9 @@ pub struct BenchConfig {
     pub threads: usize,
     /// Seed of the arrival process (each rate derives its own stream).
     pub seed: u64,
+    /// When > 0, also count OK responses slower than this many ms
+    /// (`RunReport::slower_than_slo`): misses of a latency objective.
+    pub slo_ms: f64,
 }
 
 impl Default for BenchConfig {
@@ -123,6 +126,7 @@ impl Default for BenchConfig {
             timeout_s: 5.0,
             threads: 1,
             seed: 1,
+            slo_ms: 0.0,
         }
     }
 }
@@ -146,6 +150,8 @@ pub struct RunReport {
     pub errors_by_kind: BTreeMap<String, u64>,
     /// Latency of OK responses, from scheduled arrival to last body byte.
     pub latency_ms: Percentiles,
+    /// OK responses slower than `BenchConfig::slo_ms` (0 when it is unset).
+    pub slower_than_slo: u64,
     /// Measured arrivals whose send started > 1 ms after schedule.
     pub late_sends: u64,
     /// Peak number of open connections during the run (warmup included).
@@ -239,6 +245,7 @@ fn rate_run<'a>(cfg: &BenchConfig, p: &'a Prepared, rate: f64, index: usize) -> 
         timeout: p.timeout,
         max_conns: cfg.max_connections,
         threads: cfg.threads.max(1),
+        slo_us: (cfg.slo_ms > 0.0).then_some((cfg.slo_ms * 1e3) as u64),
     }
 }
 

@@ -47,6 +47,9 @@ pub struct Replica {
     /// and how long it was predicted to take: for admission control.
     pub busy_since_ns: AtomicU64,
     pub busy_predicted_ns: AtomicU64,
+    /// Recent queue wait of dispatched requests (EWMA, ns): catches what the
+    /// backlog model misses, such as replicas of other stages taking the cores.
+    pub wait_ewma_ns: AtomicU64,
 }
 
 impl Replica {
@@ -57,6 +60,7 @@ impl Replica {
             former: Mutex::new(former),
             busy_since_ns: AtomicU64::new(0),
             busy_predicted_ns: AtomicU64::new(0),
+            wait_ewma_ns: AtomicU64::new(0),
             queue: Mutex::new(EdfQueue::new()),
             notify: Notify::new(),
             healthy: AtomicBool::new(false),
@@ -83,9 +87,17 @@ impl Replica {
         self.queue.lock().len()
     }
 
+    /// Fold the mean queue wait of a dispatched batch into the running estimate.
+    pub fn observe_wait(&self, wait_ns: u64) {
+        let old = self.wait_ewma_ns.load(Relaxed);
+        let new = if old == 0 { wait_ns } else { (old as f64 + 0.2 * (wait_ns as f64 - old as f64)) as u64 };
+        self.wait_ewma_ns.store(new, Relaxed);
+    }
+
     /// Expected time until this replica could start a request that joins
     /// its queue now: what is left of the running batch, plus the queued
-    /// work in batches of the current limit. Expected, not worst case:
+    /// work in batches of the current limit (or the recent observed wait,
+    /// if longer). Expected, not worst case:
     /// admission refuses only requests that are likely to miss.
     pub fn backlog_ns(&self, now_ns: u64) -> u64 {
         let queued = self.queue_len();
@@ -99,7 +111,7 @@ impl Replica {
         }
         let per = former.limit.max(1) as usize;
         let batches = queued.div_ceil(per) as u64;
-        running + batches * former.mean_ns(queued.min(per))
+        (running + batches * former.mean_ns(queued.min(per))).max(self.wait_ewma_ns.load(Relaxed))
     }
 }
 

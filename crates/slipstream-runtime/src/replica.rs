@@ -350,6 +350,8 @@ async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>, budget_ns:
     // first one's shapes go back to the queue for the next batch.
     let mut members: Vec<(Arc<Request>, Tensors)> = Vec::with_capacity(batch.len());
     let mut deferred = Vec::new();
+    let waits: u64 = batch.iter().map(|w| now.duration_since(w.enqueued).as_nanos() as u64).sum();
+    me.observe_wait(waits / batch.len().max(1) as u64);
     for work in batch {
         stage.metrics.queue_wait_us.record(now.duration_since(work.enqueued).as_micros() as u64);
         match work.req.stage_inputs(ctx.stage) {

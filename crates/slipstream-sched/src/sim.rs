@@ -111,6 +111,7 @@ struct Replica {
     last_batch: usize,
     outstanding: usize,
     wake_at: Option<u64>,
+    wait_ewma: u64,
 }
 
 struct Req {
@@ -182,7 +183,7 @@ impl Sim<'_> {
             return running;
         }
         let per = rep.former.limit.max(1) as usize;
-        running + q.div_ceil(per) as u64 * self.predict(stage, q.min(per))
+        (running + q.div_ceil(per) as u64 * self.predict(stage, q.min(per))).max(rep.wait_ewma)
     }
 
     fn arrive(&mut self) {
@@ -300,7 +301,19 @@ impl Sim<'_> {
             return;
         }
         rep.budget = live[0].0.saturating_sub(now + rest);
+        // The batch's clock starts now, as the node's does: time spent
+        // waiting for a core counts, as CPU contention does on a real machine.
+        rep.started = now;
+        let wait = live.iter().map(|(_, (_, e))| now - e).sum::<u64>() / live.len() as u64;
+        rep.wait_ewma = if rep.wait_ewma == 0 {
+            wait
+        } else {
+            (rep.wait_ewma as f64 + 0.2 * (wait as f64 - rep.wait_ewma as f64)) as u64
+        };
         rep.batch = Some(live.into_iter().map(|(_, (id, _))| id).collect());
+        let n = rep.batch.as_ref().map_or(1, |b| b.len());
+        let p = self.predict(stage, n);
+        self.reps[stage][r].predicted = p;
         self.core_wait.push_back((stage, r));
         self.start_on_cores();
     }
@@ -318,12 +331,7 @@ impl Sim<'_> {
                 (mean, (truth.predict(n as u32) - mean) / truth.k.max(1e-9))
             };
             let service = (mean + dev * self.rng.normal()).max(0.3 * mean) * 1e3;
-            let now = self.now;
-            let p = self.predict(stage, n);
-            let rep = &mut self.reps[stage][r];
-            rep.started = now;
-            rep.predicted = p;
-            let service = service as u64;
+            let (service, now) = (service as u64, self.now);
             self.at(now + service + self.cfg.batch_cpu_ns, Event::CoreFree);
             self.at(now + service + self.cfg.hop_ns.max(self.cfg.batch_cpu_ns), Event::BatchDone { stage, replica: r });
         }
@@ -397,6 +405,7 @@ pub fn simulate(cfg: &SimConfig) -> SimResult {
                         last_batch: 1,
                         outstanding: 0,
                         wake_at: None,
+                        wait_ewma: 0,
                     }
                 })
                 .collect()
