@@ -212,17 +212,21 @@ def predict(pipe: Pipeline, prof: dict[str, Any], rates: list[float], **kw: Any)
     return out
 
 
-def capacity_estimate(pipe: Pipeline, prof: dict[str, Any], cores: float) -> float:
+def capacity_estimate(pipe: Pipeline, prof: dict[str, Any], cores: float,
+                      cpu_per_request_us: float = DEFAULTS["cpu_per_request_us"],
+                      batch_cpu_us: float = DEFAULTS["batch_cpu_us"]) -> float:
     """Requests/s the pipeline could sustain at its best batch sizes: the
-    slowest stage, and the cores all stages share."""
+    slowest stage, and the cores that all stages, the node and the load
+    generator share."""
     per_stage = []
-    cpu_per_req = 0.0
+    cpu_per_req = cpu_per_request_us / 1e6
     for name, comp in pipe.graph.nodes.items():
         pts = [p for p in prof["stages"][name]["points"] if p["batch"] <= comp.max_batch_size]
-        best = max(pts, key=lambda p: p["batch"] / p["mean_ms"])
-        per_stage.append(comp.replicas * best["batch"] / best["mean_ms"] * 1e3)
-        cpu_per_req += best["mean_ms"] / best["batch"] / 1e3
-    return min(min(per_stage), cores / cpu_per_req if cpu_per_req else float("inf"))
+        best = max(pts, key=lambda p: p["batch"] / (p["mean_ms"] + batch_cpu_us / 1e3))
+        per_batch_ms = best["mean_ms"] + batch_cpu_us / 1e3
+        per_stage.append(comp.replicas * best["batch"] / per_batch_ms * 1e3)
+        cpu_per_req += per_batch_ms / best["batch"] / 1e3
+    return min(min(per_stage), cores / cpu_per_req)
 
 
 def holds(r: dict[str, Any], pipe: Pipeline) -> bool:
