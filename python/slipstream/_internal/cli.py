@@ -85,15 +85,19 @@ def cmd_status(a: argparse.Namespace) -> int:
         slo_s = f"SLO p99<={slo['p99_ms']}ms" if slo else "no SLO"
         print(f"\npipeline {p['name']}  ({slo_s})  ok={p['ok']} errors={errs}  "
               f"latency p50={lat['p50']:.2f}ms p99={lat['p99']:.2f}ms")
+        print(f"  admitted={p['admitted']} refused(429)={p['shed']} within SLO={p['slo_met']} late={p['slo_missed']}"
+              f"  errors by kind: {p['errors'] or '-'}")
         print(f"  {'stage':<16}{'replicas':>9}{'healthy':>8}{'queued':>7}{'batches':>9}{'batch mean':>11}"
-              f"{'max':>5}   {'ms: wait p50':>12}{'compute p50':>12}{'hop p50':>8}{'hop p99':>8}")
+              f"{'max':>5}{'limit':>6}{'dropped':>8}   {'ms: wait p50':>12}{'compute p50':>12}{'hop p50':>8}"
+              f"{'hop p99':>8}")
         for s in p["stages"]:
             reps = s["replicas"]
             healthy = sum(1 for r in reps if r["healthy"])
             queue = sum(r["queue"] for r in reps)
             bs = s["batch_size"]
             print(f"  {s['name']:<16}{len(reps):>9}{healthy:>8}{queue:>7}{s['batches']:>9}{bs['mean']:>11.1f}"
-                  f"{bs['max']:>5.0f}   {s['queue_wait_ms']['p50']:>12.2f}{s['compute_ms']['p50']:>12.2f}"
+                  f"{bs['max']:>5.0f}{s['batch_limit']:>6}{s['dropped_late']:>8}   {s['queue_wait_ms']['p50']:>12.2f}"
+                  f"{s['compute_ms']['p50']:>12.2f}"
                   f"{s['hop_ms']['p50']:>8.2f}{s['hop_ms']['p99']:>8.2f}")
     return 0
 
