@@ -54,9 +54,8 @@ def main() -> int:
     print(f"  (ready after {time.monotonic() - t0:.0f} s)")
     try:
         sys.path.insert(0, str(HERE))
-        from models import corpus, vindex
-
         import rag
+        from models import corpus, vindex
 
         package = {p.id: p.package for p in corpus.load_passages()}
         served = set(vindex.indexed_ids(rag.index_dir()).tolist())
