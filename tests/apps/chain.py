@@ -96,3 +96,12 @@ class Sleepy:
 # A tight SLO: requests stuck behind a slow batch are dropped once late;
 # a backlog that cannot be cleared in time is refused at ingress.
 tight = ss.Pipeline("tight", Sleepy, slo=ss.SLO(p99_ms=150))
+
+# The same, answering a declared default instead of 429 / 504 (Clipper's default output).
+graceful = ss.Pipeline(
+    "graceful",
+    Sleepy.options(name="Sleepy"),
+    outputs={"y": ss.Tensor("float32", (-1, 2))},
+    slo=ss.SLO(p99_ms=150),
+    fallback={"y": [0.0, -1.0]},
+)

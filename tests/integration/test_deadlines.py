@@ -64,3 +64,17 @@ def test_client_can_ask_for_a_tighter_deadline(chain_node: Node) -> None:
     status, _, _ = chain_node.request("POST", "/v1/pipelines/chain/infer", {"inputs": {"x": [[1, 1]]}},
                                       headers={"x-slipstream-deadline-ms": "1000"})
     assert status == 200
+
+
+def test_declared_fallback_answers_instead_of_refusing(chain_node: Node) -> None:
+    slow = threading.Thread(target=lambda: chain_node.infer("graceful", x=[[1, 400]]))
+    slow.start()
+    wait_for(lambda: chain_node.stage("graceful", "Sleepy")["replicas"][0]["outstanding"] > 0)
+    status, headers, raw = chain_node.request("POST", "/v1/pipelines/graceful/infer", {"inputs": {"x": [[5, 1], [6, 1]]}})
+    slow.join(10)
+    assert status == 200, raw
+    assert {k.lower(): v for k, v in headers.items()}["x-slipstream-fallback"] in ("overloaded", "deadline_exceeded")
+    import json
+
+    assert json.loads(raw) == {"outputs": {"y": [[0.0, -1.0], [0.0, -1.0]]}}
+    assert pipeline_status(chain_node, "graceful")["fallback"] >= 1

@@ -19,7 +19,7 @@ def test_health_and_description(chain_node: Node) -> None:
     assert chain_node.get("/readyz")[0] == 200
     status, listing = chain_node.get("/v1/pipelines")
     assert status == 200
-    assert {p["name"] for p in listing["pipelines"]} == {"chain", "diamond", "retry", "solo", "noop", "tight"}
+    assert {p["name"] for p in listing["pipelines"]} == {"chain", "diamond", "retry", "solo", "noop", "tight", "graceful"}
     status, desc = chain_node.get("/v1/pipelines/chain")
     assert status == 200
     assert desc["inputs"] == {"x": {"dtype": "float32", "shape": [-1, 2]}}

@@ -95,3 +95,14 @@ def test_batch_mapping_and_rows() -> None:
     assert "requests=2" in repr(b)
     with pytest.raises(KeyError, match="no input 'y'"):
         b["y"]
+
+
+def test_fallback_must_cover_declared_outputs_with_one_row() -> None:
+    a = comp("A", inputs={"x": ss.Tensor("float32", (-1, 2))})
+    outs = {"y": ss.Tensor("float32", (-1, 2))}
+    p = ss.Pipeline("p", a, outputs=outs, fallback={"y": [0, 1]})
+    assert p.to_spec()["fallback"] == {"y": [0.0, 1.0]}
+    with pytest.raises(ss.ConfigError, match="needs declared outputs"):
+        ss.Pipeline("p", a, fallback={"y": [0, 1]})
+    with pytest.raises(ss.ConfigError, match="one row of shape"):
+        ss.Pipeline("p", a, outputs=outs, fallback={"y": [[0, 1]]})

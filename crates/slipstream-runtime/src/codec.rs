@@ -383,6 +383,22 @@ pub fn decode_v1(
     validate_and_store(parsed, declared, arena, body)
 }
 
+/// The declared fallback answer (one row per output name) repeated for a
+/// request of `rows` rows, written into the arena like any output.
+pub fn fallback_outputs(
+    fallback: &Value,
+    rows: u64,
+    outputs: &BTreeMap<String, TensorSpec>,
+    arena: &Arena,
+) -> Result<Tensors, NodeError> {
+    let obj = fallback.as_object().ok_or_else(|| NodeError::Internal("fallback must be an object".into()))?;
+    let repeated: serde_json::Map<String, Value> =
+        obj.iter().map(|(k, row)| (k.clone(), Value::Array(vec![row.clone(); rows as usize]))).collect();
+    let body = serde_json::to_vec(&serde_json::json!({ "inputs": repeated })).expect("serialises");
+    decode_v1(&BodyParts::new(vec![Bytes::from(body)]), outputs, arena)
+        .map_err(|e| NodeError::Internal(format!("the pipeline's fallback does not match its outputs: {e}")))
+}
+
 /// What a v2 request asked of its outputs.
 #[derive(Debug, Default)]
 pub struct V2Request {

@@ -108,8 +108,10 @@ async fn route(node: &Arc<Node>, req: hyper::Request<Incoming>) -> Result<Resp, 
             let pipe = node.pipeline(name)?;
             let body = read_body(node, req).await?;
             let tensors = codec::decode_v1(&body, &pipe.spec.inputs, &node.arena)?;
-            let outputs = infer(node, &pipe, tensors, arrival).await?;
-            Ok(respond(200, "application/json", vec![Bytes::from(codec::encode_v1(&outputs))]))
+            let ans = answer(node, &pipe, tensors, arrival).await?;
+            let mut r = respond(200, "application/json", vec![Bytes::from(codec::encode_v1(&ans.outputs))]);
+            mark_fallback(&mut r, ans.fallback);
+            Ok(r)
         }
         ["v2", "models", name, "infer"] | ["v2", "models", name, "versions", _, "infer"] => {
             if !post {
@@ -124,13 +126,14 @@ async fn route(node: &Arc<Node>, req: hyper::Request<Incoming>) -> Result<Resp, 
             };
             let body = read_body(node, req).await?;
             let (tensors, v2req) = codec::decode_v2(&body, header_len, &pipe.spec.inputs, &node.arena)?;
-            let outputs = infer(node, &pipe, tensors, arrival).await?;
-            let enc = codec::encode_v2(pipe.name(), &v2req, &outputs)?;
+            let ans = answer(node, &pipe, tensors, arrival).await?;
+            let enc = codec::encode_v2(pipe.name(), &v2req, &ans.outputs)?;
             let binary = enc.header_len.is_some();
             let mut r = respond(200, if binary { "application/octet-stream" } else { "application/json" }, enc.chunks);
             if let Some(n) = enc.header_len {
                 r.headers_mut().insert("inference-header-content-length", HeaderValue::from(n));
             }
+            mark_fallback(&mut r, ans.fallback);
             Ok(r)
         }
         _ if !(get || post && parts == ["v1", "admin", "reset-metrics"]) => {
@@ -256,6 +259,40 @@ fn arrival_of(req: &hyper::Request<Incoming>) -> Result<Arrival, NodeError> {
 }
 
 /// Run one request through a pipeline: admission, then the DAG.
+/// A pipeline's answer: its outputs, or the declared fallback (and why).
+pub struct Answer {
+    pub outputs: Tensors,
+    pub fallback: Option<&'static str>,
+}
+
+/// Run one request; answer with the pipeline's declared fallback (Clipper's
+/// default output) instead of an error when it was refused or ran out of time.
+async fn answer(node: &Node, pipe: &Arc<PipelineRt>, tensors: Tensors, arrival: Arrival) -> Result<Answer, NodeError> {
+    let rows = crate::pipeline::request_rows(&tensors);
+    match infer(node, pipe, tensors, arrival).await {
+        Ok(outputs) => Ok(Answer { outputs, fallback: None }),
+        Err(e @ (NodeError::Overloaded { .. } | NodeError::DeadlineExceeded { .. } | NodeError::Timeout { .. }))
+            if pipe.spec.fallback.is_some() =>
+        {
+            let outputs = codec::fallback_outputs(
+                pipe.spec.fallback.as_ref().expect("checked"),
+                rows,
+                &pipe.spec.outputs,
+                &node.arena,
+            )?;
+            pipe.metrics.fallback.fetch_add(1, Relaxed);
+            Ok(Answer { outputs, fallback: Some(e.kind()) })
+        }
+        Err(e) => Err(e),
+    }
+}
+
+fn mark_fallback(r: &mut Resp, why: Option<&'static str>) {
+    if let Some(kind) = why {
+        r.headers_mut().insert("x-slipstream-fallback", HeaderValue::from_static(kind));
+    }
+}
+
 async fn infer(node: &Node, pipe: &Arc<PipelineRt>, tensors: Tensors, arrival: Arrival) -> Result<Tensors, NodeError> {
     node.inflight.fetch_add(1, Relaxed);
     let _guard = InFlight(node);
@@ -318,6 +355,7 @@ pub fn describe(p: &PipelineRt) -> Value {
         "slo": p.spec.slo.map(|s| json!({"p99_ms": s.p99_ms, "max_miss_rate": s.max_miss_rate})),
         "timeout_ms": p.timeout.as_millis() as u64,
         "example": p.spec.example,
+        "fallback": p.spec.fallback,
         "stages": p.stages.iter().map(|s| json!({
             "name": s.name,
             "component": s.component,

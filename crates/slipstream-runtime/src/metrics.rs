@@ -91,6 +91,8 @@ pub struct PipelineMetrics {
     /// Answered within the SLO (goodput) / answered late.
     pub slo_met: AtomicU64,
     pub slo_missed: AtomicU64,
+    /// Answered with the declared fallback instead of an error.
+    pub fallback: AtomicU64,
     pub errors: Mutex<BTreeMap<&'static str, u64>>,
     /// End-to-end latency inside the node (body read to response ready), µs.
     pub latency_us: Hist,
@@ -116,7 +118,7 @@ impl StageMetrics {
 
 impl PipelineMetrics {
     pub fn reset(&self) {
-        for c in [&self.ok, &self.admitted, &self.shed, &self.slo_met, &self.slo_missed] {
+        for c in [&self.ok, &self.admitted, &self.shed, &self.slo_met, &self.slo_missed, &self.fallback] {
             c.store(0, Relaxed);
         }
         self.errors.lock().clear();

@@ -173,6 +173,7 @@ impl Node {
                     "shed": p.metrics.shed.load(Relaxed),
                     "slo_met": p.metrics.slo_met.load(Relaxed),
                     "slo_missed": p.metrics.slo_missed.load(Relaxed),
+                    "fallback": p.metrics.fallback.load(Relaxed),
                     "errors": *p.metrics.errors.lock(),
                     "latency_ms": p.metrics.latency_us.summary(ms),
                     "stages": stages,
@@ -206,6 +207,7 @@ impl Node {
                 ),
                 ("slipstream_slo_met_total", "Requests answered within their deadline (goodput).", &m.slo_met),
                 ("slipstream_slo_missed_total", "Requests answered after their deadline.", &m.slo_missed),
+                ("slipstream_fallback_total", "Requests answered with the declared fallback.", &m.fallback),
             ] {
                 t.counter(name, help, &pl, v.load(Relaxed));
             }

@@ -96,6 +96,11 @@ pub struct PipelineSpec {
     /// One realistic request's inputs, as the pipeline API's JSON `inputs`.
     #[serde(default)]
     pub example: Option<serde_json::Value>,
+    /// The answer for one row, per declared output, returned (with the
+    /// header `x-slipstream-fallback`) instead of a 429 / 504 (Clipper's
+    /// default output).
+    #[serde(default)]
+    pub fallback: Option<serde_json::Value>,
     /// In any order; `parents` name other stages of this pipeline. Stages
     /// without parents receive the pipeline's inputs.
     pub stages: Vec<StageSpec>,

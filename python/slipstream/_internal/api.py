@@ -282,6 +282,7 @@ class Pipeline:
         outputs: Mapping[str, Tensor] | None = None,
         slo: SLO | None = None,
         example: Mapping[str, Any] | None = None,
+        fallback: Mapping[str, Any] | None = None,
     ):
         if not isinstance(name, str) or not _NAME.match(name):
             raise ConfigError(f"pipeline name {name!r} may use letters, digits, '_', '-' and '.' only")
@@ -313,7 +314,30 @@ class Pipeline:
             raise ConfigError(f"pipeline {name!r}: slo must be an ss.SLO")
         self.slo = slo
         self.example = self._check_example(example)
+        self.fallback = self._check_fallback(fallback)
         self._check_acyclic()
+
+    def _check_fallback(self, fallback: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """The answer for one row (Clipper's default output), per declared
+        output: returned with the header `x-slipstream-fallback` instead of a
+        429 (refused) or 504 (out of time)."""
+        if fallback is None:
+            return None
+        if not self.outputs or set(fallback) != set(self.outputs):
+            raise ConfigError(
+                f"pipeline {self.name!r}: a fallback needs declared outputs and must give every one of them "
+                f"(outputs: {sorted(self.outputs)}, fallback: {sorted(fallback)})"
+            )
+        out = {}
+        for k, v in fallback.items():
+            spec = self.outputs[k]
+            a = np.asarray(v, dtype=object if spec.dtype in VAR_DTYPES else spec.dtype)
+            want = spec.shape[1:]
+            if a.ndim != len(want) or any(w >= 0 and w != g for w, g in zip(want, a.shape, strict=True)):
+                raise ConfigError(f"pipeline {self.name!r}: fallback {k!r} must be one row of shape {list(want)}, "
+                                  f"got {list(a.shape)}")
+            out[k] = a.tolist()
+        return out
 
     def _check_example(self, example: Mapping[str, Any] | None) -> dict[str, Any] | None:
         """One realistic request (input name -> nested list with a leading row
@@ -405,6 +429,7 @@ class Pipeline:
             "outputs": {k: v.to_json() for k, v in self.outputs.items()},
             "slo": None if self.slo is None else {"p99_ms": self.slo.p99_ms, "max_miss_rate": self.slo.max_miss_rate},
             "example": self._example_json(),
+            "fallback": self.fallback,
             "stages": [
                 {
                     "name": n,
