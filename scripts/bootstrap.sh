@@ -6,6 +6,8 @@ need_apt=()
 command -v cc >/dev/null 2>&1 || need_apt+=(build-essential)
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need_apt+=(python3-venv)
 command -v curl >/dev/null 2>&1 || need_apt+=(curl)
+# The AudioQuery example speaks with espeak-ng (a Debian package).
+command -v espeak-ng >/dev/null 2>&1 || need_apt+=(espeak-ng)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

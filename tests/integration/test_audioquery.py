@@ -21,13 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import slipstream as ss
 
 from tests.conftest import ROOT, Node
-
-pytest.importorskip("onnxruntime", reason="the AudioQuery example needs onnxruntime, onnx, tokenizers, faiss-cpu")
-pytest.importorskip("faiss", reason="the AudioQuery example needs faiss-cpu")
-pytest.importorskip("tokenizers", reason="the AudioQuery example needs tokenizers")
 
 sys.path.insert(0, str(ROOT / "examples"))
 
@@ -35,15 +30,8 @@ from models import corpus, speech, vindex  # noqa: E402
 
 SLICE = 300  # the same slice as test_rag.py, so it is built once
 ENV = {"AQ_INDEX": "small", "AQ_SLICE": str(SLICE), "AQ_SLO_MS": "20000"}
+ALL_LABELS = ("games", "development", "documentation", "fonts", "multimedia", "graphics", "network", "science", "system")
 
-
-def var_dtypes_missing() -> str | None:
-    try:
-        ss.Tensor("string", (-1,))
-        ss.Tensor("bytes", (-1,))
-    except ss.ConfigError as e:
-        return f"string/bytes tensors are not available yet in slipstream ({e})"
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +41,6 @@ def slice_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def node(slice_dir: Path) -> Iterator[Node]:
-    why = var_dtypes_missing()
-    if why:
-        pytest.skip(why)
     problems = speech.missing()
     assert not problems, problems  # says how to install them
     with pytest.MonkeyPatch.context() as mp:
@@ -104,9 +89,8 @@ def test_spoken_questions_are_understood_and_answered(node: Node, queries: list[
         assert o["error"] == [""]
         answer = o["answer"][0]
         assert o["package"][0] and answer.startswith(o["package"][0] + ":")
-        assert len(answer) <= len(o["package"][0]) + 2 + 160 + 3
-        assert o["category"][0] in ("games", "development", "documentation", "fonts", "multimedia", "graphics",
-                                    "network", "science", "system")
+        assert len(answer) <= len(o["package"][0]) + 2 + 120 + 3  # AQ_ANSWER_CHARS, "..."
+        assert o["category"][0] in ALL_LABELS
         wav = base64.b64decode(o["speech"][0])
         samples, rate = speech.read_wav(wav)
         assert rate == 16000 and len(samples) > 8000
@@ -130,15 +114,19 @@ def test_several_rows_and_length_is_respected(node: Node, queries: list[dict], w
 
 
 def test_exclude_filters_categories_per_request(node: Node, queries: list[dict], width: int) -> None:
-    clip = speech.synthesize(queries[1]["query"])
-    plain = ask(node, [clip], width, [""])
-    category = plain["category"][0]
-    clips = [clip] * 4
-    out = ask(node, clips, width, [category, "", "all of them", ",".join(
-        ["games", "development", "documentation", "fonts", "multimedia", "graphics", "network", "science", "system"])])
+    # A question whose top passages span more than one category (nearly any).
+    for q in queries[1:6]:
+        clip = speech.synthesize(q["query"])
+        plain = ask(node, [clip], width, [""])
+        category = plain["category"][0]
+        out = ask(node, [clip] * 4, width, [category, "", "all of them", ",".join(ALL_LABELS)])
+        if out["passage_id"][0][0] >= 0:
+            break
+    else:
+        pytest.fail("excluding the top answer's category left no answer for any of 5 questions")
     # row 0: the category of the plain answer is excluded -> another passage of another category
     assert out["category"][0] != category and out["passage_id"][0] != plain["passage_id"][0]
-    assert out["passage_id"][0][0] >= 0 and out["error"][0] == ""
+    assert out["error"][0] == "" and out["score"][0][0] <= plain["score"][0][0] + 1e-6
     # row 1: same request, nothing excluded -> the plain answer
     assert out["passage_id"][1] == plain["passage_id"][0] and out["answer"][1] == plain["answer"][0]
     # row 2: an unknown category is that row's error, not the batch's
@@ -146,6 +134,12 @@ def test_exclude_filters_categories_per_request(node: Node, queries: list[dict],
     # row 3: everything excluded -> no passage, said so
     assert out["passage_id"][3] == [-1] and out["error"][3] == "" and "nothing" in out["answer"][3]
     assert all(len(base64.b64decode(s)) > 1000 for s in out["speech"])
+
+
+def test_silence_is_answered(node: Node, width: int) -> None:
+    out = ask(node, [np.zeros(0, dtype=np.int16), np.zeros(16000, dtype=np.int16)], width, ["", ""])
+    assert out["transcript"] == ["", ""] and out["error"] == ["", ""]
+    assert all(len(base64.b64decode(s)) > 1000 for s in out["speech"])  # some answer, still spoken
 
 
 def test_bad_audio_shape_is_refused(node: Node, width: int) -> None:
@@ -157,6 +151,7 @@ def test_zero_shot_labels(slice_dir: Path) -> None:
     import audioquery
     from models.minilm import TextEncoder
 
+    assert tuple(audioquery.LABELS) == ALL_LABELS
     zs = audioquery.ZeroShot(TextEncoder(threads=1))
     texts = {
         "fonts": "This package contains the DejaVu fonts, a font family based on the Bitstream Vera fonts.",

@@ -31,7 +31,7 @@ def test_pipeline_spec_has_stages_parents_inputs_and_slo() -> None:
     p = ss.Pipeline("p", a >> b, slo=ss.SLO(p99_ms=20))
     spec = p.to_spec()
     assert spec["inputs"] == {"x": {"dtype": "float32", "shape": [-1, 3]}}
-    assert spec["slo"] == {"p99_ms": 20, "max_miss_rate": 0.01}
+    assert spec["slo"] == {"p99_ms": 20, "max_miss_rate": 0.01, "drop_late": True}
     assert [(s["name"], s["parents"], s["replicas"], s["max_batch_size"]) for s in spec["stages"]] == [
         ("A", [], 2, 8),
         ("B", ["A"], 1, 1),

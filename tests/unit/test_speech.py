@@ -127,6 +127,8 @@ def test_round_trip_general_language_model() -> None:
     assert all(isinstance(h, str) for h in heard)
     assert speech.corpus_wer(said, heard) < 0.5, list(zip(said, heard, strict=True))
     assert rec.transcribe(np.zeros(8000, dtype=np.int16)) == ""  # silence: no words
+    assert rec.transcribe(np.full(8000, speech.SILENCE_PEAK - 1, dtype=np.int16)) == ""
+    assert rec.transcribe(np.zeros(0, dtype=np.int16)) == ""
 
 
 def test_round_trip_domain_language_model(tmp_path: Path) -> None:

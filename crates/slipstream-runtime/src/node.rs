@@ -181,6 +181,7 @@ impl Node {
             })
             .collect();
         json!({
+            "pid": std::process::id(),
             "uptime_s": self.started.elapsed().as_secs_f64(),
             "ready": self.is_ready(),
             "draining": self.draining.load(Relaxed),
@@ -298,6 +299,7 @@ fn former_for(spec: &AppSpec, pipeline: &str, stage: &crate::spec::StageSpec) ->
         .collect();
     let mut f = BatchFormer::new(policy, stage.max_batch_size as u32, LatencyProfile::from_measurements(&points));
     f.max_wait_ns = (b.max_wait_ms * 1e6) as u64;
+    f.drop_late = spec.pipelines.iter().find(|p| p.name == pipeline).and_then(|p| p.slo).is_none_or(|s| s.drop_late);
     Ok(f)
 }
 

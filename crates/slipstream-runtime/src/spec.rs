@@ -111,6 +111,10 @@ pub struct SloSpec {
     pub p99_ms: f64,
     #[serde(default = "default_miss")]
     pub max_miss_rate: f64,
+    /// Drop requests whose deadline passed inside the pipeline (default);
+    /// off, they are still served, late.
+    #[serde(default = "yes")]
+    pub drop_late: bool,
 }
 
 fn default_miss() -> f64 {

@@ -52,6 +52,9 @@ pub struct BatchFormer {
     pub max_wait_ns: u64,
     /// Multiplicative cut of the limit on overrun.
     pub decrease: f64,
+    /// Drop requests whose deadline passed (the default). Off, they still
+    /// run (late), e.g. when most of their cost was already spent upstream.
+    pub drop_late: bool,
     /// Mean gap between arrivals (EWMA), ns; 0 when unknown.
     gap_ns: f64,
     last_arrival: Option<u64>,
@@ -69,6 +72,7 @@ impl BatchFormer {
             profile,
             max_wait_ns: 2_000_000,
             decrease: 0.75,
+            drop_late: true,
             gap_ns: 0.0,
             last_arrival: None,
         }
@@ -119,12 +123,15 @@ impl BatchFormer {
         // misses are refused at admission instead, where an idle replica
         // always admits: expiring on a prediction could starve a stage whose
         // profile is stale (nothing runs, so nothing corrects it).
-        let expired = deadlines.iter().take_while(|&&d| d <= now).count();
+        let passed = deadlines.iter().take_while(|&&d| d <= now).count();
+        let expired = if self.drop_late { passed } else { 0 };
         let live = &deadlines[expired..];
         if live.is_empty() {
             return Decision::Dispatch { expired, n: 0 };
         }
-        let head = live[0];
+        // The most urgent request that can still make it governs the size
+        // (late ones kept by `drop_late = false` ride along).
+        let head = deadlines.get(passed).copied().unwrap_or(u64::MAX);
         let cap = live.len().min(self.limit as usize).max(1);
         // Largest n <= cap that still meets the head's deadline; latency
         // grows with n, so scan down from the cap.
@@ -229,6 +236,16 @@ mod tests {
         assert_eq!(f.decide(60 * MS, &deadlines, 0, 0), Decision::Dispatch { expired: 3, n: 0 });
         // A request that can no longer make it but has not passed its deadline runs.
         assert_eq!(f.decide(5 * MS, &[5_500_000], 0, 0), Decision::Dispatch { expired: 0, n: 1 });
+    }
+
+    #[test]
+    fn late_requests_run_when_dropping_is_off() {
+        let mut f = former();
+        f.drop_late = false;
+        let deadlines = [4 * MS, 5 * MS, 50 * MS];
+        // Nothing dropped; the 50 ms deadline sizes the batch, so all three go.
+        assert_eq!(f.decide(6 * MS, &deadlines, 0, 0), Decision::Dispatch { expired: 0, n: 3 });
+        assert_eq!(f.decide(60 * MS, &deadlines, 0, 0), Decision::Dispatch { expired: 0, n: 3 });
     }
 
     #[test]

@@ -136,6 +136,9 @@ struct Sim<'a> {
     sinks: Vec<usize>,
     reqs: Vec<Req>,
     free_cores: f64,
+    /// Service-time stretch when the node and load generator leave a
+    /// fraction of a core: whole core slots, each running slower.
+    slowdown: f64,
     core_wait: VecDeque<(usize, usize)>,
     latencies: Vec<u64>,
     res: SimResult,
@@ -330,7 +333,7 @@ impl Sim<'_> {
                 let mean = truth.mean(n as u32);
                 (mean, (truth.predict(n as u32) - mean) / truth.k.max(1e-9))
             };
-            let service = (mean + dev * self.rng.normal()).max(0.3 * mean) * 1e3;
+            let service = (mean + dev * self.rng.normal()).max(0.3 * mean) * 1e3 * self.slowdown;
             let (service, now) = (service as u64, self.now);
             self.at(now + service + self.cfg.batch_cpu_ns, Event::CoreFree);
             self.at(now + service + self.cfg.hop_ns.max(self.cfg.batch_cpu_ns), Event::BatchDone { stage, replica: r });
@@ -411,8 +414,12 @@ pub fn simulate(cfg: &SimConfig) -> SimResult {
                 .collect()
         })
         .collect();
-    // The node's and the load generator's CPU come off the top.
-    let free_cores = (cfg.cores - cfg.rate * cfg.cpu_per_request_ns as f64 / 1e9).max(1.0).round();
+    // The node's and the load generator's CPU come off the top; what is left
+    // is shared by the replicas as whole core slots that run proportionally
+    // slower (processor sharing), e.g. 0.4 of a core = 1 slot at 2.5x.
+    let effective = (cfg.cores - cfg.rate * cfg.cpu_per_request_ns as f64 / 1e9).max(0.05);
+    let free_cores = effective.ceil();
+    let slowdown = free_cores / effective;
     let mut sim = Sim {
         cfg,
         now: 0,
@@ -425,6 +432,7 @@ pub fn simulate(cfg: &SimConfig) -> SimResult {
         sinks,
         reqs: Vec::new(),
         free_cores,
+        slowdown,
         core_wait: VecDeque::new(),
         latencies: Vec::new(),
         res: SimResult { offered_rps: cfg.rate, ..Default::default() },

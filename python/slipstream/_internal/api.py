@@ -73,6 +73,10 @@ class SLO:
 
     p99_ms: float
     max_miss_rate: float = 0.01
+    #: Drop a request whose deadline passed while it waited inside the
+    #: pipeline (the default: no compute on a certain miss). Set False when
+    #: late answers are still worth having, e.g. after an expensive first stage.
+    drop_late: bool = True
 
     def __post_init__(self) -> None:
         if not self.p99_ms > 0:
@@ -427,7 +431,8 @@ class Pipeline:
             "name": self.name,
             "inputs": {k: v.to_json() for k, v in self.inputs.items()},
             "outputs": {k: v.to_json() for k, v in self.outputs.items()},
-            "slo": None if self.slo is None else {"p99_ms": self.slo.p99_ms, "max_miss_rate": self.slo.max_miss_rate},
+            "slo": None if self.slo is None else {"p99_ms": self.slo.p99_ms, "max_miss_rate": self.slo.max_miss_rate,
+                                                  "drop_late": self.slo.drop_late},
             "example": self._example_json(),
             "fallback": self.fallback,
             "stages": [
