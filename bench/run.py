@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -27,6 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import slipstream as ss
 from slipstream import _core
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,22 +68,6 @@ def start_echo() -> tuple[subprocess.Popen[bytes], str] | None:
     raise RuntimeError("echo server did not start")
 
 
-def start_node(app: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "slipstream._internal.cli", "serve", app, "--port", "0"],
-        cwd=ROOT, stderr=subprocess.PIPE, text=True,
-    )
-    assert proc.stderr is not None
-    url = None
-    for line in proc.stderr:
-        m = re.search(r"listening on (http://[\d.]+:\d+)", line)
-        if m:
-            url = m.group(1)
-        if "ready, serving" in line:
-            break
-    if url is None:
-        raise RuntimeError("node did not start")
-    return proc, url
 
 
 def summarise(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -148,7 +131,8 @@ def main() -> int:
                 proc.wait()
             table("bare HTTP echo (Go net/http), same load generator", result["echo"])
 
-    node, base = start_node("examples/noop.py")
+    node = ss.launch("examples/noop.py", cwd=ROOT)
+    base = node.url
     try:
         runs = []
         stages = []
@@ -170,8 +154,7 @@ def main() -> int:
             for name in stages[0]
         }
     finally:
-        node.send_signal(signal.SIGINT)
-        node.wait(30)
+        node.stop()
     table("slipstream: two-stage no-op chain (First -> Second, Python workers)", result["slipstream"])
     print("\nper-hop overhead node -> worker -> node (all rates of the sweep):")
     for name, h in result["hop"].items():

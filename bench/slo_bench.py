@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -34,6 +32,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import slipstream as ss
 from slipstream import _core
 from slipstream._internal import slo
 from slipstream._internal.app import default_profile_path, load_pipelines
@@ -42,28 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
 
-def start_node(app: str, *flags: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([sys.executable, "-m", "slipstream._internal.cli", "serve", app, "--port", "0", *flags],
-                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    assert proc.stderr is not None
-    url = None
-    for line in proc.stderr:
-        m = re.search(r"listening on (http://[\d.]+:\d+)", line)
-        if m:
-            url = m.group(1)
-        if "ready, serving" in line:
-            break
-    if url is None:
-        raise RuntimeError(f"node for {app} did not start")
-    return proc, url
 
 
-def stop(proc: subprocess.Popen[str]) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 def measure(url: str, pipeline: str, body: bytes, rates: list[float], slo_ms: float, a: argparse.Namespace,
@@ -181,11 +160,8 @@ def run_app(app: str, a: argparse.Namespace) -> dict[str, Any]:
     target, max_miss = pipe.slo.p99_ms, pipe.slo.max_miss_rate
     print(f"\n== {pipe.name}: SLO p99 <= {target} ms, misses <= {max_miss:.0%}; estimated capacity {cap:.0f}/s;"
           f" loads {rates}", flush=True)
-    proc, url = start_node(app)
-    try:
-        cal = calibrate(url, pipe.name, body, max(rates[0] / 2, 50.0), a)
-    finally:
-        stop(proc)
+    with ss.launch(app, cwd=ROOT) as node:
+        cal = calibrate(node.url, pipe.name, body, max(rates[0] / 2, 50.0), a)
     cap = slo.capacity_estimate(pipe, prof, a.cores, cal["cpu_per_request_us"], cal["batch_cpu_us"])
     rates = [round(cap * f) for f in fractions]
     print(f"  calibrated capacity estimate {cap:.0f}/s; loads {rates}", flush=True)
@@ -200,11 +176,8 @@ def run_app(app: str, a: argparse.Namespace) -> dict[str, Any]:
             ("fixed", "poisson", ["--batching", "fixed", "--fixed-wait-ms", str(a.fixed_wait_ms), "--no-admission"], 1)]
     for policy, arrival, flags, burst in runs:
         print(f"  measured: {policy} batching, {arrival} arrivals", flush=True)
-        proc, url = start_node(app, *flags)
-        try:
-            out[f"{policy}_{arrival}"] = measure(url, pipe.name, body, rates, target, a, burst)
-        finally:
-            stop(proc)
+        with ss.launch(app, *flags, cwd=ROOT) as node:
+            out[f"{policy}_{arrival}"] = measure(node.url, pipe.name, body, rates, target, a, burst)
     dl, fx = out["deadline_poisson"], out["fixed_poisson"]
     summary = {}
     for key in ("deadline_poisson", "deadline_bursty", "fixed_poisson"):

@@ -14,13 +14,13 @@ from apt's package lists and embeds a 2,000-passage slice (about a minute);
 from __future__ import annotations
 
 import json
-import re
-import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+import slipstream as ss
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -32,25 +32,13 @@ def post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def start() -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "slipstream._internal.cli", "serve", str(HERE / "rag.py"), "--port", "0"]
-    print("$ slipstream serve examples/rag.py", flush=True)
-    node = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    assert node.stderr is not None
-    url = None
-    for line in node.stderr:
-        print("  " + line.rstrip(), flush=True)
-        m = re.search(r"listening on (http://[\d.]+:\d+)", line)
-        if m:
-            url = m.group(1)
-        if "ready, serving" in line:
-            return node, url or ""
-    raise SystemExit("the node did not start (see its output above)")
 
 
 def main() -> int:
     t0 = time.monotonic()
-    node, url = start()
+    print("$ slipstream serve examples/rag.py", flush=True)
+    node = ss.launch(HERE / "rag.py", echo=True, cwd=ROOT)
+    url = node.url
     print(f"  (ready after {time.monotonic() - t0:.0f} s)")
     try:
         sys.path.insert(0, str(HERE))
@@ -78,12 +66,7 @@ def main() -> int:
         print(f"\n$ slipstream status --url {url}")
         subprocess.run([sys.executable, "-m", "slipstream._internal.cli", "status", "--url", url], check=True)
     finally:
-        node.send_signal(signal.SIGINT)
-        assert node.stderr is not None
-        rest = node.stderr.read()
-        node.wait(30)
-        for line in rest.splitlines():
-            print("  " + line)
+        node.stop()
     return 0
 
 

@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -30,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import slipstream as ss
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -54,23 +52,6 @@ def get(url: str) -> dict:
         return json.loads(r.read())
 
 
-def start_node(app: Path) -> tuple[subprocess.Popen, str]:
-    """`slipstream serve app --port 0`; returns the process and its URL once ready."""
-    cmd = [sys.executable, "-m", "slipstream._internal.cli", "serve", str(app), "--port", "0"]
-    node = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    assert node.stderr is not None
-    url = None
-    for line in node.stderr:
-        sys.stderr.write("  " + line)
-        m = re.search(r"listening on (http://[\d.]+:\d+)", line)
-        if m:
-            url = m.group(1)
-        if "ready, serving" in line:
-            break
-    if url is None or node.poll() is not None:
-        node.kill()
-        raise SystemExit("the node did not start")
-    return node, url
 
 
 LABELS = {pid: mm.caption(*p) for pid, p in zip(mm.PLANTED_IDS, mm.PLANTED, strict=True)}
@@ -144,7 +125,8 @@ def main() -> int:
     node = None
     url = args.url
     if url is None:
-        node, url = start_node(HERE / "multimodal.py")
+        node = ss.launch(HERE / "multimodal.py", echo=True)
+        url = node.url
     url = url.rstrip("/")
     try:
         images, texts = mm.planted_queries()
@@ -159,8 +141,7 @@ def main() -> int:
             load(url, args.requests, args.concurrency)
     finally:
         if node is not None:
-            node.send_signal(signal.SIGINT)
-            node.wait(30)
+            node.stop()
     return 0
 
 

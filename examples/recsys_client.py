@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -25,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import slipstream as ss
 
 HERE = Path(__file__).resolve().parent
 N_ITEMS = 200_000
@@ -42,23 +40,6 @@ def get(url: str) -> dict:
         return json.loads(r.read())
 
 
-def start_node(app: Path) -> tuple[subprocess.Popen, str]:
-    """`slipstream serve app --port 0`; returns the process and its URL once ready."""
-    cmd = [sys.executable, "-m", "slipstream._internal.cli", "serve", str(app), "--port", "0"]
-    node = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    assert node.stderr is not None
-    url = None
-    for line in node.stderr:
-        sys.stderr.write("  " + line)
-        m = re.search(r"listening on (http://[\d.]+:\d+)", line)
-        if m:
-            url = m.group(1)
-        if "ready, serving" in line:
-            break
-    if url is None or node.poll() is not None:
-        node.kill()
-        raise SystemExit("the node did not start")
-    return node, url
 
 
 def body_for(user: int, history: list[int]) -> dict:
@@ -129,15 +110,15 @@ def main() -> int:
     node = None
     url = args.url
     if url is None:
-        node, url = start_node(HERE / "recsys.py")
+        node = ss.launch(HERE / "recsys.py", echo=True)
+        url = node.url
     try:
         show_users(url.rstrip("/"), args.users)
         if args.requests:
             load(url.rstrip("/"), args.requests, args.concurrency)
     finally:
         if node is not None:
-            node.send_signal(signal.SIGINT)
-            node.wait(30)
+            node.stop()
     return 0
 
 

@@ -32,6 +32,7 @@ from slipstream._internal.errors import (
     Error,
     ServeError,
 )
+from slipstream._internal.launch import Server, launch
 
 __version__ = "0.1.0"
 
@@ -45,7 +46,9 @@ __all__ = [
     "Graph",
     "Pipeline",
     "ServeError",
+    "Server",
     "Tensor",
     "__version__",
     "component",
+    "launch",
 ]

@@ -59,6 +59,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     except _core.CoreError as e:
         kind, message = e.args
         raise ServeError(kind, message) from None
+    except KeyboardInterrupt:
+        # The node already drained and stopped on this SIGINT; Python only
+        # sees it once the node has returned.
+        pass
     return 0
 
 
