@@ -398,7 +398,7 @@ async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>, budget_ns:
     }
     let id = BATCH_IDS.fetch_add(1, Relaxed);
     let sent = Instant::now();
-    me.busy_predicted_ns.store(me.former.lock().predict_ns(n), Relaxed);
+    me.busy_predicted_ns.store(me.former.lock().mean_ns(n), Relaxed);
     me.busy_since_ns.store(ctx.pipe.now_ns().max(1), Relaxed);
     let msg = ToWorker::Batch { id, rows: rows.clone(), inputs };
     let reply = match write_frame(&mut w.conn, &msg).await {

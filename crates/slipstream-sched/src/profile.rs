@@ -16,7 +16,13 @@ const ALPHA: f64 = 0.1;
 struct Point {
     mean_us: f64,
     dev_us: f64,
+    /// Batches that shaped this point (measured points count as many).
+    seen: u32,
 }
+
+/// Observations a batch size needs before its own estimate is trusted over
+/// its neighbours' (one stall at a rarely seen size must not stick).
+const TRUSTED: u32 = 5;
 
 #[derive(Clone, Debug)]
 pub struct LatencyProfile {
@@ -41,7 +47,7 @@ impl LatencyProfile {
             if b > 0 && mean.is_finite() && mean >= 0.0 {
                 // Treat the p99 excess as ~2.3 deviations of a normal tail.
                 let dev = ((p99 - mean) / 2.3).max(0.0);
-                p.points.insert(b, Point { mean_us: mean, dev_us: dev });
+                p.points.insert(b, Point { mean_us: mean, dev_us: dev, seen: 1000 });
             }
         }
         p
@@ -59,14 +65,20 @@ impl LatencyProfile {
         let prior = self.points.get(&batch).copied();
         let p = match prior {
             Some(p) => {
-                let err = observed_us - p.mean_us;
-                Point { mean_us: p.mean_us + ALPHA * err, dev_us: p.dev_us + ALPHA * (err.abs() - p.dev_us) }
+                // A single outlier (a stall, a page-fault storm) moves the
+                // estimate by a bounded step.
+                let err = (observed_us - p.mean_us).clamp(-p.mean_us, 3.0 * p.mean_us.max(100.0));
+                Point {
+                    mean_us: p.mean_us + ALPHA * err,
+                    dev_us: p.dev_us + ALPHA * (err.abs() - p.dev_us),
+                    seen: p.seen.saturating_add(1),
+                }
             }
             None => {
                 // First sight of this size: start from the interpolated prediction.
                 let guess = if self.points.is_empty() { observed_us } else { self.mean(batch) };
                 let err = observed_us - guess;
-                Point { mean_us: guess + 0.5 * err, dev_us: err.abs() * 0.5 }
+                Point { mean_us: guess + 0.5 * err, dev_us: err.abs() * 0.5, seen: 1 }
             }
         };
         self.points.insert(batch, p);
@@ -87,11 +99,15 @@ impl LatencyProfile {
         if self.points.is_empty() {
             return self.default_us;
         }
-        if let Some(p) = self.points.get(&b) {
+        // Sizes seen only a few times are ignored while better-known ones exist.
+        let trusted: BTreeMap<u32, Point> =
+            self.points.iter().filter(|(_, p)| p.seen >= TRUSTED).map(|(k, p)| (*k, *p)).collect();
+        let pts = if trusted.is_empty() { &self.points } else { &trusted };
+        if let Some(p) = pts.get(&b) {
             return f(p);
         }
-        let below = self.points.range(..b).next_back();
-        let above = self.points.range(b..).next();
+        let below = pts.range(..b).next_back();
+        let above = pts.range(b..).next();
         let line = |(b0, y0): (u32, f64), (b1, y1): (u32, f64)| {
             if b1 == b0 {
                 y0
@@ -104,7 +120,7 @@ impl LatencyProfile {
             // Below the smallest known size: no cheaper than it, scaled down at most linearly.
             (None, Some((&b1, p1))) => f(p1) * (0.5 + 0.5 * b as f64 / b1 as f64),
             // Beyond the largest: extend the last segment (or grow linearly per item).
-            (Some((&b1, p1)), None) => match self.points.range(..b1).next_back() {
+            (Some((&b1, p1)), None) => match pts.range(..b1).next_back() {
                 Some((&b0, p0)) => line((b0, f(p0)), (b1, f(p1))).max(f(p1)),
                 None => f(p1) * b as f64 / b1 as f64,
             },
@@ -116,6 +132,21 @@ impl LatencyProfile {
     /// The measured/learned points: `(batch, mean µs, deviation µs)`.
     pub fn points(&self) -> Vec<(u32, f64, f64)> {
         self.points.iter().map(|(&b, p)| (b, p.mean_us, p.dev_us)).collect()
+    }
+}
+
+#[cfg(test)]
+mod robustness_tests {
+    use super::*;
+
+    #[test]
+    fn one_stall_at_a_rare_size_does_not_stick() {
+        let mut p = LatencyProfile::from_measurements(&[(1, 100.0, 100.0), (64, 6400.0, 6400.0)]);
+        p.observe(16, 60_000.0); // a 60 ms stall, the only batch of 16 ever seen
+        assert!(p.mean(16) < 2000.0, "interpolated from trusted points: {}", p.mean(16));
+        // A known size moves by a bounded step.
+        p.observe(64, 600_000.0);
+        assert!(p.mean(64) < 6400.0 * 1.4, "{}", p.mean(64));
     }
 }
 
