@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CARGO ?= $(shell command -v cargo 2>/dev/null || echo $$HOME/.cargo/bin/cargo)
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup build lint test test-rust test-py bench bench-slo data data-small demo clean fmt
+.PHONY: setup build lint test test-rust test-py bench bench-slo bench-vs-ray data data-small demo clean fmt
 
 setup: $(VENV)/.installed
 
@@ -45,6 +45,12 @@ bench: setup
 # SLO-first scheduling: deadline-aware vs fixed batching, measured and predicted.
 bench-slo: setup
 	$(PY) bench/slo_bench.py
+
+# The same components under Ray Serve (its own virtualenv) and Slipstream,
+# one after the other, same load generator: bench/results/vs_ray.{json,md,png}.
+bench-vs-ray: setup
+	bash bench/vs_ray/setup_ray.sh
+	$(PY) bench/vs_ray/compare.py
 
 # The RAG corpus, embeddings and index (about 35 min on 2 cores; resumable).
 data: setup

@@ -1,0 +1,153 @@
+"""The request body sent to each pipeline: one realistic request, the same
+bytes for both systems (the open-loop generator repeats one body).
+
+In order of preference, for pipeline ``NAME`` of ``examples/APP.py``:
+
+1. ``bench/vs_ray/bodies/NAME.json`` if it exists (a checked-in body);
+2. a builder below that uses the example's own client or data helpers
+   (``examples/APP_client.py``'s ``body_for`` / ``example_body`` /
+   ``request_body`` / ``sample_body``, or the builders in ``BUILDERS``);
+3. a generic body from the pipeline's declared inputs: one row, ``-1``
+   trailing dimensions as 8, deterministic values, text for string inputs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+CLIENT_FUNCS = ("example_body", "request_body", "sample_body", "body_for")
+TEXT = "how do I configure a reverse proxy with TLS termination"
+
+
+def _examples_on_path(app: Path) -> None:
+    d = str(app.resolve().parent)
+    if d not in sys.path:
+        sys.path.insert(0, d)
+
+
+def _noop(app: Path, pipeline: Any) -> dict[str, Any]:
+    return {"inputs": {"x": [[1.0, 2.0, 3.0, 4.0]]}}
+
+
+def _recsys(app: Path, pipeline: Any) -> dict[str, Any]:
+    client = _client(app)
+    history = [int(h) for h in np.random.default_rng(7).integers(0, 200_000, size=5)]
+    if client is not None and hasattr(client, "body_for"):
+        return dict(client.body_for(4242, history))
+    return {"inputs": {"user": [[4242]], "history": [(history + [-1] * 8)[:8]]}}
+
+
+def _multimodal(app: Path, pipeline: Any) -> dict[str, Any]:
+    """A planted scene and its caption (the query must find that item first)."""
+    _examples_on_path(app)
+    mod = importlib.import_module(app.stem)
+    shape = mod.PLANTED[0]
+    return {"inputs": {"text": [mod.caption(*shape)], "image": mod.scene(*shape)[None].tolist()}}
+
+
+def _benchmark_query(app: Path) -> str:
+    """The first of the examples' benchmark queries (a Debian package summary
+    whose package is in the index), or a fixed question without the data."""
+    _examples_on_path(app)
+    try:
+        from models import corpus
+
+        return str(corpus.load_queries()[0]["query"])
+    except Exception as e:  # noqa: BLE001 - no prepared data: a fixed, realistic question
+        print(f"bodies: no benchmark queries ({e}); using a fixed question", file=sys.stderr)
+        return TEXT
+
+
+def _rag(app: Path, pipeline: Any) -> dict[str, Any]:
+    return {"inputs": {"query": [_benchmark_query(app)]}}
+
+
+def _audioquery(app: Path, pipeline: Any) -> dict[str, Any]:
+    """One spoken benchmark query (espeak-ng), as the example's client sends it."""
+    _examples_on_path(app)
+    from models import speech
+
+    width = int(pipeline.inputs["audio"].shape[1])
+    clip = speech.synthesize(_benchmark_query(app))[:width]
+    client = _client(app)
+    if client is not None and hasattr(client, "request_body"):
+        return dict(client.request_body(clip, width, ""))
+    audio, length = speech.pad_batch([clip], width)
+    return {"inputs": {"audio": audio.tolist(), "length": length.tolist(), "exclude": [""]}}
+
+
+BUILDERS: dict[str, Callable[[Path, Any], dict[str, Any]]] = {
+    "noop": _noop,
+    "recsys": _recsys,
+    "multimodal": _multimodal,
+    "rag": _rag,
+    "audioquery": _audioquery,
+}
+
+
+def _client(app: Path) -> Any:
+    path = app.with_name(f"{app.stem}_client.py")
+    if not path.exists():
+        return None
+    _examples_on_path(app)
+    try:
+        return importlib.import_module(path.stem)
+    except Exception as e:  # noqa: BLE001 - a client being written right now
+        print(f"bodies: cannot import {path.name} ({e}); using a generic body", file=sys.stderr)
+        return None
+
+
+def _from_client(app: Path) -> dict[str, Any] | None:
+    client = _client(app)
+    if client is None:
+        return None
+    for name in CLIENT_FUNCS:
+        fn = getattr(client, name, None)
+        if callable(fn) and all(p.default is not inspect.Parameter.empty
+                                for p in inspect.signature(fn).parameters.values()):
+            body = fn()
+            if isinstance(body, dict):
+                return body if "inputs" in body else {"inputs": body}
+    return None
+
+
+def generic(pipeline: Any) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    inputs: dict[str, Any] = {}
+    for name, spec in pipeline.inputs.items():
+        shape = [1] + [d if d >= 0 else 8 for d in spec.shape[1:]]
+        if spec.dtype == "string":
+            inputs[name] = np.full(shape, TEXT, dtype=object).tolist()
+        elif spec.dtype == "bytes":
+            import base64
+
+            inputs[name] = np.full(shape, base64.b64encode(TEXT.encode()).decode(), dtype=object).tolist()
+        elif spec.dtype == "bool":
+            inputs[name] = (rng.random(shape) < 0.5).tolist()
+        elif spec.dtype.startswith(("int", "uint")):
+            inputs[name] = rng.integers(0, 100, size=shape).tolist()
+        else:
+            inputs[name] = rng.standard_normal(shape).astype(spec.dtype).tolist()
+    return {"inputs": inputs}
+
+
+def body(app: Path, pipeline: Any) -> tuple[bytes, str]:
+    """(the body, where it came from)."""
+    fixed = HERE / "bodies" / f"{pipeline.name}.json"
+    if fixed.exists():
+        return fixed.read_bytes(), str(fixed.relative_to(HERE.parents[1]))
+    if pipeline.name in BUILDERS:
+        return json.dumps(BUILDERS[pipeline.name](app, pipeline)).encode(), f"bodies.py:{pipeline.name}"
+    from_client = _from_client(app)
+    if from_client is not None:
+        return json.dumps(from_client).encode(), f"{app.stem}_client.py"
+    return json.dumps(generic(pipeline)).encode(), "generic (declared inputs)"

@@ -1,0 +1,643 @@
+"""Run a Slipstream pipeline, unchanged, as a Ray Serve application.
+
+This is the Ray side of ``bench/vs_ray``: it takes an app file and a
+pipeline name (``examples/noop.py:noop``), reads the ``ss.Pipeline`` object
+and builds the Ray Serve application a competent Ray user would write for
+the same DAG, so the two systems run the *same component classes* under the
+same load:
+
+* one deployment per component, with the component's replica count
+  (``num_replicas``); inside it the component class is constructed exactly
+  as Slipstream's worker does (``Component.instantiate()``);
+* ``@serve.batch`` in each deployment, capped at the component's
+  ``max_batch_size`` and fed an ``ss.Batch`` built by concatenating the
+  requests' arrays along the first dimension (requests whose trailing shapes
+  differ go in separate calls, as in Slipstream); outputs are split back by
+  rows;
+* fan-out / fan-in through ``DeploymentHandle`` composition: every stage is
+  called as soon as its parents' responses exist (parents run
+  concurrently), and a join stage receives its parents' outputs and merges
+  them, as Slipstream's node does;
+* an HTTP ingress deployment that speaks Slipstream's JSON:
+  ``POST /v1/pipelines/{name}/infer`` with ``{"inputs": {...}}`` answers
+  ``{"outputs": {...}}``, so one load generator and one body file work
+  against both systems. It also answers ``GET /v1/status`` (per-stage batch
+  sizes, compute time and stage-to-stage handoff time measured inside the
+  deployments) and ``POST /v1/admin/reset-metrics``.
+
+Handoff time: every stage stamps its per-request output with the time its
+``__call__`` returned (``time.monotonic``, one clock for all processes on a
+Linux machine); the next stage reads the stamp of its last-arriving parent
+when its own ``__call__`` starts, after Ray has delivered and deserialized
+the arguments and before any batching wait. The difference is Ray's whole
+stage-to-stage transfer: result serialization, the trip through the
+ingress (or the object store), routing and argument deserialization.
+
+The helpers at the top are plain numpy (unit-tested without Ray, see
+``tests/unit/test_vs_ray_adapter.py``); Ray is imported only by
+``build_app`` and ``serve_main``. Run it with the Ray virtualenv
+(``bench/vs_ray/setup_ray.sh``)::
+
+    bench/vs_ray/.venv-ray/bin/python bench/vs_ray/ray_adapter.py serve examples/noop.py:noop --port 8001
+
+It prints ``listening on http://127.0.0.1:PORT`` and ``ready`` on stderr,
+serves until SIGINT/SIGTERM, then shuts down the Ray instance it started
+(and only that one). The Ray settings it applies are documented in
+``bench/vs_ray/README.md`` and in ``RAY_ENV`` below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# The key under which a stage's per-request output carries the time its
+# __call__ returned; stripped before the next component or the client sees it.
+T_DONE = "__vs_ray_t_done__"
+
+# Environment for the Ray instance (driver, raylet and every worker inherit
+# it). Each entry is explained in bench/vs_ray/README.md.
+RAY_ENV: dict[str, str] = {
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",  # direct ingress, gRPC between deployments, no per-request logs
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",  # HAProxy in front of the ingress replicas instead of the Python proxy
+    # gRPC between deployments caps messages at 4 MiB by default; a 6.4 MB tensor would fail.
+    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(1 << 30),
+    "RAY_worker_niceness": "0",  # Ray runs workers at nice 15 by default; the load generator would starve them
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # keep Ray's internal traffic on 127.0.0.1
+    # Ray's metrics pipeline (per-request Serve metrics exported to the dashboard
+    # agent, ~25% of a core under load here); Slipstream keeps its own metrics on.
+    "RAY_enable_metrics_collection": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",  # no usage reporting (the machine has no outside network anyway)
+    "RAY_SERVE_LOG_TO_STDERR": "0",
+    "RAY_DEDUP_LOGS": "0",
+}
+
+
+# ----------------------------------------------------------------------------
+# Pure helpers: JSON <-> arrays, batching, splitting, the DAG.
+# ----------------------------------------------------------------------------
+
+def _tensor_spec(spec: Any) -> tuple[str, tuple[int, ...]]:
+    """(dtype name, shape) of an ``ss.Tensor``, its JSON form, or such a pair."""
+    if isinstance(spec, Mapping):
+        return str(spec["dtype"]), tuple(int(d) for d in spec["shape"])
+    if isinstance(spec, tuple):
+        return str(spec[0]), tuple(int(d) for d in spec[1])
+    return str(spec.dtype), tuple(int(d) for d in spec.shape)
+
+
+def json_to_array(value: Any, dtype: str) -> np.ndarray:
+    """One JSON input as Slipstream's worker would see it: numeric dtypes as
+    numpy arrays of that dtype, ``string`` as an object array of ``str``,
+    ``bytes`` as an object array of ``bytes`` (JSON carries base64)."""
+    if dtype == "string":
+        arr = np.array(value, dtype=object)
+        if arr.ndim == 0:
+            raise ValueError("a string tensor needs at least one dimension")
+        for s in arr.flat:
+            if not isinstance(s, str):
+                raise ValueError(f"string tensor holds a non-string element {s!r}")
+        return arr
+    if dtype == "bytes":
+        arr = np.array(value, dtype=object)
+        if arr.ndim == 0:
+            raise ValueError("a bytes tensor needs at least one dimension")
+        out = np.empty(arr.shape, dtype=object)
+        for i, s in enumerate(arr.flat):
+            if not isinstance(s, str):
+                raise ValueError(f"bytes tensor element must be a base64 string, got {s!r}")
+            out.flat[i] = base64.b64decode(s)
+        return out
+    arr = np.asarray(value, dtype=np.dtype(dtype))
+    if arr.ndim == 0:
+        raise ValueError("a tensor needs at least one dimension (the row dimension)")
+    return arr
+
+
+def inputs_from_json(data: Mapping[str, Any], specs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The pipeline inputs of one request body ``{"inputs": {...}}``."""
+    if not isinstance(data, Mapping) or not isinstance(data.get("inputs"), Mapping):
+        raise ValueError('the body must be a JSON object {"inputs": {name: array, ...}}')
+    given = data["inputs"]
+    missing = [k for k in specs if k not in given]
+    if missing:
+        raise ValueError(f"missing input(s): {', '.join(missing)}")
+    out: dict[str, np.ndarray] = {}
+    rows = None
+    for name, spec in specs.items():
+        dtype, shape = _tensor_spec(spec)
+        arr = json_to_array(given[name], dtype)
+        if arr.ndim != len(shape) or any(d >= 0 and d != a for d, a in zip(shape, arr.shape, strict=True)):
+            raise ValueError(f"input {name!r}: shape {list(arr.shape)} does not match {list(shape)}")
+        if rows is not None and arr.shape[0] != rows:
+            raise ValueError(f"input {name!r} has {arr.shape[0]} rows, the others {rows}")
+        rows = arr.shape[0]
+        out[name] = arr
+    if not rows:
+        raise ValueError("a request needs at least one row")
+    return out
+
+
+def array_to_json(arr: Any) -> Any:
+    """An output array as JSON-ready data (numeric arrays are left to the
+    encoder when it understands numpy; strings stay strings, bytes become
+    base64 strings)."""
+    arr = np.asarray(arr)
+    if arr.dtype.kind == "O":
+        def conv(x: Any) -> Any:
+            if isinstance(x, list):
+                return [conv(y) for y in x]
+            if isinstance(x, (bytes, bytearray, memoryview)):
+                return base64.b64encode(bytes(x)).decode()
+            if isinstance(x, np.generic):
+                return x.item()
+            return x
+        return conv(arr.tolist())
+    if arr.dtype.kind == "S":
+        return array_to_json(arr.astype(object))
+    if arr.dtype.kind == "U":
+        return arr.tolist()
+    return arr
+
+
+def merge_parts(parts: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], float | None]:
+    """The union of a stage's parents' outputs (root stages: the pipeline
+    inputs), and the latest parent "done" stamp (None for a root stage)."""
+    merged: dict[str, Any] = {}
+    t_done: float | None = None
+    for p in parts:
+        for k, v in p.items():
+            if k == T_DONE:
+                t_done = v if t_done is None else max(t_done, v)
+            else:
+                merged[k] = v
+    return merged, t_done
+
+
+def _shape_key(req: Mapping[str, np.ndarray]) -> tuple[Any, ...]:
+    return tuple((k, v.shape[1:], v.dtype.str) for k, v in sorted(req.items()))
+
+
+def group_by_shape(reqs: Sequence[Mapping[str, np.ndarray]]) -> list[list[int]]:
+    """Indices of requests that can share one batch: same names, trailing
+    shapes and dtypes (first come first, order kept within a group)."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, r in enumerate(reqs):
+        groups.setdefault(_shape_key(r), []).append(i)
+    return list(groups.values())
+
+
+def concat_requests(reqs: Sequence[Mapping[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], list[int]]:
+    """Concatenate requests' arrays along the first dimension (what
+    ``ss.Batch`` holds) and return the row count of each request. Arrays are
+    made read-only, like Slipstream's shared-memory views."""
+    if not reqs:
+        raise ValueError("empty batch")
+    names = list(reqs[0])
+    sizes = [int(next(iter(r.values())).shape[0]) for r in reqs]
+    tensors: dict[str, np.ndarray] = {}
+    for n in names:
+        if len(reqs) == 1:
+            a = np.asarray(reqs[0][n])
+            if a.flags.writeable:
+                a = a.view()
+        else:
+            a = np.concatenate([r[n] for r in reqs], axis=0)
+        a.flags.writeable = False
+        tensors[n] = a
+    return tensors, sizes
+
+
+def split_rows(outputs: Mapping[str, Any], sizes: Sequence[int], component: str = "component") -> list[dict[str, Any]]:
+    """Split a component's outputs back to its requests by row counts."""
+    if not isinstance(outputs, Mapping):
+        raise TypeError(f"{component} returned {type(outputs).__name__}, expected a dict of arrays")
+    rows = int(sum(sizes))
+    arrays: dict[str, np.ndarray] = {}
+    for k, v in outputs.items():
+        a = np.asarray(v)
+        if a.ndim == 0 or a.shape[0] != rows:
+            raise ValueError(f"{component}: output {k!r} has shape {list(a.shape)}; its first dim must be {rows}")
+        arrays[k] = a
+    out: list[dict[str, Any]] = []
+    start = 0
+    for n in sizes:
+        out.append({k: a[start:start + n] for k, a in arrays.items()})
+        start += n
+    return out
+
+
+def topo_order(stages: Mapping[str, Sequence[str]]) -> list[str]:
+    """Stage names so that every stage comes after its parents
+    (``stages``: name -> parent names)."""
+    order: list[str] = []
+    state: dict[str, int] = {}
+
+    def visit(n: str) -> None:
+        if state.get(n) == 2:
+            return
+        if state.get(n) == 1:
+            raise ValueError(f"cycle through {n!r}")
+        state[n] = 1
+        for p in stages[n]:
+            visit(p)
+        state[n] = 2
+        order.append(n)
+
+    for n in stages:
+        visit(n)
+    return order
+
+
+def sinks(stages: Mapping[str, Sequence[str]]) -> list[str]:
+    parents = {p for ps in stages.values() for p in ps}
+    return [n for n in stages if n not in parents]
+
+
+def percentiles(xs: Sequence[float]) -> dict[str, float]:
+    """Slipstream's summary shape: count, mean, p50, p90, p99, p999, max."""
+    if not xs:
+        return {"count": 0, "mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0, "p999": 0.0, "max": 0.0}
+    a = np.asarray(xs, dtype=np.float64)
+    q = np.percentile(a, [50, 90, 99, 99.9])
+    return {"count": int(a.size), "mean": float(a.mean()), "p50": float(q[0]), "p90": float(q[1]),
+            "p99": float(q[2]), "p999": float(q[3]), "max": float(a.max())}
+
+
+def load_pipeline(target: str) -> Any:
+    """The ``ss.Pipeline`` named by ``file.py:name`` (a pipeline's name or the
+    variable holding it; without ``:name`` the file must define exactly one)."""
+    from slipstream._internal.app import load_pipelines
+
+    path, _, name = target.partition(":")
+    _, found = load_pipelines(path)
+    if not name:
+        if len(found) != 1:
+            raise ValueError(f"{path} defines {len(found)} pipelines; name one: {path}:NAME")
+        return found[0]
+    for p in found:
+        if p.name == name:
+            return p
+    _, by_var = load_pipelines(target)
+    return by_var[0]
+
+
+class _Stats:
+    """Bounded per-replica samples for /v1/status."""
+
+    LIMIT = 200_000
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.hop_ms: list[float] = []
+        self.batch_size: list[float] = []
+        self.compute_ms: list[float] = []
+        self.in_bytes: list[float] = []
+        self.batches = 0
+        self.requests = 0
+
+    def add(self, xs: list[float], v: float) -> None:
+        if len(xs) < self.LIMIT:
+            xs.append(v)
+
+    def summary(self) -> dict[str, Any]:
+        return {"batches": self.batches, "requests": self.requests, "hop_ms": percentiles(self.hop_ms),
+                "batch_size": percentiles(self.batch_size), "compute_ms": percentiles(self.compute_ms),
+                "in_bytes": percentiles(self.in_bytes)}
+
+
+# ----------------------------------------------------------------------------
+# The Ray Serve application.
+# ----------------------------------------------------------------------------
+
+class StageImpl:
+    """The body of one stage deployment (Ray wraps it with ``serve.deployment``
+    in ``build_app``). Constructs the component like a Slipstream worker."""
+
+    def __init__(self, target: str, stage: str, max_batch_size: int, batch_wait_s: float,
+                 compute_thread: bool = False) -> None:
+        from ray import serve
+
+        pipeline = load_pipeline(target)
+        comp = pipeline.stage(stage)
+        self.name = stage
+        self.component = comp.instantiate()
+        self.stats = _Stats()
+        self._pool: Any = None
+        if compute_thread:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"compute-{stage}")
+        self._batched = serve.batch(max_batch_size=int(max_batch_size),
+                                    batch_wait_timeout_s=float(batch_wait_s))(self._run_batch)
+
+    async def __call__(self, *parts: Mapping[str, Any]) -> dict[str, Any]:
+        t_enter = time.monotonic()
+        inputs, t_parent = merge_parts(parts)
+        if t_parent is not None:
+            self.stats.add(self.stats.hop_ms, (t_enter - t_parent) * 1000.0)
+        self.stats.add(self.stats.in_bytes, float(sum(getattr(v, "nbytes", 0) for v in inputs.values())))
+        out: dict[str, Any] = await self._batched(inputs)
+        out[T_DONE] = time.monotonic()
+        return out
+
+    async def _run_batch(self, reqs: list[dict[str, np.ndarray]]) -> list[dict[str, Any]]:
+        if self._pool is None:
+            return self._run(reqs)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._run, reqs)
+
+    def _run(self, reqs: list[dict[str, np.ndarray]]) -> list[dict[str, Any]]:
+        import slipstream as ss
+
+        results: list[dict[str, Any]] = [{} for _ in reqs]
+        for group in group_by_shape(reqs):
+            tensors, sizes = concat_requests([reqs[i] for i in group])
+            t0 = time.perf_counter()
+            outputs = self.component(ss.Batch(tensors, sizes))
+            self.stats.add(self.stats.compute_ms, (time.perf_counter() - t0) * 1000.0)
+            self.stats.add(self.stats.batch_size, float(len(group)))
+            self.stats.batches += 1
+            self.stats.requests += len(group)
+            for i, part in zip(group, split_rows(outputs, sizes, self.name), strict=True):
+                results[i] = part
+        return results
+
+    def get_stats(self) -> dict[str, Any]:
+        return self.stats.summary()
+
+    def reset_stats(self) -> bool:
+        self.stats.reset()
+        return True
+
+
+class IngressImpl:
+    """The HTTP ingress: Slipstream's JSON API in front of the stage deployments."""
+
+    def __init__(self, target: str, handles: dict[str, Any]) -> None:
+        pipeline = load_pipeline(target)
+        self.name = pipeline.name
+        self.specs = {k: _tensor_spec(v) for k, v in pipeline.inputs.items()}
+        self.parents = {n: list(pipeline.graph.parents(n)) for n in pipeline.graph.nodes}
+        self.order = topo_order(self.parents)
+        self.sinks = sinks(self.parents)
+        self.handles = handles
+        self.infer_path = f"/v1/pipelines/{self.name}/infer"
+        try:
+            import orjson
+
+            self._dumps = lambda o: orjson.dumps(o, option=orjson.OPT_SERIALIZE_NUMPY)
+            self._loads = orjson.loads
+        except ImportError:  # pragma: no cover - setup_ray.sh installs orjson
+            import json
+
+            self._dumps = lambda o: json.dumps(o, default=lambda a: a.tolist()).encode()
+            self._loads = json.loads
+
+    def _json(self, obj: Any, status: int = 200) -> Any:
+        from starlette.responses import Response
+
+        return Response(self._dumps(obj), status_code=status, media_type="application/json")
+
+    def _error(self, status: int, kind: str, message: str) -> Any:
+        return self._json({"error": {"kind": kind, "message": message}}, status)
+
+    async def run(self, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
+        responses: dict[str, Any] = {}
+        for n in self.order:
+            args = [responses[p] for p in self.parents[n]] if self.parents[n] else [inputs]
+            responses[n] = self.handles[n].remote(*args)
+        done = await asyncio.gather(*(responses[s] for s in self.sinks))
+        merged, _ = merge_parts(done)
+        return merged
+
+    async def __call__(self, request: Any) -> Any:
+        path, method = request.url.path, request.method
+        if path == self.infer_path and method == "POST":
+            try:
+                inputs = inputs_from_json(self._loads(await request.body()), dict(self.specs))
+            except (ValueError, TypeError) as e:
+                return self._error(400, "invalid_input", str(e))
+            try:
+                outputs = await self.run(inputs)
+            except Exception as e:  # noqa: BLE001 - a component failed: answer like Slipstream does
+                return self._error(500, "component_error", f"{type(e).__name__}: {e}")
+            body = {k: array_to_json(v) for k, v in outputs.items()}
+            for k, v in body.items():
+                if isinstance(v, np.ndarray) and not v.flags.c_contiguous:
+                    body[k] = np.ascontiguousarray(v)
+            return self._json({"outputs": body})
+        if path == "/v1/status" and method == "GET":
+            names = list(self.handles)
+            stats = await asyncio.gather(*(self.handles[n].get_stats.remote() for n in names))
+            stages = [{"name": n, "parents": self.parents[n], **s} for n, s in zip(names, stats, strict=True)]
+            return self._json({"pipelines": [{"name": self.name, "stages": stages}]})
+        if path == "/v1/admin/reset-metrics" and method == "POST":
+            await asyncio.gather(*(h.reset_stats.remote() for h in self.handles.values()))
+            return self._json({"ok": True})
+        if path == "/healthz":
+            return self._json({"ok": True})
+        return self._error(404, "not_found", f"no route for {method} {path}")
+
+
+def build_app(target: str, *, batch_wait_s: float = 0.0, ingress_replicas: int = 1,
+              max_ongoing: int = 1024, compute_thread: bool = False) -> Any:
+    """The Ray Serve application for one pipeline (see the module docstring).
+
+    ``batch_wait_s``: ``@serve.batch``'s ``batch_wait_timeout_s`` for every
+    stage. ``max_ongoing``: ``max_ongoing_requests`` of the ingress (stages
+    get at least ``2 * max_batch_size``, so a batch can fill while the
+    previous one runs; Ray's default of 5 would cap batches at 5).
+    ``compute_thread``: run the component in a worker thread instead of on
+    the replica's event loop. Whether stage outputs travel by value (gRPC)
+    or through the object store is Ray's ``RAY_SERVE_USE_GRPC_BY_DEFAULT``.
+    """
+    from ray import serve
+
+    pipeline = load_pipeline(target)
+    no_cpu = {"num_cpus": 0}  # logical CPUs only: every deployment fits on a 2-core machine
+    handles: dict[str, Any] = {}
+    for name, comp in pipeline.graph.nodes.items():
+        dep = serve.deployment(
+            StageImpl,
+            name=name,
+            num_replicas=int(comp.replicas),
+            max_ongoing_requests=max(64, 2 * int(comp.max_batch_size)),
+            ray_actor_options=no_cpu,
+        )
+        handles[name] = dep.bind(target, name, int(comp.max_batch_size), batch_wait_s, compute_thread)
+    ingress = serve.deployment(
+        IngressImpl, name="Ingress", num_replicas=int(ingress_replicas),
+        max_ongoing_requests=int(max_ongoing), ray_actor_options=no_cpu,
+    )
+    return ingress.bind(target, handles)
+
+
+# ----------------------------------------------------------------------------
+# serve: start a private Ray instance, run the app, wait for a signal.
+# ----------------------------------------------------------------------------
+
+def serve_main(a: argparse.Namespace) -> int:
+    here = str(Path(__file__).resolve().parent)
+    path, sep, name = a.app.partition(":")
+    target = str(Path(path).resolve()) + sep + name
+    # Import the app before Ray starts, as `slipstream serve` does before it
+    # starts its workers: settings an app makes at import time (e.g.
+    # OPENBLAS_NUM_THREADS) reach every Ray worker through the environment.
+    load_pipeline(target)
+    env = dict(RAY_ENV)
+    if not a.ha_proxy:
+        env["RAY_SERVE_ENABLE_HA_PROXY"] = "0"
+    if not a.throughput_optimized:
+        env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "0"
+    if a.by_reference:
+        env["RAY_SERVE_USE_GRPC_BY_DEFAULT"] = "0"
+    tmp = Path(tempfile.mkdtemp(prefix="vsray-", dir="/tmp"))
+    hap = tmp / "haproxy"
+    hap.mkdir()
+    env |= {
+        # HAProxy's files default to /tmp/haproxy-serve, shared with any other Ray on the machine.
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(hap / "haproxy.cfg"),
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": str(hap / "admin.sock"),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(hap),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(hap / "server-state"),
+        # Fixed default ports (8500, 9500, 8404, 9101) would collide with any other Ray on the machine.
+        **dict(zip(("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT",
+                    "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"),
+                   (str(p) for p in _free_ports(4, exclude={a.port})), strict=True)),
+        # The thread settings Slipstream gives its workers (one BLAS/OpenMP thread
+        # unless the user set one; see slipstream._internal.app.app_spec).
+        **{v: os.environ.get(v, "1") for v in _thread_vars()},
+        "PYTHONPATH": os.pathsep.join(p for p in [here, os.environ.get("PYTHONPATH", "")] if p),
+    }
+    for k, v in env.items():
+        if k in a.keep_env and k in os.environ:
+            continue
+        os.environ[k] = v
+    os.environ.pop("RAY_ADDRESS", None)
+
+    import logging
+
+    import ray
+    import ray_adapter  # this file, imported by name so Ray workers resolve the classes the same way
+    from ray import serve
+    from ray.serve.config import HTTPOptions
+    from ray.serve.schema import LoggingConfig
+
+    stop = {"now": False}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    ray.init(address="local", num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False,
+             _temp_dir=str(tmp), logging_level=logging.WARNING, log_to_driver=a.verbose,
+             configure_logging=True)
+    try:
+        quiet = LoggingConfig(enable_access_log=False, log_level="WARNING")
+        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=a.port), logging_config=quiet)
+        app = ray_adapter.build_app(target, batch_wait_s=a.batch_wait_ms / 1000.0,
+                                    ingress_replicas=a.ingress_replicas, max_ongoing=a.max_ongoing,
+                                    compute_thread=a.compute_thread)
+        serve.run(app, name="vs_ray", route_prefix="/", logging_config=quiet)
+        url = f"http://127.0.0.1:{a.port}"
+        print(f"ray_adapter: listening on {url}", file=sys.stderr, flush=True)
+        _wait_http(url + "/healthz", 120.0)
+        print(f"ray_adapter: ready, serving {a.app} on {url}", file=sys.stderr, flush=True)
+        while not stop["now"]:
+            time.sleep(0.2)
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+    return 0
+
+
+def _thread_vars() -> tuple[str, ...]:
+    try:
+        from slipstream._internal.app import THREAD_VARS
+
+        return tuple(THREAD_VARS)
+    except ImportError:  # an older slipstream: the same list
+        return ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+
+def _free_ports(n: int, exclude: set[int]) -> list[int]:
+    """``n`` distinct free ports (all held open while choosing, so none repeats)."""
+    import socket
+
+    socks: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < n:
+            s = socket.socket()
+            socks.append(s)
+            s.bind(("0.0.0.0", 0))
+            port = int(s.getsockname()[1])
+            if port not in exclude:
+                ports.append(port)
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+def _wait_http(url: str, timeout: float) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError) as e:
+            last = e
+        time.sleep(0.2)
+    raise RuntimeError(f"the Ray app did not answer {url} within {timeout:.0f}s ({last})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="serve one pipeline with Ray Serve")
+    s.add_argument("app", help="app file and pipeline, e.g. examples/noop.py:noop")
+    s.add_argument("--port", type=int, default=8001)
+    s.add_argument("--batch-wait-ms", type=float, default=0.0,
+                   help="@serve.batch batch_wait_timeout_s, in ms (0: batch whatever is queued)")
+    s.add_argument("--ingress-replicas", type=int, default=1)
+    s.add_argument("--max-ongoing", type=int, default=1024, help="ingress max_ongoing_requests")
+    s.add_argument("--by-reference", action="store_true",
+                   help="pass stage outputs through the object store (turns off gRPC between deployments)")
+    s.add_argument("--compute-thread", action="store_true",
+                   help="run components in a thread, off the replica's event loop")
+    s.add_argument("--no-ha-proxy", dest="ha_proxy", action="store_false")
+    s.add_argument("--no-throughput-optimized", dest="throughput_optimized", action="store_false")
+    s.add_argument("--keep-env", action="append", default=[],
+                   help="a RAY_ENV variable to take from the environment when set there (repeatable)")
+    s.add_argument("--verbose", action="store_true", help="forward worker logs to stderr")
+    a = ap.parse_args(argv)
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    return serve_main(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Render ``bench/results/vs_ray.json`` as markdown (``vs_ray.md``).
+
+    .venv/bin/python bench/vs_ray/report.py [bench/results/vs_ray.json]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _ms(x: Any) -> str:
+    return "-" if x is None else f"{x:.1f}" if x >= 10 else f"{x:.2f}"
+
+
+def _rps(x: Any) -> str:
+    return "-" if x is None else f"{x:,.0f}" if x >= 10 else f"{x:g}"
+
+
+def _bytes(x: Any) -> str:
+    if x is None:
+        return "-"
+    for unit, div in (("MB", 1e6), ("kB", 1e3)):
+        if x >= div:
+            return f"{x / div:.2f} {unit}"
+    return f"{x:.0f} B"
+
+
+def _goodput(system: dict[str, Any]) -> str:
+    """The goodput, or "< R" when even the lowest rate tried (R) missed the SLO."""
+    if system["goodput_rps"]:
+        return _rps(system["goodput_rps"])
+    low = system.get("lowest_failing_rps")
+    return f"< {_rps(low)}" if low else "0"
+
+
+def markdown(res: dict[str, Any]) -> str:
+    pipes = [p for p in res["pipelines"] if "systems" in p]
+    lines = [
+        "# Slipstream vs Ray Serve: the same components, the same load",
+        "",
+        f"Measured {res['time']} ({res['mode']} mode, {res.get('wall_s', 0) / 60:.0f} min) on "
+        f"{res['machine']['cores']} cores shared with the load generator; load average at start "
+        f"{', '.join(f'{x:.1f}' for x in res['machine']['loadavg_start'])}. Command: `{res['command']}`.",
+        f"Ray Serve {res['ray']['version']} with "
+        + ", ".join(f"`{k}={v}`" for k, v in res["ray"]["env"].items())
+        + (f"; adapter options `{' '.join(res['ray']['adapter_options'])}`" if res["ray"]["adapter_options"] else "")
+        + ". Settings: bench/vs_ray/README.md.",
+        "",
+        "## Goodput at the SLO",
+        "",
+        "Highest offered rate (open loop, Poisson) with p99 <= SLO and errors + SLO misses <= 1%.",
+        "",
+        "| pipeline | stages | SLO p99 | Slipstream req/s | Ray Serve req/s | Slipstream / Ray | unloaded latency Slipstream / Ray | outputs equal |",
+        "|---|---|---:|---:|---:|---:|---:|:---:|",
+    ]
+    for p in pipes:
+        s, r = p["systems"]["slipstream"], p["systems"]["ray"]
+        slo = f"{p['slo_ms']:g} ms" + ("" if p["slo_ms"] == p["slo_declared_ms"] else f" (declared {p['slo_declared_ms']:g})")
+        ratio = (f"{p['goodput_ratio']:.1f}x" if p["goodput_ratio"]
+                 else f"> {s['goodput_rps'] / r['lowest_failing_rps']:.0f}x" if s["goodput_rps"] and r.get("lowest_failing_rps")
+                 else "-")
+        lines.append(
+            f"| {p['name']} | {len(p['stages'])} | {slo} | {_goodput(s)} | {_goodput(r)} | {ratio} "
+            f"| {_ms(s['unloaded_ms'])} / {_ms(r['unloaded_ms'])} ms | {'yes' if p['outputs_match'] else 'NO'} |")
+    lines += ["", "Search resolution (lowest failing / goodput): "
+              + "; ".join(f"{p['name']} Slipstream {p['systems']['slipstream']['resolution']}, "
+                          f"Ray {p['systems']['ray']['resolution']}" for p in pipes) + ".", ""]
+    lines += [
+        "## Latency at fixed loads",
+        "",
+        "25%, 50% and 90% of Ray's goodput (loads both systems can sustain).",
+        "",
+        "| pipeline | offered req/s | Slipstream p50 / p99 ms | Ray Serve p50 / p99 ms | errors Slipstream / Ray |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for p in pipes:
+        ss_f, ray_f = p["systems"]["slipstream"]["fixed"], p["systems"]["ray"]["fixed"]
+        for a, b in zip(ss_f, ray_f, strict=False):
+            lines.append(f"| {p['name']} | {_rps(a['offered_rps'])} | {_ms(a['p50_ms'])} / {_ms(a['p99_ms'])} "
+                         f"| {_ms(b['p50_ms'])} / {_ms(b['p99_ms'])} | {a['errors']} / {b['errors']} |")
+    lines += [
+        "",
+        "## Stage-to-stage handoff",
+        "",
+        "At the lowest fixed load. Slipstream: the stage's `hop_ms` from `/v1/status` (node -> worker -> node",
+        "per batch, minus the component's compute: the tensors move as shared-memory descriptors). Ray: from",
+        "the parent deployment's `__call__` returning to this deployment's `__call__` starting, per request",
+        "(timestamps inside the adapter: serialization, the trip through the ingress, routing, deserialization).",
+        "",
+        "| pipeline | stage | parents | input per request | Slipstream hop p50 / p99 ms | Ray handoff p50 / p99 ms |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for p in pipes:
+        for name, h in p.get("handoff", {}).items():
+            fan = " (fan-in)" if h["fan_in"] else ""
+            sh, rh = h["slipstream_hop_ms"], h["ray_handoff_ms"]
+            lines.append(f"| {p['name']} | {name}{fan} | {' + '.join(h['parents'])} | "
+                         f"{_bytes(h['input_bytes_per_request'])} | {_ms(sh['p50'])} / {_ms(sh['p99'])} "
+                         f"| {_ms(rh['p50'])} / {_ms(rh['p99'])} |")
+    lines += [
+        "",
+        "## Component compute time",
+        "",
+        "The same component code runs in both systems, so differences here are the machine (2 shared cores,",
+        "other work running) rather than the runtime. Per-batch compute p50 at the 50% load, mean batch",
+        "size in parentheses; the load average (1 min) when each system's measurements began.",
+        "",
+        "| pipeline | stage | Slipstream ms (batch) | Ray Serve ms (batch) |",
+        "|---|---|---:|---:|",
+    ]
+    for p in pipes:
+        s_, r_ = p["systems"]["slipstream"], p["systems"]["ray"]
+        if len(s_["fixed"]) < 2 or len(r_["fixed"]) < 2:
+            continue
+        ss_st, ray_st = s_["fixed"][1].get("stages", {}), r_["fixed"][1].get("stages", {})
+        for name in p["stages"]:
+            a, b = ss_st.get(name, {}), ray_st.get(name, {})
+
+            def cell(st: dict[str, Any]) -> str:
+                if not st:
+                    return "-"
+                return f"{_ms(st['compute_ms']['p50'])} ({st['batch_size']['mean']:.1f})"
+
+            lines.append(f"| {p['name']} | {name} | {cell(a)} | {cell(b)} |")
+        la_s, la_r = s_.get("loadavg_at_start"), r_.get("loadavg_at_start")
+        if la_s and la_r:
+            lines.append(f"| {p['name']} | *load average* | {la_s[0]:.1f} | {la_r[0]:.1f} |")
+    skipped = [p for p in res["pipelines"] if "systems" not in p]
+    if skipped:
+        lines += ["", "Not measured: " + "; ".join(
+            f"{p.get('name', p['target'])} ({p.get('skipped') or p.get('failed')})" for p in skipped) + "."]
+    lines += ["", "Plots: `vs_ray_<pipeline>.png` (latency vs offered load, both systems). Raw data: `vs_ray.json`.", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    path = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1] / "results" / "vs_ray.json")
+    out = path.with_suffix(".md")
+    out.write_text(markdown(json.loads(path.read_text())))
+    print(f"wrote {out}")
