@@ -157,7 +157,8 @@ def test_graceful_shutdown_drains_in_flight() -> None:
     assert shm_files_of(serve_pid)
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(node.infer, "solo", x=[[1, 500]]) for _ in range(3)]
-        wait_for(lambda: node.stage("solo", "SlowSolo")["replicas"][0]["outstanding"] > 0)
+        # All three must be inside the node before the signal (later ones would rightly get 503).
+        wait_for(lambda: node.status()["inflight"] == 3)
         node.proc.send_signal(signal.SIGTERM)
         results = [f.result(timeout=30) for f in futures]
     assert [s for s, _ in results] == [200, 200, 200]
