@@ -37,13 +37,16 @@ and 1% otherwise.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -57,6 +60,16 @@ import bodies  # noqa: E402
 from servers import RAY_PY, RayServer, Server, SlipstreamServer, run_loadgen  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
+_scratch: list[Path] = []
+
+
+def scratch() -> Path:
+    """A private directory for request bodies and generator output (not
+    bench/results, where other tools clean up *.tmp files); removed at exit."""
+    if not _scratch:
+        _scratch.append(Path(tempfile.mkdtemp(prefix="vs_ray_")))
+        atexit.register(shutil.rmtree, _scratch[0], True)
+    return _scratch[0]
 DEFAULT_PIPELINES = [
     "examples/recsys.py:recsys",
     "examples/rag.py:rag",
@@ -73,6 +86,8 @@ DEFAULT_PIPELINES = [
 SLO_OVERRIDES = {"noop": 50.0}
 WRAPPERS = Path("/tmp") / f"vs_ray_apps_{os.getuid()}"
 FRACTIONS = (0.25, 0.5, 0.9)
+FIXED_MIN_REQUESTS, FIXED_MAX_S = 10, 60.0
+SEARCH_MIN_REQUESTS, SEARCH_MAX_S = 10, 30.0
 
 
 @dataclass(frozen=True)
@@ -134,13 +149,21 @@ class Bench:
     def __init__(self, server: Server, body_file: Path, slo_ms: float, max_miss: float, mode: Mode) -> None:
         self.server, self.body_file, self.slo, self.max_miss, self.mode = server, body_file, slo_ms, max_miss, mode
         self.probes: list[dict[str, Any]] = []
-        self.tmp = RESULTS / f"vs_ray_{server.system}_{server.pipeline}.tmp"
+        self.tmp = scratch() / f"loadgen_{server.system}_{server.pipeline}.json"
         # A request slower than this is a miss anyway; a short timeout keeps
         # overloaded probes from dragging on.
         self.timeout = min(10.0, max(2.0, 10 * slo_ms / 1000))
 
     def duration(self, rate: float, lo: float, hi: float, n: int) -> float:
         return round(min(hi, max(lo, n / rate)), 2)
+
+    def probe_duration(self, rate: float) -> float:
+        """A search probe: enough for ``probe_requests`` within the mode's
+        bounds, and for the slowest pipelines at least SEARCH_MIN_REQUESTS
+        (up to SEARCH_MAX_S)."""
+        m = self.mode
+        return round(max(self.duration(rate, m.probe_min_s, m.probe_max_s, m.probe_requests),
+                         min(SEARCH_MAX_S, SEARCH_MIN_REQUESTS / rate)), 2)
 
     def run(self, rate: float, duration: float, kind: str) -> dict[str, Any]:
         r = summarize(run_loadgen(self.server.infer_url, self.body_file, rate, duration, self.mode.warmup_s,
@@ -190,12 +213,12 @@ class Bench:
         best, worst = 0.0, math.inf
 
         def fits(rate: float) -> bool:
-            need = m.warmup_s + self.duration(rate, m.probe_min_s, m.probe_max_s, m.probe_requests) + 2
+            need = m.warmup_s + self.probe_duration(rate) + 2
             return time.monotonic() + need <= t_end
 
         def probe(rate: float) -> bool:
             nonlocal best, worst
-            dur = self.duration(rate, m.probe_min_s, m.probe_max_s, m.probe_requests)
+            dur = self.probe_duration(rate)
             ok = bool(self.run(rate, dur, "search")["within_slo"])
             if not ok and m.confirm_failures and fits(rate):
                 # Other work on this shared machine causes transient stalls: a
@@ -236,7 +259,11 @@ class Bench:
         out = []
         for frac, rate in zip(FRACTIONS, rates, strict=True):
             self.server.reset_metrics()
-            r = self.run(rate, self.duration(rate, m.fixed_min_s, m.fixed_max_s, m.fixed_requests), "fixed")
+            # At least FIXED_MIN_REQUESTS even for the slowest pipelines (a few
+            # requests a second), within FIXED_MAX_S.
+            dur = max(self.duration(rate, m.fixed_min_s, m.fixed_max_s, m.fixed_requests),
+                      min(FIXED_MAX_S, FIXED_MIN_REQUESTS / rate))
+            r = self.run(rate, round(dur, 2), "fixed")
             r["fraction_of_ray_goodput"] = frac
             r["stages"] = self.server.stage_stats()
             out.append(r)
@@ -412,7 +439,7 @@ def main() -> int:
         else:
             app_served = app
         body, origin = bodies.body(app, pipe)
-        body_file = RESULTS / f"vs_ray_body_{pipe.name}.tmp"
+        body_file = scratch() / f"body_{pipe.name}.json"
         body_file.write_bytes(body)
         log(f"{pipe.name}: {' -> '.join(pipe.graph.nodes)}; SLO p99 <= {slo:g} ms"
             f"{'' if slo == declared else f' (declared {declared})'}; body {len(body)} bytes from {origin}")

@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import bodies  # noqa: E402
-from compare import RESULTS, load_target, summarize  # noqa: E402
+from compare import RESULTS, load_target, scratch, summarize  # noqa: E402
 from servers import RayServer, run_loadgen  # noqa: E402
 
 
@@ -38,7 +38,7 @@ def main() -> int:
     a = ap.parse_args()
     app, pipe, _ = load_target(a.target)
     body, _ = bodies.body(app, pipe)
-    body_file = RESULTS / f"vs_ray_tune_body_{pipe.name}.tmp"
+    body_file = scratch() / f"tune_body_{pipe.name}.json"
     body_file.write_bytes(body)
     rates = [float(r) for r in a.rates.split(",")]
     rows: list[dict[str, Any]] = []
@@ -51,7 +51,7 @@ def main() -> int:
                         server.infer(body)
                     for rate in rates:
                         r = summarize(run_loadgen(server.infer_url, body_file, rate, a.duration, a.warmup, 10.0,
-                                                  RESULTS / "vs_ray_tune.tmp"))
+                                                  scratch() / "tune.json"))
                         r |= {"config": cfg or "(defaults)", "round": rnd, "stages": server.stage_stats()}
                         rows.append(r)
                         batch = {n: round(s["batch_size"]["mean"], 1) for n, s in r["stages"].items()}
@@ -61,7 +61,7 @@ def main() -> int:
                         time.sleep(1)
     finally:
         body_file.unlink(missing_ok=True)
-        (RESULTS / "vs_ray_tune.tmp").unlink(missing_ok=True)
+        (scratch() / "tune.json").unlink(missing_ok=True)
     out = RESULTS / "vs_ray_tuning.json"
     hist = json.loads(out.read_text()) if out.exists() else []
     hist.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "target": a.target, "rates": rates, "runs": rows})
