@@ -65,6 +65,8 @@ def markdown(res: dict[str, Any]) -> str:
         lines.append(
             f"| {p['name']} | {len(p['stages'])} | {slo} | {_goodput(s)} | {_goodput(r)} | {ratio} "
             f"| {_ms(s['unloaded_ms'])} / {_ms(r['unloaded_ms'])} ms | {'yes' if p['outputs_match'] else 'NO'} |")
+    lines += ["", "Ray's transport between stages, chosen per pipeline: "
+              + "; ".join(f"{p['name']} {p['systems']['ray'].get('transport', '?')}" for p in pipes) + "."]
     lines += ["", "Search resolution (lowest failing / goodput): "
               + "; ".join(f"{p['name']} Slipstream {p['systems']['slipstream']['resolution']}, "
                           f"Ray {p['systems']['ray']['resolution']}" for p in pipes) + ".", ""]

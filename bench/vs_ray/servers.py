@@ -197,7 +197,7 @@ class RayServer(Server):
 
     def __init__(self, app: str, pipeline: str, log_dir: Path, options: list[str]) -> None:
         super().__init__(app, pipeline, log_dir)
-        self.options = options
+        self.options = list(options)  # a copy: pick_transport may add to it for this pipeline only
 
     def command(self) -> list[str]:
         if not RAY_PY.exists():

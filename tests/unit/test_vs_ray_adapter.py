@@ -19,6 +19,7 @@ sys.path.insert(0, str(VS_RAY))
 import compare  # noqa: E402
 import ray_adapter as ra  # noqa: E402
 import report  # noqa: E402
+import servers  # noqa: E402
 
 
 def test_inputs_from_json_numeric_and_checks() -> None:
@@ -161,3 +162,11 @@ def test_report_renders_a_result() -> None:
     assert "| p | 1 | 10 ms | 100 | 100 | 1.0x |" in md
     assert "B (fan-in)" in md and "6.40 MB" in md and "Not measured: examples/x.py:x" in md
     json.dumps(res)  # the shape compare.py writes is plain JSON
+
+
+def test_ray_server_options_are_per_pipeline(tmp_path: Path) -> None:
+    shared = ["--batch-wait-ms=0"]
+    a = servers.RayServer("examples/noop.py", "noop", tmp_path, shared)
+    a.options.append("--by-reference")  # what pick_transport does for a large-tensor pipeline
+    b = servers.RayServer("examples/noop.py", "noop", tmp_path, shared)
+    assert shared == ["--batch-wait-ms=0"] and "--by-reference" not in b.options
