@@ -78,3 +78,21 @@ def test_declared_fallback_answers_instead_of_refusing(chain_node: Node) -> None
 
     assert json.loads(raw) == {"outputs": {"y": [[0.0, -1.0], [0.0, -1.0]]}}
     assert pipeline_status(chain_node, "graceful")["fallback"] >= 1
+
+
+def test_refusal_comes_before_the_body_is_decoded(chain_node: Node) -> None:
+    # Under overload, refusing must cost as little as possible: the node
+    # decides admission before it decodes the body, so even a body it could
+    # not decode is refused with 429, not parsed and answered with 400.
+    assert chain_node.infer("tight", x=[[1, 400]])[0] == 200  # teach: a batch takes ~400 ms
+    slow = threading.Thread(target=lambda: chain_node.infer("tight", x=[[1, 400]]))
+    slow.start()
+    wait_for(lambda: chain_node.stage("tight", "Sleepy")["replicas"][0]["outstanding"] > 0)
+    status, _, raw = chain_node.request("POST", "/v1/pipelines/tight/infer", {"inputs": {"x": "not a tensor"}})
+    slow.join(10)
+    assert status == 429, raw
+    # Idle again: the same body is decoded and rejected for what it is.
+    status, _, raw = chain_node.request("POST", "/v1/pipelines/tight/infer", {"inputs": {"x": "not a tensor"}})
+    assert status == 400, raw
+    p = pipeline_status(chain_node, "tight")
+    assert 0.25 <= p["admission_headroom"] <= 1.0

@@ -14,7 +14,7 @@ use crate::arena::Tensors;
 use crate::codec::{self, BodyParts};
 use crate::error::NodeError;
 use crate::node::Node;
-use crate::pipeline::{PipelineRt, Request};
+use crate::pipeline::{PipelineRt, Request, Ticket};
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
@@ -107,8 +107,9 @@ async fn route(node: &Arc<Node>, req: hyper::Request<Incoming>) -> Result<Resp, 
             }
             let pipe = node.pipeline(name)?;
             let body = read_body(node, req).await?;
+            let ticket = admit(node, &pipe, arrival)?;
             let tensors = codec::decode_v1(&body, &pipe.spec.inputs, &node.arena)?;
-            let ans = answer(node, &pipe, tensors, arrival).await?;
+            let ans = answer(node, &pipe, tensors, ticket).await?;
             let mut r = respond(200, "application/json", vec![Bytes::from(codec::encode_v1(&ans.outputs))]);
             mark_fallback(&mut r, ans.fallback);
             Ok(r)
@@ -125,8 +126,9 @@ async fn route(node: &Arc<Node>, req: hyper::Request<Incoming>) -> Result<Resp, 
                 })?),
             };
             let body = read_body(node, req).await?;
+            let ticket = admit(node, &pipe, arrival)?;
             let (tensors, v2req) = codec::decode_v2(&body, header_len, &pipe.spec.inputs, &node.arena)?;
-            let ans = answer(node, &pipe, tensors, arrival).await?;
+            let ans = answer(node, &pipe, tensors, ticket).await?;
             let enc = codec::encode_v2(pipe.name(), &v2req, &ans.outputs)?;
             let binary = enc.header_len.is_some();
             let mut r = respond(200, if binary { "application/octet-stream" } else { "application/json" }, enc.chunks);
@@ -232,7 +234,6 @@ impl Drop for InFlight<'_> {
     }
 }
 
-/// Run one request through a pipeline.
 /// When the request arrived and the deadline budget it asked for.
 pub struct Arrival {
     pub at: Instant,
@@ -258,18 +259,58 @@ fn arrival_of(req: &hyper::Request<Incoming>) -> Result<Arrival, NodeError> {
     Ok(Arrival { at: Instant::now(), budget })
 }
 
-/// Run one request through a pipeline: admission, then the DAG.
+/// Admission control, decided before the body is decoded, so that refusing
+/// a request costs as little CPU as possible when the node is overloaded.
+/// Ok(Err(..)): refused, but the pipeline declares a fallback answer, which
+/// needs the decoded request (its row count); Err: refused outright.
+fn admit(node: &Node, pipe: &PipelineRt, arrival: Arrival) -> Result<Result<Ticket, NodeError>, NodeError> {
+    if node.draining.load(Relaxed) {
+        return Err(NodeError::ShuttingDown);
+    }
+    let ticket = pipe.ticket(node.next_id.fetch_add(1, Relaxed), arrival.at, arrival.budget);
+    if !node.admission {
+        return Ok(Ok(ticket));
+    }
+    match pipe.admit(&ticket) {
+        Ok(()) => Ok(Ok(ticket)),
+        Err(over) => {
+            let m = &pipe.metrics;
+            m.shed.fetch_add(1, Relaxed);
+            let e = NodeError::Overloaded {
+                budget_ms: ticket.deadline.saturating_duration_since(arrival.at).as_millis() as u64,
+                over_ms: over.as_millis() as u64,
+            };
+            m.error(e.kind());
+            if pipe.spec.fallback.is_some() {
+                Ok(Err(e))
+            } else {
+                Err(e)
+            }
+        }
+    }
+}
+
 /// A pipeline's answer: its outputs, or the declared fallback (and why).
 pub struct Answer {
     pub outputs: Tensors,
     pub fallback: Option<&'static str>,
 }
 
-/// Run one request; answer with the pipeline's declared fallback (Clipper's
-/// default output) instead of an error when it was refused or ran out of time.
-async fn answer(node: &Node, pipe: &Arc<PipelineRt>, tensors: Tensors, arrival: Arrival) -> Result<Answer, NodeError> {
+/// Run one admitted request; answer with the pipeline's declared fallback
+/// (Clipper's default output) instead of an error when it was refused or
+/// ran out of time.
+async fn answer(
+    node: &Node,
+    pipe: &Arc<PipelineRt>,
+    tensors: Tensors,
+    ticket: Result<Ticket, NodeError>,
+) -> Result<Answer, NodeError> {
     let rows = crate::pipeline::request_rows(&tensors);
-    match infer(node, pipe, tensors, arrival).await {
+    let result = match ticket {
+        Ok(t) => infer(node, pipe, tensors, t).await,
+        Err(e) => Err(e),
+    };
+    match result {
         Ok(outputs) => Ok(Answer { outputs, fallback: None }),
         Err(e @ (NodeError::Overloaded { .. } | NodeError::DeadlineExceeded { .. } | NodeError::Timeout { .. }))
             if pipe.spec.fallback.is_some() =>
@@ -293,27 +334,20 @@ fn mark_fallback(r: &mut Resp, why: Option<&'static str>) {
     }
 }
 
-async fn infer(node: &Node, pipe: &Arc<PipelineRt>, tensors: Tensors, arrival: Arrival) -> Result<Tensors, NodeError> {
+/// Share of its deadline budget a request must finish within to count as
+/// met for the admission gate.
+const GATE_SHARE: f64 = 0.9;
+
+/// Run one admitted request through its pipeline's DAG. Its outcome (in
+/// time or not) feeds the admission gate.
+async fn infer(node: &Node, pipe: &Arc<PipelineRt>, tensors: Tensors, ticket: Ticket) -> Result<Tensors, NodeError> {
     node.inflight.fetch_add(1, Relaxed);
     let _guard = InFlight(node);
-    if node.draining.load(Relaxed) {
-        return Err(NodeError::ShuttingDown);
-    }
-    let id = node.next_id.fetch_add(1, Relaxed);
-    let (req, rx) = Request::new(id, pipe.clone(), tensors, arrival.at, arrival.budget);
+    let arrival = ticket.arrival;
+    let (req, rx) = Request::new(pipe.clone(), tensors, ticket);
     let m = &pipe.metrics;
-    if node.admission {
-        if let Err(over) = pipe.admit(&req.route, req.deadline) {
-            m.shed.fetch_add(1, Relaxed);
-            let e = NodeError::Overloaded {
-                budget_ms: req.deadline.saturating_duration_since(arrival.at).as_millis() as u64,
-                over_ms: over.as_millis() as u64,
-            };
-            m.error(e.kind());
-            return Err(e);
-        }
-    }
     m.admitted.fetch_add(1, Relaxed);
+    pipe.on_start();
     req.start();
     let result = match tokio::time::timeout(pipe.timeout, rx).await {
         Ok(Ok(reply)) => reply,
@@ -328,14 +362,23 @@ async fn infer(node: &Node, pipe: &Arc<PipelineRt>, tensors: Tensors, arrival: A
         Ok(_) => {
             let done = Instant::now();
             m.ok.fetch_add(1, Relaxed);
-            m.latency_us.record(done.duration_since(arrival.at).as_micros() as u64);
+            m.latency_us.record(done.duration_since(arrival).as_micros() as u64);
             if done <= req.deadline {
                 m.slo_met.fetch_add(1, Relaxed);
             } else {
                 m.slo_missed.fetch_add(1, Relaxed);
             }
+            // The gate aims a little inside the deadline: the client also
+            // sees the time before the node read the request and after it
+            // wrote the answer, which grows when the machine is overloaded.
+            let inner = req.deadline.saturating_duration_since(arrival).mul_f64(GATE_SHARE);
+            pipe.on_finish(Some(done.duration_since(arrival) <= inner));
         }
-        Err(e) => m.error(e.kind()),
+        Err(e) => {
+            let late = matches!(e, NodeError::DeadlineExceeded { .. } | NodeError::Timeout { .. });
+            pipe.on_finish(if late { Some(false) } else { None });
+            m.error(e.kind());
+        }
     }
     result
 }

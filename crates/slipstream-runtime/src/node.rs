@@ -171,6 +171,7 @@ impl Node {
                     "ok": p.metrics.ok.load(Relaxed),
                     "admitted": p.metrics.admitted.load(Relaxed),
                     "shed": p.metrics.shed.load(Relaxed),
+                    "admission_headroom": p.gate.lock().headroom(),
                     "slo_met": p.metrics.slo_met.load(Relaxed),
                     "slo_missed": p.metrics.slo_missed.load(Relaxed),
                     "fallback": p.metrics.fallback.load(Relaxed),
@@ -221,6 +222,12 @@ impl Node {
                 );
             }
             t.summary("slipstream_request_latency_seconds", "Latency inside the node.", &pl, &m.latency_us);
+            t.gauge(
+                "slipstream_admission_headroom",
+                "Share of its deadline budget a new request's predicted finish may use (learned).",
+                &pl,
+                p.gate.lock().headroom(),
+            );
             for s in &p.stages {
                 let l = [("pipeline", p.name()), ("stage", s.name.as_str())];
                 let m = &s.metrics;
@@ -356,6 +363,9 @@ fn build_pipelines(
                 metrics: PipelineMetrics::default(),
                 timeout: opts.request_timeout,
                 epoch,
+                gate: parking_lot::Mutex::new(slipstream_sched::AdmissionGate::new(
+                    p.slo.map_or(0.01, |s| s.max_miss_rate),
+                )),
             }),
         );
     }

@@ -15,7 +15,7 @@ use crate::error::NodeError;
 use crate::metrics::{PipelineMetrics, StageMetrics};
 use crate::spec::PipelineSpec;
 use parking_lot::Mutex;
-use slipstream_sched::{choose_replica, BatchFormer, EdfQueue, ReplicaLoad};
+use slipstream_sched::{choose_replica, AdmissionGate, BatchFormer, EdfQueue, ReplicaLoad};
 use slipstream_shm::Pool;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
@@ -146,6 +146,18 @@ pub struct PipelineRt {
     pub timeout: std::time::Duration,
     /// Reference instant for deadlines expressed as nanoseconds.
     pub epoch: Instant,
+    /// How much of its budget an admitted request's predicted finish may
+    /// use, learned from admitted requests' outcomes.
+    pub gate: Mutex<AdmissionGate>,
+}
+
+/// What ingress decides about a request before its body is decoded: its id,
+/// deadline and route (one replica per stage).
+pub struct Ticket {
+    pub id: u64,
+    pub arrival: Instant,
+    pub deadline: Instant,
+    pub route: Vec<usize>,
 }
 
 impl PipelineRt {
@@ -194,28 +206,54 @@ impl PipelineRt {
             .unwrap_or(0)
     }
 
-    /// Admission control: can a request routed as `route`, arriving now,
-    /// finish by `deadline`, given the queues ahead of it at every stage of
-    /// its route? Err carries the predicted overshoot. A request whose whole
-    /// route is idle is always admitted: only queueing can make us refuse,
-    /// and an idle stage keeps refreshing its profile.
-    pub fn admit(&self, route: &[usize], deadline: Instant) -> Result<(), std::time::Duration> {
+    /// A new request's ticket: deadline `arrival + SLO target` (or the
+    /// request timeout without an SLO), or `budget` from arrival if that is
+    /// tighter; route chosen now.
+    pub fn ticket(&self, id: u64, arrival: Instant, budget: Option<std::time::Duration>) -> Ticket {
+        let slo = self.slo_budget();
+        Ticket { id, arrival, deadline: arrival + budget.map_or(slo, |b| b.min(slo)), route: self.route(id) }
+    }
+
+    /// Admission control: can a request with this ticket, arriving now,
+    /// finish by its deadline? Its predicted time in the pipeline is the
+    /// larger of two estimates: the queues ahead of it at every stage of its
+    /// route, each at its profiled batch latency; and the gate's measured
+    /// one (Little's law). It must fit within the gate's headroom share of
+    /// the time the request has left. Err carries the predicted overshoot.
+    /// A request whose whole route is idle is always admitted: only queueing
+    /// can make us refuse, and an idle stage keeps refreshing its profile.
+    pub fn admit(&self, t: &Ticket) -> Result<(), std::time::Duration> {
         let now = self.now_ns();
-        let deadline_ns = deadline.saturating_duration_since(self.epoch).as_nanos() as u64;
+        let deadline_ns = t.deadline.saturating_duration_since(self.epoch).as_nanos() as u64;
         let mut finish = now;
         let mut queued = false;
         for &s in &self.roots {
-            let r = &self.stages[s].replicas[route[s]];
+            let r = &self.stages[s].replicas[t.route[s]];
             let backlog = r.backlog_ns(now);
-            let downstream = self.path_ns(s, route, now);
+            let downstream = self.path_ns(s, &t.route, now);
             queued |= backlog > 0 || downstream > self.rest_ns(s);
             finish = finish.max(now + backlog + r.former.lock().mean_ns(1) + downstream);
         }
-        if !queued || finish <= deadline_ns {
+        let gate = self.gate.lock();
+        let predicted = (finish - now).max(gate.sojourn_ns());
+        let budget = deadline_ns.saturating_sub(now);
+        if !queued || gate.admits(predicted, budget) {
             Ok(())
         } else {
-            Err(std::time::Duration::from_nanos(finish - deadline_ns))
+            let allowed = (gate.headroom() * budget as f64) as u64;
+            Err(std::time::Duration::from_nanos(predicted.saturating_sub(allowed)))
         }
+    }
+
+    /// An admitted request entered the pipeline.
+    pub fn on_start(&self) {
+        self.gate.lock().on_admit();
+    }
+
+    /// An admitted request left the pipeline: within its deadline, not
+    /// (`Some(false)`), or failed otherwise (`None`).
+    pub fn on_finish(&self, met: Option<bool>) {
+        self.gate.lock().on_finish(self.now_ns(), met);
     }
 
     /// Pick one replica per stage for a new request (ingress routing).
@@ -261,20 +299,10 @@ pub struct Request {
 }
 
 impl Request {
-    /// A new request. Its deadline is `arrival + SLO target` (or the request
-    /// timeout without an SLO), or `budget` from arrival if that is tighter.
-    /// Its route (one replica per stage) is chosen now.
-    pub fn new(
-        id: u64,
-        pipe: Arc<PipelineRt>,
-        inputs: Tensors,
-        arrival: Instant,
-        budget: Option<std::time::Duration>,
-    ) -> (Arc<Request>, oneshot::Receiver<Reply>) {
+    /// A new request with the deadline and route of its ticket.
+    pub fn new(pipe: Arc<PipelineRt>, inputs: Tensors, ticket: Ticket) -> (Arc<Request>, oneshot::Receiver<Reply>) {
         let (tx, rx) = oneshot::channel();
-        let slo = pipe.slo_budget();
-        let deadline = arrival + budget.map_or(slo, |b| b.min(slo));
-        let route = pipe.route(id);
+        let Ticket { id, arrival, deadline, route } = ticket;
         let n = pipe.stages.len();
         let state = State {
             inputs,

@@ -10,17 +10,21 @@
 //!   and AIMD; or the fixed max-batch + timeout baseline. (With no profile
 //!   and no deadline pressure it degenerates to opportunistic batching: take
 //!   what is queued, up to the limit.)
+//! - [`AdmissionGate`]: how much of a request's budget its predicted finish
+//!   may use, learned from admitted requests' outcomes.
 //! - [`choose_replica`]: the ingress router's choice for one stage:
 //!   join-shortest-queue among healthy replicas.
 //! - [`simulate`]: the SLO contract's queueing model: the same policies
 //!   driven by a discrete-event simulation over the measured profiles.
 
+mod admission;
 mod former;
 mod profile;
 mod queue;
 mod router;
 mod sim;
 
+pub use admission::{AdmissionGate, MIN_HEADROOM};
 pub use former::{BatchFormer, Decision, Policy};
 pub use profile::LatencyProfile;
 pub use queue::EdfQueue;

@@ -27,6 +27,9 @@ const TRUSTED: u32 = 5;
 #[derive(Clone, Debug)]
 pub struct LatencyProfile {
     points: BTreeMap<u32, Point>,
+    /// The points seen at least `TRUSTED` times (kept alongside, so that a
+    /// prediction, asked for many times per batch, allocates nothing).
+    trusted: BTreeMap<u32, Point>,
     /// Deviations added to the mean in a prediction.
     pub k: f64,
     /// Used while nothing at all is known: a fixed cost per batch.
@@ -35,7 +38,7 @@ pub struct LatencyProfile {
 
 impl Default for LatencyProfile {
     fn default() -> Self {
-        LatencyProfile { points: BTreeMap::new(), k: 1.0, default_us: 1000.0 }
+        LatencyProfile { points: BTreeMap::new(), trusted: BTreeMap::new(), k: 1.0, default_us: 1000.0 }
     }
 }
 
@@ -47,7 +50,7 @@ impl LatencyProfile {
             if b > 0 && mean.is_finite() && mean >= 0.0 {
                 // Treat the p99 excess as ~2.3 deviations of a normal tail.
                 let dev = ((p99 - mean) / 2.3).max(0.0);
-                p.points.insert(b, Point { mean_us: mean, dev_us: dev, seen: 1000 });
+                p.insert(b, Point { mean_us: mean, dev_us: dev, seen: 1000 });
             }
         }
         p
@@ -81,6 +84,13 @@ impl LatencyProfile {
                 Point { mean_us: guess + 0.5 * err, dev_us: err.abs() * 0.5, seen: 1 }
             }
         };
+        self.insert(batch, p);
+    }
+
+    fn insert(&mut self, batch: u32, p: Point) {
+        if p.seen >= TRUSTED {
+            self.trusted.insert(batch, p);
+        }
         self.points.insert(batch, p);
     }
 
@@ -100,9 +110,7 @@ impl LatencyProfile {
             return self.default_us;
         }
         // Sizes seen only a few times are ignored while better-known ones exist.
-        let trusted: BTreeMap<u32, Point> =
-            self.points.iter().filter(|(_, p)| p.seen >= TRUSTED).map(|(k, p)| (*k, *p)).collect();
-        let pts = if trusted.is_empty() { &self.points } else { &trusted };
+        let pts = if self.trusted.is_empty() { &self.points } else { &self.trusted };
         if let Some(p) = pts.get(&b) {
             return f(p);
         }

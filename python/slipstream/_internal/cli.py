@@ -90,7 +90,7 @@ def cmd_status(a: argparse.Namespace) -> int:
         print(f"\npipeline {p['name']}  ({slo_s})  ok={p['ok']} errors={errs}  "
               f"latency p50={lat['p50']:.2f}ms p99={lat['p99']:.2f}ms")
         print(f"  admitted={p['admitted']} refused(429)={p['shed']} within SLO={p['slo_met']} late={p['slo_missed']}"
-              f"  errors by kind: {p['errors'] or '-'}")
+              f"  admission headroom={p.get('admission_headroom', 1.0):.2f}  errors by kind: {p['errors'] or '-'}")
         print(f"  {'stage':<16}{'replicas':>9}{'healthy':>8}{'queued':>7}{'batches':>9}{'batch mean':>11}"
               f"{'max':>5}{'limit':>6}{'dropped':>8}   {'ms: wait p50':>12}{'compute p50':>12}{'hop p50':>8}"
               f"{'hop p99':>8}")

@@ -1,0 +1,269 @@
+//! Admission control's last word: how much of a request's deadline budget
+//! the predicted finish may use before the request is refused.
+//!
+//! The node predicts a new request's finish from the queues ahead of it on
+//! its route and the latency profiles. That prediction is an *expected*
+//! value, and the SLO is on the tail, so refusing only requests whose
+//! expected finish overshoots lets through requests that then miss (in
+//! overload most admitted requests sit right at the edge). The gate keeps a
+//! headroom factor `h` and admits while `predicted <= h * budget`. It learns
+//! `h` from outcomes, AIMD over control intervals (as Clipper sizes batches,
+//! and as Breakwater sizes its credits from measured delay): every interval
+//! (100 ms and at least 20 finished requests) folds its miss rate among
+//! admitted requests into a moving average (weight 0.25, so about the last
+//! half second); while that average is above the target (half the SLO's
+//! allowed rate) each interval cuts `h` by 15%, and while it is at or under
+//! half the target each interval raises `h` by 0.02. Counting per interval
+//! and averaging matters: misses come in bursts (a stall delays everything
+//! queued), and a per-request rule swings `h` from its floor to 1 and back
+//! within a fraction of a second, settling at a miss rate well above the
+//! target.
+//!
+//! The gate also keeps its own, model-free estimate of the time a new
+//! request will spend in the pipeline, by Little's law: the requests
+//! admitted and not yet finished, over the rate at which requests have been
+//! finishing. The per-stage model (queues times profiled batch latency)
+//! misses what the profile does not know, such as replicas slowed down by
+//! CPU contention with each other and with the node; this estimate sees it,
+//! because it is measured. Admission uses the larger of the two.
+//!
+//! Pure logic: the caller reports admissions and outcomes, with its clock.
+
+/// Fraction of `h` cut after an interval with too many misses.
+const DECREASE: f64 = 0.15;
+/// Raise of `h` after an interval with few misses.
+const INCREASE: f64 = 0.02;
+/// Control interval, ns, and the fewest outcomes that make one.
+const INTERVAL_NS: u64 = 100_000_000;
+const INTERVAL_MIN: u64 = 20;
+/// The lowest headroom: never refuse what is predicted to finish within
+/// this fraction of its budget.
+pub const MIN_HEADROOM: f64 = 0.25;
+
+/// Completion-rate window, ns.
+const WINDOW_NS: u64 = 20_000_000;
+
+#[derive(Clone, Debug)]
+pub struct AdmissionGate {
+    headroom: f64,
+    /// Miss rate among admitted requests to aim for.
+    target: f64,
+    /// Moving average of the intervals' miss rates.
+    miss_avg: f64,
+    interval_start: u64,
+    interval_done: u64,
+    interval_missed: u64,
+    /// Admitted and not finished.
+    inflight: u64,
+    /// Completions per ns (EWMA over windows); 0 while unknown.
+    rate: f64,
+    window_start: u64,
+    window_done: u64,
+}
+
+impl AdmissionGate {
+    /// A gate aiming for an admitted-request miss rate of about
+    /// `max_miss_rate / 2` (e.g. 0.005 for an SLO allowing 1%).
+    pub fn new(max_miss_rate: f64) -> AdmissionGate {
+        AdmissionGate {
+            headroom: 1.0,
+            target: (max_miss_rate / 2.0).clamp(1e-4, 0.25),
+            miss_avg: 0.0,
+            interval_start: 0,
+            interval_done: 0,
+            interval_missed: 0,
+            inflight: 0,
+            rate: 0.0,
+            window_start: 0,
+            window_done: 0,
+        }
+    }
+
+    /// A request was admitted.
+    pub fn on_admit(&mut self) {
+        self.inflight += 1;
+    }
+
+    /// An admitted request left the pipeline at `now`: answered within its
+    /// deadline (`Some(true)`), missed it (`Some(false)`: answered late,
+    /// dropped late or timed out), or failed for another reason (`None`).
+    pub fn on_finish(&mut self, now: u64, met: Option<bool>) {
+        self.inflight = self.inflight.saturating_sub(1);
+        if let Some(met) = met {
+            self.on_outcome(now, met);
+        }
+        self.window_done += 1;
+        let elapsed = now.saturating_sub(self.window_start);
+        if elapsed >= WINDOW_NS {
+            let seen = self.window_done as f64 / elapsed as f64;
+            // A window that began after a long idle gap under-counts: restart it.
+            if elapsed < 10 * WINDOW_NS {
+                self.rate = if self.rate == 0.0 { seen } else { self.rate + 0.3 * (seen - self.rate) };
+            }
+            self.window_start = now;
+            self.window_done = 0;
+        }
+    }
+
+    /// Little's law: expected time in the pipeline for a request admitted
+    /// now (ns); 0 until a completion rate is known.
+    pub fn sojourn_ns(&self) -> u64 {
+        if self.rate <= 0.0 {
+            0
+        } else {
+            (self.inflight as f64 / self.rate) as u64
+        }
+    }
+
+    pub fn headroom(&self) -> f64 {
+        self.headroom
+    }
+
+    /// Admit a request predicted to finish `predicted_ns` from now with
+    /// `budget_ns` left before its deadline?
+    pub fn admits(&self, predicted_ns: u64, budget_ns: u64) -> bool {
+        predicted_ns as f64 <= self.headroom * budget_ns as f64
+    }
+
+    /// An admitted request finished at `now`: within its deadline or not
+    /// (dropped late and timed out count as not).
+    fn on_outcome(&mut self, now: u64, met: bool) {
+        self.interval_done += 1;
+        self.interval_missed += u64::from(!met);
+        if now.saturating_sub(self.interval_start) < INTERVAL_NS || self.interval_done < INTERVAL_MIN {
+            return;
+        }
+        let rate = self.interval_missed as f64 / self.interval_done as f64;
+        self.miss_avg += 0.25 * (rate - self.miss_avg);
+        if self.miss_avg > self.target {
+            self.headroom = (self.headroom * (1.0 - DECREASE)).max(MIN_HEADROOM);
+        } else if self.miss_avg <= self.target / 2.0 {
+            self.headroom = (self.headroom + INCREASE).min(1.0);
+        }
+        self.interval_start = now;
+        self.interval_done = 0;
+        self.interval_missed = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn starts_at_the_full_budget() {
+        let g = AdmissionGate::new(0.01);
+        assert!(g.admits(50, 50));
+        assert!(!g.admits(51, 50));
+    }
+
+    const MS: u64 = 1_000_000;
+
+    /// One control interval of `n` outcomes, `missed` of them misses, ending at `end_ms`.
+    fn interval(g: &mut AdmissionGate, end_ms: u64, n: u64, missed: u64) {
+        for i in 0..n {
+            g.on_admit();
+            let at = if i + 1 == n { end_ms * MS } else { (end_ms - 50) * MS };
+            g.on_finish(at, Some(i >= missed));
+        }
+    }
+
+    #[test]
+    fn bad_intervals_tighten_and_good_ones_loosen() {
+        let mut g = AdmissionGate::new(0.01);
+        interval(&mut g, 100, 100, 4); // 4%: average 1% > 0.5%
+        assert!((g.headroom() - 0.85).abs() < 1e-12);
+        assert!(!g.admits(90, 100) && g.admits(85, 100));
+        interval(&mut g, 200, 1000, 0); // average 0.75%: still too many
+        assert!((g.headroom() - 0.85 * 0.85).abs() < 1e-12);
+        interval(&mut g, 300, 1000, 0); // 0.56%
+        interval(&mut g, 400, 1000, 0); // 0.42%: between half the target and the target
+        assert!((g.headroom() - 0.85 * 0.85 * 0.85).abs() < 1e-12);
+        interval(&mut g, 500, 1000, 0); // 0.32%
+        interval(&mut g, 600, 1000, 0); // 0.24%: raise
+        assert!((g.headroom() - (0.85 * 0.85 * 0.85 + 0.02)).abs() < 1e-12);
+        for k in 7..100 {
+            interval(&mut g, k * 100, 100, 0);
+        }
+        assert_eq!(g.headroom(), 1.0);
+    }
+
+    #[test]
+    fn a_burst_of_misses_tightens_for_a_while() {
+        let mut g = AdmissionGate::new(0.01);
+        interval(&mut g, 100, 500, 200); // 40%: one cut per interval, not one per miss
+        assert!((g.headroom() - 0.85).abs() < 1e-12, "{}", g.headroom());
+        for k in 2..=10 {
+            interval(&mut g, k * 100, 500, 0);
+        }
+        assert!(g.headroom() < 0.3, "the average remembers the burst: {}", g.headroom());
+    }
+
+    #[test]
+    fn short_or_sparse_intervals_wait_for_more_outcomes() {
+        let mut g = AdmissionGate::new(0.01);
+        for i in 0..10 {
+            g.on_finish(i * 30 * MS, Some(false)); // 10 outcomes over 270 ms: too few
+        }
+        assert_eq!(g.headroom(), 1.0);
+    }
+
+    #[test]
+    fn littles_law_estimate_of_the_time_in_the_pipeline() {
+        let mut g = AdmissionGate::new(0.01);
+        assert_eq!(g.sojourn_ns(), 0, "unknown until requests finish");
+        // 1 request per ms finishing, 40 in flight: a new one takes ~40 ms.
+        for _ in 0..40 {
+            g.on_admit();
+        }
+        let ms = 1_000_000;
+        for t in 1..=200u64 {
+            g.on_admit();
+            g.on_finish(t * ms, Some(true));
+        }
+        let est = g.sojourn_ns() as f64 / ms as f64;
+        assert!((est - 40.0).abs() < 2.0, "{est} ms");
+        // Other failures leave the headroom alone but still leave the pipeline.
+        let h = g.headroom();
+        g.on_finish(201 * ms, None);
+        assert_eq!(g.headroom(), h);
+    }
+
+    #[test]
+    fn never_below_the_floor() {
+        let mut g = AdmissionGate::new(0.01);
+        for k in 1..100 {
+            interval(&mut g, k * 100, 50, 50);
+        }
+        assert_eq!(g.headroom(), MIN_HEADROOM);
+        assert!(g.admits(25, 100));
+    }
+
+    /// Each admitted request misses with a probability that rises with the
+    /// headroom (the more we let in, the more miss); the gate settles where
+    /// the miss rate is near the target.
+    #[test]
+    fn settles_near_the_target_miss_rate() {
+        let mut g = AdmissionGate::new(0.01);
+        let mut x: u64 = 12345;
+        let (mut admitted, mut missed) = (0u64, 0u64);
+        // 5,000 requests/s for 200 s.
+        for i in 0..1_000_000u64 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let u = (x >> 11) as f64 / (1u64 << 53) as f64;
+            // Miss probability 0 below h = 0.5, growing to 5% at h = 1.
+            let p_miss = ((g.headroom() - 0.5) / 0.5).max(0.0) * 0.05;
+            let met = u >= p_miss;
+            if i >= 200_000 {
+                admitted += 1;
+                missed += u64::from(!met);
+            }
+            g.on_admit();
+            g.on_finish(i * 200_000, Some(met));
+        }
+        let rate = missed as f64 / admitted as f64;
+        assert!(rate > 0.001 && rate < 0.01, "miss rate {rate}");
+    }
+}
