@@ -23,12 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -67,50 +64,6 @@ def measure(url: str, pipeline: str, body: bytes, rates: list[float], slo_ms: fl
               f"  miss {100 * misses / sent:6.2f}%  goodput {rows[-1]['goodput_rps']:8.0f}/s  {r['errors_by_kind']}",
               flush=True)
     return rows
-
-
-def proc_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
-
-
-def calibrate(url: str, pipeline: str, body: bytes, rate: float, a: argparse.Namespace) -> dict[str, float]:
-    """Measure, at a light load, the machine's overheads the profile does not
-    contain: the CPU per request spent outside the components (HTTP, codecs,
-    framing, the load generator itself), the hop latency per batch, and the
-    node's latency outside the stages. One short run; the model then predicts
-    every other load from these and the profile."""
-    urllib.request.urlopen(urllib.request.Request(url + "/v1/admin/reset-metrics", method="POST"), timeout=5)
-    st = get(url + "/v1/status")
-    pids = [st["pid"]] + [r["pid"] for p in st["pipelines"] for s in p["stages"] for r in s["replicas"]]
-    before = sum(proc_cpu_s(p) for p in pids) + sum(os.times()[:2])
-    cfg = {"url": f"{url}/v1/pipelines/{pipeline}/infer", "method": "POST", "body": list(body),
-           "content_type": "application/json", "headers": [], "rates": [rate], "duration_s": a.duration,
-           "warmup_s": 0.0, "arrival": {"kind": "poisson"}, "max_connections": 256, "timeout_s": 10.0,
-           "threads": 1, "seed": 5}
-    rep = json.loads(_core.bench(json.dumps(cfg), quiet=True))[0]
-    cpu = sum(proc_cpu_s(p) for p in pids) + sum(os.times()[:2]) - before
-    st = get(url + "/v1/status")
-    pst = next(p for p in st["pipelines"] if p["name"] == pipeline)
-    stages = pst["stages"]
-    compute_s = sum(s["compute_ms"]["mean"] * s["batches"] for s in stages) / 1e3
-    batches = sum(s["batches"] for s in stages)
-    requests = max(rep["ok"] + rep["errors"], 1)
-    hop_us = statistics.median(s["hop_ms"]["p50"] * 1e3 for s in stages)
-    batch_cpu_us = slo.DEFAULTS["batch_cpu_us"]
-    outside = max(cpu - compute_s - batches * batch_cpu_us / 1e6, 0.0)
-    in_stages = sum(s["queue_wait_ms"]["p50"] + s["compute_ms"]["p50"] + s["hop_ms"]["p50"] for s in stages)
-    ingress_us = max(pst["latency_ms"]["p50"] - in_stages, 0.0) * 1e3
-    cal = {"cpu_per_request_us": outside / requests * 1e6, "hop_us": hop_us, "batch_cpu_us": batch_cpu_us,
-           "ingress_us": ingress_us}
-    print(f"  calibration at {rate:.0f}/s: CPU outside components {cal['cpu_per_request_us']:.0f} us/request, "
-          f"hop {hop_us:.0f} us/batch, node latency outside stages {ingress_us:.0f} us", flush=True)
-    return cal
 
 
 def slo_holds(row: dict[str, Any], p99_ms: float, max_miss: float) -> bool:
@@ -160,13 +113,19 @@ def run_app(app: str, a: argparse.Namespace) -> dict[str, Any]:
     target, max_miss = pipe.slo.p99_ms, pipe.slo.max_miss_rate
     print(f"\n== {pipe.name}: SLO p99 <= {target} ms, misses <= {max_miss:.0%}; estimated capacity {cap:.0f}/s;"
           f" loads {rates}", flush=True)
+    light = (max(round(cap * 0.03), 20), max(round(cap * 0.15), 60))
+    print(f"  calibrating the machine's overheads at {light[0]} and {light[1]}/s ...", flush=True)
     with ss.launch(app, cwd=ROOT) as node:
-        cal = calibrate(node.url, pipe.name, body, max(rates[0] / 2, 50.0), a)
+        cal = slo.calibrate(node.url, pipe, prof, body, light, a.duration, a.cores)
+    print(f"  CPU outside components {cal['cpu_per_request_us']:.0f} us/request + {cal['batch_cpu_us']:.0f} us/batch;"
+          f" hop {cal['hop_us']:.0f} us; latency outside stages (p50/p90/p99/p99.9, ms) "
+          + "/".join(f"{v / 1e3:.2f}" for _, v in cal["external_us"][:4]), flush=True)
     cap = slo.capacity_estimate(pipe, prof, a.cores, cal["cpu_per_request_us"], cal["batch_cpu_us"])
     rates = [round(cap * f) for f in fractions]
     print(f"  calibrated capacity estimate {cap:.0f}/s; loads {rates}", flush=True)
     print("  predicted (SLO model):", flush=True)
-    predicted = slo.predict(pipe, prof, rates, cores=a.cores, duration_s=20.0, **cal)
+    overheads = {k: v for k, v in cal.items() if k != "measured"}
+    predicted = slo.predict(pipe, prof, rates, cores=a.cores, duration_s=20.0, **overheads)
     for p in predicted:
         print(f"    {p['offered_rps']:>8.0f}/s  p50 {p['p50_ms']:7.2f}  p99 {p['p99_ms']:7.2f} ms  "
               f"miss {100 * p['miss_rate']:6.2f}%  goodput {p['goodput_rps']:8.0f}/s", flush=True)
@@ -197,6 +156,12 @@ def run_app(app: str, a: argparse.Namespace) -> dict[str, Any]:
                          "predicted_p99_ms": p["p99_ms"], "relative_error": (p["p99_ms"] - m["p99_ms"]) / m["p99_ms"]})
     summary["prediction_errors"] = errs
     summary["overload_admitted_p99_ms"] = [r["p99_ms"] for r in dl if r["offered_rps"] > cap]
+    # Goodput at the same SLO and the same offered load, deadline-aware over fixed, at each load past capacity
+    # (where policies differ most: the fixed policy queues what it cannot serve in time).
+    summary["overload_goodput_ratios"] = [
+        {"offered_rps": d["offered_rps"], "deadline_goodput_rps": d["goodput_rps"], "fixed_goodput_rps": f["goodput_rps"],
+         "ratio": d["goodput_rps"] / f["goodput_rps"] if f["goodput_rps"] > 0 else None}
+        for d, f in zip(dl, fx, strict=True) if d["offered_rps"] > cap]
     out["summary"] = summary
     plot(RESULTS / f"slo_{pipe.name}.png", pipe.name, target,
          {"deadline-aware (measured)": dl, "fixed batching (measured)": fx,
@@ -226,7 +191,13 @@ def markdown(results: list[dict[str, Any]]) -> str:
                   f"{s['fixed_poisson']['max_goodput_rps']:.0f}/s (ratio {s['goodput_ratio_deadline_vs_fixed']:.2f}x)",
                   "- predicted vs measured p99 below capacity: " + ", ".join(
                       f"{e['offered_rps']:.0f}/s {100 * e['relative_error']:+.0f}%" for e in s["prediction_errors"]),
-                  f"- past capacity, admitted requests' p99 (ms): {[round(x, 1) for x in s['overload_admitted_p99_ms']]}", ""]
+                  f"- past capacity, admitted requests' p99 (ms): {[round(x, 1) for x in s['overload_admitted_p99_ms']]}",
+                  "- past capacity, goodput deadline-aware / fixed at the same offered load: " + ", ".join(
+                      f"{o['offered_rps']:.0f}/s {o['deadline_goodput_rps']:.0f} vs {o['fixed_goodput_rps']:.0f}"
+                      + (f" ({o['ratio']:.1f}x)" if o["ratio"] else " (fixed: none in time)")
+                      for o in s["overload_goodput_ratios"]),
+                  "- calibration: " + ", ".join(f"{k} {v:.0f}" for k, v in r["calibration"].items()
+                                                if isinstance(v, (int, float))), ""]
     return "\n".join(lines)
 
 

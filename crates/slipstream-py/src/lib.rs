@@ -97,6 +97,11 @@ struct SimRequest {
     batch_cpu_us: f64,
     ingress_us: f64,
     cpu_per_request_us: f64,
+    /// `[q, µs]` quantiles of latency outside the stages (see SimConfig).
+    #[serde(default)]
+    external_us: Vec<(f64, f64)>,
+    #[serde(default = "default_miss_rate")]
+    max_miss_rate: f64,
     policy: String,
     #[serde(default)]
     fixed_wait_ms: f64,
@@ -111,6 +116,10 @@ fn one() -> u32 {
 
 fn default_batch_cpu() -> f64 {
     60.0
+}
+
+fn default_miss_rate() -> f64 {
+    0.01
 }
 
 #[derive(serde::Deserialize)]
@@ -153,6 +162,8 @@ fn simulate(py: Python<'_>, config_json: &str) -> PyResult<String> {
         batch_cpu_ns: (r.batch_cpu_us * 1e3) as u64,
         ingress_ns: (r.ingress_us * 1e3) as u64,
         cpu_per_request_ns: (r.cpu_per_request_us * 1e3) as u64,
+        external_ns: r.external_us.iter().map(|&(q, us)| (q, (us.max(0.0) * 1e3) as u64)).collect(),
+        max_miss_rate: r.max_miss_rate,
         policy,
         max_wait_ns: (r.max_wait_ms * 1e6) as u64,
         admission: r.admission,
@@ -167,7 +178,9 @@ fn simulate(py: Python<'_>, config_json: &str) -> PyResult<String> {
         "dropped": res.dropped,
         "late": res.late,
         "p50_ms": res.p50_ms,
+        "p90_ms": res.p90_ms,
         "p99_ms": res.p99_ms,
+        "p999_ms": res.p999_ms,
         "miss_rate": res.miss_rate,
         "goodput_rps": res.goodput_rps,
     })

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -156,11 +157,15 @@ def plot_profile(path: Path, profiles: list[dict[str, Any]]) -> Path | None:
 
 # --- the SLO contract -------------------------------------------------------
 
-# Calibrated on this project's 2-core development machine (docs/benchmarks.md):
+# Used when a machine has not been calibrated (`slipstream slo --calibrate`);
+# measured on this project's 2-core development machine (docs/benchmarks.md):
 # hop = node -> worker -> node latency per batch beyond compute; batch_cpu =
-# the part of it that is CPU (Python framing); ingress = HTTP + codec latency
-# per request; cpu_per_request = node + load generator CPU per request.
+# CPU per batch outside the component (framing, the worker's loop, wake-ups);
+# ingress = HTTP + codec latency per request; cpu_per_request = node + load
+# generator CPU per request.
 DEFAULTS = {"hop_us": 300.0, "batch_cpu_us": 60.0, "ingress_us": 400.0, "cpu_per_request_us": 60.0}
+# Quantiles of the latency outside the stages that a calibration measures.
+EXTERNAL_QUANTILES = (0.5, 0.9, 0.99, 0.999)
 
 
 def load_profile_for(pipe: Pipeline, paths: list[Path]) -> dict[str, Any]:
@@ -177,14 +182,17 @@ def load_profile_for(pipe: Pipeline, paths: list[Path]) -> dict[str, Any]:
 
 def model_config(pipe: Pipeline, prof: dict[str, Any], rate: float, *, cores: float, duration_s: float,
                  policy: str = "deadline", fixed_wait_ms: float = 2.0, max_wait_ms: float = 2.0,
-                 admission: bool = True, burst: int = 1, seed: int = 1, **overheads: float) -> dict[str, Any]:
+                 admission: bool = True, burst: int = 1, seed: int = 1, **overheads: Any) -> dict[str, Any]:
     if pipe.slo is None:
         raise ConfigError(f"pipeline {pipe.name!r} declares no SLO")
     order = list(pipe.graph.nodes)
     stages = []
+    tail = overheads.pop("compute_tail", None) or {}
     for name in order:
         comp = pipe.stage(name)
-        pts = [[p["batch"], p["mean_ms"] * 1e3, p["p99_ms"] * 1e3] for p in prof["stages"][name]["points"]]
+        k = tail.get(name, 1.0)
+        pts = [[p["batch"], p["mean_ms"] * 1e3, max(p["p99_ms"], p["mean_ms"] * k) * 1e3]
+               for p in prof["stages"][name]["points"]]
         stages.append({
             "parents": [order.index(p) for p in pipe.graph.parents(name)],
             "replicas": int(comp.replicas),
@@ -195,7 +203,7 @@ def model_config(pipe: Pipeline, prof: dict[str, Any], rate: float, *, cores: fl
         "stages": stages, "slo_ms": pipe.slo.p99_ms, "rate": rate, "burst": burst,
         "duration_s": duration_s, "warmup_s": min(2.0, duration_s / 5), "cores": cores,
         "policy": policy, "fixed_wait_ms": fixed_wait_ms, "max_wait_ms": max_wait_ms,
-        "admission": admission, "seed": seed,
+        "admission": admission, "seed": seed, "max_miss_rate": pipe.slo.max_miss_rate,
     }
     cfg.update(DEFAULTS)
     cfg.update({k: v for k, v in overheads.items() if v is not None})
@@ -210,6 +218,105 @@ def predict(pipe: Pipeline, prof: dict[str, Any], rates: list[float], **kw: Any)
         res: dict[str, Any] = json.loads(_core.simulate(json.dumps(model_config(pipe, prof, r, **kw))))
         out.append(res)
     return out
+
+
+def calibration_path(target: str) -> Path:
+    """Where `slipstream slo --calibrate` keeps a machine's overheads: beside the app."""
+    return Path(target.split(":")[0]).with_suffix(".calibration.json")
+
+
+def load_calibration(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    doc = json.loads(path.read_text())
+    return {k: doc[k] for k in ("hop_us", "batch_cpu_us", "ingress_us", "cpu_per_request_us", "external_us",
+                                 "compute_tail") if k in doc}
+
+
+def _proc_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _get(url: str) -> Any:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def calibrate(url: str, pipe: Pipeline, prof: dict[str, Any], body: bytes, rates: tuple[float, float],
+              duration_s: float, cores: float) -> dict[str, Any]:
+    """Measure what the profile does not contain, by serving `pipe` on this
+    machine at two light loads (the load generator runs in this process):
+
+    - CPU outside the components, as `cpu_per_request * requests +
+      batch_cpu * batches` (two loads with different batch sizes give the
+      two unknowns): the node's HTTP and codecs, the workers' framing and
+      wake-ups, and the load generator;
+    - the hop: node -> worker -> node latency per batch beyond compute;
+    - the latency outside the stages, as quantiles: measured end-to-end
+      quantiles at the lighter load minus the model's own median there.
+      This is where a shared machine's scheduling delays show up.
+
+    Linux only (reads /proc)."""
+    import urllib.request
+
+    from slipstream import _core
+
+    runs = []
+    for rate in rates:
+        urllib.request.urlopen(urllib.request.Request(url + "/v1/admin/reset-metrics", method="POST"), timeout=5)
+        st = _get(url + "/v1/status")
+        pids = [st["pid"]] + [r["pid"] for p in st["pipelines"] for s in p["stages"] for r in s["replicas"]]
+        before = sum(_proc_cpu_s(p) for p in pids) + sum(os.times()[:2])
+        cfg = {"url": f"{url}/v1/pipelines/{pipe.name}/infer", "method": "POST", "body": list(body),
+               "content_type": "application/json", "headers": [], "rates": [rate], "duration_s": duration_s,
+               "warmup_s": 0.0, "arrival": {"kind": "poisson"}, "max_connections": 256, "timeout_s": 10.0,
+               "threads": 1, "seed": 5}
+        rep = json.loads(_core.bench(json.dumps(cfg), quiet=True))[0]
+        cpu = sum(_proc_cpu_s(p) for p in pids) + sum(os.times()[:2]) - before
+        pst = next(p for p in _get(url + "/v1/status")["pipelines"] if p["name"] == pipe.name)
+        stages = pst["stages"]
+        runs.append({
+            "rate": rate, "report": rep, "stages": stages,
+            "requests": max(rep["ok"] + rep["errors"], 1),
+            "batches": sum(s["batches"] for s in stages),
+            "outside_s": max(cpu - sum(s["compute_ms"]["mean"] * s["batches"] for s in stages) / 1e3, 0.0),
+        })
+    (lo, hi) = runs
+    # outside = a * requests + b * batches, from the two runs.
+    det = lo["requests"] * hi["batches"] - hi["requests"] * lo["batches"]
+    a = b = -1.0
+    if abs(det) > 1e-9:
+        a = (lo["outside_s"] * hi["batches"] - hi["outside_s"] * lo["batches"]) / det
+        b = (lo["requests"] * hi["outside_s"] - hi["requests"] * lo["outside_s"]) / det
+    if a < 0 or b < 0:  # too close to tell apart: keep the default per-batch cost
+        b = DEFAULTS["batch_cpu_us"] / 1e6
+        a = max(hi["outside_s"] - b * hi["batches"], 0.0) / hi["requests"]
+    cal: dict[str, Any] = {
+        "cpu_per_request_us": a * 1e6, "batch_cpu_us": b * 1e6,
+        "hop_us": statistics.median(s["hop_ms"]["p50"] * 1e3 for s in lo["stages"]),
+        "ingress_us": 0.0,
+    }
+    # Latency outside the stages: what the busier run measured beyond the
+    # model's own median there (the lighter run's tail is dominated by
+    # wake-ups from idle, which a loaded machine does not have).
+    base = predict(pipe, prof, [hi["rate"]], cores=cores, duration_s=max(duration_s, 10.0), **cal)[0]["p50_ms"]
+    lat = hi["report"]["latency_ms"]
+    ext, floor = [], 0.0
+    for q, key in zip(EXTERNAL_QUANTILES, ("p50", "p90", "p99", "p999"), strict=True):
+        floor = max(floor, lat[key] - base)
+        ext.append([q, floor * 1e3])
+    ext.append([1.0, max(floor, lat["max"] - base) * 1e3])
+    cal["external_us"] = ext
+    # Compute time on a shared machine has a longer tail than the profile,
+    # measured alone, shows: p99 / p50 per stage in the busier run.
+    cal["compute_tail"] = {s["name"]: s["compute_ms"]["p99"] / s["compute_ms"]["p50"]
+                           for s in hi["stages"] if s["compute_ms"]["p50"] > 0}
+    cal["measured"] = [{"rate": r["rate"], "requests": r["requests"], "batches": r["batches"],
+                        "cpu_outside_s": r["outside_s"], "latency_ms": r["report"]["latency_ms"]} for r in runs]
+    return cal
 
 
 def capacity_estimate(pipe: Pipeline, prof: dict[str, Any], cores: float,
