@@ -139,7 +139,7 @@ def _compare_slo(a: argparse.Namespace, reports: list[dict[str, Any]]) -> list[d
     prof = slo.load_profile_for(pipe, [default_profile_path(a.compare_slo)])
     if a.arrival != "bursty":
         a.burst = 1  # the model's arrivals match the generator's
-    predicted = _slo_table(a, pipe, prof, [r["offered_rps"] for r in reports])
+    predicted = _slo_table(a, pipe, prof, [r["offered_rps"] for r in reports], _overheads(a, a.compare_slo))
     rows = []
     print(f"\n{'offered/s':>10}{'measured p99':>14}{'predicted p99':>15}{'error':>8}{'measured miss%':>16}{'predicted miss%':>17}")
     for m, p in zip(reports, predicted, strict=True):
@@ -277,12 +277,49 @@ def cmd_profile(a: argparse.Namespace) -> int:
     return 0
 
 
-def _slo_table(a: argparse.Namespace, pipe: Any, prof: dict[str, Any], rates: list[float]) -> list[dict[str, Any]]:
+def _overheads(a: argparse.Namespace, app: str) -> dict[str, Any]:
+    """The machine's overheads for the model: flags, else the app's calibration file, else the defaults."""
+    from slipstream._internal import slo
+
+    out: dict[str, Any] = dict(slo.DEFAULTS)
+    cal = slo.load_calibration(slo.calibration_path(app))
+    if cal:
+        out.update(cal)
+    for k in ("hop_us", "batch_cpu_us", "ingress_us", "cpu_per_request_us"):
+        if getattr(a, k, None) is not None:
+            out[k] = getattr(a, k)
+    return out
+
+
+def _slo_table(a: argparse.Namespace, pipe: Any, prof: dict[str, Any], rates: list[float],
+               overheads: dict[str, Any]) -> list[dict[str, Any]]:
     from slipstream._internal import slo
 
     return slo.predict(pipe, prof, rates, cores=a.cores, duration_s=a.sim_duration, policy=a.batching,
-                       burst=a.burst, hop_us=a.hop_us, batch_cpu_us=a.batch_cpu_us, ingress_us=a.ingress_us,
-                       cpu_per_request_us=a.cpu_per_request_us)
+                       burst=a.burst, **overheads)
+
+
+def _calibrate(a: argparse.Namespace, pipe: Any, prof: dict[str, Any]) -> None:
+    """Serve the app here briefly at two light loads and save the machine's overheads."""
+    from slipstream._internal import slo
+    from slipstream._internal.launch import launch
+
+    cap = slo.capacity_estimate(pipe, prof, a.cores)
+    rates = tuple(float(r) for r in a.calibration_rates.split(",")) if a.calibration_rates else \
+        (max(round(cap * 0.03), 20), max(round(cap * 0.15), 60))
+    if len(rates) != 2:
+        raise SystemExit("slipstream: error: --calibration-rates takes two rates, e.g. 100,500")
+    body = json.dumps({"inputs": pipe._example_json() or
+                       {k: v.tolist() for k, v in pipe.example_batch(1).items()}}).encode()
+    print(f"calibrating {pipe.name} on this machine at {rates[0]:g} and {rates[1]:g} req/s "
+          f"({a.calibration_duration:g} s each) ...", file=sys.stderr)
+    with launch(a.app) as node:
+        cal = slo.calibrate(node.url, pipe, prof, body, (rates[0], rates[1]), a.calibration_duration, a.cores)
+    path = slo.calibration_path(a.app)
+    path.write_text(json.dumps({"pipeline": pipe.name, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **cal},
+                               indent=2))
+    print(f"  CPU outside components {cal['cpu_per_request_us']:.0f} us/request + {cal['batch_cpu_us']:.0f} us/batch;"
+          f" hop {cal['hop_us']:.0f} us; wrote {path}", file=sys.stderr)
 
 
 def cmd_slo(a: argparse.Namespace) -> int:
@@ -299,10 +336,13 @@ def cmd_slo(a: argparse.Namespace) -> int:
             print(f"{pipe.name}: no SLO declared, skipped", file=sys.stderr)
             continue
         prof = slo.load_profile_for(pipe, paths)
-        cap = slo.capacity_estimate(pipe, prof, a.cores)
+        if a.calibrate:
+            _calibrate(a, pipe, prof)
+        overheads = _overheads(a, a.app)
+        cap = slo.capacity_estimate(pipe, prof, a.cores, overheads["cpu_per_request_us"], overheads["batch_cpu_us"])
         rates = [float(r) for r in a.rates.split(",")] if a.rates else \
             [round(cap * f, 1) for f in (0.1, 0.25, 0.4, 0.55, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5)]
-        rows = _slo_table(a, pipe, prof, rates)
+        rows = _slo_table(a, pipe, prof, rates, overheads)
         best = max((r["offered_rps"] for r in rows if slo.holds(r, pipe)), default=0.0)
         print(f"\n{pipe.name}: SLO p99 <= {pipe.slo.p99_ms} ms, misses <= {pipe.slo.max_miss_rate:.1%}; "
               f"{a.cores:g} cores; capacity estimate {cap:.0f} req/s")
@@ -390,6 +430,11 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--profile", action="append", default=[])
     so.add_argument("--rates", help="comma-separated offered loads (default: 10%%..150%% of estimated capacity)")
     so.add_argument("--out")
+    so.add_argument("--calibrate", action="store_true",
+                    help="first serve the app here at two light loads and save the machine's overheads "
+                         "to APP.calibration.json (used by later runs)")
+    so.add_argument("--calibration-rates", help="the two light loads, req/s (default 3%% and 15%% of capacity)")
+    so.add_argument("--calibration-duration", type=float, default=5.0, help="seconds per calibration load")
     add_model_args(so)
     so.set_defaults(fn=cmd_slo)
     return ap
@@ -398,17 +443,19 @@ def build_parser() -> argparse.ArgumentParser:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     from slipstream._internal.slo import DEFAULTS
 
-    g = p.add_argument_group("SLO model")
+    g = p.add_argument_group("SLO model", "Overheads not given come from APP.calibration.json "
+                                          "(slipstream slo --calibrate), else from defaults.")
     g.add_argument("--cores", type=float, default=float(os.cpu_count() or 1), help="cores the replicas share")
     g.add_argument("--sim-duration", type=float, default=20.0, help="simulated seconds per load")
     if "--burst" not in p._option_string_actions:
         g.add_argument("--burst", type=int, default=1, help="arrivals per burst (1 = Poisson)")
-    g.add_argument("--hop-us", type=float, default=DEFAULTS["hop_us"], help="node-worker-node overhead per batch")
-    g.add_argument("--batch-cpu-us", type=float, default=DEFAULTS["batch_cpu_us"],
-                   help="CPU per batch spent framing (held on a core)")
-    g.add_argument("--ingress-us", type=float, default=DEFAULTS["ingress_us"], help="HTTP + codec latency per request")
-    g.add_argument("--cpu-per-request-us", type=float, default=DEFAULTS["cpu_per_request_us"],
-                   help="CPU the node and load generator spend per request")
+    g.add_argument("--hop-us", type=float, help=f"node-worker-node overhead per batch (default {DEFAULTS['hop_us']:g})")
+    g.add_argument("--batch-cpu-us", type=float,
+                   help=f"CPU per batch outside the component (default {DEFAULTS['batch_cpu_us']:g})")
+    g.add_argument("--ingress-us", type=float,
+                   help=f"HTTP + codec latency per request (default {DEFAULTS['ingress_us']:g})")
+    g.add_argument("--cpu-per-request-us", type=float,
+                   help=f"CPU the node and load generator spend per request (default {DEFAULTS['cpu_per_request_us']:g})")
     if "--batching" not in p._option_string_actions:
         g.add_argument("--batching", choices=["deadline", "fixed"], default="deadline")
 

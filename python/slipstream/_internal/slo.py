@@ -160,10 +160,11 @@ def plot_profile(path: Path, profiles: list[dict[str, Any]]) -> Path | None:
 # Used when a machine has not been calibrated (`slipstream slo --calibrate`);
 # measured on this project's 2-core development machine (docs/benchmarks.md):
 # hop = node -> worker -> node latency per batch beyond compute; batch_cpu =
-# CPU per batch outside the component (framing, the worker's loop, wake-ups);
+# CPU per batch outside the component (framing, the worker's loop, wake-ups;
+# 400 us is what calibrating examples/recsys.py found);
 # ingress = HTTP + codec latency per request; cpu_per_request = node + load
 # generator CPU per request.
-DEFAULTS = {"hop_us": 300.0, "batch_cpu_us": 60.0, "ingress_us": 400.0, "cpu_per_request_us": 60.0}
+DEFAULTS = {"hop_us": 300.0, "batch_cpu_us": 400.0, "ingress_us": 400.0, "cpu_per_request_us": 60.0}
 # Quantiles of the latency outside the stages that a calibration measures.
 EXTERNAL_QUANTILES = (0.5, 0.9, 0.99, 0.999)
 
@@ -264,6 +265,13 @@ def calibrate(url: str, pipe: Pipeline, prof: dict[str, Any], body: bytes, rates
 
     from slipstream import _core
 
+    # The CPU the node and the idle workers use with no load at all (timers,
+    # health checks), per second: taken off each run before fitting.
+    st = _get(url + "/v1/status")
+    pids = [st["pid"]] + [r["pid"] for p in st["pipelines"] for s in p["stages"] for r in s["replicas"]]
+    t0, before = time.perf_counter(), sum(_proc_cpu_s(p) for p in pids)
+    time.sleep(2.0)
+    idle_per_s = max(sum(_proc_cpu_s(p) for p in pids) - before, 0.0) / (time.perf_counter() - t0)
     runs = []
     for rate in rates:
         urllib.request.urlopen(urllib.request.Request(url + "/v1/admin/reset-metrics", method="POST"), timeout=5)
@@ -282,7 +290,8 @@ def calibrate(url: str, pipe: Pipeline, prof: dict[str, Any], body: bytes, rates
             "rate": rate, "report": rep, "stages": stages,
             "requests": max(rep["ok"] + rep["errors"], 1),
             "batches": sum(s["batches"] for s in stages),
-            "outside_s": max(cpu - sum(s["compute_ms"]["mean"] * s["batches"] for s in stages) / 1e3, 0.0),
+            "outside_s": max(cpu - sum(s["compute_ms"]["mean"] * s["batches"] for s in stages) / 1e3
+                             - idle_per_s * rep["duration_s"], 0.0),
         })
     (lo, hi) = runs
     # outside = a * requests + b * batches, from the two runs.
@@ -314,6 +323,7 @@ def calibrate(url: str, pipe: Pipeline, prof: dict[str, Any], body: bytes, rates
     # measured alone, shows: p99 / p50 per stage in the busier run.
     cal["compute_tail"] = {s["name"]: s["compute_ms"]["p99"] / s["compute_ms"]["p50"]
                            for s in hi["stages"] if s["compute_ms"]["p50"] > 0}
+    cal["idle_cpu_per_s"] = idle_per_s
     cal["measured"] = [{"rate": r["rate"], "requests": r["requests"], "batches": r["batches"],
                         "cpu_outside_s": r["outside_s"], "latency_ms": r["report"]["latency_ms"]} for r in runs]
     return cal
