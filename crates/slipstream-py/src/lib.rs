@@ -102,6 +102,8 @@ struct SimRequest {
     external_us: Vec<(f64, f64)>,
     #[serde(default = "default_miss_rate")]
     max_miss_rate: f64,
+    #[serde(default)]
+    preempt_slice_us: f64,
     policy: String,
     #[serde(default)]
     fixed_wait_ms: f64,
@@ -164,6 +166,7 @@ fn simulate(py: Python<'_>, config_json: &str) -> PyResult<String> {
         cpu_per_request_ns: (r.cpu_per_request_us * 1e3) as u64,
         external_ns: r.external_us.iter().map(|&(q, us)| (q, (us.max(0.0) * 1e3) as u64)).collect(),
         max_miss_rate: r.max_miss_rate,
+        preempt_slice_ns: (r.preempt_slice_us.max(0.0) * 1e3) as u64,
         policy,
         max_wait_ns: (r.max_wait_ms * 1e6) as u64,
         admission: r.admission,

@@ -58,6 +58,14 @@ pub struct SimConfig {
     pub external_ns: Vec<(f64, u64)>,
     /// Allowed SLO miss rate (the admission gate aims at half of it).
     pub max_miss_rate: f64,
+    /// How CPU contention stretches work (0: smoothly, by the
+    /// processor-sharing slowdown). Otherwise a piece of work is preempted
+    /// as a Poisson process and each preemption lasts an exponential time
+    /// with this mean, the scheduler's time slice: the same mean stretch,
+    /// but the long tail a shared machine shows (most batches run
+    /// unhurt, a few wait out other threads' slices). The node's own
+    /// per-request work (`cpu_per_request_ns`) is stretched the same way.
+    pub preempt_slice_ns: u64,
     pub policy: Policy,
     pub max_wait_ns: u64,
     pub admission: bool,
@@ -108,6 +116,22 @@ impl Rng {
             prev = (q, v);
         }
         prev.1
+    }
+    /// Extra time that `work_ns` of CPU work spends preempted, when
+    /// contention slows work down by `slowdown` on average: preemptions
+    /// arrive at rate `(slowdown - 1) / slice` per ns of work and each lasts
+    /// Exp(slice).
+    fn preempted(&mut self, work_ns: f64, slowdown: f64, slice_ns: f64) -> f64 {
+        if slowdown <= 1.0 || slice_ns <= 0.0 || work_ns <= 0.0 {
+            return 0.0;
+        }
+        let gap = slice_ns / (slowdown - 1.0);
+        let (mut t, mut extra) = (self.exp(gap), 0.0);
+        while t < work_ns {
+            extra += self.exp(slice_ns);
+            t += self.exp(gap);
+        }
+        extra
     }
     fn normal(&mut self) -> f64 {
         let (u1, u2) = (self.next_f64().max(1e-12), self.next_f64());
@@ -370,7 +394,12 @@ impl Sim<'_> {
                 let mean = truth.mean(n as u32);
                 (mean, (truth.predict(n as u32) - mean) / truth.k.max(1e-9))
             };
-            let service = (mean + dev * self.rng.normal()).max(0.3 * mean) * 1e3 * self.slowdown;
+            let work = (mean + dev * self.rng.normal()).max(0.3 * mean) * 1e3;
+            let service = if self.cfg.preempt_slice_ns > 0 {
+                work + self.rng.preempted(work, self.slowdown, self.cfg.preempt_slice_ns as f64)
+            } else {
+                work * self.slowdown
+            };
             let (service, now) = (service as u64, self.now);
             self.at(now + service + self.cfg.batch_cpu_ns, Event::CoreFree);
             self.at(now + service + self.cfg.hop_ns.max(self.cfg.batch_cpu_ns), Event::BatchDone { stage, replica: r });
@@ -402,7 +431,9 @@ impl Sim<'_> {
             if self.sinks.contains(&stage) {
                 self.reqs[id].sinks_left -= 1;
                 if self.reqs[id].sinks_left == 0 {
-                    let end = now + self.cfg.ingress_ns / 2 + self.rng.quantile(&self.cfg.external_ns);
+                    let own = self.cfg.cpu_per_request_ns as f64;
+                    let stretch = self.rng.preempted(own, self.slowdown, self.cfg.preempt_slice_ns as f64) as u64;
+                    let end = now + self.cfg.ingress_ns / 2 + self.rng.quantile(&self.cfg.external_ns) + stretch;
                     self.finished(id, Some(end));
                     let q = &mut self.reqs[id];
                     q.done = true;
@@ -557,6 +588,7 @@ mod tests {
             cpu_per_request_ns: 0,
             external_ns: vec![],
             max_miss_rate: 0.01,
+            preempt_slice_ns: 0,
             policy: Policy::DeadlineAware,
             max_wait_ns: 2_000_000,
             admission: true,
@@ -616,6 +648,21 @@ mod tests {
         let r = simulate(&c);
         assert!((r.p50_ms - base.p50_ms - 1.0).abs() < 0.5, "{base:?} {r:?}");
         assert!(r.p99_ms > base.p99_ms + 4.0 && r.p99_ms < base.p99_ms + 6.5, "{base:?} {r:?}");
+    }
+
+    #[test]
+    fn preemption_keeps_the_mean_stretch_and_lengthens_the_tail() {
+        let mut rng = Rng(3);
+        let (work, slowdown, slice) = (1_000_000.0, 1.5, 1_500_000.0);
+        let draws: Vec<f64> = (0..200_000).map(|_| rng.preempted(work, slowdown, slice)).collect();
+        let mean = draws.iter().sum::<f64>() / draws.len() as f64;
+        assert!((mean - work * (slowdown - 1.0)).abs() < 0.02 * work, "mean extra {mean}");
+        let unhurt = draws.iter().filter(|&&d| d == 0.0).count() as f64 / draws.len() as f64;
+        assert!(unhurt > 0.65 && unhurt < 0.75, "P(no preemption) = e^-(1/3): {unhurt}");
+        let mut sorted = draws.clone();
+        sorted.sort_by(f64::total_cmp);
+        assert!(sorted[(0.99 * sorted.len() as f64) as usize] > 4.0 * work * (slowdown - 1.0));
+        assert_eq!(rng.preempted(work, 1.0, slice), 0.0, "no contention, no preemption");
     }
 
     #[test]

@@ -18,6 +18,7 @@ highest rate at which the SLO holds.
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import statistics
@@ -181,6 +182,13 @@ def load_profile_for(pipe: Pipeline, paths: list[Path]) -> dict[str, Any]:
     raise ConfigError(f"no profile for pipeline {pipe.name!r}: run `slipstream profile` first")
 
 
+def scheduler_slice_us(cores: float) -> float:
+    """Linux's default time slice (EEVDF base slice, scaled as the kernel
+    does by default: 0.75 ms x (1 + log2 of the CPU count, at most 8)): how
+    long work waits when another thread takes its core."""
+    return 750.0 * (1 + math.floor(math.log2(max(1, min(int(cores), 8)))))
+
+
 def model_config(pipe: Pipeline, prof: dict[str, Any], rate: float, *, cores: float, duration_s: float,
                  policy: str = "deadline", fixed_wait_ms: float = 2.0, max_wait_ms: float = 2.0,
                  admission: bool = True, burst: int = 1, seed: int = 1, **overheads: Any) -> dict[str, Any]:
@@ -188,12 +196,10 @@ def model_config(pipe: Pipeline, prof: dict[str, Any], rate: float, *, cores: fl
         raise ConfigError(f"pipeline {pipe.name!r} declares no SLO")
     order = list(pipe.graph.nodes)
     stages = []
-    tail = overheads.pop("compute_tail", None) or {}
+    overheads.pop("compute_tail", None)  # measured for reference; contention is modelled by preemption
     for name in order:
         comp = pipe.stage(name)
-        k = tail.get(name, 1.0)
-        pts = [[p["batch"], p["mean_ms"] * 1e3, max(p["p99_ms"], p["mean_ms"] * k) * 1e3]
-               for p in prof["stages"][name]["points"]]
+        pts = [[p["batch"], p["mean_ms"] * 1e3, p["p99_ms"] * 1e3] for p in prof["stages"][name]["points"]]
         stages.append({
             "parents": [order.index(p) for p in pipe.graph.parents(name)],
             "replicas": int(comp.replicas),
@@ -205,6 +211,7 @@ def model_config(pipe: Pipeline, prof: dict[str, Any], rate: float, *, cores: fl
         "duration_s": duration_s, "warmup_s": min(2.0, duration_s / 5), "cores": cores,
         "policy": policy, "fixed_wait_ms": fixed_wait_ms, "max_wait_ms": max_wait_ms,
         "admission": admission, "seed": seed, "max_miss_rate": pipe.slo.max_miss_rate,
+        "preempt_slice_us": scheduler_slice_us(cores),
     }
     cfg.update(DEFAULTS)
     cfg.update({k: v for k, v in overheads.items() if v is not None})
