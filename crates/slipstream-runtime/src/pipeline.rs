@@ -247,7 +247,7 @@ impl PipelineRt {
 
     /// An admitted request entered the pipeline.
     pub fn on_start(&self) {
-        self.gate.lock().on_admit();
+        self.gate.lock().on_admit(self.now_ns());
     }
 
     /// An admitted request left the pipeline: within its deadline, not

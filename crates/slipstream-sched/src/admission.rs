@@ -21,11 +21,15 @@
 //!
 //! The gate also keeps its own, model-free estimate of the time a new
 //! request will spend in the pipeline, by Little's law: the requests
-//! admitted and not yet finished, over the rate at which requests have been
-//! finishing. The per-stage model (queues times profiled batch latency)
-//! misses what the profile does not know, such as replicas slowed down by
-//! CPU contention with each other and with the node; this estimate sees it,
-//! because it is measured. Admission uses the larger of the two.
+//! admitted and not yet finished, over the rate at which the pipeline
+//! finishes requests *while it has work* (completions per unit of busy
+//! time, so that idle gaps do not make a burst look slow: at a burst's
+//! onset the recent completion rate is the arrival rate, not the rate at
+//! which the pipeline can serve). The per-stage model (queues times
+//! profiled batch latency) misses what the profile does not know, such as
+//! replicas slowed down by CPU contention with each other and with the
+//! node; this estimate sees it, because it is measured. Admission uses the
+//! larger of the two.
 //!
 //! Pure logic: the caller reports admissions and outcomes, with its clock.
 
@@ -40,7 +44,7 @@ const INTERVAL_MIN: u64 = 20;
 /// this fraction of its budget.
 pub const MIN_HEADROOM: f64 = 0.25;
 
-/// Completion-rate window, ns.
+/// Busy time over which a completion rate is measured, ns.
 const WINDOW_NS: u64 = 20_000_000;
 
 #[derive(Clone, Debug)]
@@ -55,10 +59,11 @@ pub struct AdmissionGate {
     interval_missed: u64,
     /// Admitted and not finished.
     inflight: u64,
-    /// Completions per ns (EWMA over windows); 0 while unknown.
+    /// Completions per ns of busy time (EWMA over windows); 0 while unknown.
     rate: f64,
-    window_start: u64,
+    window_busy: u64,
     window_done: u64,
+    last_event: u64,
 }
 
 impl AdmissionGate {
@@ -74,13 +79,24 @@ impl AdmissionGate {
             interval_missed: 0,
             inflight: 0,
             rate: 0.0,
-            window_start: 0,
+            window_busy: 0,
             window_done: 0,
+            last_event: 0,
         }
     }
 
-    /// A request was admitted.
-    pub fn on_admit(&mut self) {
+    /// Count the time since the last admission or finish as busy if
+    /// anything was in flight.
+    fn advance(&mut self, now: u64) {
+        if self.inflight > 0 {
+            self.window_busy += now.saturating_sub(self.last_event);
+        }
+        self.last_event = self.last_event.max(now);
+    }
+
+    /// A request was admitted at `now`.
+    pub fn on_admit(&mut self, now: u64) {
+        self.advance(now);
         self.inflight += 1;
     }
 
@@ -88,19 +104,16 @@ impl AdmissionGate {
     /// deadline (`Some(true)`), missed it (`Some(false)`: answered late,
     /// dropped late or timed out), or failed for another reason (`None`).
     pub fn on_finish(&mut self, now: u64, met: Option<bool>) {
+        self.advance(now);
         self.inflight = self.inflight.saturating_sub(1);
         if let Some(met) = met {
             self.on_outcome(now, met);
         }
         self.window_done += 1;
-        let elapsed = now.saturating_sub(self.window_start);
-        if elapsed >= WINDOW_NS {
-            let seen = self.window_done as f64 / elapsed as f64;
-            // A window that began after a long idle gap under-counts: restart it.
-            if elapsed < 10 * WINDOW_NS {
-                self.rate = if self.rate == 0.0 { seen } else { self.rate + 0.3 * (seen - self.rate) };
-            }
-            self.window_start = now;
+        if self.window_busy >= WINDOW_NS {
+            let seen = self.window_done as f64 / self.window_busy as f64;
+            self.rate = if self.rate == 0.0 { seen } else { self.rate + 0.3 * (seen - self.rate) };
+            self.window_busy = 0;
             self.window_done = 0;
         }
     }
@@ -162,8 +175,8 @@ mod tests {
     /// One control interval of `n` outcomes, `missed` of them misses, ending at `end_ms`.
     fn interval(g: &mut AdmissionGate, end_ms: u64, n: u64, missed: u64) {
         for i in 0..n {
-            g.on_admit();
             let at = if i + 1 == n { end_ms * MS } else { (end_ms - 50) * MS };
+            g.on_admit(at);
             g.on_finish(at, Some(i >= missed));
         }
     }
@@ -213,12 +226,12 @@ mod tests {
         let mut g = AdmissionGate::new(0.01);
         assert_eq!(g.sojourn_ns(), 0, "unknown until requests finish");
         // 1 request per ms finishing, 40 in flight: a new one takes ~40 ms.
-        for _ in 0..40 {
-            g.on_admit();
-        }
         let ms = 1_000_000;
+        for _ in 0..40 {
+            g.on_admit(0);
+        }
         for t in 1..=200u64 {
-            g.on_admit();
+            g.on_admit(t * ms);
             g.on_finish(t * ms, Some(true));
         }
         let est = g.sojourn_ns() as f64 / ms as f64;
@@ -227,6 +240,30 @@ mod tests {
         let h = g.headroom();
         g.on_finish(201 * ms, None);
         assert_eq!(g.headroom(), h);
+    }
+
+    /// Bursts of 8 every 300 ms, each served in 40 ms: between bursts the
+    /// pipeline is idle, and that must not make it look slow.
+    #[test]
+    fn idle_gaps_do_not_count_against_the_rate() {
+        let mut g = AdmissionGate::new(0.01);
+        let ms = 1_000_000;
+        for burst in 0..20u64 {
+            let t0 = burst * 300 * ms;
+            for _ in 0..8 {
+                g.on_admit(t0);
+            }
+            for k in 1..=8u64 {
+                g.on_finish(t0 + 5 * k * ms, Some(true));
+            }
+        }
+        // The next burst: 8 in flight at 8 per 40 ms of busy time -> ~40 ms, not the ~300 ms the
+        // completion rate over wall time (8 per 300 ms) would say.
+        for _ in 0..8 {
+            g.on_admit(20 * 300 * ms);
+        }
+        let est = g.sojourn_ns() as f64 / ms as f64;
+        assert!(est > 30.0 && est < 50.0, "{est} ms");
     }
 
     #[test]
@@ -260,7 +297,7 @@ mod tests {
                 admitted += 1;
                 missed += u64::from(!met);
             }
-            g.on_admit();
+            g.on_admit(i * 200_000);
             g.on_finish(i * 200_000, Some(met));
         }
         let rate = missed as f64 / admitted as f64;

@@ -282,7 +282,7 @@ impl Sim<'_> {
                 return;
             }
         }
-        self.gate.on_admit();
+        self.gate.on_admit(self.now);
         self.at(t + self.cfg.ingress_ns / 2, Event::Enter(id));
     }
 

@@ -264,8 +264,8 @@ def calibrate(url: str, pipe: Pipeline, prof: dict[str, Any], body: bytes, rates
       wake-ups, and the load generator;
     - the hop: node -> worker -> node latency per batch beyond compute;
     - the latency outside the stages, as quantiles: measured end-to-end
-      quantiles at the lighter load minus the model's own median there.
-      This is where a shared machine's scheduling delays show up.
+      quantiles at the busier load minus the model's own quantiles there.
+      This is where what the model does not know shows up.
 
     Linux only (reads /proc)."""
     import urllib.request
@@ -315,16 +315,18 @@ def calibrate(url: str, pipe: Pipeline, prof: dict[str, Any], body: bytes, rates
         "hop_us": statistics.median(s["hop_ms"]["p50"] * 1e3 for s in lo["stages"]),
         "ingress_us": 0.0,
     }
-    # Latency outside the stages: what the busier run measured beyond the
-    # model's own median there (the lighter run's tail is dominated by
-    # wake-ups from idle, which a loaded machine does not have).
-    base = predict(pipe, prof, [hi["rate"]], cores=cores, duration_s=max(duration_s, 10.0), **cal)[0]["p50_ms"]
+    # Latency outside the stages: at the busier load, each measured quantile
+    # minus the model's own (without it) at that quantile. The model's own
+    # quantiles already hold its queueing and preemption, so only what it
+    # lacks is left (the lighter run's tail is dominated by wake-ups from
+    # idle, which a loaded machine does not have).
+    own = predict(pipe, prof, [hi["rate"]], cores=cores, duration_s=max(duration_s, 10.0), **cal)[0]
     lat = hi["report"]["latency_ms"]
     ext, floor = [], 0.0
     for q, key in zip(EXTERNAL_QUANTILES, ("p50", "p90", "p99", "p999"), strict=True):
-        floor = max(floor, lat[key] - base)
+        floor = max(floor, lat[key] - own[f"{key}_ms"])
         ext.append([q, floor * 1e3])
-    ext.append([1.0, max(floor, lat["max"] - base) * 1e3])
+    ext.append([1.0, max(floor, lat["max"] - own["p999_ms"]) * 1e3])
     cal["external_us"] = ext
     # Compute time on a shared machine has a longer tail than the profile,
     # measured alone, shows: p99 / p50 per stage in the busier run.
