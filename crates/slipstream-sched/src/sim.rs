@@ -401,8 +401,12 @@ impl Sim<'_> {
                 work * self.slowdown
             };
             let (service, now) = (service as u64, self.now);
+            // The hop is wake-ups and framing on both sides: under contention
+            // it waits for cores too.
+            let hop = self.cfg.hop_ns.max(self.cfg.batch_cpu_ns);
+            let hop = hop + self.rng.preempted(hop as f64, self.slowdown, self.cfg.preempt_slice_ns as f64) as u64;
             self.at(now + service + self.cfg.batch_cpu_ns, Event::CoreFree);
-            self.at(now + service + self.cfg.hop_ns.max(self.cfg.batch_cpu_ns), Event::BatchDone { stage, replica: r });
+            self.at(now + service + hop, Event::BatchDone { stage, replica: r });
         }
     }
 
