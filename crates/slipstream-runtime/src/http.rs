@@ -336,7 +336,7 @@ fn mark_fallback(r: &mut Resp, why: Option<&'static str>) {
 
 /// Share of its deadline budget a request must finish within to count as
 /// met for the admission gate.
-const GATE_SHARE: f64 = 0.9;
+const GATE_SHARE: f64 = 0.95;
 
 /// Run one admitted request through its pipeline's DAG. Its outcome (in
 /// time or not) feeds the admission gate.

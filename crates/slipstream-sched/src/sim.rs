@@ -287,10 +287,10 @@ impl Sim<'_> {
     }
 
     /// An admitted request left: as the node does, the gate counts it as met
-    /// when it finished within 90% of its budget.
+    /// when it finished within 95% of its budget.
     fn finished(&mut self, id: usize, end: Option<u64>) {
         let q = &self.reqs[id];
-        let met = end.map(|e| (e - q.arrival) as f64 <= 0.9 * (q.deadline - q.arrival) as f64);
+        let met = end.map(|e| (e - q.arrival) as f64 <= 0.95 * (q.deadline - q.arrival) as f64);
         self.gate.on_finish(self.now, Some(met.unwrap_or(false)));
     }
 
