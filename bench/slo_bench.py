@@ -124,7 +124,7 @@ def run_app(app: str, a: argparse.Namespace) -> dict[str, Any]:
     cap = slo.capacity_estimate(pipe, prof, a.cores)
     fractions = [float(f) for f in a.loads.split(",")]
     rates = [round(cap * f) for f in fractions]
-    body = json.dumps({"inputs": pipe._example_json() or {k: v.tolist() for k, v in pipe.example_batch(1).items()}}).encode()
+    body = slo.example_body(pipe)
     target, max_miss = pipe.slo.p99_ms, pipe.slo.max_miss_rate
     print(f"\n== {pipe.name}: SLO p99 <= {target} ms, misses <= {max_miss:.0%}; estimated capacity {cap:.0f}/s;"
           f" loads {rates}", flush=True)

@@ -21,6 +21,7 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::header::{HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
 use hyper::{Method, Response, StatusCode};
 use serde_json::{json, Value};
+use slipstream_sched::AdmissionGate;
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -334,10 +335,6 @@ fn mark_fallback(r: &mut Resp, why: Option<&'static str>) {
     }
 }
 
-/// Share of its deadline budget a request must finish within to count as
-/// met for the admission gate.
-const GATE_SHARE: f64 = 0.95;
-
 /// Run one admitted request through its pipeline's DAG. Its outcome (in
 /// time or not) feeds the admission gate.
 async fn infer(node: &Node, pipe: &Arc<PipelineRt>, tensors: Tensors, ticket: Ticket) -> Result<Tensors, NodeError> {
@@ -368,11 +365,9 @@ async fn infer(node: &Node, pipe: &Arc<PipelineRt>, tensors: Tensors, ticket: Ti
             } else {
                 m.slo_missed.fetch_add(1, Relaxed);
             }
-            // The gate aims a little inside the deadline: the client also
-            // sees the time before the node read the request and after it
-            // wrote the answer, which grows when the machine is overloaded.
-            let inner = req.deadline.saturating_duration_since(arrival).mul_f64(GATE_SHARE);
-            pipe.on_finish(Some(done.duration_since(arrival) <= inner));
+            let took = done.duration_since(arrival).as_nanos() as u64;
+            let budget = req.deadline.saturating_duration_since(arrival).as_nanos() as u64;
+            pipe.on_finish(Some(AdmissionGate::counts_as_met(took, budget)));
         }
         Err(e) => {
             let late = matches!(e, NodeError::DeadlineExceeded { .. } | NodeError::Timeout { .. });

@@ -63,8 +63,8 @@ pub struct SimConfig {
     /// as a Poisson process and each preemption lasts an exponential time
     /// with this mean, the scheduler's time slice: the same mean stretch,
     /// but the long tail a shared machine shows (most batches run
-    /// unhurt, a few wait out other threads' slices). The node's own
-    /// per-request work (`cpu_per_request_ns`) is stretched the same way.
+    /// unhurt, a few wait out other threads' slices). Hops and the node's
+    /// own per-request work (`cpu_per_request_ns`) are stretched the same way.
     pub preempt_slice_ns: u64,
     pub policy: Policy,
     pub max_wait_ns: u64,
@@ -286,12 +286,17 @@ impl Sim<'_> {
         self.at(t + self.cfg.ingress_ns / 2, Event::Enter(id));
     }
 
-    /// An admitted request left: as the node does, the gate counts it as met
-    /// when it finished within 95% of its budget.
+    /// An admitted request left: answered at `end`, or dropped (`None`).
     fn finished(&mut self, id: usize, end: Option<u64>) {
         let q = &self.reqs[id];
-        let met = end.map(|e| (e - q.arrival) as f64 <= 0.95 * (q.deadline - q.arrival) as f64);
-        self.gate.on_finish(self.now, Some(met.unwrap_or(false)));
+        let met = end.is_some_and(|e| AdmissionGate::counts_as_met(e - q.arrival, q.deadline - q.arrival));
+        self.gate.on_finish(self.now, Some(met));
+    }
+
+    /// Extra time `work_ns` of CPU work spends preempted under this load's
+    /// contention (see `SimConfig::preempt_slice_ns`).
+    fn preempted(&mut self, work_ns: f64) -> f64 {
+        self.rng.preempted(work_ns, self.slowdown, self.cfg.preempt_slice_ns as f64)
     }
 
     fn parents_of(&self, s: usize) -> usize {
@@ -395,16 +400,13 @@ impl Sim<'_> {
                 (mean, (truth.predict(n as u32) - mean) / truth.k.max(1e-9))
             };
             let work = (mean + dev * self.rng.normal()).max(0.3 * mean) * 1e3;
-            let service = if self.cfg.preempt_slice_ns > 0 {
-                work + self.rng.preempted(work, self.slowdown, self.cfg.preempt_slice_ns as f64)
-            } else {
-                work * self.slowdown
-            };
+            let service =
+                if self.cfg.preempt_slice_ns > 0 { work + self.preempted(work) } else { work * self.slowdown };
             let (service, now) = (service as u64, self.now);
             // The hop is wake-ups and framing on both sides: under contention
             // it waits for cores too.
             let hop = self.cfg.hop_ns.max(self.cfg.batch_cpu_ns);
-            let hop = hop + self.rng.preempted(hop as f64, self.slowdown, self.cfg.preempt_slice_ns as f64) as u64;
+            let hop = hop + self.preempted(hop as f64) as u64;
             self.at(now + service + self.cfg.batch_cpu_ns, Event::CoreFree);
             self.at(now + service + hop, Event::BatchDone { stage, replica: r });
         }
@@ -435,8 +437,7 @@ impl Sim<'_> {
             if self.sinks.contains(&stage) {
                 self.reqs[id].sinks_left -= 1;
                 if self.reqs[id].sinks_left == 0 {
-                    let own = self.cfg.cpu_per_request_ns as f64;
-                    let stretch = self.rng.preempted(own, self.slowdown, self.cfg.preempt_slice_ns as f64) as u64;
+                    let stretch = self.preempted(self.cfg.cpu_per_request_ns as f64) as u64;
                     let end = now + self.cfg.ingress_ns / 2 + self.rng.quantile(&self.cfg.external_ns) + stretch;
                     self.finished(id, Some(end));
                     let q = &mut self.reqs[id];

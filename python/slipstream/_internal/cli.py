@@ -309,8 +309,7 @@ def _calibrate(a: argparse.Namespace, pipe: Any, prof: dict[str, Any]) -> None:
         (max(round(cap * 0.03), 20), max(round(cap * 0.15), 60))
     if len(rates) != 2:
         raise SystemExit("slipstream: error: --calibration-rates takes two rates, e.g. 100,500")
-    body = json.dumps({"inputs": pipe._example_json() or
-                       {k: v.tolist() for k, v in pipe.example_batch(1).items()}}).encode()
+    body = slo.example_body(pipe)
     print(f"calibrating {pipe.name} on this machine at {rates[0]:g} and {rates[1]:g} req/s "
           f"({a.calibration_duration:g} s each) ...", file=sys.stderr)
     with launch(a.app) as node:

@@ -196,7 +196,6 @@ def model_config(pipe: Pipeline, prof: dict[str, Any], rate: float, *, cores: fl
         raise ConfigError(f"pipeline {pipe.name!r} declares no SLO")
     order = list(pipe.graph.nodes)
     stages = []
-    overheads.pop("compute_tail", None)  # measured for reference; contention is modelled by preemption
     for name in order:
         comp = pipe.stage(name)
         pts = [[p["batch"], p["mean_ms"] * 1e3, p["p99_ms"] * 1e3] for p in prof["stages"][name]["points"]]
@@ -235,6 +234,13 @@ def predict(pipe: Pipeline, prof: dict[str, Any], rates: list[float], *, duratio
     return out
 
 
+def example_body(pipe: Pipeline) -> bytes:
+    """One request to `pipe` as the pipeline API's JSON: its declared example,
+    else synthetic inputs of the declared types."""
+    inputs = pipe._example_json() or {k: v.tolist() for k, v in pipe.example_batch(1).items()}
+    return json.dumps({"inputs": inputs}).encode()
+
+
 def calibration_path(target: str) -> Path:
     """Where `slipstream slo --calibrate` keeps a machine's overheads: beside the app."""
     return Path(target.split(":")[0]).with_suffix(".calibration.json")
@@ -244,8 +250,8 @@ def load_calibration(path: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     doc = json.loads(path.read_text())
-    return {k: doc[k] for k in ("hop_us", "batch_cpu_us", "ingress_us", "cpu_per_request_us", "external_us",
-                                 "compute_tail") if k in doc}
+    return {k: doc[k] for k in ("hop_us", "batch_cpu_us", "ingress_us", "cpu_per_request_us", "external_us")
+            if k in doc}
 
 
 def _proc_cpu_s(pid: int) -> float:
@@ -335,10 +341,6 @@ def calibrate(url: str, pipe: Pipeline, prof: dict[str, Any], body: bytes, rates
         ext.append([q, floor * 1e3])
     ext.append([1.0, max(floor, lat["max"] - own["p999_ms"]) * 1e3])
     cal["external_us"] = ext
-    # Compute time on a shared machine has a longer tail than the profile,
-    # measured alone, shows: p99 / p50 per stage in the busier run.
-    cal["compute_tail"] = {s["name"]: s["compute_ms"]["p99"] / s["compute_ms"]["p50"]
-                           for s in hi["stages"] if s["compute_ms"]["p50"] > 0}
     cal["idle_cpu_per_s"] = idle_per_s
     cal["measured"] = [{"rate": r["rate"], "requests": r["requests"], "batches": r["batches"],
                         "cpu_outside_s": r["outside_s"], "latency_ms": r["report"]["latency_ms"]} for r in runs]
