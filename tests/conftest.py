@@ -27,10 +27,11 @@ SLIPSTREAM = [sys.executable, "-m", "slipstream._internal.cli"]
 class Node:
     """A running `slipstream serve` process."""
 
-    def __init__(self, app: str, *args: str, ready_timeout: float = 60.0):
+    def __init__(self, app: str, *args: str, ready_timeout: float = 60.0, env: dict[str, str] | None = None):
         self.proc = subprocess.Popen(
             [*SLIPSTREAM, "serve", app, "--port", "0", *args],
             cwd=ROOT,
+            env={**os.environ, **(env or {})},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

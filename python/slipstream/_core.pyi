@@ -28,6 +28,7 @@ def serve(
     drain_timeout_s: float = 0.0,
     worker_start_timeout_s: float = 0.0,
     pool_mb: int = 0,
+    admin_token: str | None = None,
     log: bool = True,
 ) -> None: ...
 def bench(config_json: str, quiet: bool = False) -> str: ...

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -14,8 +15,17 @@ from tests.conftest import APPS, Node, shm_files_of, wait_for
 
 
 def err(node: Node, path: str, body: object, **kw: object) -> tuple[int, str, str]:
-    status, out = node.post(path, body, **kw)
-    return status, out["error"]["kind"], out["error"]["message"]
+    """(status, kind, message) of an error answer, in either protocol's shape:
+    the pipeline API's `{"error": {"kind", "message"}}` or KServe v2's
+    `{"error": "message"}`; both carry the kind in a header."""
+    status, headers, raw = node.request("POST", path, body, **kw)  # type: ignore[arg-type]
+    kind = {k.lower(): v for k, v in headers.items()}["x-slipstream-error-kind"]
+    e = json.loads(raw)["error"]
+    if path.startswith("/v2/"):
+        assert isinstance(e, str), f"KServe v2 error bodies are {{'error': '<message>'}}, got {e!r}"
+        return status, kind, e
+    assert e["kind"] == kind
+    return status, kind, e["message"]
 
 
 def test_malformed_json(chain_node: Node) -> None:

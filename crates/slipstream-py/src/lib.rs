@@ -23,7 +23,7 @@ fn core_err(kind: &str, message: impl ToString) -> PyErr {
 
 /// Serve the app described by `spec_json` until SIGINT/SIGTERM.
 #[pyfunction]
-#[pyo3(signature = (spec_json, host="127.0.0.1", port=8000, threads=0, max_body_bytes=0, request_timeout_s=0.0, drain_timeout_s=0.0, worker_start_timeout_s=0.0, pool_mb=0, log=true))]
+#[pyo3(signature = (spec_json, host="127.0.0.1", port=8000, threads=0, max_body_bytes=0, request_timeout_s=0.0, drain_timeout_s=0.0, worker_start_timeout_s=0.0, pool_mb=0, admin_token=None, log=true))]
 #[allow(clippy::too_many_arguments)]
 fn serve(
     py: Python<'_>,
@@ -36,10 +36,12 @@ fn serve(
     drain_timeout_s: f64,
     worker_start_timeout_s: f64,
     pool_mb: usize,
+    admin_token: Option<String>,
     log: bool,
 ) -> PyResult<()> {
     let spec: AppSpec = serde_json::from_str(spec_json).map_err(|e| core_err("invalid_spec", e))?;
-    let mut opts = NodeOptions { host: host.to_string(), port, log, ..NodeOptions::default() };
+    let admin_token = admin_token.filter(|t| !t.is_empty());
+    let mut opts = NodeOptions { host: host.to_string(), port, log, admin_token, ..NodeOptions::default() };
     if threads > 0 {
         opts.threads = threads;
     }

@@ -9,12 +9,19 @@
 //!
 //! A [`TensorRef`] holds an `Arc<Block>`, so a block lives exactly as long as
 //! some request still needs a tensor in it.
+//!
+//! Replicas come and go at run time; a removed replica's pool goes back to a
+//! spare list and the next replica reuses it (pool ids index a list that
+//! only grows, and workers open pools by id). Reuse is safe once the old
+//! worker has exited: blocks it wrote that requests still hold keep their
+//! pages marked in the pool's bitmap, so the new worker allocates around
+//! them, and there is again exactly one allocator.
 
 use crate::error::NodeError;
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
-use slipstream_shm::{Block, Pool};
-use slipstream_types::{DType, TensorDesc};
+use slipstream_shm::{Block, BlockMut, Pool};
+use slipstream_types::{checked_numel, DType, TensorDesc};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -54,26 +61,31 @@ impl TensorRef {
         self.shape.first().copied().unwrap_or(1)
     }
 
-    /// Elements in one row (the product of the trailing dimensions).
-    fn row_elems(&self) -> u64 {
-        self.shape.iter().skip(1).product::<u64>()
+    /// Elements in one row (the product of the trailing dimensions), or
+    /// `None` if that overflows.
+    fn row_elems(&self) -> Option<u64> {
+        checked_numel(self.shape.get(1..).unwrap_or(&[]))
     }
 
     /// Split into consecutive pieces of `rows[i]` rows each, sharing the block.
     /// `None` if the rows do not add up, or variable-size elements are malformed.
     pub fn split_rows(&self, rows: &[u64]) -> Option<Vec<TensorRef>> {
-        let total: u64 = rows.iter().sum();
+        let total = rows.iter().try_fold(0u64, |a, &r| a.checked_add(r))?;
         if self.shape.first() != Some(&total) {
             return None;
         }
         // Byte offset of every row start, plus the end.
         let row_at: Vec<u64> = if self.dtype.is_variable() {
-            slipstream_types::var::group_offsets(self.bytes(), self.row_elems() as usize, total as usize)?
+            let per_row = usize::try_from(self.row_elems()?).ok()?;
+            slipstream_types::var::group_offsets(self.bytes(), per_row, usize::try_from(total).ok()?)?
                 .into_iter()
                 .map(|o| o as u64)
                 .collect()
         } else {
-            let rb = self.row_elems() * self.dtype.size() as u64;
+            let rb = self.row_elems()?.checked_mul(self.dtype.size() as u64)?;
+            if rb.checked_mul(total)? != self.nbytes {
+                return None;
+            }
             (0..=total).map(|r| r * rb).collect()
         };
         let mut out = Vec::with_capacity(rows.len());
@@ -156,6 +168,8 @@ pub struct Arena {
     dir: PathBuf,
     prefix: String,
     pools: RwLock<Vec<Arc<Pool>>>,
+    /// Pools of removed replicas, free for the next replica.
+    spare: Mutex<Vec<Arc<Pool>>>,
     pub copies: CopyCounters,
 }
 
@@ -163,7 +177,13 @@ impl Arena {
     /// Create the ingress pool (id 0) under `dir`.
     pub fn new(dir: PathBuf, ingress_bytes: usize) -> Result<Arena, NodeError> {
         let prefix = format!("slipstream-{}-{:x}", std::process::id(), rand_suffix());
-        let arena = Arena { dir, prefix, pools: RwLock::new(Vec::new()), copies: CopyCounters::default() };
+        let arena = Arena {
+            dir,
+            prefix,
+            pools: RwLock::new(Vec::new()),
+            spare: Mutex::new(Vec::new()),
+            copies: CopyCounters::default(),
+        };
         arena.create_pool(ingress_bytes)?;
         Ok(arena)
     }
@@ -178,7 +198,23 @@ impl Arena {
         self.dir.join(&self.prefix)
     }
 
-    pub fn create_pool(&self, capacity: usize) -> Result<Arc<Pool>, NodeError> {
+    /// A pool of at least `capacity` bytes for a new replica: a spare one
+    /// if there is one, else a new file.
+    pub fn replica_pool(&self, capacity: usize) -> Result<Arc<Pool>, NodeError> {
+        let mut spare = self.spare.lock();
+        if let Some(i) = spare.iter().position(|p| p.capacity_bytes() >= capacity) {
+            return Ok(spare.swap_remove(i));
+        }
+        drop(spare);
+        self.create_pool(capacity)
+    }
+
+    /// A removed replica's pool, once its worker has exited.
+    pub fn release_pool(&self, pool: Arc<Pool>) {
+        self.spare.lock().push(pool);
+    }
+
+    fn create_pool(&self, capacity: usize) -> Result<Arc<Pool>, NodeError> {
         let mut pools = self.pools.write();
         let id = pools.len() as u32;
         let pool = Arc::new(Pool::create(&self.pool_path(id), id, capacity)?);
@@ -217,9 +253,20 @@ impl Arena {
     }
 
     /// Allocate an ingress block and count the write that will fill it.
-    pub fn ingress_block(&self, nbytes: usize) -> Result<Arc<Block>, NodeError> {
+    pub fn ingress_block(&self, nbytes: usize) -> Result<BlockMut, NodeError> {
         CopyCounters::add(&self.copies.ingress, &self.copies.ingress_bytes, nbytes as u64);
-        Ok(Arc::new(Block::alloc(&self.ingress(), nbytes)?))
+        Ok(BlockMut::alloc(&self.ingress(), nbytes)?)
+    }
+
+    /// Allocate a block in the ingress pool for the node's own use (batch
+    /// gathers, warm-up samples); the caller counts the copy.
+    pub fn scratch_block(&self, nbytes: usize) -> Result<BlockMut, NodeError> {
+        Ok(BlockMut::alloc(&self.ingress(), nbytes)?)
+    }
+
+    /// Bytes in use over all pools.
+    pub fn used_bytes(&self) -> usize {
+        self.pools.read().iter().map(|p| p.used_pages() * p.page_size()).sum()
     }
 }
 

@@ -30,6 +30,14 @@ pub enum NodeError {
     DeadlineExceeded { stage: String },
     #[error("the node is shutting down")]
     ShuttingDown,
+    #[error("the client went away before the answer")]
+    Cancelled,
+    #[error("pipeline '{pipeline}' has no stage '{stage}' (stages: {known})")]
+    UnknownStage { pipeline: String, stage: String, known: String },
+    #[error("{0}")]
+    Unauthorized(String),
+    #[error("{0}")]
+    Forbidden(String),
     #[error("shared memory: {0}")]
     Arena(#[from] ShmError),
     #[error("internal error: {0}")]
@@ -51,12 +59,15 @@ impl NodeError {
             NodeError::Overloaded { .. } => "overloaded",
             NodeError::DeadlineExceeded { .. } => "deadline_exceeded",
             NodeError::ShuttingDown => "shutting_down",
+            NodeError::Cancelled => "cancelled",
+            NodeError::UnknownStage { .. } => "unknown_stage",
+            NodeError::Unauthorized(_) => "unauthorized",
+            NodeError::Forbidden(_) => "forbidden",
             NodeError::Arena(e) => e.kind(),
             NodeError::Internal(_) => "internal",
         }
     }
 
-    /// The one place where error kinds become HTTP statuses.
     /// Seconds a client should wait before retrying, for 429 and 503.
     pub fn retry_after_s(&self) -> Option<u64> {
         match self {
@@ -66,10 +77,13 @@ impl NodeError {
         }
     }
 
+    /// The one place where error kinds become HTTP statuses.
     pub fn http_status(&self) -> u16 {
         match self {
             NodeError::BadRequest(_) | NodeError::BadInput(_) => 400,
-            NodeError::UnknownPipeline(_) | NodeError::NotFound(_) => 404,
+            NodeError::Unauthorized(_) => 401,
+            NodeError::Forbidden(_) => 403,
+            NodeError::UnknownPipeline(_) | NodeError::NotFound(_) | NodeError::UnknownStage { .. } => 404,
             NodeError::MethodNotAllowed(_) => 405,
             NodeError::PayloadTooLarge { .. } => 413,
             NodeError::Component { .. } | NodeError::Internal(_) => 500,
@@ -78,6 +92,9 @@ impl NodeError {
             NodeError::Arena(_) => 500,
             NodeError::Timeout { .. } | NodeError::DeadlineExceeded { .. } => 504,
             NodeError::Overloaded { .. } => 429,
+            // nginx's "client closed request": never sent (nobody is
+            // listening), but it keeps the kind out of the 5xx family.
+            NodeError::Cancelled => 499,
         }
     }
 }

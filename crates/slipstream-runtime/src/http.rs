@@ -1,31 +1,38 @@
-//! The HTTP edge: routes, body limits, and the mapping of errors to
-//! responses (`{"error": {"kind": ..., "message": ...}}` with the status from
-//! [`NodeError::http_status`]).
+//! The HTTP edge: routes, body limits, admin authorisation, and the mapping
+//! of errors to responses, all in one place.
+//!
+//! Error bodies: on the pipeline API, `{"error": {"kind": ..., "message":
+//! ...}}`; on KServe v2 routes, the protocol's own `{"error": "<message>"}`
+//! so that its clients parse it. Both carry the stable kind in the
+//! `x-slipstream-error-kind` header, and the status from
+//! [`NodeError::http_status`].
 //!
 //! Routes:
 //! - pipeline API: `POST /v1/pipelines/{name}/infer`, `GET /v1/pipelines`,
-//!   `GET /v1/pipelines/{name}`, `GET /v1/status`, `POST /v1/admin/reset-metrics`
+//!   `GET /v1/pipelines/{name}`, `GET /v1/status`
+//! - admin (a bearer token is required unless the node listens on loopback
+//!   only and has no token set): `POST /v1/admin/reset-metrics`,
+//!   `POST /v1/admin/scale` with `{"pipeline", "stage", "replicas"}`
 //! - Open Inference Protocol (KServe v2): `POST /v2/models/{name}[/versions/{v}]/infer`,
 //!   `GET /v2/models/{name}`, `GET /v2/models/{name}/ready`, `GET /v2`,
 //!   `GET /v2/health/live`, `GET /v2/health/ready`
-//! - operations: `GET /healthz`, `GET /readyz`, `GET /metrics` (Prometheus)
+//! - operations: `GET /healthz`, `GET /readyz` (ready while every stage of
+//!   every pipeline has a serving replica), `GET /metrics` (Prometheus)
 
-use crate::arena::Tensors;
 use crate::codec::{self, BodyParts};
 use crate::error::NodeError;
-use crate::node::Node;
-use crate::pipeline::{PipelineRt, Request, Ticket};
+use crate::node::{Arrival, Node};
+use crate::pipeline::PipelineRt;
+use crate::report;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-use hyper::header::{HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
+use hyper::header::{HeaderValue, AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE};
 use hyper::{Method, Response, StatusCode};
 use serde_json::{json, Value};
-use slipstream_sched::AdmissionGate;
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
@@ -79,21 +86,60 @@ fn json_resp(status: u16, v: &Value) -> Resp {
     respond(status, "application/json", vec![Bytes::from(serde_json::to_vec(v).expect("serialises"))])
 }
 
-pub fn error_resp(e: &NodeError) -> Resp {
-    let mut r = json_resp(e.http_status(), &json!({"error": {"kind": e.kind(), "message": e.to_string()}}));
+/// Header carrying an error's stable kind on every error response.
+pub const ERROR_KIND_HEADER: &str = "x-slipstream-error-kind";
+
+/// The error response: the pipeline API's body, or KServe v2's (`v2`).
+pub fn error_resp(e: &NodeError, v2: bool) -> Resp {
+    let body = if v2 {
+        json!({"error": e.to_string()})
+    } else {
+        json!({"error": {"kind": e.kind(), "message": e.to_string()}})
+    };
+    let mut r = json_resp(e.http_status(), &body);
+    r.headers_mut().insert(ERROR_KIND_HEADER, HeaderValue::from_static(e.kind()));
     if let Some(s) = e.retry_after_s() {
         r.headers_mut().insert("retry-after", HeaderValue::from(s));
     }
     r
 }
 
-/// Entry point for every HTTP request.
-pub async fn handle(node: Arc<Node>, req: hyper::Request<Incoming>) -> Result<Resp, Infallible> {
-    let result = route(&node, req).await;
-    Ok(result.unwrap_or_else(|e| error_resp(&e)))
+/// Entry point for every HTTP request. `admin_open`: the listener is on
+/// loopback, so admin routes need a token only if one is set.
+pub async fn handle(node: Arc<Node>, admin_open: bool, req: hyper::Request<Incoming>) -> Result<Resp, Infallible> {
+    let v2 = req.uri().path().starts_with("/v2");
+    let result = route(&node, admin_open, req).await;
+    Ok(result.unwrap_or_else(|e| error_resp(&e, v2)))
 }
 
-async fn route(node: &Arc<Node>, req: hyper::Request<Incoming>) -> Result<Resp, NodeError> {
+/// Admin routes change the node: they need the node's bearer token when it
+/// has one, and are refused outright on a non-loopback listener without one.
+fn authorise_admin(node: &Node, admin_open: bool, req: &hyper::Request<Incoming>) -> Result<(), NodeError> {
+    let Some(token) = node.opts.admin_token.as_deref() else {
+        return if admin_open {
+            Ok(())
+        } else {
+            Err(NodeError::Forbidden(format!(
+                "admin routes are disabled: the node listens on {} without an admin token \
+                 (start it with --admin-token or SLIPSTREAM_ADMIN_TOKEN)",
+                node.opts.host
+            )))
+        };
+    };
+    let given = req.headers().get(AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    match given {
+        Some(g) if constant_time_eq(g.trim().as_bytes(), token.as_bytes()) => Ok(()),
+        Some(_) => Err(NodeError::Unauthorized("wrong admin token".into())),
+        None => Err(NodeError::Unauthorized("admin routes need 'Authorization: Bearer <admin token>'".into())),
+    }
+}
+
+/// Compare without an early exit, so timing does not reveal a prefix.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn route(node: &Arc<Node>, admin_open: bool, req: hyper::Request<Incoming>) -> Result<Resp, NodeError> {
     let arrival = arrival_of(&req)?;
     let path = req.uri().path().trim_end_matches('/').to_string();
     let parts: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
@@ -108,9 +154,9 @@ async fn route(node: &Arc<Node>, req: hyper::Request<Incoming>) -> Result<Resp, 
             }
             let pipe = node.pipeline(name)?;
             let body = read_body(node, req).await?;
-            let ticket = admit(node, &pipe, arrival)?;
+            let ticket = node.admit(&pipe, arrival)?;
             let tensors = codec::decode_v1(&body, &pipe.spec.inputs, &node.arena)?;
-            let ans = answer(node, &pipe, tensors, ticket).await?;
+            let ans = node.answer(&pipe, tensors, ticket).await?;
             let mut r = respond(200, "application/json", vec![Bytes::from(codec::encode_v1(&ans.outputs))]);
             mark_fallback(&mut r, ans.fallback);
             Ok(r)
@@ -127,9 +173,9 @@ async fn route(node: &Arc<Node>, req: hyper::Request<Incoming>) -> Result<Resp, 
                 })?),
             };
             let body = read_body(node, req).await?;
-            let ticket = admit(node, &pipe, arrival)?;
+            let ticket = node.admit(&pipe, arrival)?;
             let (tensors, v2req) = codec::decode_v2(&body, header_len, &pipe.spec.inputs, &node.arena)?;
-            let ans = answer(node, &pipe, tensors, ticket).await?;
+            let ans = node.answer(&pipe, tensors, ticket).await?;
             let enc = codec::encode_v2(pipe.name(), &v2req, &ans.outputs)?;
             let binary = enc.header_len.is_some();
             let mut r = respond(200, if binary { "application/octet-stream" } else { "application/json" }, enc.chunks);
@@ -139,7 +185,25 @@ async fn route(node: &Arc<Node>, req: hyper::Request<Incoming>) -> Result<Resp, 
             mark_fallback(&mut r, ans.fallback);
             Ok(r)
         }
-        _ if !(get || post && parts == ["v1", "admin", "reset-metrics"]) => {
+        ["v1", "admin", action] => {
+            if !post {
+                return Err(wrong_method());
+            }
+            authorise_admin(node, admin_open, &req)?;
+            match *action {
+                "reset-metrics" => {
+                    node.reset_metrics();
+                    Ok(json_resp(200, &json!({"reset": true})))
+                }
+                "scale" => {
+                    let body = read_body(node, req).await?;
+                    let ask = parse_scale(&body)?;
+                    Ok(json_resp(200, &node.scale(&ask.pipeline, &ask.stage, ask.replicas)?))
+                }
+                _ => Err(NodeError::NotFound(format!("{method} {path}"))),
+            }
+        }
+        _ if !get => {
             if known_get_route(&parts) {
                 Err(wrong_method())
             } else {
@@ -150,18 +214,14 @@ async fn route(node: &Arc<Node>, req: hyper::Request<Incoming>) -> Result<Resp, 
         ["readyz"] | ["v2", "health", "ready"] => Ok(if node.is_ready() {
             json_resp(200, &json!({"status": "ready"}))
         } else {
-            json_resp(503, &json!({"status": "not ready", "draining": node.draining.load(Relaxed)}))
+            json_resp(503, &json!({"status": "not ready", "draining": node.is_draining(), "stages": not_ready(node)}))
         }),
         ["v1", "pipelines"] => {
             Ok(json_resp(200, &json!({"pipelines": node.pipelines.values().map(|p| describe(p)).collect::<Vec<_>>()})))
         }
         ["v1", "pipelines", name] => Ok(json_resp(200, &describe(node.pipeline(name)?.as_ref()))),
-        ["v1", "status"] => Ok(json_resp(200, &node.status())),
-        ["v1", "admin", "reset-metrics"] => {
-            node.reset_metrics();
-            Ok(json_resp(200, &json!({"reset": true})))
-        }
-        ["metrics"] => Ok(respond(200, "text/plain; version=0.0.4", vec![Bytes::from(node.prometheus())])),
+        ["v1", "status"] => Ok(json_resp(200, &report::status(node))),
+        ["metrics"] => Ok(respond(200, "text/plain; version=0.0.4", vec![Bytes::from(report::prometheus(node))])),
         ["v2"] => Ok(json_resp(
             200,
             &json!({"name": "slipstream", "version": env!("CARGO_PKG_VERSION"), "extensions": ["binary_tensor_data"]}),
@@ -170,8 +230,8 @@ async fn route(node: &Arc<Node>, req: hyper::Request<Incoming>) -> Result<Resp, 
             Ok(json_resp(200, &v2_metadata(node.pipeline(name)?.as_ref())))
         }
         ["v2", "models", name, "ready"] | ["v2", "models", name, "versions", _, "ready"] => {
-            node.pipeline(name)?;
-            Ok(if node.is_ready() {
+            let pipe = node.pipeline(name)?;
+            Ok(if node.pipeline_ready(&pipe) {
                 json_resp(200, &json!({"ready": true}))
             } else {
                 json_resp(503, &json!({"ready": false}))
@@ -224,23 +284,6 @@ async fn read_body(node: &Node, req: hyper::Request<Incoming>) -> Result<BodyPar
     Ok(BodyParts::new(kept))
 }
 
-/// Counts a request as in flight for as long as it lives (graceful drain).
-struct InFlight<'a>(&'a Node);
-
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        if self.0.inflight.fetch_sub(1, Relaxed) == 1 {
-            self.0.idle.notify_waiters();
-        }
-    }
-}
-
-/// When the request arrived and the deadline budget it asked for.
-pub struct Arrival {
-    pub at: Instant,
-    pub budget: Option<std::time::Duration>,
-}
-
 /// Header by which a client asks for a deadline tighter than the SLO, in ms from arrival.
 pub const DEADLINE_HEADER: &str = "x-slipstream-deadline-ms";
 
@@ -260,122 +303,10 @@ fn arrival_of(req: &hyper::Request<Incoming>) -> Result<Arrival, NodeError> {
     Ok(Arrival { at: Instant::now(), budget })
 }
 
-/// Admission control, decided before the body is decoded, so that refusing
-/// a request costs as little CPU as possible when the node is overloaded.
-/// Ok(Err(..)): refused, but the pipeline declares a fallback answer, which
-/// needs the decoded request (its row count); Err: refused outright.
-fn admit(node: &Node, pipe: &PipelineRt, arrival: Arrival) -> Result<Result<Ticket, NodeError>, NodeError> {
-    if node.draining.load(Relaxed) {
-        return Err(NodeError::ShuttingDown);
-    }
-    let ticket = pipe.ticket(node.next_id.fetch_add(1, Relaxed), arrival.at, arrival.budget);
-    if !node.admission {
-        return Ok(Ok(ticket));
-    }
-    match pipe.admit(&ticket) {
-        Ok(()) => Ok(Ok(ticket)),
-        Err(over) => {
-            let m = &pipe.metrics;
-            m.shed.fetch_add(1, Relaxed);
-            let e = NodeError::Overloaded {
-                budget_ms: ticket.deadline.saturating_duration_since(arrival.at).as_millis() as u64,
-                over_ms: over.as_millis() as u64,
-            };
-            m.error(e.kind());
-            if pipe.spec.fallback.is_some() {
-                Ok(Err(e))
-            } else {
-                Err(e)
-            }
-        }
-    }
-}
-
-/// A pipeline's answer: its outputs, or the declared fallback (and why).
-pub struct Answer {
-    pub outputs: Tensors,
-    pub fallback: Option<&'static str>,
-}
-
-/// Run one admitted request; answer with the pipeline's declared fallback
-/// (Clipper's default output) instead of an error when it was refused or
-/// ran out of time.
-async fn answer(
-    node: &Node,
-    pipe: &Arc<PipelineRt>,
-    tensors: Tensors,
-    ticket: Result<Ticket, NodeError>,
-) -> Result<Answer, NodeError> {
-    let rows = crate::pipeline::request_rows(&tensors);
-    let result = match ticket {
-        Ok(t) => infer(node, pipe, tensors, t).await,
-        Err(e) => Err(e),
-    };
-    match result {
-        Ok(outputs) => Ok(Answer { outputs, fallback: None }),
-        Err(e @ (NodeError::Overloaded { .. } | NodeError::DeadlineExceeded { .. } | NodeError::Timeout { .. }))
-            if pipe.spec.fallback.is_some() =>
-        {
-            let outputs = codec::fallback_outputs(
-                pipe.spec.fallback.as_ref().expect("checked"),
-                rows,
-                &pipe.spec.outputs,
-                &node.arena,
-            )?;
-            pipe.metrics.fallback.fetch_add(1, Relaxed);
-            Ok(Answer { outputs, fallback: Some(e.kind()) })
-        }
-        Err(e) => Err(e),
-    }
-}
-
 fn mark_fallback(r: &mut Resp, why: Option<&'static str>) {
     if let Some(kind) = why {
         r.headers_mut().insert("x-slipstream-fallback", HeaderValue::from_static(kind));
     }
-}
-
-/// Run one admitted request through its pipeline's DAG. Its outcome (in
-/// time or not) feeds the admission gate.
-async fn infer(node: &Node, pipe: &Arc<PipelineRt>, tensors: Tensors, ticket: Ticket) -> Result<Tensors, NodeError> {
-    node.inflight.fetch_add(1, Relaxed);
-    let _guard = InFlight(node);
-    let arrival = ticket.arrival;
-    let (req, rx) = Request::new(pipe.clone(), tensors, ticket);
-    let m = &pipe.metrics;
-    m.admitted.fetch_add(1, Relaxed);
-    pipe.on_start();
-    req.start();
-    let result = match tokio::time::timeout(pipe.timeout, rx).await {
-        Ok(Ok(reply)) => reply,
-        Ok(Err(_)) => Err(NodeError::Internal("request was dropped without an answer".into())),
-        Err(_) => {
-            let ms = pipe.timeout.as_millis() as u64;
-            req.fail(NodeError::Timeout { ms });
-            Err(NodeError::Timeout { ms })
-        }
-    };
-    match &result {
-        Ok(_) => {
-            let done = Instant::now();
-            m.ok.fetch_add(1, Relaxed);
-            m.latency_us.record(done.duration_since(arrival).as_micros() as u64);
-            if done <= req.deadline {
-                m.slo_met.fetch_add(1, Relaxed);
-            } else {
-                m.slo_missed.fetch_add(1, Relaxed);
-            }
-            let took = done.duration_since(arrival).as_nanos() as u64;
-            let budget = req.deadline.saturating_duration_since(arrival).as_nanos() as u64;
-            pipe.on_finish(Some(AdmissionGate::counts_as_met(took, budget)));
-        }
-        Err(e) => {
-            let late = matches!(e, NodeError::DeadlineExceeded { .. } | NodeError::Timeout { .. });
-            pipe.on_finish(if late { Some(false) } else { None });
-            m.error(e.kind());
-        }
-    }
-    result
 }
 
 /// `GET /v1/pipelines/{name}`: stages, inputs with dtypes and shapes, SLO.
@@ -389,7 +320,7 @@ pub fn describe(p: &PipelineRt) -> Value {
     json!({
         "name": p.name(),
         "inputs": tensors(&p.spec.inputs),
-        "outputs": tensors(&p.spec.outputs),
+        "outputs": p.outputs().map_or(json!({}), tensors),
         "slo": p.spec.slo.map(|s| json!({"p99_ms": s.p99_ms, "max_miss_rate": s.max_miss_rate})),
         "timeout_ms": p.timeout.as_millis() as u64,
         "example": p.spec.example,
@@ -397,8 +328,8 @@ pub fn describe(p: &PipelineRt) -> Value {
         "stages": p.stages.iter().map(|s| json!({
             "name": s.name,
             "component": s.component,
-            "parents": s.parents.iter().map(|&i| p.stages[i].name.clone()).collect::<Vec<_>>(),
-            "replicas": s.replicas.len(),
+            "parents": p.dag.parents[s.index].iter().map(|&i| p.stages[i].name.clone()).collect::<Vec<_>>(),
+            "replicas": s.live_replicas(),
             "max_batch_size": s.max_batch,
         })).collect::<Vec<_>>(),
     })
@@ -410,6 +341,29 @@ fn v2_metadata(p: &PipelineRt) -> Value {
         "versions": ["1"],
         "platform": "slipstream",
         "inputs": p.spec.inputs.iter().map(|(n, s)| codec::v2_tensor_meta(n, s)).collect::<Vec<_>>(),
-        "outputs": p.spec.outputs.iter().map(|(n, s)| codec::v2_tensor_meta(n, s)).collect::<Vec<_>>(),
+        "outputs": p.outputs().map_or(vec![], |o| o.iter().map(|(n, s)| codec::v2_tensor_meta(n, s)).collect()),
+    })
+}
+
+/// Stages that have no serving replica, as `pipeline/stage`.
+fn not_ready(node: &Node) -> Vec<String> {
+    node.pipelines
+        .values()
+        .flat_map(|p| p.stages.iter().filter(|s| !s.is_ready()).map(move |s| format!("{}/{}", p.name(), s.name)))
+        .collect()
+}
+
+/// A scale request: `{"pipeline": "p", "stage": "s", "replicas": 3}`.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ScaleRequest {
+    pipeline: String,
+    stage: String,
+    replicas: usize,
+}
+
+fn parse_scale(body: &BodyParts) -> Result<ScaleRequest, NodeError> {
+    serde_json::from_slice(&body.to_vec()).map_err(|e| {
+        NodeError::BadRequest(format!("scale takes {{\"pipeline\": NAME, \"stage\": NAME, \"replicas\": N}}: {e}"))
     })
 }

@@ -1,9 +1,9 @@
 //! Counters and latency histograms for stages and pipelines.
 //!
 //! Recording is cheap (an atomic add, or an uncontended mutex around an
-//! HdrHistogram) because it happens on the request path. Reading builds a
-//! snapshot for `/v1/status` (summarised by `slipstream status`) and the
-//! Prometheus text on `/metrics`.
+//! HdrHistogram) because it happens on the request path. [`crate::report`]
+//! reads them into `/v1/status` (summarised by `slipstream status`) and the
+//! Prometheus text on `/metrics`, written with [`PromText`].
 
 use hdrhistogram::Histogram;
 use parking_lot::Mutex;
@@ -93,6 +93,8 @@ pub struct PipelineMetrics {
     pub slo_missed: AtomicU64,
     /// Answered with the declared fallback instead of an error.
     pub fallback: AtomicU64,
+    /// Admitted, then abandoned by their client before the answer.
+    pub cancelled: AtomicU64,
     pub errors: Mutex<BTreeMap<&'static str, u64>>,
     /// End-to-end latency inside the node (body read to response ready), µs.
     pub latency_us: Hist,
@@ -118,7 +120,9 @@ impl StageMetrics {
 
 impl PipelineMetrics {
     pub fn reset(&self) {
-        for c in [&self.ok, &self.admitted, &self.shed, &self.slo_met, &self.slo_missed, &self.fallback] {
+        for c in
+            [&self.ok, &self.admitted, &self.shed, &self.slo_met, &self.slo_missed, &self.fallback, &self.cancelled]
+        {
             c.store(0, Relaxed);
         }
         self.errors.lock().clear();

@@ -1,117 +1,86 @@
-//! Pipelines at run time: stages, replicas' queues, and the life of a request
-//! through the DAG.
+//! Pipelines at run time: stages and their replica sets, ingress routing,
+//! admission, and placing a request's work on a replica's queue.
 //!
-//! A request is a small state machine owned by the node. Its route (one
-//! replica per stage) is fixed at ingress by the router, so the parts of a
-//! fan-in are bound for one replica by construction; the join itself happens
-//! here, in the request's state: a stage is enqueued when its last parent has
-//! finished. A request finishes exactly once, with its answer or an error
-//! (the first to come wins); after that its queued work is skipped and its
-//! tensors are released, which is also how half-joined parts are cleaned up
-//! when a request times out.
+//! A stage's replica set changes at run time (the `scale` admin route,
+//! replicas leaving when they are removed). It is a copy-on-write list:
+//! readers take a snapshot (`Arc<Vec<..>>`), writers replace it. A request
+//! holds `Arc`s to the replicas of its route, so a replica removed while a
+//! request is bound for it is still a valid object: it refuses new work
+//! once draining, and [`PipelineRt::enqueue`] then places the work on
+//! another replica of the stage. Fan-in parts still meet, because the join
+//! lives in the request, not in a replica.
+//!
+//! Routing and admission read each replica's published load only; the
+//! predictions are [`slipstream_sched`]'s, shared with the simulator.
 
-use crate::arena::{TensorRef, Tensors};
+use crate::arena::Tensors;
 use crate::error::NodeError;
 use crate::metrics::{PipelineMetrics, StageMetrics};
+use crate::replica::{Phase, Replica};
+use crate::request::Request;
 use crate::spec::PipelineSpec;
-use parking_lot::Mutex;
-use slipstream_sched::{choose_replica, AdmissionGate, BatchFormer, EdfQueue, ReplicaLoad};
+use parking_lot::{Mutex, RwLock};
+use slipstream_sched::{choose_replica, AdmissionGate, BatchFormer, Dag, ReplicaLoad};
 use slipstream_shm::Pool;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use slipstream_types::{DType, TensorSpec};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::sync::Arc;
-use std::time::Instant;
-use tokio::sync::{oneshot, Notify};
+use std::time::{Duration, Instant};
 
-pub type Reply = Result<Tensors, NodeError>;
+/// A stage's replicas, in order of creation.
+pub type ReplicaSet = Arc<Vec<Arc<Replica>>>;
 
-/// One queued unit of work: a request waiting for a stage replica.
-pub struct Work {
-    pub req: Arc<Request>,
-    pub enqueued: Instant,
+/// One request's inputs to a stage, copied to the heap, to warm up a new
+/// replica's worker before it takes traffic. Kept off the arena so that an
+/// idle node's arena is empty; copied in only for the warm-up batch.
+pub struct Sample {
+    /// (name, dtype, shape, bytes) per input.
+    pub inputs: Vec<(String, DType, Vec<u64>, Vec<u8>)>,
+    pub taken: Instant,
 }
 
-/// A worker replica of a stage, as the scheduler sees it.
-pub struct Replica {
-    pub index: usize,
-    pub pool: Arc<Pool>,
-    pub queue: Mutex<EdfQueue<Work>>,
-    pub notify: Notify,
-    pub healthy: AtomicBool,
-    /// Requests queued at or running on this replica.
-    pub outstanding: AtomicUsize,
-    pub last_batch: AtomicUsize,
-    pub pid: AtomicUsize,
-    /// Batch sizing policy and this replica's latency profile.
-    pub former: Mutex<BatchFormer>,
-    /// When the batch now running was sent (ns since the pipeline epoch; 0 = idle),
-    /// and how long it was predicted to take: for admission control.
-    pub busy_since_ns: AtomicU64,
-    pub busy_predicted_ns: AtomicU64,
-    /// Recent queue wait of dispatched requests (EWMA, ns): catches what the
-    /// backlog model misses, such as replicas of other stages taking the cores.
-    pub wait_ewma_ns: AtomicU64,
-}
-
-impl Replica {
-    pub fn new(index: usize, pool: Arc<Pool>, former: BatchFormer) -> Replica {
-        Replica {
-            index,
-            pool,
-            former: Mutex::new(former),
-            busy_since_ns: AtomicU64::new(0),
-            busy_predicted_ns: AtomicU64::new(0),
-            wait_ewma_ns: AtomicU64::new(0),
-            queue: Mutex::new(EdfQueue::new()),
-            notify: Notify::new(),
-            healthy: AtomicBool::new(false),
-            outstanding: AtomicUsize::new(0),
-            last_batch: AtomicUsize::new(0),
-            pid: AtomicUsize::new(0),
+impl Sample {
+    pub fn of(inputs: &Tensors) -> Sample {
+        Sample {
+            inputs: inputs.iter().map(|(n, t)| (n.clone(), t.dtype, t.shape.clone(), t.bytes().to_vec())).collect(),
+            taken: Instant::now(),
         }
     }
 
-    pub fn push(&self, req: Arc<Request>, epoch: Instant) {
-        let deadline_ns = req.deadline.saturating_duration_since(epoch).as_nanos() as u64;
-        self.former.lock().on_arrival(epoch.elapsed().as_nanos() as u64);
-        self.outstanding.fetch_add(1, Relaxed);
-        self.queue.lock().push(deadline_ns, Work { req, enqueued: Instant::now() });
-        self.notify.notify_one();
-    }
-
-    /// `n` requests left this replica (done, failed, moved or skipped).
-    pub fn release(&self, n: usize) {
-        let _ = self.outstanding.fetch_update(Relaxed, Relaxed, |v| Some(v.saturating_sub(n)));
-    }
-
-    pub fn queue_len(&self) -> usize {
-        self.queue.lock().len()
-    }
-
-    /// Fold the mean queue wait of a dispatched batch into the running estimate.
-    pub fn observe_wait(&self, wait_ns: u64) {
-        let old = self.wait_ewma_ns.load(Relaxed);
-        let new = if old == 0 { wait_ns } else { (old as f64 + 0.2 * (wait_ns as f64 - old as f64)) as u64 };
-        self.wait_ewma_ns.store(new, Relaxed);
-    }
-
-    /// Expected time until this replica could start a request that joins
-    /// its queue now: what is left of the running batch, plus the queued
-    /// work in batches of the current limit (or the recent observed wait,
-    /// if longer). Expected, not worst case:
-    /// admission refuses only requests that are likely to miss.
-    pub fn backlog_ns(&self, now_ns: u64) -> u64 {
-        let queued = self.queue_len();
-        let former = self.former.lock();
-        let running = match self.busy_since_ns.load(Relaxed) {
-            0 => 0,
-            since => (since + self.busy_predicted_ns.load(Relaxed)).saturating_sub(now_ns),
-        };
-        if queued == 0 {
-            return running;
+    /// The sample's tensors, written into one new block of the arena.
+    pub fn to_arena(&self, arena: &crate::arena::Arena) -> Result<Tensors, NodeError> {
+        let at: Vec<usize> = self
+            .inputs
+            .iter()
+            .scan(0usize, |next, (_, _, _, b)| {
+                let here = *next;
+                *next += b.len().next_multiple_of(64);
+                Some(here)
+            })
+            .collect();
+        let total = self.inputs.iter().map(|(_, _, _, b)| b.len().next_multiple_of(64)).sum();
+        let mut block = arena.scratch_block(total)?;
+        let dst = block.as_mut_slice();
+        for ((_, _, _, b), &o) in self.inputs.iter().zip(&at) {
+            dst[o..o + b.len()].copy_from_slice(b);
         }
-        let per = former.limit.max(1) as usize;
-        let batches = queued.div_ceil(per) as u64;
-        (running + batches * former.mean_ns(queued.min(per))).max(self.wait_ewma_ns.load(Relaxed))
+        let block = Arc::new(block.freeze());
+        Ok(self
+            .inputs
+            .iter()
+            .zip(at)
+            .map(|((name, dtype, shape, b), o)| {
+                let t = crate::arena::TensorRef {
+                    block: block.clone(),
+                    offset: block.offset() + o as u64,
+                    nbytes: b.len() as u64,
+                    dtype: *dtype,
+                    shape: shape.clone(),
+                };
+                (name.clone(), t)
+            })
+            .collect())
     }
 }
 
@@ -120,35 +89,141 @@ pub struct StageRt {
     pub name: String,
     pub component: String,
     pub max_batch: usize,
-    pub parents: Vec<usize>,
-    pub children: Vec<usize>,
-    pub replicas: Vec<Arc<Replica>>,
+    replicas: RwLock<ReplicaSet>,
+    next_id: AtomicU32,
+    /// The batch former a replica starts with when no sibling has learned more.
+    template: BatchFormer,
+    /// Inputs of a request this stage ran successfully (see [`Sample`]).
+    pub sample: Mutex<Option<Sample>>,
     pub metrics: StageMetrics,
 }
 
 impl StageRt {
-    pub fn loads(&self) -> Vec<ReplicaLoad> {
-        self.replicas
+    pub fn new(index: usize, name: String, component: String, max_batch: usize, template: BatchFormer) -> StageRt {
+        StageRt {
+            index,
+            name,
+            component,
+            max_batch,
+            replicas: RwLock::new(Arc::new(Vec::new())),
+            next_id: AtomicU32::new(0),
+            template,
+            sample: Mutex::new(None),
+            metrics: StageMetrics::default(),
+        }
+    }
+
+    /// The current replicas (a snapshot).
+    pub fn replicas(&self) -> ReplicaSet {
+        self.replicas.read().clone()
+    }
+
+    /// A new replica (starting; not routed to until its worker is ready),
+    /// with its sibling's learned profile when there is one.
+    pub fn add_replica(&self, pool: Arc<Pool>, epoch: Instant) -> Arc<Replica> {
+        let former = self.replicas().iter().find(|r| r.phase() == Phase::Ready).map_or(self.template.clone(), |r| {
+            let mut f = r.former();
+            f.limit = f.max_batch;
+            f
+        });
+        let r = Arc::new(Replica::new(self.next_id.fetch_add(1, Relaxed), pool, former, epoch));
+        let mut set = self.replicas.write();
+        let mut next = (**set).clone();
+        next.push(r.clone());
+        *set = Arc::new(next);
+        r
+    }
+
+    /// Take a stopped replica out of the set.
+    pub fn remove_replica(&self, id: u32) {
+        let mut set = self.replicas.write();
+        let next: Vec<_> = set.iter().filter(|r| r.id != id).cloned().collect();
+        *set = Arc::new(next);
+    }
+
+    /// Ready while at least one replica's worker serves.
+    pub fn is_ready(&self) -> bool {
+        self.replicas().iter().any(|r| r.phase() == Phase::Ready)
+    }
+
+    /// Replicas that are not being removed.
+    pub fn live_replicas(&self) -> usize {
+        self.replicas().iter().filter(|r| r.phase().will_serve()).count()
+    }
+
+    /// Expected latency of one batch here, at the size it usually runs.
+    fn typical_ns(&self) -> u64 {
+        let set = self.replicas();
+        set.iter().find(|r| r.phase() == Phase::Ready).or(set.first()).map_or(0, |r| r.load().typical_ns)
+    }
+
+    /// Join-shortest-queue among accepting replicas, except `not`.
+    pub fn choose(&self, tiebreak: u64, not: Option<&Replica>) -> Option<Arc<Replica>> {
+        let set = self.replicas();
+        let loads: Vec<ReplicaLoad> = set
             .iter()
-            .map(|r| ReplicaLoad { healthy: r.healthy.load(Relaxed), outstanding: r.outstanding.load(Relaxed) })
-            .collect()
+            .map(|r| {
+                let mut l = r.load();
+                l.accepting &= not.is_none_or(|n| !std::ptr::eq(n, r.as_ref()));
+                l
+            })
+            .collect();
+        choose_replica(&loads, tiebreak).map(|i| set[i].clone())
+    }
+
+    /// Where work goes when no replica accepts: one that will serve it once
+    /// its worker is (re)started, except `not`.
+    fn fallback(&self, tiebreak: u64, not: Option<&Replica>) -> Option<Arc<Replica>> {
+        let set = self.replicas();
+        let waiting: Vec<&Arc<Replica>> =
+            set.iter().filter(|r| r.phase().will_serve() && not.is_none_or(|n| !std::ptr::eq(n, r.as_ref()))).collect();
+        (!waiting.is_empty()).then(|| waiting[(tiebreak as usize) % waiting.len()].clone())
+    }
+
+    /// Put `req` on this stage: on `first` if it takes it, else on the
+    /// shortest accepting queue, else on a replica that is coming back.
+    /// Err: no replica of the stage will ever serve it.
+    pub fn place(
+        &self,
+        mut req: Arc<Request>,
+        first: Option<&Arc<Replica>>,
+        not: Option<&Replica>,
+    ) -> Result<(), Arc<Request>> {
+        if let Some(r) = first {
+            if r.phase() == Phase::Ready && not.is_none_or(|n| !std::ptr::eq(n, r.as_ref())) {
+                match r.push(req) {
+                    Ok(()) => return Ok(()),
+                    Err(back) => req = back,
+                }
+            }
+        }
+        for _ in 0..4 {
+            let Some(r) = self.choose(req.id, not).or_else(|| self.fallback(req.id, not)) else { break };
+            match r.push(req) {
+                Ok(()) => return Ok(()),
+                Err(back) => req = back, // it started draining meanwhile: look again
+            }
+        }
+        Err(req)
     }
 }
 
 pub struct PipelineRt {
     pub spec: PipelineSpec,
     pub stages: Vec<StageRt>,
-    pub sinks: Vec<usize>,
-    pub roots: Vec<usize>,
+    pub dag: Dag,
     pub metrics: PipelineMetrics,
     /// Time every request gets to finish; its deadline for EDF ordering is
     /// the SLO target when one is declared.
-    pub timeout: std::time::Duration,
+    pub timeout: Duration,
     /// Reference instant for deadlines expressed as nanoseconds.
     pub epoch: Instant,
     /// How much of its budget an admitted request's predicted finish may
     /// use, learned from admitted requests' outcomes.
     pub gate: Mutex<AdmissionGate>,
+    /// The outputs of the first answer (names, dtypes, trailing shapes),
+    /// for model metadata when the app does not declare them.
+    pub seen_outputs: std::sync::OnceLock<BTreeMap<String, TensorSpec>>,
 }
 
 /// What ingress decides about a request before its body is decoded: its id,
@@ -157,7 +232,7 @@ pub struct Ticket {
     pub id: u64,
     pub arrival: Instant,
     pub deadline: Instant,
-    pub route: Vec<usize>,
+    pub route: Vec<Arc<Replica>>,
 }
 
 impl PipelineRt {
@@ -166,264 +241,97 @@ impl PipelineRt {
     }
 
     /// Time a request has from arrival: the SLO target, or the timeout.
-    pub fn slo_budget(&self) -> std::time::Duration {
-        self.spec.slo.map(|s| std::time::Duration::from_secs_f64(s.p99_ms / 1e3)).unwrap_or(self.timeout)
+    pub fn slo_budget(&self) -> Duration {
+        self.spec.slo.map(|s| Duration::from_secs_f64(s.p99_ms / 1e3)).unwrap_or(self.timeout)
     }
 
     pub fn now_ns(&self) -> u64 {
         self.epoch.elapsed().as_nanos() as u64
     }
 
-    /// Expected time from the end of `stage` to the end of the request:
-    /// the longest path through its descendants, each at the batch size it
-    /// last ran.
-    pub fn rest_ns(&self, stage: usize) -> u64 {
-        self.stages[stage]
-            .children
-            .iter()
-            .map(|&c| {
-                let r = &self.stages[c].replicas[0];
-                let typical = r.last_batch.load(Relaxed).max(1);
-                r.former.lock().mean_ns(typical) + self.rest_ns(c)
-            })
-            .max()
-            .unwrap_or(0)
+    /// `t` in ns since the epoch.
+    pub fn ns_at(&self, t: Instant) -> u64 {
+        t.saturating_duration_since(self.epoch).as_nanos() as u64
     }
 
-    /// Expected time from the end of `stage` to the end of a request routed
-    /// as `route`: through each downstream stage, the queue ahead of it on
-    /// its routed replica plus one batch, along the longest path.
-    pub fn path_ns(&self, stage: usize, route: &[usize], now: u64) -> u64 {
-        self.stages[stage]
-            .children
-            .iter()
-            .map(|&c| {
-                let r = &self.stages[c].replicas[route[c]];
-                let typical = r.last_batch.load(Relaxed).max(1);
-                r.backlog_ns(now) + r.former.lock().mean_ns(typical) + self.path_ns(c, route, now)
-            })
-            .max()
-            .unwrap_or(0)
+    pub fn stage(&self, name: &str) -> Result<&StageRt, NodeError> {
+        self.stages.iter().find(|s| s.name == name).ok_or_else(|| NodeError::UnknownStage {
+            pipeline: self.name().to_string(),
+            stage: name.to_string(),
+            known: self.stages.iter().map(|s| s.name.as_str()).collect::<Vec<_>>().join(", "),
+        })
+    }
+
+    /// The pipeline's outputs: as declared, else as first seen.
+    pub fn outputs(&self) -> Option<&BTreeMap<String, TensorSpec>> {
+        if self.spec.outputs.is_empty() {
+            self.seen_outputs.get()
+        } else {
+            Some(&self.spec.outputs)
+        }
+    }
+
+    /// Remember the outputs of an answer, once.
+    pub fn learn_outputs(&self, outputs: &Tensors) {
+        if self.seen_outputs.get().is_none() {
+            let spec = outputs
+                .iter()
+                .map(|(n, t)| {
+                    let shape = std::iter::once(-1).chain(t.shape.iter().skip(1).map(|&d| d as i64)).collect();
+                    (n.clone(), TensorSpec { dtype: t.dtype, shape })
+                })
+                .collect();
+            let _ = self.seen_outputs.set(spec);
+        }
+    }
+
+    /// Ready while every stage has a replica whose worker serves.
+    pub fn is_ready(&self) -> bool {
+        self.stages.iter().all(|s| s.is_ready())
+    }
+
+    /// Expected time from the end of `stage` to the end of the request:
+    /// the longest path through its descendants, each at its typical batch.
+    pub fn rest_ns(&self, stage: usize) -> u64 {
+        self.dag.rest_ns(stage, &|c| self.stages[c].typical_ns())
     }
 
     /// A new request's ticket: deadline `arrival + SLO target` (or the
     /// request timeout without an SLO), or `budget` from arrival if that is
-    /// tighter; route chosen now.
-    pub fn ticket(&self, id: u64, arrival: Instant, budget: Option<std::time::Duration>) -> Ticket {
+    /// tighter; route chosen now (join-shortest-queue per stage).
+    pub fn ticket(&self, id: u64, arrival: Instant, budget: Option<Duration>) -> Result<Ticket, NodeError> {
         let slo = self.slo_budget();
-        Ticket { id, arrival, deadline: arrival + budget.map_or(slo, |b| b.min(slo)), route: self.route(id) }
+        let route = self
+            .stages
+            .iter()
+            .map(|s| {
+                s.choose(id, None)
+                    .or_else(|| s.fallback(id, None))
+                    .ok_or_else(|| NodeError::Unavailable { stage: s.name.clone(), reason: "it has no replica".into() })
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Ticket { id, arrival, deadline: arrival + budget.map_or(slo, |b| b.min(slo)), route })
     }
 
     /// Admission control: can a request with this ticket, arriving now,
-    /// finish by its deadline? Its predicted time in the pipeline is the
-    /// larger of two estimates: the queues ahead of it at every stage of its
-    /// route, each at its profiled batch latency; and the gate's measured
-    /// one (Little's law). It must fit within the gate's headroom share of
-    /// the time the request has left. Err carries the predicted overshoot.
-    /// A request whose whole route is idle is always admitted: only queueing
-    /// can make us refuse, and an idle stage keeps refreshing its profile.
-    pub fn admit(&self, t: &Ticket) -> Result<(), std::time::Duration> {
+    /// finish by its deadline? (See [`AdmissionGate::decide`].) Err carries
+    /// the predicted overshoot.
+    pub fn admit(&self, t: &Ticket) -> Result<(), Duration> {
         let now = self.now_ns();
-        let deadline_ns = t.deadline.saturating_duration_since(self.epoch).as_nanos() as u64;
-        let mut finish = now;
-        let mut queued = false;
-        for &s in &self.roots {
-            let r = &self.stages[s].replicas[t.route[s]];
-            let backlog = r.backlog_ns(now);
-            let downstream = self.path_ns(s, &t.route, now);
-            queued |= backlog > 0 || downstream > self.rest_ns(s);
-            finish = finish.max(now + backlog + r.former.lock().mean_ns(1) + downstream);
-        }
-        let gate = self.gate.lock();
-        let predicted = (finish - now).max(gate.sojourn_ns());
-        let budget = deadline_ns.saturating_sub(now);
-        if !queued || gate.admits(predicted, budget) {
-            Ok(())
-        } else {
-            let allowed = (gate.headroom() * budget as f64) as u64;
-            Err(std::time::Duration::from_nanos(predicted.saturating_sub(allowed)))
-        }
+        let loads: Vec<ReplicaLoad> = t.route.iter().map(|r| r.load()).collect();
+        let prediction = self.dag.predict(&loads, now);
+        let budget = self.ns_at(t.deadline).saturating_sub(now);
+        self.gate.lock().decide(prediction, budget).map_err(Duration::from_nanos)
     }
 
-    /// An admitted request entered the pipeline.
-    pub fn on_start(&self) {
-        self.gate.lock().on_admit(self.now_ns());
-    }
-
-    /// An admitted request left the pipeline: within its deadline, not
-    /// (`Some(false)`), or failed otherwise (`None`).
-    pub fn on_finish(&self, met: Option<bool>) {
-        self.gate.lock().on_finish(self.now_ns(), met);
-    }
-
-    /// Pick one replica per stage for a new request (ingress routing).
-    pub fn route(&self, tiebreak: u64) -> Vec<usize> {
-        self.stages
-            .iter()
-            .map(|s| choose_replica(&s.loads(), tiebreak).unwrap_or((tiebreak as usize) % s.replicas.len()))
-            .collect()
-    }
-
-    /// Put `req` on stage `stage`'s queue: its routed replica, or another
-    /// healthy one if that replica is down.
+    /// Put `req` on stage `stage`: its routed replica, or another one if
+    /// that one no longer takes work. Fails the request (503) when no
+    /// replica of the stage will serve it.
     pub fn enqueue(&self, req: Arc<Request>, stage: usize) {
         let s = &self.stages[stage];
-        let mut r = req.route[stage];
-        if !s.replicas[r].healthy.load(Relaxed) {
-            if let Some(other) = choose_replica(&s.loads(), req.id) {
-                r = other;
-            }
-        }
-        s.replicas[r].push(req, self.epoch);
-    }
-}
-
-struct State {
-    inputs: Tensors,
-    outputs: Vec<Option<Tensors>>,
-    pending_parents: Vec<usize>,
-    sinks_left: usize,
-    reply: Option<oneshot::Sender<Reply>>,
-}
-
-pub struct Request {
-    pub id: u64,
-    pub pipe: Arc<PipelineRt>,
-    pub arrival: Instant,
-    pub deadline: Instant,
-    pub route: Vec<usize>,
-    /// Whether this request was already retried after a worker died.
-    pub retried: AtomicBool,
-    done: AtomicBool,
-    state: Mutex<State>,
-}
-
-impl Request {
-    /// A new request with the deadline and route of its ticket.
-    pub fn new(pipe: Arc<PipelineRt>, inputs: Tensors, ticket: Ticket) -> (Arc<Request>, oneshot::Receiver<Reply>) {
-        let (tx, rx) = oneshot::channel();
-        let Ticket { id, arrival, deadline, route } = ticket;
-        let n = pipe.stages.len();
-        let state = State {
-            inputs,
-            outputs: vec![None; n],
-            pending_parents: pipe.stages.iter().map(|s| s.parents.len()).collect(),
-            sinks_left: pipe.sinks.len(),
-            reply: Some(tx),
-        };
-        let req = Arc::new(Request {
-            id,
-            pipe,
-            arrival,
-            deadline,
-            route,
-            retried: AtomicBool::new(false),
-            done: AtomicBool::new(false),
-            state: Mutex::new(state),
-        });
-        (req, rx)
-    }
-
-    /// Send the request into the pipeline's root stages.
-    pub fn start(self: &Arc<Self>) {
-        for &s in &self.pipe.roots {
-            self.pipe.enqueue(self.clone(), s);
+        let routed = req.route[stage].clone();
+        if let Err(req) = s.place(req, Some(&routed), None) {
+            req.fail(NodeError::Unavailable { stage: s.name.clone(), reason: "it has no live replica".into() });
         }
     }
-
-    pub fn is_done(&self) -> bool {
-        self.done.load(Relaxed)
-    }
-
-    /// The tensors stage `stage` consumes: the pipeline inputs for a root
-    /// stage, otherwise the union of its parents' outputs.
-    pub fn stage_inputs(&self, stage: usize) -> Result<Tensors, NodeError> {
-        let st = self.state.lock();
-        let parents = &self.pipe.stages[stage].parents;
-        if parents.is_empty() {
-            return Ok(st.inputs.clone());
-        }
-        let mut merged: Tensors = Vec::new();
-        for &p in parents {
-            let outs = st.outputs[p].as_ref().ok_or_else(|| NodeError::Internal("parent output missing".into()))?;
-            for (name, t) in outs {
-                if merged.iter().any(|(n, _)| n == name) {
-                    return Err(NodeError::Internal(format!(
-                        "stage '{}' receives output '{name}' from two parents; rename one of them",
-                        self.pipe.stages[stage].name
-                    )));
-                }
-                merged.push((name.clone(), t.clone()));
-            }
-        }
-        Ok(merged)
-    }
-
-    /// Record stage `stage`'s outputs and move the request on: enqueue the
-    /// children whose parents are now all done, and answer when every sink
-    /// has finished.
-    pub fn finish_stage(self: &Arc<Self>, stage: usize, outputs: Tensors) {
-        let pipe = &self.pipe;
-        let mut ready = Vec::new();
-        let mut answer = None;
-        {
-            let mut st = self.state.lock();
-            if st.reply.is_none() {
-                return;
-            }
-            st.outputs[stage] = Some(outputs);
-            for &c in &pipe.stages[stage].children {
-                st.pending_parents[c] -= 1;
-                if st.pending_parents[c] == 0 {
-                    ready.push(c);
-                }
-            }
-            if pipe.sinks.contains(&stage) {
-                st.sinks_left -= 1;
-                if st.sinks_left == 0 {
-                    let mut merged: Tensors = Vec::new();
-                    for &s in &pipe.sinks {
-                        for (name, t) in st.outputs[s].take().unwrap_or_default() {
-                            if !merged.iter().any(|(n, _)| *n == name) {
-                                merged.push((name, t));
-                            }
-                        }
-                    }
-                    answer = st.reply.take().map(|tx| (tx, merged));
-                    self.release(&mut st);
-                }
-            }
-        }
-        if let Some((tx, merged)) = answer {
-            let _ = tx.send(Ok(merged));
-            return;
-        }
-        for c in ready {
-            pipe.enqueue(self.clone(), c);
-        }
-    }
-
-    /// Finish with an error (the first finish wins; later ones are ignored).
-    pub fn fail(&self, err: NodeError) {
-        let tx = {
-            let mut st = self.state.lock();
-            let tx = st.reply.take();
-            self.release(&mut st);
-            tx
-        };
-        if let Some(tx) = tx {
-            let _ = tx.send(Err(err));
-        }
-    }
-
-    fn release(&self, st: &mut State) {
-        self.done.store(true, Relaxed);
-        st.inputs.clear();
-        st.outputs.iter_mut().for_each(|o| *o = None);
-    }
-}
-
-/// Rows a request contributes to a batch: the first dimension of its inputs.
-pub fn request_rows(inputs: &[(String, TensorRef)]) -> u64 {
-    inputs.first().map(|(_, t)| t.rows()).unwrap_or(1)
 }

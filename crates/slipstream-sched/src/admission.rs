@@ -149,6 +149,27 @@ impl AdmissionGate {
         predicted_ns as f64 <= self.headroom * budget_ns as f64
     }
 
+    /// The admission step, shared by the node and the simulator: admit a
+    /// request whose route predicts `p`, with `budget_ns` left before its
+    /// deadline? Its predicted time in the pipeline is the larger of the
+    /// route's (queues times profiled latency) and the gate's own measured
+    /// one (Little's law), and must fit within the headroom share of the
+    /// budget; a request whose route is idle is always admitted. `Err`
+    /// carries the predicted overshoot, ns.
+    pub fn decide(&self, p: crate::Prediction, budget_ns: u64) -> Result<(), u64> {
+        let predicted = p.ns.max(self.sojourn_ns());
+        if !p.queued || self.admits(predicted, budget_ns) {
+            Ok(())
+        } else {
+            Err(predicted.saturating_sub((self.headroom * budget_ns as f64) as u64))
+        }
+    }
+
+    /// Admitted requests not finished yet.
+    pub fn inflight(&self) -> u64 {
+        self.inflight
+    }
+
     /// An admitted request finished at `now`: within its deadline or not
     /// (dropped late and timed out count as not).
     fn on_outcome(&mut self, now: u64, met: bool) {
@@ -178,6 +199,27 @@ mod tests {
     fn an_answer_counts_as_met_a_little_inside_its_deadline() {
         assert!(AdmissionGate::counts_as_met(95, 100));
         assert!(!AdmissionGate::counts_as_met(96, 100));
+    }
+
+    #[test]
+    fn decides_on_the_larger_estimate_and_always_admits_an_idle_route() {
+        use crate::Prediction;
+        let mut g = AdmissionGate::new(0.01);
+        assert_eq!(g.decide(Prediction { ns: 40, queued: true }, 50), Ok(()));
+        assert_eq!(g.decide(Prediction { ns: 60, queued: true }, 50), Err(10));
+        assert_eq!(g.decide(Prediction { ns: 60, queued: false }, 50), Ok(()));
+        // Little's law: 40 in flight, finishing 1 per ms -> ~40 ms, above the route's 10 ms.
+        let ms = 1_000_000;
+        for _ in 0..40 {
+            g.on_admit(0);
+        }
+        for t in 1..=200u64 {
+            g.on_admit(t * ms);
+            g.on_finish(t * ms, Some(true));
+        }
+        assert_eq!(g.inflight(), 40);
+        assert!(g.decide(Prediction { ns: 10 * ms, queued: true }, 30 * ms).is_err());
+        assert!(g.decide(Prediction { ns: 10 * ms, queued: true }, 50 * ms).is_ok());
     }
 
     #[test]

@@ -25,6 +25,7 @@
 //! clock, so every decision is unit-testable.
 
 use crate::profile::LatencyProfile;
+use crate::queue::EdfQueue;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Policy {
@@ -191,11 +192,84 @@ impl BatchFormer {
     }
 }
 
+/// What one batch step took from a queue (see [`take_batch`]).
+#[derive(Debug)]
+pub struct Taken<T> {
+    /// Requests whose deadline passed: the caller fails them.
+    pub expired: Vec<T>,
+    /// The batch to run now, most urgent first, with each deadline.
+    pub batch: Vec<(u64, T)>,
+    /// Look again at this time (delayed batching) if nothing arrives first.
+    pub wait_until: Option<u64>,
+    /// Entries skipped because their request had already finished.
+    pub skipped: usize,
+}
+
+/// The batch step, shared by the node and the simulator: pop up to the
+/// former's limit from `queue` (skipping entries for which `finished` says
+/// their request already left), ask the former what to do, and put back
+/// what waits. `enqueued_ns` tells when an entry joined the queue (for the
+/// fixed policy's wait and delayed batching); `rest_ns` is the predicted
+/// rest of the critical path after this stage.
+pub fn take_batch<T>(
+    queue: &mut EdfQueue<T>,
+    former: &BatchFormer,
+    now: u64,
+    rest_ns: u64,
+    finished: impl Fn(&T) -> bool,
+    enqueued_ns: impl Fn(&T) -> u64,
+) -> Taken<T> {
+    let limit = match former.policy {
+        Policy::Fixed { .. } => former.max_batch,
+        Policy::DeadlineAware => former.limit,
+    } as usize;
+    let mut cand: Vec<(u64, T)> = Vec::with_capacity(limit.min(queue.len()));
+    let mut skipped = 0;
+    while cand.len() < limit {
+        match queue.pop() {
+            Some((_, item)) if finished(&item) => skipped += 1,
+            Some(x) => cand.push(x),
+            None => break,
+        }
+    }
+    let deadlines: Vec<u64> = cand.iter().map(|(d, _)| *d).collect();
+    let oldest = cand.iter().map(|(_, x)| enqueued_ns(x)).min().unwrap_or(now);
+    let (expired, n, wait_until) = match former.decide(now, &deadlines, oldest, rest_ns) {
+        Decision::Dispatch { expired, n } => (expired, n, None),
+        Decision::WaitUntil { expired, at } => (expired, 0, Some(at)),
+    };
+    let mut batch = cand.split_off(expired.min(cand.len()));
+    for (d, x) in batch.split_off(n.min(batch.len())) {
+        queue.push(d, x);
+    }
+    Taken { expired: cand.into_iter().map(|(_, x)| x).collect(), batch, wait_until, skipped }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     const MS: u64 = 1_000_000;
+
+    #[test]
+    fn batch_step_skips_finished_expires_late_and_puts_back_the_rest() {
+        let mut f = former();
+        f.limit = 3;
+        let mut q = EdfQueue::new();
+        // (id, enqueued): 1 has finished, 2 is late at 10 ms, the rest are live.
+        for (d, id) in [(5 * MS, 1u32), (8 * MS, 2), (100 * MS, 3), (100 * MS, 4), (100 * MS, 5), (100 * MS, 6)] {
+            q.push(d, id);
+        }
+        let t = take_batch(&mut q, &f, 10 * MS, 0, |&id| id == 1, |_| 0);
+        assert_eq!(t.skipped, 1);
+        assert_eq!(t.expired, vec![2]);
+        assert_eq!(t.batch.iter().map(|(_, id)| *id).collect::<Vec<_>>(), vec![3, 4]);
+        assert_eq!(t.wait_until, None);
+        assert_eq!(q.len(), 2, "beyond the limit stays queued");
+        let t = take_batch(&mut q, &f, 10 * MS, 0, |_| false, |_| 0);
+        assert_eq!(t.batch.len(), 2);
+        assert!(q.is_empty());
+    }
 
     /// 1 ms + 0.1 ms per request: batching pays.
     fn linear() -> LatencyProfile {

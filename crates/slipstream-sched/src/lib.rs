@@ -12,21 +12,27 @@
 //!   what is queued, up to the limit.)
 //! - [`AdmissionGate`]: how much of a request's budget its predicted finish
 //!   may use, learned from admitted requests' outcomes.
+//! - [`ReplicaLoad`], [`Dag`]: the predictors: a replica's backlog from its
+//!   published load, a request's time in the pipeline along its route.
+//! - [`take_batch`]: the batch step (queue + former -> batch, expired, wait).
 //! - [`choose_replica`]: the ingress router's choice for one stage:
-//!   join-shortest-queue among healthy replicas.
-//! - [`simulate`]: the SLO contract's queueing model: the same policies
-//!   driven by a discrete-event simulation over the measured profiles.
+//!   join-shortest-queue among accepting replicas.
+//! - [`simulate`]: the SLO contract's queueing model: the same predictors,
+//!   batch step, admission step and router as the node, driven by a
+//!   discrete-event simulation over the measured profiles.
 
 mod admission;
 mod former;
+mod predict;
 mod profile;
 mod queue;
 mod router;
 mod sim;
 
 pub use admission::{AdmissionGate, MIN_HEADROOM};
-pub use former::{BatchFormer, Decision, Policy};
+pub use former::{take_batch, BatchFormer, Decision, Policy, Taken};
+pub use predict::{Dag, Prediction, ReplicaLoad};
 pub use profile::LatencyProfile;
 pub use queue::EdfQueue;
-pub use router::{choose_replica, ReplicaLoad};
+pub use router::choose_replica;
 pub use sim::{simulate, SimConfig, SimResult, SimStage};

@@ -2,30 +2,24 @@
 //!
 //! Routing is decided once, at ingress, for every stage of a request's route,
 //! so the parts of a fan-in are bound for the same replica by construction.
-//! The choice is join-shortest-queue: the healthy replica with the fewest
+//! The choice is join-shortest-queue: the accepting replica with the fewest
 //! outstanding requests; ties are broken by a caller-supplied rotating value
 //! so that idle replicas share load instead of the first one taking all.
 
-/// What the router needs to know about one replica.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ReplicaLoad {
-    pub healthy: bool,
-    /// Requests queued at or running on the replica.
-    pub outstanding: usize,
-}
+use crate::predict::ReplicaLoad;
 
-/// Index of the replica to use, or `None` when no replica is healthy.
+/// Index of the replica to use, or `None` when no replica accepts work.
 pub fn choose_replica(loads: &[ReplicaLoad], tiebreak: u64) -> Option<usize> {
     let n = loads.len();
     if n == 0 {
         return None;
     }
     let start = (tiebreak % n as u64) as usize;
-    let mut best: Option<(usize, usize)> = None;
+    let mut best: Option<(usize, u32)> = None;
     for k in 0..n {
         let i = (start + k) % n;
         let l = loads[i];
-        if !l.healthy {
+        if !l.accepting {
             continue;
         }
         if best.is_none_or(|(_, o)| l.outstanding < o) {
@@ -39,8 +33,8 @@ pub fn choose_replica(loads: &[ReplicaLoad], tiebreak: u64) -> Option<usize> {
 mod tests {
     use super::*;
 
-    fn l(healthy: bool, outstanding: usize) -> ReplicaLoad {
-        ReplicaLoad { healthy, outstanding }
+    fn l(accepting: bool, outstanding: u32) -> ReplicaLoad {
+        ReplicaLoad { accepting, outstanding, ..Default::default() }
     }
 
     #[test]

@@ -3,7 +3,11 @@
 //!
 //! Requests arrive (Poisson or bursty), are routed join-shortest-queue at
 //! ingress, pass admission control, wait in per-replica EDF queues and are
-//! batched by the same [`BatchFormer`] the node runs; a batch of `n` takes a
+//! batched by the same [`BatchFormer`] the node runs. Routing, the
+//! predictors behind admission, the admission step and the batch step are
+//! the node's own functions ([`choose_replica`], [`Dag::predict`],
+//! [`AdmissionGate::decide`], [`take_batch`]) over the same published
+//! [`ReplicaLoad`]; a batch of `n` takes a
 //! time drawn from the stage's [`LatencyProfile`] (mean and deviation at
 //! `n`) plus a fixed hop latency. Replicas share `cores` CPU cores: a batch
 //! whose replica is free but finds no free core waits for one, which is what
@@ -16,9 +20,11 @@
 //! load. Deterministic for a given seed.
 
 use crate::admission::AdmissionGate;
-use crate::former::{BatchFormer, Decision, Policy};
+use crate::former::{take_batch, BatchFormer, Policy};
+use crate::predict::{Dag, ReplicaLoad};
 use crate::profile::LatencyProfile;
 use crate::queue::EdfQueue;
+use crate::router::choose_replica;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 
@@ -154,11 +160,11 @@ struct Replica {
     /// Batch running or waiting for a core.
     batch: Option<Vec<usize>>,
     started: u64,
+    /// Expected latency of the running batch (for its expected end).
     predicted: u64,
     /// Slack of the running batch's most urgent request at dispatch.
     budget: u64,
     last_batch: usize,
-    outstanding: usize,
     wake_at: Option<u64>,
     wait_ewma: u64,
 }
@@ -180,9 +186,7 @@ struct Sim<'a> {
     seq: u64,
     rng: Rng,
     reps: Vec<Vec<Replica>>,
-    children: Vec<Vec<usize>>,
-    roots: Vec<usize>,
-    sinks: Vec<usize>,
+    dag: Dag,
     reqs: Vec<Req>,
     free_cores: f64,
     /// Service-time stretch when the node and load generator leave a
@@ -200,43 +204,16 @@ impl Sim<'_> {
         self.events.push(Reverse((t, self.seq, e)));
     }
 
-    fn predict(&self, stage: usize, n: usize) -> u64 {
-        self.reps[stage][0].former.predict_ns(n.max(1)) + self.cfg.hop_ns
+    /// The load replica `r` of `stage` would publish now (as the node's
+    /// replica owner does after every change).
+    fn load(&self, stage: usize, r: usize) -> ReplicaLoad {
+        let rep = &self.reps[stage][r];
+        let running = rep.batch.as_ref().map(|b| (b.len(), rep.started + rep.predicted));
+        ReplicaLoad::of(&rep.former, true, rep.queue.len(), running, rep.wait_ewma, rep.last_batch, self.cfg.hop_ns)
     }
 
     fn rest_ns(&self, stage: usize) -> u64 {
-        self.children[stage]
-            .iter()
-            .map(|&c| self.predict(c, self.reps[c][0].last_batch.max(1)) + self.rest_ns(c))
-            .max()
-            .unwrap_or(0)
-    }
-
-    /// Expected time from the end of `stage` to the end of a request routed
-    /// as `route`: for each downstream stage, its queue ahead plus one batch.
-    fn path_ns(&self, stage: usize, route: &[usize]) -> u64 {
-        self.children[stage]
-            .iter()
-            .map(|&c| {
-                let typical = self.reps[c][0].last_batch.max(1);
-                self.backlog(c, route[c])
-                    + self.reps[c][0].former.mean_ns(typical)
-                    + self.cfg.hop_ns
-                    + self.path_ns(c, route)
-            })
-            .max()
-            .unwrap_or(0)
-    }
-
-    fn backlog(&self, stage: usize, r: usize) -> u64 {
-        let rep = &self.reps[stage][r];
-        let running = if rep.batch.is_some() { (rep.started + rep.predicted).saturating_sub(self.now) } else { 0 };
-        let q = rep.queue.len();
-        if q == 0 {
-            return running;
-        }
-        let per = rep.former.limit.max(1) as usize;
-        (running + q.div_ceil(per) as u64 * self.predict(stage, q.min(per))).max(rep.wait_ewma)
+        self.dag.rest_ns(stage, &|c| self.load(c, 0).typical_ns)
     }
 
     fn arrive(&mut self) {
@@ -244,9 +221,8 @@ impl Sim<'_> {
         let t = self.now;
         let route: Vec<usize> = (0..self.reps.len())
             .map(|s| {
-                (0..self.reps[s].len())
-                    .min_by_key(|&r| (self.reps[s][r].outstanding, (r + id) % self.reps[s].len()))
-                    .unwrap_or(0)
+                let loads: Vec<ReplicaLoad> = (0..self.reps[s].len()).map(|r| self.load(s, r)).collect();
+                choose_replica(&loads, id as u64).unwrap_or(0)
             })
             .collect();
         let measured = t as f64 >= self.cfg.warmup_s * 1e9;
@@ -255,8 +231,8 @@ impl Sim<'_> {
             arrival: t,
             deadline,
             route: route.clone(),
-            pending: self.children.iter().enumerate().map(|(s, _)| self.parents_of(s)).collect(),
-            sinks_left: self.sinks.len(),
+            pending: self.dag.parents.iter().map(|p| p.len()).collect(),
+            sinks_left: self.dag.sinks.len(),
             done: false,
             measured,
         });
@@ -264,17 +240,8 @@ impl Sim<'_> {
             self.res.arrivals += 1;
         }
         if self.cfg.admission {
-            let mut queued = false;
-            let mut finish = t;
-            for &s in &self.roots.clone() {
-                let b = self.backlog(s, route[s]);
-                let downstream = self.path_ns(s, &route);
-                queued |= b > 0 || downstream > self.rest_ns(s);
-                let one = self.reps[s][0].former.mean_ns(1) + self.cfg.hop_ns;
-                finish = finish.max(t + self.cfg.ingress_ns / 2 + b + one + downstream);
-            }
-            let predicted = (finish - t).max(self.gate.sojourn_ns());
-            if queued && !self.gate.admits(predicted, self.cfg.slo_ns) {
+            let loads: Vec<ReplicaLoad> = route.iter().enumerate().map(|(s, &r)| self.load(s, r)).collect();
+            if self.gate.decide(self.dag.predict(&loads, t), self.cfg.slo_ns).is_err() {
                 self.reqs[id].done = true;
                 if measured {
                     self.res.refused += 1;
@@ -299,17 +266,12 @@ impl Sim<'_> {
         self.rng.preempted(work_ns, self.slowdown, self.cfg.preempt_slice_ns as f64)
     }
 
-    fn parents_of(&self, s: usize) -> usize {
-        self.cfg.stages[s].parents.len()
-    }
-
     fn enqueue(&mut self, id: usize, stage: usize) {
         let r = self.reqs[id].route[stage];
         let d = self.reqs[id].deadline;
         let now = self.now;
         let rep = &mut self.reps[stage][r];
         rep.former.on_arrival(now);
-        rep.outstanding += 1;
         rep.queue.push(d, (id, now));
         self.try_dispatch(stage, r);
     }
@@ -320,32 +282,11 @@ impl Sim<'_> {
         }
         let rest = self.rest_ns(stage);
         let now = self.now;
+        let reqs = &self.reqs;
         let rep = &mut self.reps[stage][r];
-        let limit = match rep.former.policy {
-            Policy::Fixed { .. } => rep.former.max_batch,
-            Policy::DeadlineAware => rep.former.limit,
-        } as usize;
-        let mut cand = Vec::new();
-        while cand.len() < limit {
-            match rep.queue.pop() {
-                Some((_, (id, _))) if self.reqs[id].done => rep.outstanding -= 1,
-                Some(x) => cand.push(x),
-                None => break,
-            }
-        }
-        let deadlines: Vec<u64> = cand.iter().map(|(d, _)| *d).collect();
-        let oldest = cand.iter().map(|(_, (_, e))| *e).min().unwrap_or(now);
-        let (expired, n, wake) = match rep.former.decide(now, &deadlines, oldest, rest) {
-            Decision::Dispatch { expired, n } => (expired, n, None),
-            Decision::WaitUntil { expired, at } => (expired, 0, Some(at)),
-        };
-        let mut live = cand.split_off(expired);
-        let waiting = live.split_off(n.min(live.len()));
-        for (d, x) in waiting {
-            rep.queue.push(d, x);
-        }
-        rep.outstanding -= cand.len();
-        for (_, (id, _)) in cand {
+        let taken = take_batch(&mut rep.queue, &rep.former, now, rest, |(id, _)| reqs[*id].done, |(_, e)| *e);
+        let (expired, live, wake) = (taken.expired.len(), taken.batch, taken.wait_until);
+        for (id, _) in taken.expired {
             if !self.reqs[id].done {
                 self.reqs[id].done = true;
                 if self.reqs[id].measured {
@@ -381,8 +322,7 @@ impl Sim<'_> {
         };
         rep.batch = Some(live.into_iter().map(|(_, (id, _))| id).collect());
         let n = rep.batch.as_ref().map_or(1, |b| b.len());
-        let p = self.predict(stage, n);
-        self.reps[stage][r].predicted = p;
+        rep.predicted = rep.former.mean_ns(n) + self.cfg.hop_ns;
         self.core_wait.push_back((stage, r));
         self.start_on_cores();
     }
@@ -418,7 +358,6 @@ impl Sim<'_> {
         let n = batch.len();
         {
             let rep = &mut self.reps[stage][r];
-            rep.outstanding -= n;
             rep.last_batch = n;
             let took = now - rep.started;
             let budget = rep.budget;
@@ -428,13 +367,13 @@ impl Sim<'_> {
             if self.reqs[id].done {
                 continue;
             }
-            for c in self.children[stage].clone() {
+            for c in self.dag.children[stage].clone() {
                 self.reqs[id].pending[c] -= 1;
                 if self.reqs[id].pending[c] == 0 {
                     self.enqueue(id, c);
                 }
             }
-            if self.sinks.contains(&stage) {
+            if self.dag.sinks.contains(&stage) {
                 self.reqs[id].sinks_left -= 1;
                 if self.reqs[id].sinks_left == 0 {
                     let stretch = self.preempted(self.cfg.cpu_per_request_ns as f64) as u64;
@@ -459,11 +398,7 @@ impl Sim<'_> {
 
 /// Run the model at one offered load.
 pub fn simulate(cfg: &SimConfig) -> SimResult {
-    let n = cfg.stages.len();
-    let children: Vec<Vec<usize>> =
-        (0..n).map(|s| (0..n).filter(|&c| cfg.stages[c].parents.contains(&s)).collect()).collect();
-    let roots = (0..n).filter(|&s| cfg.stages[s].parents.is_empty()).collect();
-    let sinks = (0..n).filter(|&s| children[s].is_empty()).collect();
+    let dag = Dag::new(cfg.stages.iter().map(|s| s.parents.clone()).collect());
     let reps = cfg
         .stages
         .iter()
@@ -480,7 +415,6 @@ pub fn simulate(cfg: &SimConfig) -> SimResult {
                         predicted: 0,
                         budget: u64::MAX,
                         last_batch: 1,
-                        outstanding: 0,
                         wake_at: None,
                         wait_ewma: 0,
                     }
@@ -501,9 +435,7 @@ pub fn simulate(cfg: &SimConfig) -> SimResult {
         seq: 0,
         rng: Rng(cfg.seed.max(1)),
         reps,
-        children,
-        roots,
-        sinks,
+        dag,
         reqs: Vec::new(),
         free_cores,
         slowdown,
@@ -537,7 +469,7 @@ pub fn simulate(cfg: &SimConfig) -> SimResult {
             }
             Event::Enter(id) => {
                 if !sim.reqs[id].done {
-                    for s in sim.roots.clone() {
+                    for s in sim.dag.roots.clone() {
                         sim.enqueue(id, s);
                     }
                 }

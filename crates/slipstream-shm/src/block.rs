@@ -1,4 +1,11 @@
-//! [`Block`]: an owned allocation that frees itself on drop.
+//! [`BlockMut`] and [`Block`]: owned allocations that free themselves on drop.
+//!
+//! The write rule of shared memory is a type: a freshly allocated block is a
+//! [`BlockMut`], the only value through which safe code can write pool bytes,
+//! and it is never shared (it is neither `Clone` nor handed to another
+//! process). Once filled it is frozen into a [`Block`], which is read-only:
+//! from then on its descriptor may be published and the block shared through
+//! `Arc`, and no safe function hands out `&mut [u8]` over it again.
 
 use std::fmt;
 use std::sync::Arc;
@@ -28,13 +35,63 @@ impl fmt::Debug for Block {
     }
 }
 
-impl Block {
+/// A freshly allocated block, writable once by its only owner, then frozen
+/// into a read-only [`Block`]. Dropping it unfrozen frees its pages.
+pub struct BlockMut {
+    block: Block,
+}
+
+impl fmt::Debug for BlockMut {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("BlockMut").field(&self.block).finish()
+    }
+}
+
+impl BlockMut {
     /// Allocate `nbytes` from `pool` (see [`Pool::alloc`]).
-    pub fn alloc(pool: &Arc<Pool>, nbytes: usize) -> Result<Block, ShmError> {
+    pub fn alloc(pool: &Arc<Pool>, nbytes: usize) -> Result<BlockMut, ShmError> {
         let offset = pool.alloc(nbytes)?;
-        Ok(Block { pool: Arc::clone(pool), offset, len: nbytes })
+        Ok(BlockMut { block: Block { pool: Arc::clone(pool), offset, len: nbytes } })
     }
 
+    /// The block's bytes, to fill.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        let b = &self.block;
+        // SAFETY: `alloc` returned these pages to us alone: no descriptor of
+        // them has been published and `BlockMut` is neither `Clone` nor
+        // shared, so nothing else reads or writes them while the returned
+        // borrow (tied to `&mut self`) lives. The range lies in the data
+        // region of the mapping, which `b.pool` keeps alive.
+        unsafe { std::slice::from_raw_parts_mut(b.pool.base_ptr().add(b.offset as usize), b.len) }
+    }
+
+    /// Byte offset of the block from the start of the pool mapping.
+    pub fn offset(&self) -> u64 {
+        self.block.offset
+    }
+
+    /// Usable length in bytes.
+    pub fn len(&self) -> usize {
+        self.block.len
+    }
+
+    /// Whether the block holds zero usable bytes.
+    pub fn is_empty(&self) -> bool {
+        self.block.len == 0
+    }
+
+    /// The pool this block lives in.
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.block.pool
+    }
+
+    /// Done writing: the block becomes read-only and may be shared.
+    pub fn freeze(self) -> Block {
+        self.block
+    }
+}
+
+impl Block {
     /// Adopt a block allocated by another process (e.g. a worker wrote its
     /// output into its own pool and sent us the offset); the `Block` frees
     /// it on drop.
@@ -70,31 +127,15 @@ impl Block {
 
     /// The block's bytes.
     ///
-    /// Once a block's descriptor is published it is immutable by protocol,
-    /// so shared reads are race-free.
+    /// A `Block` is only ever made by freezing a [`BlockMut`] or by adopting
+    /// what another process wrote and published, so it is immutable and
+    /// shared reads are race-free.
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: `alloc`/`adopt` checked that `offset .. offset + len` lies
         // in the data region of the mapping, which `self.pool` keeps alive.
-        // The pages are ours until drop; writers follow the contract of
-        // `as_mut_slice`.
+        // The pages are ours until drop, and nothing writes them any more:
+        // the only safe writer was the `BlockMut` this was frozen from.
         unsafe { std::slice::from_raw_parts(self.pool.base_ptr().add(self.offset as usize), self.len) }
-    }
-
-    /// Mutable access for filling a freshly allocated block.
-    ///
-    /// Takes `&self` because the memory is shared with other processes
-    /// anyway. Contract: the caller must be the only reader or writer of the
-    /// block while the returned slice lives. In practice this is called right
-    /// after [`Block::alloc`], before the block's descriptor is published or
-    /// the block is shared (e.g. wrapped in `Arc` and cloned), and never again
-    /// afterwards. Violating it is a data race on the payload bytes (the
-    /// allocator's bookkeeping is unaffected).
-    #[allow(clippy::mut_from_ref)]
-    pub fn as_mut_slice(&self) -> &mut [u8] {
-        // SAFETY: the range is in bounds of the live mapping (checked at
-        // construction, kept alive by `self.pool`); exclusivity of access is
-        // the caller's documented obligation.
-        unsafe { std::slice::from_raw_parts_mut(self.pool.base_ptr().add(self.offset as usize), self.len) }
     }
 }
 
@@ -113,18 +154,21 @@ mod tests {
     fn drop_frees() {
         let dir = TempDir::new("block-drop");
         let pool = Arc::new(Pool::create(&dir.path().join("p"), 1, 64 * 16).unwrap());
-        let b = Block::alloc(&pool, 100).unwrap();
+        let mut b = BlockMut::alloc(&pool, 100).unwrap();
         assert_eq!(pool.used_pages(), 2);
         assert_eq!(b.len(), 100);
         assert!(!b.is_empty());
         b.as_mut_slice().copy_from_slice(&[7u8; 100]);
+        let b = b.freeze();
         assert_eq!(pool.slice(b.offset(), 100).unwrap(), &[7u8; 100][..]);
         assert_eq!(b.as_slice(), &[7u8; 100][..]);
         assert!(Arc::ptr_eq(b.pool(), &pool));
         drop(b);
         assert_eq!(pool.used_pages(), 0);
 
-        let shared = Arc::new(Block::alloc(&pool, 0).unwrap());
+        drop(BlockMut::alloc(&pool, 8).unwrap());
+        assert_eq!(pool.used_pages(), 0, "an unfrozen block frees on drop too");
+        let shared = Arc::new(BlockMut::alloc(&pool, 0).unwrap().freeze());
         assert!(shared.is_empty());
         let other = Arc::clone(&shared);
         assert_eq!(pool.used_pages(), 1);
@@ -174,5 +218,6 @@ mod tests {
         check::<Block>();
         check::<Pool>();
         check::<Arc<Block>>();
+        check::<BlockMut>();
     }
 }

@@ -61,8 +61,11 @@
 //! the bitmap). The scan works a `u64` word at a time: a zero word is 64
 //! free pages, a word of ones is skipped in one step.
 //!
-//! [`Block`] wraps an allocation as an owned value that frees itself on
-//! drop; the node shares blocks through `Arc`.
+//! [`BlockMut`] wraps a fresh allocation as an owned, writable value; once
+//! filled it is frozen into a read-only [`Block`], which frees itself on
+//! drop and which the node shares through `Arc`. Safe code can write pool
+//! bytes only through a `BlockMut`, so "a published block is immutable" is
+//! kept by the types, not by convention.
 
 #![allow(unsafe_code)]
 #![warn(clippy::undocumented_unsafe_blocks)]
@@ -77,7 +80,7 @@ mod test_util;
 
 use std::path::{Path, PathBuf};
 
-pub use block::Block;
+pub use block::{Block, BlockMut};
 pub use error::ShmError;
 pub use pool::{Pool, DEFAULT_PAGE_SIZE, HEADER_SIZE, MAGIC, VERSION};
 

@@ -346,9 +346,11 @@ impl Pool {
         Ok(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(start), len) })
     }
 
-    /// Write bytes into a block (used for the node's single copy at ingress).
-    /// Bounds-checked like [`Pool::slice`].
-    pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), ShmError> {
+    /// Write bytes at an offset (tests only: outside them, the only safe
+    /// writer of pool bytes is a [`crate::BlockMut`]). Bounds-checked like
+    /// [`Pool::slice`].
+    #[cfg(test)]
+    pub(crate) fn write(&self, offset: u64, data: &[u8]) -> Result<(), ShmError> {
         let start = self.check_range(offset, data.len())?;
         // SAFETY: the destination is in bounds of the live mapping (checked
         // above); `ptr::copy` tolerates overlap with `data`. The caller owns

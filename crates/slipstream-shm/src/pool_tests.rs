@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::test_util::{TempDir, XorShift};
-use crate::Block;
+use crate::{Block, BlockMut};
 use std::process::Command;
 use std::sync::Arc;
 
@@ -164,9 +164,9 @@ fn concurrent_threads_never_share_pages() {
                 let mut mine: Vec<Block> = Vec::new();
                 for _ in 0..3000 {
                     if mine.len() < 8 && rng.below(2) == 0 {
-                        if let Ok(b) = Block::alloc(&pool, rng.below(6 * PS)) {
+                        if let Ok(mut b) = BlockMut::alloc(&pool, rng.below(6 * PS)) {
                             b.as_mut_slice().fill(t as u8 + 1);
-                            mine.push(b);
+                            mine.push(b.freeze());
                         }
                     } else if !mine.is_empty() {
                         let b = mine.swap_remove(rng.below(mine.len()));

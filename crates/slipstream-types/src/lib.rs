@@ -207,6 +207,23 @@ pub mod var {
         Some(out)
     }
 
+    /// Walk the elements of `buf` without collecting them: `Some(count)` if
+    /// it is a whole number of elements and `keep` accepted every one,
+    /// `None` otherwise. Memory use does not grow with the element count.
+    pub fn scan(buf: &[u8], mut keep: impl FnMut(&[u8]) -> bool) -> Option<u64> {
+        let (mut at, mut count) = (0usize, 0u64);
+        while at < buf.len() {
+            let len = u32::from_le_bytes(buf.get(at..at.checked_add(4)?)?.try_into().ok()?) as usize;
+            let end = at.checked_add(4)?.checked_add(len)?;
+            if !keep(buf.get(at + 4..end)?) {
+                return None;
+            }
+            at = end;
+            count += 1;
+        }
+        Some(count)
+    }
+
     /// Byte offsets where each group of `per_group` elements starts, plus the
     /// end: `groups + 1` offsets. `None` if `buf` holds a different count.
     pub fn group_offsets(buf: &[u8], per_group: usize, groups: usize) -> Option<Vec<usize>> {
@@ -229,9 +246,25 @@ pub mod var {
     }
 }
 
-/// Number of elements of a shape (1 for a scalar).
+/// Number of elements of a shape (1 for a scalar). Only for shapes already
+/// known to fit (see [`checked_numel`] for anything a client or a component
+/// sized).
 pub fn numel(shape: &[u64]) -> u64 {
     shape.iter().product()
+}
+
+/// Number of elements of a shape, or `None` if it overflows `u64`.
+pub fn checked_numel(shape: &[u64]) -> Option<u64> {
+    shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d))
+}
+
+/// Bytes a fixed-size tensor of `dtype` and `shape` takes, or `None` if
+/// that overflows `u64` (or `dtype` is variable-size).
+pub fn checked_nbytes(dtype: DType, shape: &[u64]) -> Option<u64> {
+    if dtype.is_variable() {
+        return None;
+    }
+    checked_numel(shape)?.checked_mul(dtype.size() as u64)
 }
 
 #[cfg(test)]
@@ -262,8 +295,23 @@ mod tests {
         assert_eq!(var::group_offsets(&buf, 2, 2).unwrap(), vec![0, 9, buf.len()]);
         assert!(var::group_offsets(&buf, 3, 2).is_none(), "4 elements are not 2 groups of 3");
         assert!(var::elements(&buf[..buf.len() - 1]).is_none(), "truncated");
+        assert_eq!(var::scan(&buf, |_| true), Some(4));
+        assert_eq!(var::scan(&buf, |e| !e.is_empty()), None, "rejected by the caller");
+        assert_eq!(var::scan(&buf[..buf.len() - 1], |_| true), None);
+        assert_eq!(var::scan(&[255, 255, 255, 255], |_| true), None, "a length past the end");
         assert_eq!(DType::from_v2("BYTES"), Some(DType::Bytes));
         assert_eq!(DType::String.v2_name(), "BYTES");
+    }
+
+    #[test]
+    fn sizes_that_overflow_are_none() {
+        assert_eq!(checked_numel(&[]), Some(1));
+        assert_eq!(checked_numel(&[3, 4]), Some(12));
+        assert_eq!(checked_numel(&[4611686018427387904, 4]), None, "2^62 * 4 wraps to 0 unchecked");
+        assert_eq!(checked_nbytes(DType::Float32, &[2, 3]), Some(24));
+        assert_eq!(checked_nbytes(DType::Float32, &[1 << 62]), None);
+        assert_eq!(checked_nbytes(DType::Bytes, &[2]), None);
+        assert_eq!(checked_numel(&[u64::MAX, 0]), Some(0));
     }
 
     #[test]

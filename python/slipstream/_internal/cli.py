@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             drain_timeout_s=a.drain_timeout,
             worker_start_timeout_s=a.worker_start_timeout,
             pool_mb=a.pool_mb,
+            admin_token=a.admin_token,
         )
     except _core.CoreError as e:
         kind, message = e.args
@@ -79,7 +81,8 @@ def cmd_status(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(st, indent=2))
         return 0
-    print(f"node {a.url}  ready={st['ready']}  uptime={st['uptime_s']:.0f}s  in-flight={st['inflight']}")
+    print(f"node {a.url}  ready={st['ready']}  uptime={st['uptime_s']:.0f}s  in-flight={st['inflight']}"
+          f"  arena={st.get('arena_used_bytes', 0) / 1e6:.1f} MB")
     c = st["copies"]
     print(f"payload copies: ingress={c['ingress']} gather={c['gather']} worker={c['worker']} egress={c['egress']}")
     for p in st["pipelines"]:
@@ -87,10 +90,13 @@ def cmd_status(a: argparse.Namespace) -> int:
         lat = p["latency_ms"]
         errs = sum(p["errors"].values())
         slo_s = f"SLO p99<={slo['p99_ms']}ms" if slo else "no SLO"
-        print(f"\npipeline {p['name']}  ({slo_s})  ok={p['ok']} errors={errs}  "
+        ready = "ready" if p.get("ready", True) else "NOT READY"
+        print(f"\npipeline {p['name']}  {ready}  ({slo_s})  ok={p['ok']} errors={errs}  "
               f"latency p50={lat['p50']:.2f}ms p99={lat['p99']:.2f}ms")
+        adm = p.get("admission", {})
         print(f"  admitted={p['admitted']} refused(429)={p['shed']} within SLO={p['slo_met']} late={p['slo_missed']}"
-              f"  admission headroom={p.get('admission_headroom', 1.0):.2f}  errors by kind: {p['errors'] or '-'}")
+              f" cancelled={p.get('cancelled', 0)}  admission headroom={adm.get('headroom', 1.0):.2f}"
+              f" in flight={adm.get('inflight', 0)}  errors by kind: {p['errors'] or '-'}")
         print(f"  {'stage':<16}{'replicas':>9}{'healthy':>8}{'queued':>7}{'batches':>9}{'batch mean':>11}"
               f"{'max':>5}{'limit':>6}{'dropped':>8}   {'ms: wait p50':>12}{'compute p50':>12}{'hop p50':>8}"
               f"{'hop p99':>8}")
@@ -103,7 +109,69 @@ def cmd_status(a: argparse.Namespace) -> int:
                   f"{bs['max']:>5.0f}{s['batch_limit']:>6}{s['dropped_late']:>8}   {s['queue_wait_ms']['p50']:>12.2f}"
                   f"{s['compute_ms']['p50']:>12.2f}"
                   f"{s['hop_ms']['p50']:>8.2f}{s['hop_ms']['p99']:>8.2f}")
+            others = [f"{r['id']}:{r['state']}" for r in reps if r.get("state", "ready") != "ready"]
+            if others:
+                print(f"  {'':<16}not serving: {' '.join(others)}")
+    events = st.get("events", [])[-a.events:] if a.events else []
+    if events:
+        print("\nrecent events:")
+        for e in events:
+            who = f"{e['pipeline']}/{e['stage']}" + (f"[{e['replica']}]" if e["replica"] is not None else "")
+            when = time.strftime("%H:%M:%S", time.localtime(e["unix_ms"] / 1000)) + f".{e['unix_ms'] % 1000:03d}"
+            print(f"  {when}  {who:<28} {e['what']}{': ' + e['detail'] if e['detail'] else ''}")
     return 0
+
+
+def _admin_post(url: str, path: str, body: dict[str, Any], token: str | None, timeout: float = 10.0) -> Any:
+    req = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {token}"} if token else {})})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _stage_replicas(url: str, pipeline: str, stage: str) -> list[dict[str, Any]]:
+    st = _get(url.rstrip("/") + "/v1/status")
+    for p in st["pipelines"]:
+        if p["name"] == pipeline:
+            for s in p["stages"]:
+                if s["name"] == stage:
+                    return list(s["replicas"])
+    return []
+
+
+def cmd_scale(a: argparse.Namespace) -> int:
+    try:
+        out = _admin_post(a.url, "/v1/admin/scale", {"pipeline": a.pipeline, "stage": a.stage, "replicas": a.replicas},
+                          a.token)
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            msg = json.loads(raw)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            msg = raw.decode(errors="replace")
+        return _fail(f"scale refused ({e.code}): {msg}")
+    except (urllib.error.URLError, OSError) as e:
+        return _fail(f"no node answers at {a.url} ({e}); is `slipstream serve` running?")
+    print(f"{a.pipeline}/{a.stage}: {out['from']} -> {out['replicas']} replicas"
+          + (f"; starting {out['added']}" if out["added"] else "")
+          + (f"; draining {out['draining']}" if out["draining"] else ""))
+    if a.no_wait or out["from"] == out["replicas"]:
+        return 0
+    deadline = time.monotonic() + a.timeout
+    last = ""
+    while time.monotonic() < deadline:
+        reps = _stage_replicas(a.url, a.pipeline, a.stage)
+        states = [r["state"] for r in reps]
+        line = f"  replicas: {len(reps)} ({', '.join(f'{n} {s}' for s, n in sorted(Counter(states).items()))})"
+        if line != last:
+            print(line, flush=True)
+            last = line
+        if states.count("ready") == a.replicas and len(reps) == a.replicas:
+            print(f"{a.pipeline}/{a.stage}: {a.replicas} replicas ready")
+            return 0
+        time.sleep(0.2)
+    return _fail(f"not settled within {a.timeout:.0f} s (see `slipstream status`)")
 
 
 def _example_body(url: str, pipeline: str) -> bytes:
@@ -384,11 +452,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--fixed-wait-ms", type=float, default=2.0, help="the fixed policy's wait for a full batch")
     s.add_argument("--max-wait-ms", type=float, default=2.0, help="the deadline policy's longest delayed-batching wait")
     s.add_argument("--no-admission", action="store_true", help="do not refuse requests predicted to miss the SLO")
+    s.add_argument("--admin-token", default=os.environ.get("SLIPSTREAM_ADMIN_TOKEN"),
+                   help="bearer token for the admin routes (scale, reset-metrics); required to use them when "
+                        "--host is not a loopback address (default: $SLIPSTREAM_ADMIN_TOKEN)")
     s.set_defaults(fn=cmd_serve)
 
     st = sub.add_parser("status", help="stages, replicas, queue depths, batch sizes of a running node")
     st.add_argument("--url", default=DEFAULT_URL)
     st.add_argument("--json", action="store_true", help="print the raw status JSON")
+    st.add_argument("--events", type=int, default=10, help="recent replica events to show (0: none)")
+
+    sc = sub.add_parser("scale", help="set the number of replicas of a stage on a running node")
+    sc.add_argument("pipeline")
+    sc.add_argument("stage")
+    sc.add_argument("replicas", type=int)
+    sc.add_argument("--url", default=DEFAULT_URL)
+    sc.add_argument("--token", default=os.environ.get("SLIPSTREAM_ADMIN_TOKEN"),
+                    help="admin token (default: $SLIPSTREAM_ADMIN_TOKEN)")
+    sc.add_argument("--no-wait", action="store_true", help="return once the node accepted the change")
+    sc.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the replicas to settle")
+    sc.set_defaults(fn=cmd_scale)
     st.set_defaults(fn=cmd_status)
 
     b = sub.add_parser("bench", help="open-loop load test (Poisson arrivals) of a pipeline or any URL")

@@ -1,0 +1,277 @@
+//! The node's life: build pipelines from the spec, start one task per
+//! worker replica, serve HTTP, and shut down gracefully.
+//!
+//! Start-up: pools and replica tasks first, then the listener (so `/healthz`
+//! answers while models load), then the node turns ready when every
+//! replica's first worker has reported ready. A component that cannot start
+//! (import error, constructor raised) fails start-up with its message.
+//!
+//! Shutdown (SIGINT/SIGTERM, or the `shutdown` future): stop accepting, let
+//! in-flight requests finish (bounded by `drain_timeout`), close idle
+//! connections, tell workers to exit, remove shared-memory files.
+
+use crate::arena::Arena;
+use crate::error::NodeError;
+use crate::http;
+use crate::metrics::PipelineMetrics;
+use crate::node::{Node, NodeOptions, Supervisor};
+use crate::pipeline::{PipelineRt, StageRt};
+use crate::replica::worker::Launch;
+use crate::spec::{AppSpec, SpecError, StageSpec};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use hyper_util::server::graceful::GracefulShutdown;
+use slipstream_sched::{BatchFormer, Dag, LatencyProfile, Policy};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::net::TcpListener;
+use tokio::sync::{oneshot, watch};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind { addr: String, source: std::io::Error },
+    #[error("component {stage} failed to start: {message}")]
+    WorkerStart { stage: String, message: String },
+    #[error(transparent)]
+    Node(#[from] NodeError),
+    #[error("i/o error: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl RunError {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            RunError::Spec(_) => "invalid_spec",
+            RunError::Bind { .. } => "bind",
+            RunError::WorkerStart { .. } => "worker_start",
+            RunError::Node(e) => e.kind(),
+            RunError::Io(_) => "io",
+        }
+    }
+}
+
+/// The batch former for a replica of `stage`, from the batching options and
+/// the stage's measured profile (if any).
+fn former_for(spec: &AppSpec, pipeline: &str, stage: &StageSpec) -> Result<BatchFormer, RunError> {
+    let b = &spec.batching;
+    let policy = match b.policy.as_str() {
+        "deadline" => Policy::DeadlineAware,
+        "fixed" => Policy::Fixed { wait_ns: (b.fixed_wait_ms * 1e6) as u64 },
+        other => {
+            return Err(SpecError {
+                pipeline: pipeline.into(),
+                reason: format!("unknown batching policy '{other}' (use 'deadline' or 'fixed')"),
+            }
+            .into())
+        }
+    };
+    let points: Vec<(u32, f64, f64)> = spec
+        .profiles
+        .iter()
+        .filter(|p| p.pipeline == pipeline)
+        .filter_map(|p| p.stages.get(&stage.name))
+        .flat_map(|s| s.points.iter().map(|pt| (pt.batch, pt.mean_ms * 1e3, pt.p99_ms * 1e3)))
+        .collect();
+    let mut f = BatchFormer::new(policy, stage.max_batch_size as u32, LatencyProfile::from_measurements(&points));
+    f.max_wait_ns = (b.max_wait_ms * 1e6) as u64;
+    f.drop_late = spec.pipelines.iter().find(|p| p.name == pipeline).and_then(|p| p.slo).is_none_or(|s| s.drop_late);
+    Ok(f)
+}
+
+/// Pipelines with their initial replicas (starting; no tasks yet).
+fn build_pipelines(
+    spec: &AppSpec,
+    opts: &NodeOptions,
+    arena: &Arena,
+) -> Result<BTreeMap<String, Arc<PipelineRt>>, RunError> {
+    let mut out = BTreeMap::new();
+    let epoch = Instant::now();
+    for p in &spec.pipelines {
+        p.validate()?;
+        if out.contains_key(&p.name) {
+            return Err(SpecError { pipeline: p.name.clone(), reason: "two pipelines share this name".into() }.into());
+        }
+        let index: BTreeMap<&str, usize> = p.stages.iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
+        let dag = Dag::new(p.stages.iter().map(|s| s.parents.iter().map(|n| index[n.as_str()]).collect()).collect());
+        let mut stages = Vec::with_capacity(p.stages.len());
+        for (i, s) in p.stages.iter().enumerate() {
+            let stage =
+                StageRt::new(i, s.name.clone(), s.component.clone(), s.max_batch_size, former_for(spec, &p.name, s)?);
+            for _ in 0..s.replicas {
+                stage.add_replica(arena.replica_pool(opts.replica_pool_bytes)?, epoch);
+            }
+            stages.push(stage);
+        }
+        out.insert(
+            p.name.clone(),
+            Arc::new(PipelineRt {
+                spec: p.clone(),
+                stages,
+                dag,
+                metrics: PipelineMetrics::default(),
+                timeout: opts.request_timeout,
+                epoch,
+                gate: parking_lot::Mutex::new(slipstream_sched::AdmissionGate::new(
+                    p.slo.map_or(0.01, |s| s.max_miss_rate),
+                )),
+                seen_outputs: std::sync::OnceLock::new(),
+            }),
+        );
+    }
+    Ok(out)
+}
+
+/// Run a node until SIGINT/SIGTERM. Builds its own tokio runtime.
+pub fn run_blocking(
+    spec: AppSpec,
+    opts: NodeOptions,
+    on_listen: impl FnOnce(SocketAddr) + Send,
+) -> Result<(), RunError> {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(opts.threads.max(1)).enable_all().build()?;
+    rt.block_on(run(spec, opts, on_listen, shutdown_signal()))
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("install SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
+
+/// Run a node until `shutdown` completes.
+pub async fn run(
+    spec: AppSpec,
+    opts: NodeOptions,
+    on_listen: impl FnOnce(SocketAddr) + Send,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), RunError> {
+    if spec.pipelines.is_empty() {
+        return Err(SpecError { pipeline: "-".into(), reason: "the app defines no pipeline".into() }.into());
+    }
+    let arena = Arc::new(Arena::new(opts.shm_dir.clone(), opts.ingress_pool_bytes)?);
+    let pipelines = build_pipelines(&spec, &opts, &arena)?;
+    let socket_dir = std::env::temp_dir().join(format!("slipstream-{}", std::process::id()));
+    std::fs::create_dir_all(&socket_dir)?;
+    let launch = Arc::new(Launch {
+        argv: spec.worker_argv.clone(),
+        env: spec.worker_env.clone(),
+        socket_dir: socket_dir.clone(),
+        start_timeout: opts.worker_start_timeout,
+    });
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let supervisor = Supervisor { launch, stop: stop_rx, tasks: Default::default() };
+    let node = Arc::new(Node::new(pipelines, arena.clone(), opts.clone(), spec.batching.admission, supervisor));
+
+    let mut first_starts = Vec::new();
+    for p in node.pipelines.values() {
+        for s in &p.stages {
+            for r in s.replicas().iter() {
+                let (tx, rx) = oneshot::channel();
+                first_starts.push((format!("{}/{}", p.name(), s.name), rx));
+                node.spawn_replica(p, s.index, r.clone(), Some(tx));
+            }
+        }
+    }
+
+    let addr = format!("{}:{}", opts.host, opts.port);
+    let listener = match TcpListener::bind(&addr).await {
+        Ok(l) => l,
+        Err(source) => {
+            let _ = stop_tx.send(true);
+            return Err(RunError::Bind { addr, source });
+        }
+    };
+    let local = listener.local_addr()?;
+    if opts.log {
+        eprintln!("slipstream: listening on http://{local}");
+    }
+    on_listen(local);
+    let admin_open = local.ip().is_loopback();
+
+    let graceful = GracefulShutdown::new();
+    let startup = async {
+        for (stage, rx) in first_starts {
+            match rx.await {
+                Ok(Ok(())) => {}
+                Ok(Err(message)) => return Err(RunError::WorkerStart { stage, message }),
+                Err(_) => return Err(RunError::WorkerStart { stage, message: "replica task ended".into() }),
+            }
+        }
+        node.mark_serving();
+        if opts.log {
+            let names: Vec<&str> = node.pipelines.keys().map(|s| s.as_str()).collect();
+            eprintln!("slipstream: ready, serving {} on http://{local}", names.join(", "));
+        }
+        Ok(())
+    };
+    tokio::pin!(startup);
+    tokio::pin!(shutdown);
+    let mut started = false;
+    let mut outcome = Ok(());
+    loop {
+        tokio::select! {
+            res = &mut startup, if !started => {
+                started = true;
+                if let Err(e) = res {
+                    outcome = Err(e);
+                    break;
+                }
+            }
+            conn = listener.accept() => {
+                let (stream, _) = match conn {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // Out of file descriptors and the like: back off briefly.
+                        eprintln!("slipstream: accept failed: {e}");
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    }
+                };
+                let _ = stream.set_nodelay(true);
+                let n = node.clone();
+                let conn = http1::Builder::new()
+                    .keep_alive(true)
+                    .serve_connection(
+                        TokioIo::new(stream),
+                        service_fn(move |req| http::handle(n.clone(), admin_open, req)),
+                    );
+                let watched = graceful.watch(conn);
+                tokio::spawn(async move {
+                    let _ = watched.await;
+                });
+            }
+            _ = &mut shutdown => break,
+        }
+    }
+    drop(listener);
+
+    // Drain: refuse new work, wait for in-flight requests.
+    let inflight = node.start_draining();
+    if opts.log && outcome.is_ok() {
+        eprintln!("slipstream: shutting down; draining {inflight} in-flight request(s)");
+    }
+    if tokio::time::timeout(opts.drain_timeout, node.idle()).await.is_err() && opts.log {
+        eprintln!("slipstream: drain timed out with {} request(s) in flight", node.inflight());
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(5), graceful.shutdown()).await;
+    let _ = stop_tx.send(true);
+    let tasks = std::mem::take(&mut *node.supervisor.tasks.lock());
+    for t in tasks {
+        let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+    }
+    arena.unlink_all();
+    let _ = std::fs::remove_dir_all(&socket_dir);
+    if opts.log && outcome.is_ok() {
+        eprintln!("slipstream: stopped");
+    }
+    outcome
+}

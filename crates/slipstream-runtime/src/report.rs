@@ -1,0 +1,204 @@
+//! What the node tells about itself: the `/v1/status` document (what
+//! `slipstream status` prints) and the Prometheus text on `/metrics`.
+//!
+//! Read-only: everything here is a snapshot of counters, histograms,
+//! published replica loads and the event ring.
+
+use crate::metrics::PromText;
+use crate::node::Node;
+use crate::replica::Phase;
+use serde_json::{json, Value};
+use std::sync::atomic::Ordering::Relaxed;
+
+/// `GET /v1/status`.
+pub fn status(node: &Node) -> Value {
+    let ms = 1000.0;
+    let pipelines: Vec<Value> = node
+        .pipelines
+        .values()
+        .map(|p| {
+            let stages: Vec<Value> = p
+                .stages
+                .iter()
+                .map(|s| {
+                    let m = &s.metrics;
+                    let set = s.replicas();
+                    json!({
+                        "name": s.name,
+                        "component": s.component,
+                        "max_batch_size": s.max_batch,
+                        "ready": s.is_ready(),
+                        "replicas": set.iter().map(|r| {
+                            let l = r.load();
+                            json!({
+                                "id": r.id,
+                                "state": r.phase().name(),
+                                "pid": r.pid(),
+                                "healthy": r.phase() == Phase::Ready,
+                                "queue": l.queued,
+                                "outstanding": l.outstanding,
+                                "batch_limit": r.batch_limit(),
+                            })
+                        }).collect::<Vec<_>>(),
+                        "batches": m.batches.load(Relaxed),
+                        "requests": m.requests.load(Relaxed),
+                        "errors": m.errors.load(Relaxed),
+                        "retries": m.retries.load(Relaxed),
+                        "dropped_late": m.dropped_late.load(Relaxed),
+                        "slack_ms": m.slack_us.summary(ms),
+                        "batch_limit": set.iter().map(|r| r.batch_limit()).max().unwrap_or(0),
+                        "restarts": m.restarts.load(Relaxed),
+                        "batch_size": m.batch_size.summary(1.0),
+                        "queue_wait_ms": m.queue_wait_us.summary(ms),
+                        "compute_ms": m.compute_us.summary(ms),
+                        "hop_ms": m.hop_us.summary(ms),
+                    })
+                })
+                .collect();
+            let gate = p.gate.lock();
+            json!({
+                "name": p.name(),
+                "ready": node.pipeline_ready(p),
+                "slo": p.spec.slo.map(|s| json!({"p99_ms": s.p99_ms, "max_miss_rate": s.max_miss_rate})),
+                "ok": p.metrics.ok.load(Relaxed),
+                "admitted": p.metrics.admitted.load(Relaxed),
+                "shed": p.metrics.shed.load(Relaxed),
+                "cancelled": p.metrics.cancelled.load(Relaxed),
+                "admission_headroom": gate.headroom(),
+                "admission": {
+                    "headroom": gate.headroom(),
+                    "inflight": gate.inflight(),
+                    "sojourn_ms": gate.sojourn_ns() as f64 / 1e6,
+                },
+                "slo_met": p.metrics.slo_met.load(Relaxed),
+                "slo_missed": p.metrics.slo_missed.load(Relaxed),
+                "fallback": p.metrics.fallback.load(Relaxed),
+                "errors": *p.metrics.errors.lock(),
+                "latency_ms": p.metrics.latency_us.summary(ms),
+                "stages": stages,
+            })
+        })
+        .collect();
+    json!({
+        "pid": std::process::id(),
+        "uptime_s": node.started.elapsed().as_secs_f64(),
+        "ready": node.is_ready(),
+        "draining": node.is_draining(),
+        "inflight": node.inflight(),
+        "copies": node.arena.copies.snapshot(),
+        "arena": node.arena.usage(),
+        "arena_used_bytes": node.arena.used_bytes(),
+        "pipelines": pipelines,
+        "events": node.events.recent(),
+    })
+}
+
+/// `GET /metrics` in Prometheus text format.
+pub fn prometheus(node: &Node) -> String {
+    let mut t = PromText::default();
+    for p in node.pipelines.values() {
+        let pl = [("pipeline", p.name())];
+        let m = &p.metrics;
+        for (name, help, v) in [
+            ("slipstream_requests_ok_total", "Requests answered successfully.", &m.ok),
+            ("slipstream_requests_admitted_total", "Requests let in by admission control.", &m.admitted),
+            (
+                "slipstream_requests_shed_total",
+                "Requests refused at ingress (429): predicted to miss the SLO.",
+                &m.shed,
+            ),
+            (
+                "slipstream_requests_cancelled_total",
+                "Admitted requests whose client went away before the answer.",
+                &m.cancelled,
+            ),
+            ("slipstream_slo_met_total", "Requests answered within their deadline (goodput).", &m.slo_met),
+            ("slipstream_slo_missed_total", "Requests answered after their deadline.", &m.slo_missed),
+            ("slipstream_fallback_total", "Requests answered with the declared fallback.", &m.fallback),
+        ] {
+            t.counter(name, help, &pl, v.load(Relaxed));
+        }
+        for (kind, n) in m.errors.lock().iter() {
+            t.counter(
+                "slipstream_requests_failed_total",
+                "Requests answered with an error, by kind.",
+                &[pl[0], ("kind", kind)],
+                *n,
+            );
+        }
+        t.summary("slipstream_request_latency_seconds", "Latency inside the node.", &pl, &m.latency_us);
+        let (headroom, inflight) = {
+            let g = p.gate.lock();
+            (g.headroom(), g.inflight())
+        };
+        t.gauge(
+            "slipstream_admission_headroom",
+            "Share of its deadline budget a new request's predicted finish may use (learned).",
+            &pl,
+            headroom,
+        );
+        t.gauge("slipstream_admission_inflight", "Admitted requests not finished yet.", &pl, inflight as f64);
+        t.gauge(
+            "slipstream_pipeline_ready",
+            "1 while every stage has a serving replica.",
+            &pl,
+            f64::from(u8::from(node.pipeline_ready(p))),
+        );
+        for s in &p.stages {
+            let l = [("pipeline", p.name()), ("stage", s.name.as_str())];
+            let m = &s.metrics;
+            for (name, help, v) in [
+                ("slipstream_stage_batches_total", "Batches run.", &m.batches),
+                ("slipstream_stage_requests_total", "Requests run.", &m.requests),
+                ("slipstream_stage_errors_total", "Requests failed by the component.", &m.errors),
+                ("slipstream_stage_retries_total", "Requests retried after a worker died.", &m.retries),
+                ("slipstream_stage_restarts_total", "Worker restarts.", &m.restarts),
+                (
+                    "slipstream_stage_dropped_late_total",
+                    "Requests dropped after their deadline passed.",
+                    &m.dropped_late,
+                ),
+            ] {
+                t.counter(name, help, &l, v.load(Relaxed));
+            }
+            let set = s.replicas();
+            let depth: u64 = set.iter().map(|r| r.load().queued as u64).sum();
+            t.gauge("slipstream_stage_queue_depth", "Requests waiting.", &l, depth as f64);
+            for phase in [Phase::Starting, Phase::Ready, Phase::Down, Phase::Draining] {
+                let n = set.iter().filter(|r| r.phase() == phase).count();
+                t.gauge(
+                    "slipstream_stage_replicas",
+                    "Replicas by state.",
+                    &[l[0], l[1], ("state", phase.name())],
+                    n as f64,
+                );
+            }
+            t.gauge("slipstream_stage_batch_size_mean", "Mean requests per batch.", &l, m.batch_size.summary(1.0).mean);
+            for (name, help, h) in [
+                ("slipstream_stage_queue_wait_seconds", "Time from enqueue to dispatch.", &m.queue_wait_us),
+                ("slipstream_stage_compute_seconds", "Component time per batch.", &m.compute_us),
+                ("slipstream_stage_hop_seconds", "Node-worker-node overhead per batch.", &m.hop_us),
+                (
+                    "slipstream_stage_slack_seconds",
+                    "Deadline slack of the most urgent request at dispatch.",
+                    &m.slack_us,
+                ),
+            ] {
+                t.summary(name, help, &l, h);
+            }
+        }
+    }
+    let c = node.arena.copies.snapshot();
+    for (site, n, b) in [
+        ("body_join", c.body_join, c.body_join_bytes),
+        ("ingress", c.ingress, c.ingress_bytes),
+        ("gather", c.gather, c.gather_bytes),
+        ("worker", c.worker, c.worker_bytes),
+        ("egress", c.egress, c.egress_bytes),
+    ] {
+        t.counter("slipstream_payload_copies_total", "Payload copies by site.", &[("site", site)], n);
+        t.counter("slipstream_payload_copied_bytes_total", "Payload bytes copied by site.", &[("site", site)], b);
+    }
+    t.gauge("slipstream_arena_used_bytes", "Shared-memory bytes in use.", &[], node.arena.used_bytes() as f64);
+    t.finish()
+}

@@ -1,0 +1,268 @@
+//! The life of a request through a pipeline's DAG, and the guard that keeps
+//! the pipeline's books.
+//!
+//! A [`Request`] is a small state machine owned by the node. Its route (one
+//! replica per stage) is fixed at ingress, so the parts of a fan-in are bound
+//! for one replica by construction; the join itself happens here, in the
+//! request's state: a stage is enqueued when its last parent has finished.
+//! A request finishes exactly once, with its answer or an error (the first
+//! to come wins); after that its queued work is skipped and its tensors are
+//! released, which is also how half-joined parts are cleaned up when a
+//! request times out or its client goes away.
+//!
+//! [`Admitted`] is the one owner of an admitted request's place in the
+//! pipeline's books (the admission gate's in-flight count and outcomes, the
+//! answered / failed / cancelled counters): it is created when the request
+//! enters the pipeline and settles it exactly once, by construction:
+//! [`Admitted::outcome`] settles it with the answer, and dropping it
+//! unsettled (the client went away and the connection task dropped the
+//! future, whatever await it was at) settles it as cancelled. No path out
+//! of the node can forget to report a request.
+
+use crate::arena::{TensorRef, Tensors};
+use crate::error::NodeError;
+use crate::pipeline::{PipelineRt, Ticket};
+use crate::replica::Replica;
+use parking_lot::Mutex;
+use slipstream_sched::AdmissionGate;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::oneshot;
+
+pub type Reply = Result<Tensors, NodeError>;
+
+struct State {
+    inputs: Tensors,
+    outputs: Vec<Option<Tensors>>,
+    pending_parents: Vec<usize>,
+    sinks_left: usize,
+    reply: Option<oneshot::Sender<Reply>>,
+}
+
+pub struct Request {
+    pub id: u64,
+    pub pipe: Arc<PipelineRt>,
+    pub arrival: Instant,
+    pub deadline: Instant,
+    /// The deadline in ns since the pipeline's epoch (the queues' key).
+    pub deadline_ns: u64,
+    /// One replica per stage, chosen at ingress.
+    pub route: Vec<Arc<Replica>>,
+    /// Whether this request was already retried after a worker died.
+    pub retried: AtomicBool,
+    done: AtomicBool,
+    state: Mutex<State>,
+}
+
+impl Request {
+    /// A new request with the deadline and route of its ticket.
+    fn new(pipe: Arc<PipelineRt>, inputs: Tensors, ticket: Ticket) -> (Arc<Request>, oneshot::Receiver<Reply>) {
+        let (tx, rx) = oneshot::channel();
+        let Ticket { id, arrival, deadline, route } = ticket;
+        let n = pipe.stages.len();
+        let state = State {
+            inputs,
+            outputs: vec![None; n],
+            pending_parents: pipe.dag.parents.iter().map(|p| p.len()).collect(),
+            sinks_left: pipe.dag.sinks.len(),
+            reply: Some(tx),
+        };
+        let deadline_ns = pipe.ns_at(deadline);
+        let req = Arc::new(Request {
+            id,
+            pipe,
+            arrival,
+            deadline,
+            deadline_ns,
+            route,
+            retried: AtomicBool::new(false),
+            done: AtomicBool::new(false),
+            state: Mutex::new(state),
+        });
+        (req, rx)
+    }
+
+    /// Send the request into the pipeline's root stages.
+    fn start(self: &Arc<Self>) {
+        for &s in &self.pipe.dag.roots {
+            self.pipe.enqueue(self.clone(), s);
+        }
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.done.load(Relaxed)
+    }
+
+    /// The tensors stage `stage` consumes: the pipeline inputs for a root
+    /// stage, otherwise the union of its parents' outputs.
+    pub fn stage_inputs(&self, stage: usize) -> Result<Tensors, NodeError> {
+        let st = self.state.lock();
+        let parents = &self.pipe.dag.parents[stage];
+        if parents.is_empty() {
+            return Ok(st.inputs.clone());
+        }
+        let mut merged: Tensors = Vec::new();
+        for &p in parents {
+            let outs = st.outputs[p].as_ref().ok_or_else(|| NodeError::Internal("parent output missing".into()))?;
+            for (name, t) in outs {
+                if merged.iter().any(|(n, _)| n == name) {
+                    return Err(NodeError::Internal(format!(
+                        "stage '{}' receives output '{name}' from two parents; rename one of them",
+                        self.pipe.stages[stage].name
+                    )));
+                }
+                merged.push((name.clone(), t.clone()));
+            }
+        }
+        Ok(merged)
+    }
+
+    /// Record stage `stage`'s outputs and move the request on: enqueue the
+    /// children whose parents are now all done, and answer when every sink
+    /// has finished.
+    pub fn finish_stage(self: &Arc<Self>, stage: usize, outputs: Tensors) {
+        let pipe = &self.pipe;
+        let mut ready = Vec::new();
+        let mut answer = None;
+        {
+            let mut st = self.state.lock();
+            if st.reply.is_none() {
+                return;
+            }
+            st.outputs[stage] = Some(outputs);
+            for &c in &pipe.dag.children[stage] {
+                st.pending_parents[c] -= 1;
+                if st.pending_parents[c] == 0 {
+                    ready.push(c);
+                }
+            }
+            if pipe.dag.sinks.contains(&stage) {
+                st.sinks_left -= 1;
+                if st.sinks_left == 0 {
+                    let mut merged: Tensors = Vec::new();
+                    for &s in &pipe.dag.sinks {
+                        for (name, t) in st.outputs[s].take().unwrap_or_default() {
+                            if !merged.iter().any(|(n, _)| *n == name) {
+                                merged.push((name, t));
+                            }
+                        }
+                    }
+                    answer = st.reply.take().map(|tx| (tx, merged));
+                    self.release(&mut st);
+                }
+            }
+        }
+        if let Some((tx, merged)) = answer {
+            let _ = tx.send(Ok(merged));
+            return;
+        }
+        for c in ready {
+            pipe.enqueue(self.clone(), c);
+        }
+    }
+
+    /// Finish with an error (the first finish wins; later ones are ignored).
+    pub fn fail(&self, err: NodeError) {
+        let tx = {
+            let mut st = self.state.lock();
+            let tx = st.reply.take();
+            self.release(&mut st);
+            tx
+        };
+        if let Some(tx) = tx {
+            let _ = tx.send(Err(err));
+        }
+    }
+
+    fn release(&self, st: &mut State) {
+        self.done.store(true, Relaxed);
+        st.inputs.clear();
+        st.outputs.iter_mut().for_each(|o| *o = None);
+    }
+}
+
+/// Rows a request contributes to a batch: the first dimension of its inputs.
+pub fn request_rows(inputs: &[(String, TensorRef)]) -> u64 {
+    inputs.first().map(|(_, t)| t.rows()).unwrap_or(1)
+}
+
+/// An admitted request inside its pipeline: settled exactly once, with its
+/// outcome or, if dropped first, as cancelled (see the module docs).
+pub struct Admitted {
+    req: Arc<Request>,
+    rx: Option<oneshot::Receiver<Reply>>,
+    settled: bool,
+}
+
+impl Admitted {
+    /// Enter the pipeline: count the request in the gate and send it to its
+    /// root stages.
+    pub fn enter(pipe: &Arc<PipelineRt>, inputs: Tensors, ticket: Ticket) -> Admitted {
+        let (req, rx) = Request::new(pipe.clone(), inputs, ticket);
+        pipe.metrics.admitted.fetch_add(1, Relaxed);
+        pipe.gate.lock().on_admit(pipe.now_ns());
+        let admitted = Admitted { req: req.clone(), rx: Some(rx), settled: false };
+        req.start();
+        admitted
+    }
+
+    /// Wait for the answer (or the pipeline's request timeout) and settle.
+    pub async fn outcome(mut self) -> Reply {
+        let pipe = self.req.pipe.clone();
+        let rx = self.rx.take().expect("outcome is awaited once");
+        let result = match tokio::time::timeout(pipe.timeout, rx).await {
+            Ok(Ok(reply)) => reply,
+            Ok(Err(_)) => Err(NodeError::Internal("request was dropped without an answer".into())),
+            Err(_) => {
+                let ms = pipe.timeout.as_millis() as u64;
+                self.req.fail(NodeError::Timeout { ms });
+                Err(NodeError::Timeout { ms })
+            }
+        };
+        self.settle(&result);
+        result
+    }
+
+    fn settle(&mut self, result: &Reply) {
+        self.settled = true;
+        let (req, pipe) = (&self.req, &self.req.pipe);
+        let m = &pipe.metrics;
+        let done = Instant::now();
+        let met = match result {
+            Ok(_) => {
+                m.ok.fetch_add(1, Relaxed);
+                m.latency_us.record(done.duration_since(req.arrival).as_micros() as u64);
+                if done <= req.deadline {
+                    m.slo_met.fetch_add(1, Relaxed);
+                } else {
+                    m.slo_missed.fetch_add(1, Relaxed);
+                }
+                let took = done.duration_since(req.arrival).as_nanos() as u64;
+                let budget = req.deadline.saturating_duration_since(req.arrival).as_nanos() as u64;
+                Some(AdmissionGate::counts_as_met(took, budget))
+            }
+            Err(e) => {
+                m.error(e.kind());
+                matches!(e, NodeError::DeadlineExceeded { .. } | NodeError::Timeout { .. }).then_some(false)
+            }
+        };
+        pipe.gate.lock().on_finish(pipe.now_ns(), met);
+    }
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        // The client went away: stop the request's work (its queued parts
+        // are skipped, its tensors released) and take it off the books.
+        // Past its deadline it counts as a miss; before, as no outcome.
+        self.req.fail(NodeError::Cancelled);
+        let pipe = &self.req.pipe;
+        pipe.metrics.cancelled.fetch_add(1, Relaxed);
+        let late = Instant::now() > self.req.deadline;
+        pipe.gate.lock().on_finish(pipe.now_ns(), late.then_some(false));
+    }
+}
