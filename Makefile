@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CARGO ?= $(shell command -v cargo 2>/dev/null || echo $$HOME/.cargo/bin/cargo)
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup build lint test test-rust test-py bench bench-slo bench-vs-ray data data-small demo clean fmt
+.PHONY: setup build lint test test-rust test-fuzz test-py bench bench-slo bench-faults bench-vs-ray data data-small demo clean fmt
 
 setup: $(VENV)/.installed
 
@@ -28,10 +28,16 @@ lint: setup
 	$(VENV)/bin/ruff check python tests examples bench scripts
 	$(VENV)/bin/mypy
 
-test: setup test-rust test-py
+test: setup test-rust test-fuzz test-py
 
 test-rust:
 	$(CARGO) test --workspace --exclude slipstream-py --locked --quiet
+
+# The request decoders against a minute of mutated requests (corpus in
+# crates/slipstream-runtime/fuzz/corpus; the test's docs say how to grow it).
+FUZZ_SECS ?= 60
+test-fuzz:
+	SLIPSTREAM_FUZZ_SECS=$(FUZZ_SECS) $(CARGO) test -p slipstream-runtime --test fuzz_codec --locked -- --nocapture
 
 test-py: setup
 	$(VENV)/bin/pytest -q tests
