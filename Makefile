@@ -52,6 +52,11 @@ bench: setup
 bench-slo: setup
 	$(PY) bench/slo_bench.py
 
+# 60 s of faults under load (killed workers, vanishing clients, 3x bursts,
+# malformed bodies) with the node's books checked: bench/results/faults.{json,md}.
+bench-faults: setup
+	$(PY) bench/faults.py
+
 # The same components under Ray Serve (its own virtualenv) and Slipstream,
 # one after the other, same load generator: bench/results/vs_ray.{json,md,png}.
 bench-vs-ray: setup

@@ -110,11 +110,14 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=2.0)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-echo", action="store_true")
+    ap.add_argument("--serve-flag", action="append", default=[],
+                    help="extra `slipstream serve` flag for the noop node, e.g. --serve-flag=--no-admission")
     ap.add_argument("--out", default=str(RESULTS / "runtime.json"))
     a = ap.parse_args()
     rates = [float(r) for r in a.rates.split(",")]
     body = json.dumps({"inputs": {"x": [[1.0, 2.0, 3.0, 4.0]]}}).encode()
-    result: dict[str, Any] = {"machine": {"cores": os.cpu_count()}, "rates": rates, "duration_s": a.duration}
+    result: dict[str, Any] = {"machine": {"cores": os.cpu_count()}, "rates": rates, "duration_s": a.duration,
+                              "serve_flags": a.serve_flag, "loadavg_before": os.getloadavg()[0]}
 
     if not a.no_echo:
         echo = start_echo()
@@ -131,7 +134,7 @@ def main() -> int:
                 proc.wait()
             table("bare HTTP echo (Go net/http), same load generator", result["echo"])
 
-    node = ss.launch("examples/noop.py", cwd=ROOT)
+    node = ss.launch("examples/noop.py", *a.serve_flag, cwd=ROOT)
     base = node.url
     try:
         runs = []

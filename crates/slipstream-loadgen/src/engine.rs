@@ -58,6 +58,8 @@ struct Shared {
     pacer_done: AtomicBool,
     /// Measured arrivals released so far.
     sent: AtomicU64,
+    /// Start of the measured window (timeline offsets count from here).
+    warm_end: Instant,
     stats: Mutex<WindowStats>,
 }
 
@@ -155,11 +157,13 @@ impl Shared {
         }
         let mut s = lock(&self.stats);
         s.late_sends += u64::from(late);
+        let us = u64::try_from(done_at.saturating_duration_since(job.at).as_micros()).unwrap_or(u64::MAX);
+        if s.timeline.is_some() {
+            let offset = u64::try_from(job.at.saturating_duration_since(self.warm_end).as_micros()).unwrap_or(u64::MAX);
+            s.record_in_timeline(offset, us, outcome);
+        }
         match outcome {
-            Ok(()) => {
-                let us = done_at.saturating_duration_since(job.at).as_micros();
-                s.record_ok(u64::try_from(us).unwrap_or(u64::MAX));
-            }
+            Ok(()) => s.record_ok(us),
             Err(kind) => s.record_err(kind),
         }
     }
@@ -270,6 +274,8 @@ pub(crate) struct RateRun<'a> {
     pub(crate) threads: usize,
     /// Count OK responses slower than this (µs), if set.
     pub(crate) slo_us: Option<u64>,
+    /// Timeline bucket width (µs), if a timeline is asked for.
+    pub(crate) timeline_us: Option<u64>,
 }
 
 pub(crate) fn build_runtime(threads: usize) -> Result<tokio::runtime::Runtime, LoadgenError> {
@@ -288,6 +294,9 @@ pub(crate) fn build_runtime(threads: usize) -> Result<tokio::runtime::Runtime, L
 /// Runs one offered rate: warmup, measured window, drain. Blocks.
 pub(crate) fn run_rate(p: &RateRun<'_>, progress: &mut dyn FnMut(&str)) -> Result<RunReport, LoadgenError> {
     let rt = build_runtime(p.threads)?;
+    let start = Instant::now() + START_DELAY;
+    let warm_end = start + p.warmup;
+    let end = warm_end + p.duration;
     let sh = Arc::new(Shared {
         target: Arc::clone(p.target),
         handle: rt.handle().clone(),
@@ -303,11 +312,9 @@ pub(crate) fn run_rate(p: &RateRun<'_>, progress: &mut dyn FnMut(&str)) -> Resul
         closed: AtomicBool::new(false),
         pacer_done: AtomicBool::new(false),
         sent: AtomicU64::new(0),
-        stats: Mutex::new(WindowStats::new()),
+        warm_end,
+        stats: Mutex::new(WindowStats::new().with_timeline(p.timeline_us)),
     });
-    let start = Instant::now() + START_DELAY;
-    let warm_end = start + p.warmup;
-    let end = warm_end + p.duration;
     let gen = ArrivalGen::new(p.arrival, p.rate, p.seed);
 
     rt.spawn(pace(Arc::clone(&sh), gen, start, warm_end, end));
@@ -392,6 +399,7 @@ fn make_report(sh: &Shared, p: &RateRun<'_>) -> RunReport {
         },
         late_sends: s.late_sends,
         max_connections_used: sh.peak_open.load(Ordering::Relaxed),
+        timeline: s.buckets(p.slo_us),
     }
 }
 

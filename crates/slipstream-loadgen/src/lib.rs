@@ -73,7 +73,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 pub use arrival::Arrival;
-pub use stats::Percentiles;
+pub use stats::{Bucket, Percentiles};
 
 /// What to send, and at which rates.
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -108,6 +108,10 @@ pub struct BenchConfig {
     /// When > 0, also count OK responses slower than this many ms
     /// (`RunReport::slower_than_slo`): misses of a latency objective.
     pub slo_ms: f64,
+    /// When > 0, also report the measured window as a time series of
+    /// buckets this many ms wide (`RunReport::timeline`), by scheduled
+    /// arrival time: how latency and outcomes move during a fault or burst.
+    pub timeline_ms: f64,
 }
 
 impl Default for BenchConfig {
@@ -127,6 +131,7 @@ impl Default for BenchConfig {
             threads: 1,
             seed: 1,
             slo_ms: 0.0,
+            timeline_ms: 0.0,
         }
     }
 }
@@ -156,6 +161,11 @@ pub struct RunReport {
     pub late_sends: u64,
     /// Peak number of open connections during the run (warmup included).
     pub max_connections_used: usize,
+    /// The measured window in buckets of `BenchConfig::timeline_ms` (empty
+    /// when that is 0). Requests still unanswered at the end of the drain
+    /// count as timeouts in the totals only.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub timeline: Vec<stats::Bucket>,
 }
 
 /// Why a bench could not run (per-request failures are counted in the
@@ -246,6 +256,7 @@ fn rate_run<'a>(cfg: &BenchConfig, p: &'a Prepared, rate: f64, index: usize) -> 
         max_conns: cfg.max_connections,
         threads: cfg.threads.max(1),
         slo_us: (cfg.slo_ms > 0.0).then_some((cfg.slo_ms * 1e3) as u64),
+        timeline_us: (cfg.timeline_ms > 0.0).then_some((cfg.timeline_ms * 1e3).max(1.0) as u64),
     }
 }
 

@@ -63,6 +63,32 @@ impl ErrKind {
     }
 }
 
+/// One bucket of a run's timeline: the requests scheduled in it and what
+/// became of them.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Bucket {
+    /// Start of the bucket, seconds from the start of the measured window.
+    pub t_s: f64,
+    pub ok: u64,
+    /// OK responses slower than `slo_ms` (0 when it is unset).
+    pub slower_than_slo: u64,
+    pub errors_by_kind: BTreeMap<String, u64>,
+    /// Latency of OK responses, ms.
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub max_ms: f64,
+    /// Slowest error response (time to a status, a reset or a timeout), ms.
+    pub max_error_ms: f64,
+}
+
+/// Raw per-bucket records, summarised into [`Bucket`]s at the end.
+#[derive(Default)]
+pub(crate) struct RawBucket {
+    ok_us: Vec<u32>,
+    by_kind: BTreeMap<ErrKind, u64>,
+    max_error_us: u64,
+}
+
 /// Counters and histogram for the requests scheduled inside the measured
 /// window. Guarded by one mutex in `engine::Shared`; each completion takes it
 /// once (uncontended on the single-threaded runtime).
@@ -72,6 +98,8 @@ pub(crate) struct WindowStats {
     pub(crate) errors: u64,
     pub(crate) by_kind: BTreeMap<ErrKind, u64>,
     pub(crate) late_sends: u64,
+    /// Bucket width (µs) and buckets, when a timeline is asked for.
+    pub(crate) timeline: Option<(u64, Vec<RawBucket>)>,
 }
 
 impl WindowStats {
@@ -82,7 +110,66 @@ impl WindowStats {
             errors: 0,
             by_kind: BTreeMap::new(),
             late_sends: 0,
+            timeline: None,
         }
+    }
+
+    /// Also keep a timeline of buckets `width_us` wide.
+    pub(crate) fn with_timeline(mut self, width_us: Option<u64>) -> Self {
+        self.timeline = width_us.map(|w| (w.max(1), Vec::new()));
+        self
+    }
+
+    fn bucket(&mut self, offset_us: u64) -> Option<&mut RawBucket> {
+        let (width, buckets) = self.timeline.as_mut()?;
+        let i = usize::try_from(offset_us / *width).ok()?.min(1 << 20);
+        if buckets.len() <= i {
+            buckets.resize_with(i + 1, RawBucket::default);
+        }
+        Some(&mut buckets[i])
+    }
+
+    /// Record one outcome in the timeline, `offset_us` after the window start.
+    pub(crate) fn record_in_timeline(&mut self, offset_us: u64, latency_us: u64, outcome: Result<(), ErrKind>) {
+        if let Some(b) = self.bucket(offset_us) {
+            match outcome {
+                Ok(()) => b.ok_us.push(u32::try_from(latency_us).unwrap_or(u32::MAX)),
+                Err(kind) => {
+                    *b.by_kind.entry(kind).or_insert(0) += 1;
+                    b.max_error_us = b.max_error_us.max(latency_us);
+                }
+            }
+        }
+    }
+
+    /// The timeline's buckets, summarised (empty without a timeline).
+    pub(crate) fn buckets(&mut self, slo_us: Option<u64>) -> Vec<Bucket> {
+        let Some((width, raw)) = self.timeline.as_mut() else { return Vec::new() };
+        let width = *width;
+        raw.iter_mut()
+            .enumerate()
+            .map(|(i, b)| {
+                b.ok_us.sort_unstable();
+                let q = |p: f64| {
+                    if b.ok_us.is_empty() {
+                        0.0
+                    } else {
+                        b.ok_us[((b.ok_us.len() - 1) as f64 * p).round() as usize] as f64 / 1000.0
+                    }
+                };
+                Bucket {
+                    t_s: (i as u64 * width) as f64 / 1e6,
+                    ok: b.ok_us.len() as u64,
+                    slower_than_slo: slo_us
+                        .map_or(0, |s| b.ok_us.iter().filter(|&&us| u64::from(us) > s).count() as u64),
+                    errors_by_kind: b.by_kind.iter().map(|(k, v)| (k.key(), *v)).collect(),
+                    p50_ms: q(0.5),
+                    p99_ms: q(0.99),
+                    max_ms: q(1.0),
+                    max_error_ms: b.max_error_us as f64 / 1000.0,
+                }
+            })
+            .collect()
     }
 
     pub(crate) fn record_ok(&mut self, latency_us: u64) {
@@ -135,6 +222,24 @@ mod tests {
         let p = Percentiles::from_histogram_us(&s.hist);
         assert!(p.max >= 59_900.0 && p.max <= 60_100.0, "max {}", p.max);
         assert!(p.p50 <= 0.002, "p50 {}", p.p50);
+    }
+
+    #[test]
+    fn timeline_buckets_by_scheduled_time() {
+        let mut s = WindowStats::new().with_timeline(Some(100_000));
+        for i in 0..100u64 {
+            s.record_in_timeline(i * 1000, 1000 + i, Ok(()));
+        }
+        s.record_in_timeline(250_000, 40_000, Ok(()));
+        s.record_in_timeline(250_000, 7_000, Err(ErrKind::Status(503)));
+        let b = s.buckets(Some(20_000));
+        assert_eq!(b.len(), 3);
+        assert_eq!((b[0].t_s, b[0].ok, b[0].slower_than_slo), (0.0, 100, 0));
+        assert!((b[0].p99_ms - 1.098).abs() < 1e-9, "{}", b[0].p99_ms);
+        assert_eq!((b[1].ok, b[1].p99_ms), (0, 0.0), "an empty bucket");
+        assert_eq!((b[2].ok, b[2].slower_than_slo, b[2].errors_by_kind["status_503"]), (1, 1, 1));
+        assert_eq!(b[2].max_error_ms, 7.0);
+        assert!(WindowStats::new().buckets(None).is_empty());
     }
 
     #[test]

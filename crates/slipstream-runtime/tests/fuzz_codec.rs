@@ -166,8 +166,11 @@ fn load_corpus() -> Vec<Input> {
     out
 }
 
+/// Byte ranges `[start, end)` of a body.
+type Spans = Vec<(usize, usize)>;
+
 /// Spans of JSON number-ish tokens and of string contents.
-fn tokens(body: &[u8]) -> (Vec<(usize, usize)>, Vec<(usize, usize)>) {
+fn tokens(body: &[u8]) -> (Spans, Spans) {
     let (mut nums, mut strs) = (Vec::new(), Vec::new());
     let mut i = 0;
     while i < body.len() {
@@ -364,7 +367,8 @@ fn decoders_survive_mutated_requests() {
                 decodes += 1;
                 let verdict = match &decoded {
                     Err(p) => {
-                        let msg = p.downcast_ref::<String>().cloned().or(p.downcast_ref::<&str>().map(|s| s.to_string()));
+                        let msg =
+                            p.downcast_ref::<String>().cloned().or(p.downcast_ref::<&str>().map(|s| s.to_string()));
                         Some(format!("panicked: {}", msg.unwrap_or_default()))
                     }
                     Ok(Ok(t)) => {
@@ -380,7 +384,12 @@ fn decoders_survive_mutated_requests() {
                 };
                 if let Ok(r) = &decoded {
                     let novel = seen.insert(format!("{v2}{}", signature(r)));
-                    if save && novel && runs > corpus.len() as u64 && saved < SAVE_AT_MOST && input.body.len() <= SAVE_BYTES {
+                    if save
+                        && novel
+                        && runs > corpus.len() as u64
+                        && saved < SAVE_AT_MOST
+                        && input.body.len() <= SAVE_BYTES
+                    {
                         let name = match input.header_len {
                             Some(_) => format!("bin-found-{seed:x}-{runs}"),
                             None => format!("found-{seed:x}-{runs}.json"),

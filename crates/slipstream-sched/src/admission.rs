@@ -201,6 +201,18 @@ mod tests {
         assert!(!AdmissionGate::counts_as_met(96, 100));
     }
 
+    /// 40 requests in flight while one finishes (and one arrives) every ms for 200 ms.
+    fn forty_in_flight_one_per_ms(g: &mut AdmissionGate) {
+        let ms = 1_000_000;
+        for _ in 0..40 {
+            g.on_admit(0);
+        }
+        for t in 1..=200u64 {
+            g.on_admit(t * ms);
+            g.on_finish(t * ms, Some(true));
+        }
+    }
+
     #[test]
     fn decides_on_the_larger_estimate_and_always_admits_an_idle_route() {
         use crate::Prediction;
@@ -210,13 +222,7 @@ mod tests {
         assert_eq!(g.decide(Prediction { ns: 60, queued: false }, 50), Ok(()));
         // Little's law: 40 in flight, finishing 1 per ms -> ~40 ms, above the route's 10 ms.
         let ms = 1_000_000;
-        for _ in 0..40 {
-            g.on_admit(0);
-        }
-        for t in 1..=200u64 {
-            g.on_admit(t * ms);
-            g.on_finish(t * ms, Some(true));
-        }
+        forty_in_flight_one_per_ms(&mut g);
         assert_eq!(g.inflight(), 40);
         assert!(g.decide(Prediction { ns: 10 * ms, queued: true }, 30 * ms).is_err());
         assert!(g.decide(Prediction { ns: 10 * ms, queued: true }, 50 * ms).is_ok());
@@ -286,13 +292,7 @@ mod tests {
         assert_eq!(g.sojourn_ns(), 0, "unknown until requests finish");
         // 1 request per ms finishing, 40 in flight: a new one takes ~40 ms.
         let ms = 1_000_000;
-        for _ in 0..40 {
-            g.on_admit(0);
-        }
-        for t in 1..=200u64 {
-            g.on_admit(t * ms);
-            g.on_finish(t * ms, Some(true));
-        }
+        forty_in_flight_one_per_ms(&mut g);
         let est = g.sojourn_ns() as f64 / ms as f64;
         assert!((est - 40.0).abs() < 2.0, "{est} ms");
         // Other failures leave the headroom alone but still leave the pipeline.

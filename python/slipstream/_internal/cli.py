@@ -115,10 +115,11 @@ def cmd_status(a: argparse.Namespace) -> int:
     events = st.get("events", [])[-a.events:] if a.events else []
     if events:
         print("\nrecent events:")
-        for e in events:
-            who = f"{e['pipeline']}/{e['stage']}" + (f"[{e['replica']}]" if e["replica"] is not None else "")
-            when = time.strftime("%H:%M:%S", time.localtime(e["unix_ms"] / 1000)) + f".{e['unix_ms'] % 1000:03d}"
-            print(f"  {when}  {who:<28} {e['what']}{': ' + e['detail'] if e['detail'] else ''}")
+        for ev in events:
+            who = f"{ev['pipeline']}/{ev['stage']}" + (f"[{ev['replica']}]" if ev["replica"] is not None else "")
+            ms = ev["unix_ms"]
+            when = time.strftime("%H:%M:%S", time.localtime(ms / 1000)) + f".{ms % 1000:03d}"
+            print(f"  {when}  {who:<28} {ev['what']}{': ' + ev['detail'] if ev['detail'] else ''}")
     return 0
 
 
