@@ -151,16 +151,19 @@ impl Shared {
         }
     }
 
-    fn finish(&self, job: &Job, late: bool, outcome: Outcome, done_at: Instant) {
+    /// Record a job's outcome. `sent_at`: when its request was written (for
+    /// a job never sent, when it was given up).
+    fn finish(&self, job: &Job, late: bool, outcome: Outcome, sent_at: Instant, done_at: Instant) {
         if !job.measured {
             return;
         }
         let mut s = lock(&self.stats);
         s.late_sends += u64::from(late);
-        let us = u64::try_from(done_at.saturating_duration_since(job.at).as_micros()).unwrap_or(u64::MAX);
+        let micros = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        let us = micros(done_at.saturating_duration_since(job.at));
         if s.timeline.is_some() {
-            let offset = u64::try_from(job.at.saturating_duration_since(self.warm_end).as_micros()).unwrap_or(u64::MAX);
-            s.record_in_timeline(offset, us, outcome);
+            let offset = micros(job.at.saturating_duration_since(self.warm_end));
+            s.record_in_timeline(offset, us, micros(done_at.saturating_duration_since(sent_at)), outcome);
         }
         match outcome {
             Ok(()) => s.record_ok(us),
@@ -190,7 +193,8 @@ async fn serve_connection(sh: &Arc<Shared>) {
         // Charge the failure to one waiting arrival so a dead server shows
         // up as errors (bounded by the arrival rate, never a spin).
         if let Some(job) = sh.pop() {
-            sh.finish(&job, false, Err(ErrKind::Connect), Instant::now());
+            let now = Instant::now();
+            sh.finish(&job, false, Err(ErrKind::Connect), now, now);
         }
         return;
     };
@@ -213,7 +217,7 @@ async fn serve_connection(sh: &Arc<Shared>) {
         let deadline = job.at + sh.timeout;
         if now >= deadline {
             // Waited in the queue past its timeout: never sent.
-            sh.finish(&job, late, Err(ErrKind::Timeout), now);
+            sh.finish(&job, late, Err(ErrKind::Timeout), now, now);
             continue;
         }
         let res =
@@ -227,7 +231,7 @@ async fn serve_connection(sh: &Arc<Shared>) {
             // rather than read a stale response later.
             Err(_elapsed) => (Err(ErrKind::Timeout), false),
         };
-        sh.finish(&job, late, outcome, done_at);
+        sh.finish(&job, late, outcome, now, done_at);
         if !keep {
             return;
         }
@@ -276,6 +280,8 @@ pub(crate) struct RateRun<'a> {
     pub(crate) slo_us: Option<u64>,
     /// Timeline bucket width (µs), if a timeline is asked for.
     pub(crate) timeline_us: Option<u64>,
+    /// Keep every OK latency in the timeline's buckets.
+    pub(crate) timeline_latencies: bool,
 }
 
 pub(crate) fn build_runtime(threads: usize) -> Result<tokio::runtime::Runtime, LoadgenError> {
@@ -399,7 +405,7 @@ fn make_report(sh: &Shared, p: &RateRun<'_>) -> RunReport {
         },
         late_sends: s.late_sends,
         max_connections_used: sh.peak_open.load(Ordering::Relaxed),
-        timeline: s.buckets(p.slo_us),
+        timeline: s.buckets(p.slo_us, p.timeline_latencies),
     }
 }
 

@@ -112,6 +112,9 @@ pub struct BenchConfig {
     /// buckets this many ms wide (`RunReport::timeline`), by scheduled
     /// arrival time: how latency and outcomes move during a fault or burst.
     pub timeline_ms: f64,
+    /// With a timeline, also return every OK latency per bucket
+    /// (`Bucket::latencies_ms`), for exact percentiles over any window.
+    pub timeline_latencies: bool,
 }
 
 impl Default for BenchConfig {
@@ -132,6 +135,7 @@ impl Default for BenchConfig {
             seed: 1,
             slo_ms: 0.0,
             timeline_ms: 0.0,
+            timeline_latencies: false,
         }
     }
 }
@@ -257,6 +261,7 @@ fn rate_run<'a>(cfg: &BenchConfig, p: &'a Prepared, rate: f64, index: usize) -> 
         threads: cfg.threads.max(1),
         slo_us: (cfg.slo_ms > 0.0).then_some((cfg.slo_ms * 1e3) as u64),
         timeline_us: (cfg.timeline_ms > 0.0).then_some((cfg.timeline_ms * 1e3).max(1.0) as u64),
+        timeline_latencies: cfg.timeline_latencies,
     }
 }
 

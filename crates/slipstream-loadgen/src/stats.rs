@@ -77,16 +77,22 @@ pub struct Bucket {
     pub p50_ms: f64,
     pub p99_ms: f64,
     pub max_ms: f64,
-    /// Slowest error response (time to a status, a reset or a timeout), ms.
-    pub max_error_ms: f64,
+    /// Every OK latency in the bucket, ms, sorted (only when
+    /// `BenchConfig::timeline_latencies` is set): exact percentiles over
+    /// any window of buckets.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub latencies_ms: Vec<f32>,
+    /// Slowest error response by kind, ms from when the request was sent
+    /// (not scheduled): how promptly the server answered with the error,
+    /// whatever the generator's own lag.
+    pub max_error_ms: BTreeMap<String, f64>,
 }
 
 /// Raw per-bucket records, summarised into [`Bucket`]s at the end.
 #[derive(Default)]
 pub(crate) struct RawBucket {
     ok_us: Vec<u32>,
-    by_kind: BTreeMap<ErrKind, u64>,
-    max_error_us: u64,
+    by_kind: BTreeMap<ErrKind, (u64, u64)>,
 }
 
 /// Counters and histogram for the requests scheduled inside the measured
@@ -129,21 +135,30 @@ impl WindowStats {
         Some(&mut buckets[i])
     }
 
-    /// Record one outcome in the timeline, `offset_us` after the window start.
-    pub(crate) fn record_in_timeline(&mut self, offset_us: u64, latency_us: u64, outcome: Result<(), ErrKind>) {
+    /// Record one outcome in the timeline, `offset_us` after the window
+    /// start: its latency from the scheduled time, and from the send.
+    pub(crate) fn record_in_timeline(
+        &mut self,
+        offset_us: u64,
+        latency_us: u64,
+        since_send_us: u64,
+        outcome: Result<(), ErrKind>,
+    ) {
         if let Some(b) = self.bucket(offset_us) {
             match outcome {
                 Ok(()) => b.ok_us.push(u32::try_from(latency_us).unwrap_or(u32::MAX)),
                 Err(kind) => {
-                    *b.by_kind.entry(kind).or_insert(0) += 1;
-                    b.max_error_us = b.max_error_us.max(latency_us);
+                    let (n, max_us) = b.by_kind.entry(kind).or_insert((0, 0));
+                    *n += 1;
+                    *max_us = (*max_us).max(since_send_us);
                 }
             }
         }
     }
 
-    /// The timeline's buckets, summarised (empty without a timeline).
-    pub(crate) fn buckets(&mut self, slo_us: Option<u64>) -> Vec<Bucket> {
+    /// The timeline's buckets, summarised (empty without a timeline);
+    /// `with_latencies`: with every OK latency too.
+    pub(crate) fn buckets(&mut self, slo_us: Option<u64>, with_latencies: bool) -> Vec<Bucket> {
         let Some((width, raw)) = self.timeline.as_mut() else { return Vec::new() };
         let width = *width;
         raw.iter_mut()
@@ -162,11 +177,16 @@ impl WindowStats {
                     ok: b.ok_us.len() as u64,
                     slower_than_slo: slo_us
                         .map_or(0, |s| b.ok_us.iter().filter(|&&us| u64::from(us) > s).count() as u64),
-                    errors_by_kind: b.by_kind.iter().map(|(k, v)| (k.key(), *v)).collect(),
+                    errors_by_kind: b.by_kind.iter().map(|(k, (n, _))| (k.key(), *n)).collect(),
                     p50_ms: q(0.5),
                     p99_ms: q(0.99),
                     max_ms: q(1.0),
-                    max_error_ms: b.max_error_us as f64 / 1000.0,
+                    latencies_ms: if with_latencies {
+                        b.ok_us.iter().map(|&us| us as f32 / 1000.0).collect()
+                    } else {
+                        Vec::new()
+                    },
+                    max_error_ms: b.by_kind.iter().map(|(k, (_, us))| (k.key(), *us as f64 / 1000.0)).collect(),
                 }
             })
             .collect()
@@ -228,18 +248,20 @@ mod tests {
     fn timeline_buckets_by_scheduled_time() {
         let mut s = WindowStats::new().with_timeline(Some(100_000));
         for i in 0..100u64 {
-            s.record_in_timeline(i * 1000, 1000 + i, Ok(()));
+            s.record_in_timeline(i * 1000, 1000 + i, 1000, Ok(()));
         }
-        s.record_in_timeline(250_000, 40_000, Ok(()));
-        s.record_in_timeline(250_000, 7_000, Err(ErrKind::Status(503)));
-        let b = s.buckets(Some(20_000));
+        s.record_in_timeline(250_000, 40_000, 40_000, Ok(()));
+        s.record_in_timeline(250_000, 9_000, 7_000, Err(ErrKind::Status(503)));
+        let b = s.buckets(Some(20_000), true);
         assert_eq!(b.len(), 3);
         assert_eq!((b[0].t_s, b[0].ok, b[0].slower_than_slo), (0.0, 100, 0));
         assert!((b[0].p99_ms - 1.098).abs() < 1e-9, "{}", b[0].p99_ms);
         assert_eq!((b[1].ok, b[1].p99_ms), (0, 0.0), "an empty bucket");
         assert_eq!((b[2].ok, b[2].slower_than_slo, b[2].errors_by_kind["status_503"]), (1, 1, 1));
-        assert_eq!(b[2].max_error_ms, 7.0);
-        assert!(WindowStats::new().buckets(None).is_empty());
+        assert_eq!(b[2].max_error_ms["status_503"], 7.0);
+        assert_eq!(b[2].latencies_ms, vec![40.0]);
+        assert!(s.buckets(None, false)[0].latencies_ms.is_empty());
+        assert!(WindowStats::new().buckets(None, true).is_empty());
     }
 
     #[test]

@@ -162,6 +162,14 @@ impl Request {
         }
     }
 
+    /// The stage the request waits at or runs in now (the first whose
+    /// parents are all done and whose own output is not in yet).
+    pub fn stage_now(&self) -> String {
+        let st = self.state.lock();
+        let at = (0..self.pipe.stages.len()).find(|&s| st.pending_parents[s] == 0 && st.outputs[s].is_none());
+        at.map_or_else(|| "-".into(), |s| self.pipe.stages[s].name.clone())
+    }
+
     /// Finish with an error (the first finish wins; later ones are ignored).
     pub fn fail(&self, err: NodeError) {
         let tx = {
@@ -207,13 +215,27 @@ impl Admitted {
         admitted
     }
 
-    /// Wait for the answer (or the pipeline's request timeout) and settle.
+    /// Wait for the answer and settle. A pipeline that drops late requests
+    /// (the default) answers 504 when the deadline passes, wherever the
+    /// request is: the client learns at once, not when a busy replica next
+    /// looks at its queue. Otherwise the request timeout bounds the wait.
     pub async fn outcome(mut self) -> Reply {
         let pipe = self.req.pipe.clone();
         let rx = self.rx.take().expect("outcome is awaited once");
-        let result = match tokio::time::timeout(pipe.timeout, rx).await {
+        let timeout_at = self.req.arrival + pipe.timeout;
+        let drop_late = pipe.spec.slo.is_none_or(|s| s.drop_late) && self.req.deadline < timeout_at;
+        let give_up = if drop_late { self.req.deadline } else { timeout_at };
+        let result = match tokio::time::timeout_at(give_up.into(), rx).await {
             Ok(Ok(reply)) => reply,
             Ok(Err(_)) => Err(NodeError::Internal("request was dropped without an answer".into())),
+            Err(_) if drop_late => {
+                let stage = self.req.stage_now();
+                if let Some(s) = pipe.stages.iter().find(|s| s.name == stage) {
+                    s.metrics.dropped_late.fetch_add(1, Relaxed);
+                }
+                self.req.fail(NodeError::DeadlineExceeded { stage: stage.clone() });
+                Err(NodeError::DeadlineExceeded { stage })
+            }
             Err(_) => {
                 let ms = pipe.timeout.as_millis() as u64;
                 self.req.fail(NodeError::Timeout { ms });

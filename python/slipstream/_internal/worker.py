@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     parent = os.getppid()
     _die_with_parent()
+    nice = int(os.environ.get("SLIPSTREAM_WORKER_NICE", "0") or 0)
+    if nice > 0:
+        os.nice(nice)  # below the node (see app_spec); also while the model loads
     # Ctrl-C reaches the whole process group; the node decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if os.getppid() != parent:
