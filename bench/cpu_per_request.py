@@ -7,9 +7,10 @@ shared machine disturbs far less than tail latency.
 Serves the two-stage no-op chain (examples/noop.py) with admission off,
 offers each rate for 10 s (open loop, Poisson), and reads the node's and
 the workers' CPU time from /proc before and after. The load generator runs
-in this process and is not counted. To compare two builds, run it once per
-build on an idle machine, alternating, and compare medians. Writes
-bench/results/cpu_per_request.json.
+in this process and is not counted. To compare two builds with the same
+load generator, point `--node-pythonpath` at the other build's `python/`
+directory (its compiled `_core` beside it) and alternate runs on an idle
+machine; compare medians. Writes bench/results/cpu_per_request.json.
 """
 
 from __future__ import annotations
@@ -63,8 +64,11 @@ def main() -> int:
     ap.add_argument("--rates", default="2000,5000")
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--node-pythonpath", help="serve with the slipstream package found here (another build)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu_per_request.json"))
     a = ap.parse_args()
+    if a.node_pythonpath:
+        os.environ["PYTHONPATH"] = a.node_pythonpath  # the node's; this process keeps its own generator
     rates = [float(r) for r in a.rates.split(",")]
     load = os.getloadavg()[0]
     runs = [measure(rates, a.duration) for _ in range(a.repeat)]

@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 APP = ROOT / "bench" / "apps" / "soak.py"
 D = 64
-SLO_MS = 100.0
+SLO_MS = 150.0  # the apps' SLO (bench/apps/soak.py): about twice the calm p99 here
 BUCKET_MS = 100.0
 PIPELINES = ("chain", "fanin")
 # Steady load per app, as a share of its capacity alone: both apps run at
@@ -408,7 +408,7 @@ def main() -> int:
         time.sleep(2.0)  # let abandoned and retried work settle
         final = get(base + "/v1/status")
     res = {"duration_s": a.duration, "seed": a.seed, "loadavg": f"{loadavg[0]:.2f}", "slo_ms": SLO_MS,
-           "worker_nice": os.environ.get("SLIPSTREAM_WORKER_NICE", "5"),
+           "worker_nice": os.environ.get("SLIPSTREAM_WORKER_NICE", "0"),
            "calm_p99_ms": {p: p99(r["timeline"]) for p, r in soak.steady.items()} if a.calm else None,
            "capacity": caps, **analyse(soak, final, final["events"]),
            "steady": {p: {k: v for k, v in r.items() if k != "timeline"} for p, r in soak.steady.items()},

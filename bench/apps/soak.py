@@ -63,5 +63,5 @@ class Merge:
         return {"y": np.concatenate([batch["la"], batch["rb"]], axis=1).sum(axis=1, keepdims=True)}
 
 
-chain = ss.Pipeline("chain", Prep >> Score, slo=ss.SLO(p99_ms=100))
-fanin = ss.Pipeline("fanin", Split >> [Left, Right] >> Merge, slo=ss.SLO(p99_ms=100))
+chain = ss.Pipeline("chain", Prep >> Score, slo=ss.SLO(p99_ms=150))
+fanin = ss.Pipeline("fanin", Split >> [Left, Right] >> Merge, slo=ss.SLO(p99_ms=150))

@@ -172,3 +172,15 @@ def test_readiness_follows_the_workers(tmp_path: object) -> None:
         assert node.infer("fragile", x=[[1, 2]]) == (200, {"outputs": {"y": [[2.0, 4.0]]}})
     finally:
         node.stop()
+
+
+def test_model_metadata_lists_outputs_once_known(chain_node: Node) -> None:
+    """KServe v2 metadata lists a pipeline's outputs: as declared, or as the
+    first answer had them when the app does not declare them."""
+    status, meta = chain_node.get("/v2/models/graceful")
+    assert status == 200 and meta["outputs"] == [{"name": "y", "datatype": "FP32", "shape": [-1, 2]}]
+    assert chain_node.infer("chain", x=[[1, 2]])[0] == 200
+    status, meta = chain_node.get("/v2/models/chain")
+    assert status == 200
+    assert {o["name"]: (o["datatype"], o["shape"]) for o in meta["outputs"]} == {
+        "y": ("FP32", [-1, 2]), "pid": ("INT64", [-1, 1])}

@@ -53,23 +53,31 @@ impl ReplicaLoad {
         last_batch: usize,
         hop_ns: u64,
     ) -> ReplicaLoad {
+        let mut load = ReplicaLoad {
+            accepting,
+            wait_ns,
+            single_ns: former.mean_ns(1) + hop_ns,
+            typical_ns: former.mean_ns(last_batch.max(1)) + hop_ns,
+            ..ReplicaLoad::default()
+        };
+        load.set_queue(former, queued, running, hop_ns);
+        load
+    }
+
+    /// Update the counts and the queue estimate only (what a push or a
+    /// batch taken changes), keeping the batch latencies, which change only
+    /// when a batch ends and the profile learns.
+    pub fn set_queue(&mut self, former: &BatchFormer, queued: usize, running: Option<(usize, u64)>, hop_ns: u64) {
         let per = former.limit.max(1) as usize;
-        let queue_ns = if queued == 0 {
+        self.queue_ns = if queued == 0 {
             0
         } else {
             (queued.div_ceil(per) as u64).saturating_mul(former.mean_ns(queued.min(per)) + hop_ns)
         };
         let running_n = running.map_or(0, |(n, _)| n);
-        ReplicaLoad {
-            accepting,
-            outstanding: (queued + running_n).min(u32::MAX as usize) as u32,
-            queued: queued.min(u32::MAX as usize) as u32,
-            busy_until_ns: running.map_or(0, |(_, until)| until.max(1)),
-            queue_ns,
-            wait_ns,
-            single_ns: former.mean_ns(1) + hop_ns,
-            typical_ns: former.mean_ns(last_batch.max(1)) + hop_ns,
-        }
+        self.outstanding = (queued + running_n).min(u32::MAX as usize) as u32;
+        self.queued = queued.min(u32::MAX as usize) as u32;
+        self.busy_until_ns = running.map_or(0, |(_, until)| until.max(1));
     }
 
     /// Expected time until this replica could start a request that joins
@@ -192,6 +200,10 @@ mod tests {
         assert_eq!(busy.backlog_ns(6 * MS), 4 * MS + 3 * f.mean_ns(8));
         assert_eq!(busy.backlog_ns(20 * MS), 3 * f.mean_ns(8), "an overrunning batch counts as ending now");
         // The observed wait wins when it is longer; a hop adds to every batch.
+        let mut moved = busy;
+        moved.set_queue(&f, 0, None, 0);
+        assert_eq!((moved.outstanding, moved.queue_ns, moved.busy_until_ns), (0, 0, 0));
+        assert_eq!(moved.typical_ns, busy.typical_ns, "latencies are kept");
         let slow = ReplicaLoad::of(&f, true, 1, None, 50 * MS, 1, 0);
         assert_eq!(slow.backlog_ns(0), 50 * MS);
         let hop = ReplicaLoad::of(&f, true, 1, None, 0, 1, 200_000);

@@ -109,12 +109,13 @@ def app_spec(
     # A user's own setting wins.
     for var in THREAD_VARS:
         env[var] = os.environ.get(var, "1")
-    # Workers run a little below the node's priority: the node's work per
-    # request is small and on every request's path (admission, deadline
-    # timers, answers), the workers' is bulk compute. Under CPU contention an
-    # equal share let a 3x burst delay the node's 504s by 70 ms past the
-    # deadline (bench/faults.py). Set 0 to run them at the node's priority.
-    env["SLIPSTREAM_WORKER_NICE"] = os.environ.get("SLIPSTREAM_WORKER_NICE", "5")
+    # Optionally run workers below the node's priority (e.g. 5): the node's
+    # work per request is small and on every request's path (admission,
+    # deadline timers, answers), the workers' is bulk compute. Measured on
+    # 2 cores (docs/benchmarks.md): under 3x bursts the slowest refusal came
+    # 13 ms after the send instead of 55 ms, but the node spent ~6% more CPU
+    # per request at moderate load (more preemptions), so it is off by default.
+    env["SLIPSTREAM_WORKER_NICE"] = os.environ.get("SLIPSTREAM_WORKER_NICE", "0")
     return {
         "pipelines": [p.to_spec() for p in pipelines],
         "batching": batching or {},

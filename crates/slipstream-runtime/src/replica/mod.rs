@@ -124,6 +124,14 @@ impl LoadCell {
         self.typical_ns.store(l.typical_ns, Relaxed);
     }
 
+    /// Store only the fields [`ReplicaLoad::set_queue`] changes.
+    fn store_queue(&self, l: &ReplicaLoad) {
+        self.outstanding.store(l.outstanding, Relaxed);
+        self.queued.store(l.queued, Relaxed);
+        self.busy_until_ns.store(l.busy_until_ns, Relaxed);
+        self.queue_ns.store(l.queue_ns, Relaxed);
+    }
+
     fn load(&self) -> ReplicaLoad {
         ReplicaLoad {
             accepting: self.accepting.load(Relaxed),
@@ -214,6 +222,7 @@ impl Replica {
         self.wake.notified()
     }
 
+    /// Publish the whole load (after a phase change or a finished batch).
     fn publish(&self, st: &State) {
         let load = ReplicaLoad::of(
             &st.former,
@@ -228,6 +237,14 @@ impl Replica {
         self.phase.store(st.phase as u8, Relaxed);
     }
 
+    /// Publish what a push or a batch taken changes: the counts and the
+    /// queue estimate (the batch latencies stay as published).
+    fn publish_queue(&self, st: &State) {
+        let mut load = self.load.load();
+        load.set_queue(&st.former, st.queue.len(), st.running, 0);
+        self.load.store_queue(&load);
+    }
+
     /// Queue a request. Refused (handed back) unless the replica will serve
     /// it: draining and stopped replicas take nothing new.
     pub fn push(&self, req: Arc<Request>) -> Result<(), Arc<Request>> {
@@ -238,7 +255,7 @@ impl Replica {
         }
         st.former.on_arrival(now);
         st.queue.push(req.deadline_ns, Work { req, enqueued: Instant::now() });
-        self.publish(&st);
+        self.publish_queue(&st);
         drop(st);
         self.wake.notify_one();
         Ok(())
@@ -253,7 +270,7 @@ impl Replica {
         for w in works {
             st.queue.push(w.req.deadline_ns, w);
         }
-        self.publish(&st);
+        self.publish_queue(&st);
         drop(st);
         self.wake.notify_one();
     }
@@ -274,7 +291,7 @@ impl Replica {
             |w| w.enqueued.saturating_duration_since(epoch).as_nanos() as u64,
         );
         if taken.skipped > 0 || !taken.expired.is_empty() || !taken.batch.is_empty() {
-            self.publish(&st);
+            self.publish_queue(&st);
         }
         taken
     }
@@ -334,7 +351,7 @@ impl Replica {
     pub fn take_queue(&self) -> Vec<Work> {
         let mut st = self.state.lock();
         let drained = st.queue.drain().into_iter().map(|(_, w)| w).collect();
-        self.publish(&st);
+        self.publish_queue(&st);
         drained
     }
 
