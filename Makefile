@@ -27,6 +27,7 @@ lint: setup
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 	$(VENV)/bin/ruff check python tests examples bench scripts
 	$(VENV)/bin/mypy
+	$(PY) -m mypy.stubtest slipstream._core
 
 test: setup test-rust test-fuzz test-py
 

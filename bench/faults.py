@@ -92,7 +92,7 @@ def capacity(base: str, pipeline: str) -> float:
     SLO; a rate that fails is tried once more (a noisy machine stalls)."""
     best = 0.0
     for rate in (250, 500, 1000, 1500, 2000, 2500, 3000, 4000, 5000, 6000, 8000):
-        for attempt in (1, 2):
+        for _attempt in (1, 2):
             r = load(f"{base}/v1/pipelines/{pipeline}/infer", rate, 3.0, warmup=1.0)
             good = r["ok"] - r["slower_than_slo"]
             print(f"  capacity {pipeline}: {rate}/s -> {good / r['duration_s']:.0f}/s within SLO "
@@ -279,7 +279,7 @@ def window(report: dict[str, Any], t0: float, t1: float) -> list[dict[str, Any]]
 
 def p99(buckets: list[dict[str, Any]]) -> float:
     """The exact p99 of the OK latencies scheduled in `buckets`."""
-    lat = sorted(x for b in buckets for x in b["latencies_ms"])
+    lat = sorted(x for b in buckets for x in b.get("latencies_ms", []))
     return lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else 0.0
 
 

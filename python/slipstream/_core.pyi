@@ -1,8 +1,13 @@
 """Type stubs of the compiled core (crates/slipstream-py)."""
 
+from typing import final
+
+__all__ = ["serve", "bench", "simulate", "Pool", "CoreError", "__version__"]
+
 class CoreError(RuntimeError):
     """args: (kind, message)"""
 
+@final
 class Pool:
     @staticmethod
     def create(path: str, id: int, capacity: int) -> Pool: ...
