@@ -28,7 +28,10 @@ def test_requests_stuck_behind_a_slow_batch_are_dropped_when_late(chain_node: No
     st = chain_node.stage("tight", "Sleepy")
     p = pipeline_status(chain_node, "tight")
     assert st["dropped_late"] + p["shed"] >= 4
-    # The node is idle again: a request is admitted and answered in time.
+    # The slow request itself was answered 504 at its deadline, while its
+    # batch still ran; once the worker is done, the node is idle again and
+    # a request is admitted and answered in time.
+    wait_for(lambda: chain_node.stage("tight", "Sleepy")["replicas"][0]["outstanding"] == 0)
     status, body = chain_node.infer("tight", x=[[7, 1]])
     assert status == 200, body
 
@@ -84,14 +87,20 @@ def test_refusal_comes_before_the_body_is_decoded(chain_node: Node) -> None:
     # Under overload, refusing must cost as little as possible: the node
     # decides admission before it decodes the body, so even a body it could
     # not decode is refused with 429, not parsed and answered with 400.
-    assert chain_node.infer("tight", x=[[1, 400]])[0] == 200  # teach: a batch takes ~400 ms
+    # Teach the stage that a batch takes ~400 ms (the request itself gets its
+    # 504 at the 150 ms deadline; the batch runs on and the profile learns).
+    status, body = chain_node.infer("tight", x=[[1, 400]])
+    assert (status, body["error"]["kind"]) == (504, "deadline_exceeded"), body
+    wait_for(lambda: chain_node.stage("tight", "Sleepy")["replicas"][0]["outstanding"] == 0)
     slow = threading.Thread(target=lambda: chain_node.infer("tight", x=[[1, 400]]))
     slow.start()
     wait_for(lambda: chain_node.stage("tight", "Sleepy")["replicas"][0]["outstanding"] > 0)
     status, _, raw = chain_node.request("POST", "/v1/pipelines/tight/infer", {"inputs": {"x": "not a tensor"}})
     slow.join(10)
     assert status == 429, raw
-    # Idle again: the same body is decoded and rejected for what it is.
+    # Idle again (the worker done with the slow batch): the same body is
+    # decoded and rejected for what it is.
+    wait_for(lambda: chain_node.stage("tight", "Sleepy")["replicas"][0]["outstanding"] == 0)
     status, _, raw = chain_node.request("POST", "/v1/pipelines/tight/infer", {"inputs": {"x": "not a tensor"}})
     assert status == 400, raw
     p = pipeline_status(chain_node, "tight")
