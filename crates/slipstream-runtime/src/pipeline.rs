@@ -164,20 +164,22 @@ impl StageRt {
             .iter()
             .map(|r| {
                 let mut l = r.load();
-                l.accepting &= not.is_none_or(|n| !std::ptr::eq(n, r.as_ref()));
+                l.accepting &= !is(not, r);
                 l
             })
             .collect();
         choose_replica(&loads, tiebreak).map(|i| set[i].clone())
     }
 
-    /// Where work goes when no replica accepts: one that will serve it once
-    /// its worker is (re)started, except `not`.
-    fn fallback(&self, tiebreak: u64, not: Option<&Replica>) -> Option<Arc<Replica>> {
-        let set = self.replicas();
-        let waiting: Vec<&Arc<Replica>> =
-            set.iter().filter(|r| r.phase().will_serve() && not.is_none_or(|n| !std::ptr::eq(n, r.as_ref()))).collect();
-        (!waiting.is_empty()).then(|| waiting[(tiebreak as usize) % waiting.len()].clone())
+    /// Where new work for this stage goes, except to `not`: the shortest
+    /// accepting queue, else (no replica accepts) one that will serve it once
+    /// its worker is (re)started; `None` if no replica ever will.
+    fn target(&self, tiebreak: u64, not: Option<&Replica>) -> Option<Arc<Replica>> {
+        self.choose(tiebreak, not).or_else(|| {
+            let set = self.replicas();
+            let waiting: Vec<&Arc<Replica>> = set.iter().filter(|r| r.phase().will_serve() && !is(not, r)).collect();
+            (!waiting.is_empty()).then(|| waiting[(tiebreak as usize) % waiting.len()].clone())
+        })
     }
 
     /// Put `req` on this stage: on `first` if it takes it, else on the
@@ -190,7 +192,7 @@ impl StageRt {
         not: Option<&Replica>,
     ) -> Result<(), Arc<Request>> {
         if let Some(r) = first {
-            if r.phase() == Phase::Ready && not.is_none_or(|n| !std::ptr::eq(n, r.as_ref())) {
+            if r.phase() == Phase::Ready && !is(not, r) {
                 match r.push(req) {
                     Ok(()) => return Ok(()),
                     Err(back) => req = back,
@@ -198,7 +200,7 @@ impl StageRt {
             }
         }
         for _ in 0..4 {
-            let Some(r) = self.choose(req.id, not).or_else(|| self.fallback(req.id, not)) else { break };
+            let Some(r) = self.target(req.id, not) else { break };
             match r.push(req) {
                 Ok(()) => return Ok(()),
                 Err(back) => req = back, // it started draining meanwhile: look again
@@ -206,6 +208,11 @@ impl StageRt {
         }
         Err(req)
     }
+}
+
+/// Whether `r` is the replica `not` names.
+fn is(not: Option<&Replica>, r: &Replica) -> bool {
+    not.is_some_and(|n| std::ptr::eq(n, r))
 }
 
 pub struct PipelineRt {
@@ -305,8 +312,7 @@ impl PipelineRt {
             .stages
             .iter()
             .map(|s| {
-                s.choose(id, None)
-                    .or_else(|| s.fallback(id, None))
+                s.target(id, None)
                     .ok_or_else(|| NodeError::Unavailable { stage: s.name.clone(), reason: "it has no replica".into() })
             })
             .collect::<Result<_, _>>()?;

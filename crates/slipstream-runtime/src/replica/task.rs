@@ -241,15 +241,6 @@ fn batch_input(arena: &Arena, parts: &[&TensorRef], keep: &mut Vec<Arc<Block>>) 
             shape,
         });
     }
-    let (block, desc) = copy_into_block(arena, parts)?;
-    CopyCounters::add(&arena.copies.gather, &arena.copies.gather_bytes, nbytes);
-    keep.push(block);
-    Ok(TensorDesc { shape, ..desc })
-}
-
-/// Copy `parts` back to back into one new ingress block.
-fn copy_into_block(arena: &Arena, parts: &[&TensorRef]) -> Result<(Arc<Block>, TensorDesc), NodeError> {
-    let nbytes: u64 = parts.iter().map(|t| t.nbytes).sum();
     let mut block = arena.scratch_block(nbytes as usize)?;
     let dst = block.as_mut_slice();
     let mut at = 0;
@@ -258,15 +249,10 @@ fn copy_into_block(arena: &Arena, parts: &[&TensorRef]) -> Result<(Arc<Block>, T
         at += t.nbytes as usize;
     }
     let block = Arc::new(block.freeze());
-    let first = parts[0];
-    let desc = TensorDesc {
-        pool: block.pool().id(),
-        offset: block.offset(),
-        nbytes,
-        dtype: first.dtype,
-        shape: first.shape.clone(),
-    };
-    Ok((block, desc))
+    CopyCounters::add(&arena.copies.gather, &arena.copies.gather_bytes, nbytes);
+    let desc = TensorDesc { pool: block.pool().id(), offset: block.offset(), nbytes, dtype: first.dtype, shape };
+    keep.push(block);
+    Ok(desc)
 }
 
 /// Keep a copy of one request's inputs as the stage's warm-up sample, at
