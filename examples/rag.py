@@ -32,7 +32,9 @@ worker alike):
 - ``RAG_TOPK``: passages returned per query (default 10).
 - ``RAG_SNIPPET``: characters of each passage returned (default 300; 0 = whole).
 - ``RAG_THREADS``: onnxruntime threads per Embed replica (default 1).
-- ``RAG_EMBED_REPLICAS``: Embed replicas (default 1).
+- ``RAG_EMBED_REPLICAS``: Embed replicas: a count (fixed), or bounds
+  ``LO-HI`` for the autoscaler (default ``1-4``: start one, add replicas
+  as the load needs them, up to what the node's cores allow).
 - ``RAG_SLO_MS``: the pipeline's p99 objective in ms (default 200).
 """
 
@@ -55,9 +57,19 @@ SLICE = int(os.environ.get("RAG_SLICE", "2000"))
 TOPK = int(os.environ.get("RAG_TOPK", "10"))
 SNIPPET = int(os.environ.get("RAG_SNIPPET", "300"))
 THREADS = int(os.environ.get("RAG_THREADS", "1"))
-EMBED_REPLICAS = int(os.environ.get("RAG_EMBED_REPLICAS", "1"))
 SLO_MS = float(os.environ.get("RAG_SLO_MS", "200"))
 
+
+def replica_bounds(text: str) -> int | tuple[int, int]:
+    """``"2"`` -> 2 (fixed); ``"1-4"`` -> (1, 4) (autoscaled)."""
+    lo, sep, hi = text.partition("-")
+    try:
+        return (int(lo), int(hi)) if sep else int(lo)
+    except ValueError:
+        raise ss.ConfigError(f"RAG_EMBED_REPLICAS must be a count or LO-HI, not {text!r}") from None
+
+
+EMBED_REPLICAS = replica_bounds(os.environ.get("RAG_EMBED_REPLICAS", "1-4"))
 if MODE not in ("auto", "full", "small"):
     raise ss.ConfigError(f"RAG_INDEX must be auto, full or small, not {MODE!r}")
 
@@ -86,13 +98,13 @@ def ensure_index() -> Path:
     return d
 
 
-@ss.component(max_batch_size=32, replicas=EMBED_REPLICAS, inputs={"query": ss.Tensor("string", (-1,))},
+@ss.component(max_batch_size=32, replicas=EMBED_REPLICAS, threads=THREADS, inputs={"query": ss.Tensor("string", (-1,))},
               outputs={"embedding": ss.Tensor("float32", (-1, DIM))})
 class Embed:
     """Query text -> unit-norm MiniLM embedding."""
 
     def __init__(self) -> None:
-        self.encoder = TextEncoder(threads=THREADS)
+        self.encoder = TextEncoder(threads=ss.worker_threads())
         self.encoder.encode(["warm up"])
 
     def __call__(self, batch: ss.Batch) -> dict:

@@ -25,6 +25,7 @@ from slipstream._internal.api import (
     Pipeline,
     Tensor,
     component,
+    worker_threads,
 )
 from slipstream._internal.errors import (
     ComponentError,
@@ -51,4 +52,5 @@ __all__ = [
     "__version__",
     "component",
     "launch",
+    "worker_threads",
 ]

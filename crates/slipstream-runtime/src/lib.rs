@@ -10,12 +10,14 @@
 //!   that drives its worker ([`replica::task`]) and the worker process
 //!   ([`replica::worker`]);
 //! - [`node`]: the node's state and request path (admit, infer, answer), scaling;
+//! - [`autoscale`]: replica counts that follow the load trend, with warm standbys;
 //! - [`lifecycle`]: start-up, serving and graceful shutdown;
 //! - [`http`]: routes, admin authorisation and the error-to-status mapping;
 //! - [`metrics`], [`report`]: counters and histograms; status and Prometheus text;
 //! - [`events`]: recent replica lifecycle events.
 
 pub mod arena;
+pub mod autoscale;
 pub mod codec;
 pub mod error;
 pub mod events;

@@ -101,10 +101,9 @@ fn build_pipelines(
         let dag = Dag::new(p.stages.iter().map(|s| s.parents.iter().map(|n| index[n.as_str()]).collect()).collect());
         let mut stages = Vec::with_capacity(p.stages.len());
         for (i, s) in p.stages.iter().enumerate() {
-            let stage =
-                StageRt::new(i, s.name.clone(), s.component.clone(), s.max_batch_size, former_for(spec, &p.name, s)?);
+            let stage = StageRt::new(s, i, former_for(spec, &p.name, s)?);
             for _ in 0..s.replicas {
-                stage.add_replica(arena.replica_pool(opts.replica_pool_bytes)?, epoch);
+                stage.add_replica(arena.replica_pool(opts.replica_pool_bytes)?, epoch, false);
             }
             stages.push(stage);
         }
@@ -157,6 +156,10 @@ pub async fn run(
     if spec.pipelines.is_empty() {
         return Err(SpecError { pipeline: "-".into(), reason: "the app defines no pipeline".into() }.into());
     }
+    let mut opts = opts;
+    if let Some(a) = &spec.autoscale {
+        opts.autoscale = a.apply(opts.autoscale).map_err(|reason| SpecError { pipeline: "-".into(), reason })?;
+    }
     let arena = Arc::new(Arena::new(opts.shm_dir.clone(), opts.ingress_pool_bytes)?);
     let pipelines = build_pipelines(&spec, &opts, &arena)?;
     let socket_dir = std::env::temp_dir().join(format!("slipstream-{}", std::process::id()));
@@ -207,6 +210,7 @@ pub async fn run(
             }
         }
         node.mark_serving();
+        tokio::spawn(crate::autoscale::run(node.clone(), node.supervisor.stop.clone()));
         if opts.log {
             let names: Vec<&str> = node.pipelines.keys().map(|s| s.as_str()).collect();
             eprintln!("slipstream: ready, serving {} on http://{local}", names.join(", "));

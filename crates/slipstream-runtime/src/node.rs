@@ -7,10 +7,11 @@
 //! none of them is needed to understand what happens to a request.
 
 use crate::arena::{Arena, Tensors};
+use crate::autoscale::Autoscaler;
 use crate::codec;
 use crate::error::NodeError;
 use crate::events::Events;
-use crate::pipeline::{PipelineRt, Ticket};
+use crate::pipeline::{PipelineRt, StageRt, Ticket};
 use crate::replica::task::{self, ReplicaCtx};
 use crate::replica::worker::Launch;
 use crate::replica::{Phase, Replica};
@@ -49,6 +50,8 @@ pub struct NodeOptions {
     pub admin_token: Option<String>,
     /// Print start-up, shutdown and replica events on stderr.
     pub log: bool,
+    /// How autoscaled stages (declared with replica bounds) follow the load.
+    pub autoscale: crate::autoscale::Options,
 }
 
 impl Default for NodeOptions {
@@ -66,6 +69,7 @@ impl Default for NodeOptions {
             shm_dir: slipstream_shm::default_dir(),
             admin_token: None,
             log: true,
+            autoscale: Default::default(),
         }
     }
 }
@@ -86,6 +90,7 @@ pub struct Node {
     /// Refuse requests predicted to miss their deadline (429).
     pub admission: bool,
     pub supervisor: Supervisor,
+    pub autoscaler: Autoscaler,
     /// Start-up finished: every first worker reported ready.
     serving: AtomicBool,
     draining: AtomicBool,
@@ -131,6 +136,7 @@ impl Node {
             pipelines,
             arena,
             events: Arc::new(Events::new(opts.log)),
+            autoscaler: Autoscaler::new(opts.autoscale.clone()),
             opts,
             started: Instant::now(),
             admission,
@@ -317,13 +323,7 @@ impl Node {
         let from = live.len();
         let (mut added, mut draining) = (Vec::new(), Vec::new());
         if n > from {
-            for _ in from..n {
-                let pool = self.arena.replica_pool(self.opts.replica_pool_bytes)?;
-                let r = st.add_replica(pool, pipe.epoch);
-                added.push(r.id);
-                self.events.record(pipe.name(), stage, Some(r.id), "added", String::new());
-                self.spawn_replica(&pipe, st.index, r, None);
-            }
+            added = self.add_replicas(&pipe, st, n - from, false);
         } else if n < from {
             // Not serving first, then the least loaded, then the newest.
             live.sort_by_key(|r| (r.phase() == Phase::Ready, r.load().outstanding, std::cmp::Reverse(r.id)));
@@ -345,5 +345,74 @@ impl Node {
             "added": added,
             "draining": draining,
         }))
+    }
+
+    /// Start `n` replicas of `st` (warm-up before traffic; as standbys,
+    /// held back until promoted). Returns their ids (fewer if the arena has
+    /// no room for another replica pool).
+    pub fn add_replicas(&self, pipe: &Arc<PipelineRt>, st: &StageRt, n: usize, standby: bool) -> Vec<u32> {
+        let mut ids = Vec::with_capacity(n);
+        for _ in 0..n {
+            let pool = match self.arena.replica_pool(self.opts.replica_pool_bytes) {
+                Ok(p) => p,
+                Err(e) => {
+                    self.events.record(pipe.name(), &st.name, None, "add_failed", e.to_string());
+                    break;
+                }
+            };
+            let r = st.add_replica(pool, pipe.epoch, standby);
+            ids.push(r.id);
+            let what = if standby { "added_standby" } else { "added" };
+            self.events.record(pipe.name(), &st.name, Some(r.id), what, String::new());
+            self.spawn_replica(pipe, st.index, r, None);
+        }
+        ids
+    }
+
+    /// Promote up to `k` standbys of `st` into routing, warm ones first.
+    pub fn promote_standbys(&self, pipe: &PipelineRt, st: &StageRt, k: usize) -> usize {
+        let mut standbys: Vec<_> = st.replicas().iter().filter(|r| r.is_standby()).cloned().collect();
+        standbys.sort_by_key(|r| r.phase() != Phase::Standby);
+        let mut done = 0;
+        for r in standbys.into_iter().take(k) {
+            if r.promote() {
+                done += 1;
+                self.events.record(pipe.name(), &st.name, Some(r.id), "promoted", String::new());
+            }
+        }
+        done
+    }
+
+    /// Take one serving replica of `st` out of routing (the least loaded):
+    /// back to standby (warm, for the next surge) or drained away.
+    pub fn retire_one(&self, pipe: &PipelineRt, st: &StageRt, to_standby: bool) -> bool {
+        let _one_at_a_time = self.scaling.lock();
+        let set = st.replicas();
+        let Some(r) = set
+            .iter()
+            .filter(|r| r.phase() == Phase::Ready && !r.is_standby())
+            .min_by_key(|r| (r.load().outstanding, std::cmp::Reverse(r.id)))
+        else {
+            return false;
+        };
+        let done = if to_standby { r.demote() } else { r.drain() };
+        if done {
+            let what = if to_standby { "standby" } else { "draining" };
+            self.events.record(pipe.name(), &st.name, Some(r.id), what, "load fell".into());
+        }
+        done
+    }
+
+    /// Drain one standby of `st` (a starting one first).
+    pub fn drain_standby(&self, pipe: &PipelineRt, st: &StageRt) -> bool {
+        let _one_at_a_time = self.scaling.lock();
+        let mut standbys: Vec<_> = st.replicas().iter().filter(|r| r.is_standby()).cloned().collect();
+        standbys.sort_by_key(|r| r.phase() == Phase::Standby);
+        let Some(r) = standbys.first() else { return false };
+        let done = r.drain();
+        if done {
+            self.events.record(pipe.name(), &st.name, Some(r.id), "draining", "standby not needed".into());
+        }
+        done
     }
 }

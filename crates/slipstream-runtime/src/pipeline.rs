@@ -18,7 +18,7 @@ use crate::error::NodeError;
 use crate::metrics::{PipelineMetrics, StageMetrics};
 use crate::replica::{Phase, Replica};
 use crate::request::Request;
-use crate::spec::PipelineSpec;
+use crate::spec::{PipelineSpec, StageSpec};
 use parking_lot::{Mutex, RwLock};
 use slipstream_sched::{choose_replica, AdmissionGate, BatchFormer, Dag, ReplicaLoad};
 use slipstream_shm::Pool;
@@ -89,6 +89,15 @@ pub struct StageRt {
     pub name: String,
     pub component: String,
     pub max_batch: usize,
+    /// Threads each replica may use.
+    pub threads: usize,
+    /// Autoscaling bounds (equal when not autoscaled).
+    pub bounds: (usize, usize),
+    /// Its workers' own environment (see [`crate::spec::StageSpec::env`]).
+    pub env: BTreeMap<String, String>,
+    /// How long a worker took from spawn to warm (moving average, ms; 0
+    /// until one has started): the lead time a standby needs.
+    start_ms: AtomicU32,
     replicas: RwLock<ReplicaSet>,
     next_id: AtomicU32,
     /// The batch former a replica starts with when no sibling has learned more.
@@ -99,12 +108,16 @@ pub struct StageRt {
 }
 
 impl StageRt {
-    pub fn new(index: usize, name: String, component: String, max_batch: usize, template: BatchFormer) -> StageRt {
+    pub fn new(spec: &StageSpec, index: usize, template: BatchFormer) -> StageRt {
         StageRt {
             index,
-            name,
-            component,
-            max_batch,
+            name: spec.name.clone(),
+            component: spec.component.clone(),
+            max_batch: spec.max_batch_size,
+            threads: spec.threads,
+            bounds: spec.bounds(),
+            env: spec.env.clone(),
+            start_ms: AtomicU32::new(0),
             replicas: RwLock::new(Arc::new(Vec::new())),
             next_id: AtomicU32::new(0),
             template,
@@ -118,15 +131,29 @@ impl StageRt {
         self.replicas.read().clone()
     }
 
-    /// A new replica (starting; not routed to until its worker is ready),
-    /// with its sibling's learned profile when there is one.
-    pub fn add_replica(&self, pool: Arc<Pool>, epoch: Instant) -> Arc<Replica> {
+    /// A worker of this stage took `d` from spawn to warm.
+    pub fn note_start(&self, d: Duration) {
+        let ms = d.as_millis().min(u32::MAX as u128) as u32;
+        let old = self.start_ms.load(Relaxed);
+        self.start_ms.store(if old == 0 { ms.max(1) } else { (old + ms) / 2 }, Relaxed);
+    }
+
+    /// How long a new replica takes to become warm (learned; `None` until one has).
+    pub fn start_time(&self) -> Option<Duration> {
+        let ms = self.start_ms.load(Relaxed);
+        (ms > 0).then(|| Duration::from_millis(ms as u64))
+    }
+
+    /// A new replica (starting; not routed to until its worker is ready, or,
+    /// as a `standby`, until it is promoted), with its sibling's learned
+    /// profile when there is one.
+    pub fn add_replica(&self, pool: Arc<Pool>, epoch: Instant, standby: bool) -> Arc<Replica> {
         let former = self.replicas().iter().find(|r| r.phase() == Phase::Ready).map_or(self.template.clone(), |r| {
             let mut f = r.former();
             f.limit = f.max_batch;
             f
         });
-        let r = Arc::new(Replica::new(self.next_id.fetch_add(1, Relaxed), pool, former, epoch));
+        let r = Arc::new(Replica::new(self.next_id.fetch_add(1, Relaxed), pool, former, epoch, standby));
         let mut set = self.replicas.write();
         let mut next = (**set).clone();
         next.push(r.clone());

@@ -27,7 +27,9 @@ pub fn status(node: &Node) -> Value {
                         "name": s.name,
                         "component": s.component,
                         "max_batch_size": s.max_batch,
+                        "threads": s.threads,
                         "ready": s.is_ready(),
+                        "autoscale": node.autoscaler.stage_status(p.name(), s),
                         "replicas": set.iter().map(|r| {
                             let l = r.load();
                             json!({
@@ -164,7 +166,7 @@ pub fn prometheus(node: &Node) -> String {
             let set = s.replicas();
             let depth: u64 = set.iter().map(|r| r.load().queued as u64).sum();
             t.gauge("slipstream_stage_queue_depth", "Requests waiting.", &l, depth as f64);
-            for phase in [Phase::Starting, Phase::Ready, Phase::Down, Phase::Draining] {
+            for phase in [Phase::Starting, Phase::Ready, Phase::Standby, Phase::Down, Phase::Draining] {
                 let n = set.iter().filter(|r| r.phase() == phase).count();
                 t.gauge(
                     "slipstream_stage_replicas",
@@ -187,6 +189,14 @@ pub fn prometheus(node: &Node) -> String {
                 t.summary(name, help, &l, h);
             }
         }
+    }
+    for (p, s, action, n) in node.autoscaler.decision_counts() {
+        t.counter(
+            "slipstream_autoscale_decisions_total",
+            "Autoscaler decisions by action (standby, promote, scale_up, to_standby, scale_down, retire_standby).",
+            &[("pipeline", &p), ("stage", &s), ("action", action)],
+            n,
+        );
     }
     let c = node.arena.copies.snapshot();
     for (site, n, b) in [

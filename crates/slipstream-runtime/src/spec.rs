@@ -22,6 +22,62 @@ pub struct AppSpec {
     pub profiles: Vec<ProfileSpec>,
     #[serde(default)]
     pub batching: BatchingSpec,
+    /// How autoscaled stages follow the load (node defaults when absent).
+    #[serde(default)]
+    pub autoscale: Option<AutoscaleSpec>,
+}
+
+/// Autoscaler settings from `slipstream serve` (see [`crate::autoscale`]).
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct AutoscaleSpec {
+    /// `"anticipatory"` (default), `"reactive"` or `"off"`.
+    #[serde(default)]
+    pub policy: Option<String>,
+    /// Cores the replicas may use (default: the machine's).
+    #[serde(default)]
+    pub cores: Option<f64>,
+    #[serde(default)]
+    pub standby_at: Option<f64>,
+    #[serde(default)]
+    pub utilization: Option<f64>,
+    #[serde(default)]
+    pub down_after_s: Option<f64>,
+}
+
+impl AutoscaleSpec {
+    /// `base` with these settings applied; Err names a bad one.
+    pub fn apply(&self, mut base: crate::autoscale::Options) -> Result<crate::autoscale::Options, String> {
+        if let Some(p) = &self.policy {
+            base.policy = crate::autoscale::Policy::parse(p)
+                .ok_or_else(|| format!("unknown autoscale policy '{p}' (use anticipatory, reactive or off)"))?;
+        }
+        let share = |name: &str, v: f64| {
+            if v > 0.0 && v <= 1.0 {
+                Ok(v)
+            } else {
+                Err(format!("autoscale {name} must be in (0, 1], got {v}"))
+            }
+        };
+        if let Some(c) = self.cores {
+            if !(c.is_finite() && c > 0.0) {
+                return Err(format!("autoscale cores must be > 0, got {c}"));
+            }
+            base.cores = c;
+        }
+        if let Some(v) = self.standby_at {
+            base.standby_at = share("standby_at", v)?;
+        }
+        if let Some(v) = self.utilization {
+            base.utilization = share("utilization", v)?;
+        }
+        if let Some(v) = self.down_after_s {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(format!("autoscale down_after_s must be >= 0, got {v}"));
+            }
+            base.down_after = std::time::Duration::from_secs_f64(v);
+        }
+        Ok(base)
+    }
 }
 
 /// How stages form batches.
@@ -128,10 +184,30 @@ pub struct StageSpec {
     pub component: String,
     #[serde(default)]
     pub parents: Vec<String>,
+    /// Replicas to start with.
     #[serde(default = "one")]
     pub replicas: usize,
+    /// Autoscaling bounds (0: the starting count, i.e. not autoscaled).
+    #[serde(default)]
+    pub min_replicas: usize,
+    #[serde(default)]
+    pub max_replicas: usize,
+    /// Threads (cores' worth of work) each replica may use.
+    #[serde(default = "one")]
+    pub threads: usize,
     #[serde(default = "one")]
     pub max_batch_size: usize,
+    /// Environment of this stage's workers, over the node-wide one.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+}
+
+impl StageSpec {
+    /// The autoscaling bounds, `(min, max)`: the starting count when none are declared.
+    pub fn bounds(&self) -> (usize, usize) {
+        let or_start = |v: usize| if v == 0 { self.replicas } else { v };
+        (or_start(self.min_replicas), or_start(self.max_replicas))
+    }
 }
 
 fn one() -> usize {
@@ -176,8 +252,20 @@ impl PipelineSpec {
             if index.insert(s.name.as_str(), i).is_some() {
                 return Err(err(format!("stage name '{}' is used twice", s.name)));
             }
-            if s.replicas == 0 || s.max_batch_size == 0 {
-                return Err(err(format!("stage '{}' needs replicas >= 1 and max_batch_size >= 1", s.name)));
+            if s.replicas == 0 || s.max_batch_size == 0 || s.threads == 0 {
+                return Err(err(format!(
+                    "stage '{}' needs replicas >= 1, threads >= 1 and max_batch_size >= 1",
+                    s.name
+                )));
+            }
+            let (lo, hi) = s.bounds();
+            if !(lo..=hi).contains(&s.replicas) || hi > crate::node::MAX_REPLICAS {
+                return Err(err(format!(
+                    "stage '{}': replicas {} must lie within its bounds ({lo}, {hi}), at most {}",
+                    s.name,
+                    s.replicas,
+                    crate::node::MAX_REPLICAS
+                )));
             }
         }
         let mut indegree = vec![0usize; self.stages.len()];
@@ -251,5 +339,10 @@ mod tests {
         assert!(dup.validate().unwrap_err().reason.contains("twice"));
         let zero = pipe(r#"[{"name":"a","component":"A","replicas":0}]"#);
         assert!(zero.validate().is_err());
+        let outside = pipe(r#"[{"name":"a","component":"A","replicas":5,"min_replicas":1,"max_replicas":4}]"#);
+        assert!(outside.validate().unwrap_err().reason.contains("bounds"));
+        let ok = pipe(r#"[{"name":"a","component":"A","replicas":1,"min_replicas":1,"max_replicas":4}]"#);
+        assert_eq!(ok.stages[0].bounds(), (1, 4));
+        assert!(ok.validate().is_ok());
     }
 }

@@ -60,6 +60,11 @@ impl LatencyProfile {
         self.points.is_empty()
     }
 
+    /// The largest batch size measured or observed (0 if none).
+    pub fn largest_known(&self) -> u32 {
+        self.points.keys().next_back().copied().unwrap_or(0)
+    }
+
     /// Fold in one observed batch.
     pub fn observe(&mut self, batch: u32, observed_us: f64) {
         if batch == 0 || !observed_us.is_finite() {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +65,15 @@ class Tensor:
 
     def to_json(self) -> dict[str, Any]:
         return {"dtype": self.dtype, "shape": list(self.shape)}
+
+
+def worker_threads() -> int:
+    """The thread budget of the replica this code runs in (its component's
+    ``threads``): size a model runtime's thread pool with it."""
+    try:
+        return max(1, int(os.environ.get("SLIPSTREAM_THREADS", "1")))
+    except ValueError:
+        return 1
 
 
 @dataclass(frozen=True)
@@ -130,29 +140,64 @@ class Component:
     cls: type
     name: str
     max_batch_size: int = 1
+    #: Replicas to start with. ``@component(replicas=(lo, hi))`` starts
+    #: ``lo`` and lets the autoscaler move between the bounds.
     replicas: int = 1
     inputs: dict[str, Tensor] = field(default_factory=dict)
     outputs: dict[str, Tensor] = field(default_factory=dict)
     init_args: tuple[Any, ...] = ()
     init_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: Threads per replica: its worker runs with OMP_NUM_THREADS (and the
+    #: other numeric libraries' variables) and SLIPSTREAM_THREADS set to it;
+    #: a component that sizes its own thread pool reads ``ss.worker_threads()``.
+    threads: int = 1
+    min_replicas: int = 0
+    max_replicas: int = 0
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
             raise ConfigError(f"component name {self.name!r} may use letters, digits, '_', '-' and '.' only")
         if int(self.max_batch_size) < 1:
             raise ConfigError(f"{self.name}: max_batch_size must be >= 1")
-        if int(self.replicas) < 1:
-            raise ConfigError(f"{self.name}: replicas must be >= 1")
+        self._set_replicas(self.replicas, keep_bounds=True)
+        if not isinstance(self.threads, int) or self.threads < 1:
+            raise ConfigError(f"{self.name}: threads must be an integer >= 1, got {self.threads!r}")
         if "__call__" not in dir(self.cls):
             raise ConfigError(f"{self.name}: a component class needs a __call__(self, batch) method")
 
+    def _set_replicas(self, replicas: Any, keep_bounds: bool = False) -> None:
+        """``replicas`` is a count (fixed) or ``(lo, hi)`` bounds (start at lo,
+        autoscaled). With ``keep_bounds``, bounds already set are kept when
+        they contain the count (a copy made by ``options``)."""
+        if isinstance(replicas, (tuple, list)):
+            if len(replicas) != 2 or not all(isinstance(v, int) for v in replicas):
+                raise ConfigError(f"{self.name}: replicas=(lo, hi) takes two integers, got {replicas!r}")
+            lo, hi = int(replicas[0]), int(replicas[1])
+            if not 1 <= lo <= hi:
+                raise ConfigError(f"{self.name}: replicas=(lo, hi) needs 1 <= lo <= hi, got {replicas!r}")
+            self.replicas, self.min_replicas, self.max_replicas = lo, lo, hi
+            return
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise ConfigError(f"{self.name}: replicas must be an integer >= 1 or (lo, hi), got {replicas!r}")
+        self.replicas = replicas
+        if not (keep_bounds and 1 <= self.min_replicas <= replicas <= self.max_replicas):
+            self.min_replicas = self.max_replicas = replicas
+
+    @property
+    def autoscaled(self) -> bool:
+        """Declared with bounds the autoscaler may move between."""
+        return self.max_replicas > self.min_replicas
+
     def options(self, **changes: Any) -> Component:
-        """A copy with other options, e.g. ``Encoder.options(name="enc2", replicas=4)``."""
-        unknown = set(changes) - {"name", "max_batch_size", "replicas", "inputs", "outputs"}
+        """A copy with other options, e.g. ``Encoder.options(name="enc2", replicas=4)``
+        or ``replicas=(1, 4)``, ``threads=2``."""
+        unknown = set(changes) - {"name", "max_batch_size", "replicas", "threads", "inputs", "outputs"}
         if unknown:
             raise ConfigError(f"unknown component option(s): {', '.join(sorted(unknown))}")
         c = copy.copy(self)
         for k, v in changes.items():
+            if k == "replicas":
+                c.min_replicas = c.max_replicas = 0
             setattr(c, k, v)
         c.__post_init__()
         return c
@@ -173,7 +218,8 @@ class Component:
         return Graph.of(other) >> self
 
     def __repr__(self) -> str:
-        return f"Component({self.name}, max_batch_size={self.max_batch_size}, replicas={self.replicas})"
+        reps = f"({self.min_replicas}, {self.max_replicas})" if self.autoscaled else str(self.replicas)
+        return f"Component({self.name}, max_batch_size={self.max_batch_size}, replicas={reps}, threads={self.threads})"
 
 
 def component(
@@ -181,14 +227,19 @@ def component(
     *,
     name: str | None = None,
     max_batch_size: int = 1,
-    replicas: int = 1,
+    replicas: int | tuple[int, int] = 1,
+    threads: int = 1,
     inputs: Mapping[str, Tensor] | None = None,
     outputs: Mapping[str, Tensor] | None = None,
 ) -> Any:
     """Declare a component: a class whose ``__call__(self, batch)`` takes a
     :class:`Batch` and returns a dict of arrays. The class is constructed once
     per replica, in that replica's worker process (load models in
-    ``__init__``)."""
+    ``__init__``).
+
+    ``replicas`` is a fixed count, or ``(lo, hi)``: start ``lo`` and let the
+    autoscaler add replicas up to ``hi`` when load rises (and retire them
+    when it falls). ``threads`` is each replica's thread budget."""
 
     def wrap(c: type) -> Component:
         if not isinstance(c, type):
@@ -197,7 +248,8 @@ def component(
             cls=c,
             name=name or c.__name__,
             max_batch_size=max_batch_size,
-            replicas=replicas,
+            replicas=replicas,  # type: ignore[arg-type]  # (lo, hi) is resolved in __post_init__
+            threads=threads,
             inputs=dict(inputs or {}),
             outputs=dict(outputs or {}),
         )
@@ -441,6 +493,9 @@ class Pipeline:
                     "component": f"{c.cls.__module__}.{c.cls.__qualname__}",
                     "parents": self.graph.parents(n),
                     "replicas": int(c.replicas),
+                    "min_replicas": int(c.min_replicas),
+                    "max_replicas": int(c.max_replicas),
+                    "threads": int(c.threads),
                     "max_batch_size": int(c.max_batch_size),
                 }
                 for n, c in self.graph.nodes.items()

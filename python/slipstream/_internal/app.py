@@ -95,20 +95,26 @@ def load_profiles(paths: list[Path]) -> list[dict[str, Any]]:
     return out
 
 
+def stage_env(threads: int) -> dict[str, str]:
+    """A stage's worker environment beyond the node-wide one: its thread
+    budget. One replica = ``threads`` cores' worth of work: numeric libraries
+    default to a thread per core, and N replicas x N threads thrash a small
+    machine (measured: recsys p99 159 ms with default BLAS threads, 27 ms
+    with one). A user's own setting of a library's variable wins."""
+    env = {var: os.environ.get(var, str(threads)) for var in THREAD_VARS}
+    env["SLIPSTREAM_THREADS"] = str(threads)
+    return env
+
+
 def app_spec(
     target: str,
     pipelines: list[Pipeline],
     batching: dict[str, Any] | None = None,
     profiles: list[dict[str, Any]] | None = None,
+    autoscale: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     path, attr = split_target(target)
     env = {"PYTHONUNBUFFERED": "1", "SLIPSTREAM_WORKER": "1"}
-    # One replica = one core's worth of work: numeric libraries default to a
-    # thread per core, and N replicas x N threads thrash a small machine
-    # (measured: recsys p99 159 ms with default BLAS threads, 27 ms with one).
-    # A user's own setting wins.
-    for var in THREAD_VARS:
-        env[var] = os.environ.get(var, "1")
     # Optionally run workers below the node's priority (e.g. 5): the node's
     # work per request is small and on every request's path (admission,
     # deadline timers, answers), the workers' is bulk compute. Measured on
@@ -116,10 +122,15 @@ def app_spec(
     # 13 ms after the send instead of 55 ms, but the node spent ~6% more CPU
     # per request at moderate load (more preemptions), so it is off by default.
     env["SLIPSTREAM_WORKER_NICE"] = os.environ.get("SLIPSTREAM_WORKER_NICE", "0")
+    specs = [p.to_spec() for p in pipelines]
+    for spec in specs:
+        for st in spec["stages"]:
+            st["env"] = stage_env(st["threads"])
     return {
-        "pipelines": [p.to_spec() for p in pipelines],
+        "pipelines": specs,
         "batching": batching or {},
         "profiles": profiles or [],
+        "autoscale": autoscale,
         "worker_argv": [sys.executable, "-m", "slipstream._internal.worker", "--app", str(path) + (f":{attr}" if attr else "")],
         "worker_env": env | {k: v for k, v in os.environ.items() if k == "PYTHONPATH"},
     }

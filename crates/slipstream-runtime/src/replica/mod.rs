@@ -13,11 +13,17 @@
 //!
 //! ```text
 //!   Starting --worker ready--> Ready --worker died--> Down --restarted--> Ready
+//!      |    \                   |                      |
+//!      |     +--(standby)--> Standby --promote()--> Ready
 //!      |                         |                      |
 //!      +-------------------------+---- drain() ---------+--> Draining --> Stopped
 //! ```
 //!
-//! Only a `Ready` replica accepts new work from routing. A `Starting` or
+//! A replica started as a standby (the autoscaler's anticipatory
+//! preloading) constructs its component and runs its warm-up batch like any
+//! other, then waits in `Standby`, warm, until it is promoted; a standby
+//! whose worker dies comes back as a standby. Only a `Ready` replica
+//! accepts new work from routing. A `Starting` or
 //! `Down` replica still takes requests when its stage has nowhere better to
 //! put them (they wait for the worker); a `Draining` one takes nothing new
 //! and finishes its queue; a `Stopped` one is gone.
@@ -51,6 +57,9 @@ pub enum Phase {
     Draining = 3,
     /// Gone.
     Stopped = 4,
+    /// Warm (component constructed, warm-up batch run) and held back from
+    /// routing until promoted.
+    Standby = 5,
 }
 
 impl Phase {
@@ -60,6 +69,7 @@ impl Phase {
             1 => Phase::Ready,
             2 => Phase::Down,
             3 => Phase::Draining,
+            5 => Phase::Standby,
             _ => Phase::Stopped,
         }
     }
@@ -71,12 +81,14 @@ impl Phase {
             Phase::Down => "down",
             Phase::Draining => "draining",
             Phase::Stopped => "stopped",
+            Phase::Standby => "standby",
         }
     }
 
-    /// Whether the replica will serve what it is given (now or after a restart).
+    /// Whether the replica will serve what it is given (now, after a
+    /// restart, or once promoted).
     pub fn will_serve(self) -> bool {
-        matches!(self, Phase::Starting | Phase::Ready | Phase::Down)
+        matches!(self, Phase::Starting | Phase::Ready | Phase::Down | Phase::Standby)
     }
 }
 
@@ -88,6 +100,8 @@ pub struct Work {
 
 struct State {
     phase: Phase,
+    /// Held back from routing once warm (until promoted).
+    standby: bool,
     queue: EdfQueue<Work>,
     former: BatchFormer,
     /// The batch in flight: (size, expected end in ns since the epoch).
@@ -166,13 +180,16 @@ pub struct Replica {
 }
 
 impl Replica {
-    pub fn new(id: u32, pool: Arc<Pool>, former: BatchFormer, epoch: Instant) -> Replica {
+    /// A new replica, starting; with `standby` it waits warm, outside
+    /// routing, once its worker is ready (see [`Replica::promote`]).
+    pub fn new(id: u32, pool: Arc<Pool>, former: BatchFormer, epoch: Instant, standby: bool) -> Replica {
         let r = Replica {
             id,
             pool,
             epoch,
             state: Mutex::new(State {
                 phase: Phase::Starting,
+                standby,
                 queue: EdfQueue::new(),
                 former,
                 running: None,
@@ -322,17 +339,54 @@ impl Replica {
         self.publish(&st);
     }
 
-    /// The worker (pid) is up and warm: ready for traffic, unless the
-    /// replica is being removed meanwhile. Returns whether it is ready.
-    pub fn worker_ready(&self, pid: u32) -> bool {
+    /// The worker (pid) is up and warm: ready for traffic (or standing by,
+    /// for a standby), unless the replica is being removed meanwhile.
+    /// Returns the phase it entered, if it changed.
+    pub fn worker_ready(&self, pid: u32) -> Option<Phase> {
         self.pid.store(pid, Relaxed);
         let mut st = self.state.lock();
-        let ready = matches!(st.phase, Phase::Starting | Phase::Down);
-        if ready {
+        let entered = matches!(st.phase, Phase::Starting | Phase::Down).then(|| {
+            st.phase = if st.standby { Phase::Standby } else { Phase::Ready };
+            st.phase
+        });
+        self.publish(&st);
+        entered
+    }
+
+    /// Let a standby take traffic: at once if it is warm, else as soon as
+    /// its worker is. Returns false if it was not a standby.
+    pub fn promote(&self) -> bool {
+        let mut st = self.state.lock();
+        if !st.standby || !st.phase.will_serve() {
+            return false;
+        }
+        st.standby = false;
+        if st.phase == Phase::Standby {
             st.phase = Phase::Ready;
         }
         self.publish(&st);
-        ready
+        drop(st);
+        self.wake.notify_one();
+        true
+    }
+
+    /// Take a serving replica out of routing, warm: it finishes what it has
+    /// queued and waits as a standby. Returns false unless it was serving.
+    pub fn demote(&self) -> bool {
+        let mut st = self.state.lock();
+        if st.phase != Phase::Ready {
+            return false;
+        }
+        st.standby = true;
+        st.phase = Phase::Standby;
+        self.publish(&st);
+        true
+    }
+
+    /// Held back from routing (warm or still starting).
+    pub fn is_standby(&self) -> bool {
+        let st = self.state.lock();
+        st.standby && st.phase.will_serve()
     }
 
     /// The worker died (any batch in flight is lost): the replica is down
@@ -341,7 +395,7 @@ impl Replica {
         self.pid.store(0, Relaxed);
         let mut st = self.state.lock();
         st.running = None;
-        if matches!(st.phase, Phase::Starting | Phase::Ready) {
+        if matches!(st.phase, Phase::Starting | Phase::Ready | Phase::Standby) {
             st.phase = Phase::Down;
         }
         self.publish(&st);
@@ -395,7 +449,7 @@ mod tests {
         let dir = crate::codec::test_util::Dir::new();
         let pool = Arc::new(Pool::create(&dir.0.join("p"), 1, 1 << 16).unwrap());
         let p = LatencyProfile::from_measurements(&[(1, 1000.0, 1000.0), (8, 2000.0, 2000.0)]);
-        (Replica::new(1, pool, BatchFormer::new(Policy::DeadlineAware, 8, p), Instant::now()), dir)
+        (Replica::new(1, pool, BatchFormer::new(Policy::DeadlineAware, 8, p), Instant::now(), false), dir)
     }
 
     #[test]
@@ -403,17 +457,39 @@ mod tests {
         let (r, _d) = replica();
         assert_eq!(r.phase(), Phase::Starting);
         assert!(!r.load().accepting, "a starting replica is not routed to");
-        assert!(r.worker_ready(42));
+        assert_eq!(r.worker_ready(42), Some(Phase::Ready));
         assert_eq!((r.phase(), r.pid(), r.load().accepting), (Phase::Ready, 42, true));
+        assert!(!r.promote(), "not a standby");
         r.worker_died();
         assert_eq!((r.phase(), r.pid(), r.load().accepting), (Phase::Down, 0, false));
-        assert!(r.worker_ready(43));
+        assert_eq!(r.worker_ready(43), Some(Phase::Ready));
         assert!(r.drain());
         assert!(!r.drain(), "once");
-        assert!(!r.worker_ready(44), "a draining replica stays draining");
+        assert_eq!(r.worker_ready(44), None, "a draining replica stays draining");
         assert_eq!(r.phase(), Phase::Draining);
         assert!(r.stop().is_empty());
         assert_eq!(r.phase(), Phase::Stopped);
+    }
+
+    #[test]
+    fn a_standby_waits_warm_outside_routing_until_promoted() {
+        let (r, _d) = replica();
+        let pool = r.pool.clone();
+        let s = Replica::new(2, pool, r.former(), Instant::now(), true);
+        assert_eq!(s.worker_ready(7), Some(Phase::Standby));
+        assert!(s.is_standby() && !s.load().accepting, "warm but not routed to");
+        s.worker_died();
+        assert_eq!(s.worker_ready(8), Some(Phase::Standby), "a restarted standby stays one");
+        assert!(s.promote());
+        assert_eq!((s.phase(), s.load().accepting, s.is_standby()), (Phase::Ready, true, false));
+        assert!(!s.promote(), "once");
+        assert!(s.demote());
+        assert_eq!((s.phase(), s.load().accepting, s.is_standby()), (Phase::Standby, false, true));
+        assert!(s.promote());
+        // Promoted while still starting: ready as soon as its worker is.
+        let t = Replica::new(3, r.pool.clone(), r.former(), Instant::now(), true);
+        assert!(t.promote());
+        assert_eq!(t.worker_ready(9), Some(Phase::Ready));
     }
 
     #[test]

@@ -73,8 +73,10 @@ impl ReplicaCtx {
 pub async fn run(mut ctx: ReplicaCtx, mut first_start: Option<oneshot::Sender<Result<(), String>>>) {
     let mut backoff = Duration::from_millis(100);
     let (pipeline, stage) = (ctx.pipe.name().to_string(), ctx.stage().name.clone());
-    let at = Coordinates { pipeline: &pipeline, stage: &stage, replica: ctx.me.id };
+    let env = ctx.stage().env.clone();
+    let at = Coordinates { pipeline: &pipeline, stage: &stage, replica: ctx.me.id, env: &env };
     while ctx.me.phase().will_serve() && !ctx.stopping() {
+        let started = Instant::now();
         let mut worker = match Worker::spawn(&ctx.launch, &at, &ctx.arena, &ctx.me.pool).await {
             Ok(w) => w,
             Err(e) => {
@@ -96,8 +98,11 @@ pub async fn run(mut ctx: ReplicaCtx, mut first_start: Option<oneshot::Sender<Re
         let ended = match warm_up(&ctx, &mut worker).await {
             Err(why) => Ended::Died(why),
             Ok(()) => {
-                if ctx.me.worker_ready(worker.pid()) {
-                    ctx.event("ready", format!("worker pid {}", worker.pid()));
+                ctx.stage().note_start(started.elapsed());
+                match ctx.me.worker_ready(worker.pid()) {
+                    Some(Phase::Standby) => ctx.event("standby", format!("worker pid {}, warm", worker.pid())),
+                    Some(_) => ctx.event("ready", format!("worker pid {}", worker.pid())),
+                    None => {}
                 }
                 if let Some(tx) = first_start.take() {
                     let _ = tx.send(Ok(()));

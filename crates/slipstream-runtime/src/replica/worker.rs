@@ -32,6 +32,8 @@ pub struct Coordinates<'a> {
     pub pipeline: &'a str,
     pub stage: &'a str,
     pub replica: u32,
+    /// The stage's own environment (its thread budget), over the node's.
+    pub env: &'a BTreeMap<String, String>,
 }
 
 static BATCH_IDS: AtomicU64 = AtomicU64::new(1);
@@ -77,6 +79,7 @@ impl Worker {
             .arg("--pool")
             .arg(pool.id().to_string())
             .envs(&launch.env)
+            .envs(at.env)
             .stdin(std::process::Stdio::null())
             .kill_on_drop(true);
         let mut child = cmd.spawn().map_err(|e| format!("cannot start worker `{exe}`: {e}"))?;
