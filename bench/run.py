@@ -30,6 +30,9 @@ from slipstream import _core
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+sys.path.insert(0, str(ROOT / "bench"))
+
+from limit import load_limit  # noqa: E402
 
 
 def free_port() -> int:
@@ -167,6 +170,14 @@ def main() -> int:
         **({"echo": highest_within(result["echo"], 10.0)} if "echo" in result else {}),
     }
     print(f"\nhighest offered rate with p99 <= 10 ms: {result['highest_rate_p99_under_10ms']}")
+    limit = load_limit("noop")
+    if limit is not None:
+        result["offline_limit_rps"] = limit
+        best = result["highest_rate_p99_under_10ms"]["slipstream"]
+        print(f"offline compute limit of the noop components (bench/limit.py): {limit:,.0f} req/s; "
+              f"slipstream reached {best / limit:.2%} of it (the rest is HTTP, the node and the generator)")
+    else:
+        print("no offline compute limit for noop in bench/results/limit.json: run bench/limit.py first")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

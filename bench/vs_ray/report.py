@@ -10,6 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from limit import load_limit  # noqa: E402
+
 
 def _ms(x: Any) -> str:
     return "-" if x is None else f"{x:.1f}" if x >= 10 else f"{x:.2f}"
@@ -36,6 +40,11 @@ def _goodput(system: dict[str, Any]) -> str:
     return f"< {_rps(low)}" if low else "0"
 
 
+def _of_limit(system: dict[str, Any], limit: float | None) -> str:
+    """Goodput as a fraction of the pipeline's offline compute limit (bench/limit.py)."""
+    return "" if not limit or not system["goodput_rps"] else f" ({system['goodput_rps'] / limit:.0%})"
+
+
 def markdown(res: dict[str, Any]) -> str:
     pipes = [p for p in res["pipelines"] if "systems" in p]
     lines = [
@@ -51,10 +60,13 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         "## Goodput at the SLO",
         "",
-        "Highest offered rate (open loop, Poisson) with p99 <= SLO and errors + SLO misses <= 1%.",
+        "Highest offered rate (open loop, Poisson) with p99 <= SLO and errors + SLO misses <= 1%. Limit: the",
+        "machine's offline compute limit for the pipeline (`bench/limit.py`, `limit.md`); each goodput as a",
+        "fraction of it.",
         "",
-        "| pipeline | stages | SLO p99 | Slipstream req/s | Ray Serve req/s | Slipstream / Ray | unloaded latency Slipstream / Ray | outputs equal |",
-        "|---|---|---:|---:|---:|---:|---:|:---:|",
+        "| pipeline | stages | SLO p99 | limit req/s | Slipstream req/s (of limit) | Ray Serve req/s (of limit) "
+        "| Slipstream / Ray | unloaded latency Slipstream / Ray | outputs equal |",
+        "|---|---|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for p in pipes:
         s, r = p["systems"]["slipstream"], p["systems"]["ray"]
@@ -62,8 +74,10 @@ def markdown(res: dict[str, Any]) -> str:
         ratio = (f"{p['goodput_ratio']:.1f}x" if p["goodput_ratio"]
                  else f"> {s['goodput_rps'] / r['lowest_failing_rps']:.0f}x" if s["goodput_rps"] and r.get("lowest_failing_rps")
                  else "-")
+        limit = p.get("limit_rps") or load_limit(p["name"])
         lines.append(
-            f"| {p['name']} | {len(p['stages'])} | {slo} | {_goodput(s)} | {_goodput(r)} | {ratio} "
+            f"| {p['name']} | {len(p['stages'])} | {slo} | {_rps(limit)} | {_goodput(s)}{_of_limit(s, limit)} "
+            f"| {_goodput(r)}{_of_limit(r, limit)} | {ratio} "
             f"| {_ms(s['unloaded_ms'])} / {_ms(r['unloaded_ms'])} ms | {'yes' if p['outputs_match'] else 'NO'} |")
     lines += ["", "Ray's transport between stages, chosen per pipeline: "
               + "; ".join(f"{p['name']} {p['systems']['ray'].get('transport', '?')}" for p in pipes) + "."]

@@ -31,6 +31,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from slipstream._internal.app import app_spec, default_profile_path, load_pipelines, load_profiles
 
     _, pipelines = load_pipelines(a.app)
+    if a.plan:
+        pipelines = _apply_plan_file(pipelines, Path(a.plan))
     profile_paths = [Path(p) for p in a.profile]
     if not profile_paths and default_profile_path(a.app).is_file():
         profile_paths = [default_profile_path(a.app)]
@@ -38,7 +40,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
         print(f"slipstream: latency profile {path}", file=sys.stderr)
     batching = {"policy": a.batching, "fixed_wait_ms": a.fixed_wait_ms, "max_wait_ms": a.max_wait_ms,
                 "admission": not a.no_admission}
-    spec = app_spec(a.app, pipelines, batching=batching, profiles=load_profiles(profile_paths))
+    autoscale = {"policy": a.autoscale, "down_after_s": a.scale_down_after,
+                 **({"cores": a.cores} if a.cores else {})}
+    profiles = _thread_profiles(load_profiles(profile_paths), profile_paths, pipelines)
+    spec = app_spec(a.app, pipelines, batching=batching, profiles=profiles, autoscale=autoscale)
     for p in pipelines:
         stages = ", ".join(
             s["name"] + (f" <- {' + '.join(s['parents'])}" if s["parents"] else " <- inputs")
@@ -66,6 +71,27 @@ def cmd_serve(a: argparse.Namespace) -> int:
         # sees it once the node has returned.
         pass
     return 0
+
+
+def _apply_plan_file(pipelines: list[Any], path: Path) -> list[Any]:
+    """`serve --plan FILE`: the app's pipelines with the plan's replicas, threads and batch limits."""
+    from slipstream._internal.planner import Plan, apply_plan
+
+    plan = Plan.load(path)
+    out = apply_plan(pipelines, plan)
+    for p in out:
+        pp = plan.pipelines.get(p.name)
+        if pp is not None:
+            cells = ", ".join(f"{n} {c.replicas}" + (f"..{c.max_replicas}" if c.autoscaled else "")
+                              + f"x{c.threads}t b{c.max_batch_size}" for n, c in p.graph.nodes.items())
+            print(f"slipstream: plan {path}: {p.name}: {cells} (target {pp.target_rps:,.0f} req/s)", file=sys.stderr)
+    return out
+
+
+def _thread_profiles(loaded: list[dict[str, Any]], paths: list[Path], pipelines: list[Any]) -> list[dict[str, Any]]:
+    from slipstream._internal.planner import profiles_for_threads
+
+    return profiles_for_threads(loaded, paths, pipelines)
 
 
 def _get(url: str, timeout: float = 5.0) -> Any:
@@ -112,6 +138,17 @@ def cmd_status(a: argparse.Namespace) -> int:
             others = [f"{r['id']}:{r['state']}" for r in reps if r.get("state", "ready") != "ready"]
             if others:
                 print(f"  {'':<16}not serving: {' '.join(others)}")
+            auto = s.get("autoscale")
+            if auto:
+                m = auto.get("model") or {}
+                line = f"  {'':<16}autoscale {auto['policy']} ({auto['min']}..{auto['max']})"
+                if m:
+                    line += (f": load {m['level_rps']:.0f} req/s ({m['slope_rps_per_s']:+.0f}/s), forecast "
+                             f"{m['forecast_rps']:.0f} in {m['lead_s']:.1f} s, {m['replica_capacity_rps']:.0f} req/s "
+                             f"per replica -> need {m['need']}, serving {m['active']}, standby {m['standby']}")
+                print(line)
+                if auto.get("last"):
+                    print(f"  {'':<16}last decision {auto['last']['ago_s']:.0f} s ago: {auto['last']['what']}")
     events = st.get("events", [])[-a.events:] if a.events else []
     if events:
         print("\nrecent events:")
@@ -308,31 +345,74 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def _thread_counts(spec: str) -> list[int]:
+    try:
+        counts = sorted({1, *(int(t) for t in spec.split(",") if t.strip())})
+    except ValueError:
+        raise SystemExit(f"slipstream: error: --threads takes comma-separated integers, got {spec!r}") from None
+    if counts[0] < 1:
+        raise SystemExit("slipstream: error: --threads must be >= 1")
+    return counts
+
+
 def cmd_profile(a: argparse.Namespace) -> int:
-    import subprocess
-
-    from slipstream._internal import slo
-    from slipstream._internal.app import THREAD_VARS, default_profile_path, load_pipelines
-
     if os.environ.get("SLIPSTREAM_PROFILE_CHILD") != "1":
-        # Measure under the conditions workers run in: one BLAS/OpenMP thread
-        # each (numeric libraries read these only when they load, so re-exec).
-        env = dict(os.environ, SLIPSTREAM_PROFILE_CHILD="1")
-        for var in THREAD_VARS:
-            env.setdefault(var, "1")
-        return subprocess.run([sys.executable, "-m", "slipstream._internal.cli", *sys.argv[1:]], env=env).returncode
+        return _profile_parent(a)
+    from slipstream._internal import slo
+    from slipstream._internal.app import load_pipelines
 
+    # A child: measure at the thread budget its environment was started with
+    # and write the raw profile to --out for the parent to merge.
     _, pipelines = load_pipelines(a.app)
     if a.pipeline:
         pipelines = [p for p in pipelines if p.name == a.pipeline]
         if not pipelines:
             return _fail(f"no pipeline named {a.pipeline!r} in {a.app}")
     batches = [int(b) for b in a.batches.split(",")] if a.batches else list(slo.DEFAULT_BATCHES)
-    out = Path(a.out) if a.out else default_profile_path(a.app)
+    threads = int(os.environ.get("SLIPSTREAM_THREADS", "1"))
     profiles = []
     for p in pipelines:
-        print(f"profiling {p.name} on cpu ({os.cpu_count()} cores), batch sizes {batches}", file=sys.stderr)
-        profiles.append(slo.profile_pipeline(p, batches, a.iters, a.budget))
+        print(f"profiling {p.name} on cpu ({os.cpu_count()} cores), {threads} thread(s), batch sizes {batches}",
+              file=sys.stderr)
+        profiles.append(slo.profile_pipeline(p, batches, a.iters, a.budget, threads=threads))
+    slo.write_profile(Path(a.out), profiles)
+    return 0
+
+
+def _profile_parent(a: argparse.Namespace) -> int:
+    """Measure under the conditions workers run in: a thread budget of t
+    (OMP_NUM_THREADS and the other numeric libraries' variables, and
+    SLIPSTREAM_THREADS). Libraries read these only when they load, so each
+    thread count is measured by a child process of its own; the parent merges
+    them (`slo.merge_thread_profiles`), writes the file and prints."""
+    import subprocess
+    import tempfile
+
+    from slipstream._internal import slo
+    from slipstream._internal.app import THREAD_VARS, default_profile_path
+
+    counts = _thread_counts(a.threads)
+    mine = [v for v in THREAD_VARS if v in os.environ]
+    if len(counts) > 1 and mine:
+        print(f"slipstream: note: {', '.join(mine)} set here win over --threads (as they do in served workers)",
+              file=sys.stderr)
+    out = Path(a.out) if a.out else default_profile_path(a.app)
+    args = ["profile", a.app, "--iters", str(a.iters), "--budget", str(a.budget)]
+    args += ["--pipeline", a.pipeline] if a.pipeline else []
+    args += ["--batches", a.batches] if a.batches else []
+    parts: dict[int, list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for t in counts:
+            part = Path(tmp) / f"t{t}.json"
+            env = dict(os.environ, SLIPSTREAM_PROFILE_CHILD="1", SLIPSTREAM_THREADS=str(t))
+            for var in THREAD_VARS:
+                env.setdefault(var, str(t))
+            rc = subprocess.run([sys.executable, "-m", "slipstream._internal.cli", *args, "--out", str(part)],
+                                env=env).returncode
+            if rc != 0:
+                return rc
+            parts[t] = json.loads(part.read_text())["pipelines"]
+    profiles = slo.merge_thread_profiles(parts)
     slo.write_profile(out, profiles)
     print(f"wrote {out}")
     png = slo.plot_profile(out.with_suffix(".png"), profiles)
@@ -341,8 +421,10 @@ def cmd_profile(a: argparse.Namespace) -> int:
     for prof in profiles:
         print(f"\n{prof['pipeline']}: ms per batch (mean / p99)")
         for name, st in prof["stages"].items():
-            cells = "  ".join(f"b{pt['batch']}: {pt['mean_ms']:.2f}/{pt['p99_ms']:.2f}" for pt in st["points"])
-            print(f"  {name:<16} {cells}")
+            runs = [("", st["points"])] + [(f" t={t}", v["points"]) for t, v in st.get("by_threads", {}).items()]
+            for tag, pts in runs:
+                cells = "  ".join(f"b{pt['batch']}: {pt['mean_ms']:.2f}/{pt['p99_ms']:.2f}" for pt in pts)
+                print(f"  {name + tag:<16} {cells}")
     return 0
 
 
@@ -432,6 +514,35 @@ def cmd_slo(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(a: argparse.Namespace) -> int:
+    from slipstream._internal import planner, slo
+    from slipstream._internal.app import default_profile_path, load_pipelines, split_target
+
+    _, pipelines = load_pipelines(a.app)
+    if a.pipeline:
+        pipelines = [p for p in pipelines if p.name == a.pipeline]
+        if not pipelines:
+            return _fail(f"no pipeline named {a.pipeline!r} in {a.app}")
+    paths = [Path(p) for p in a.profile] or [default_profile_path(a.app)]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        return _fail(f"no profile {', '.join(missing)}: run `slipstream profile {a.app}` first")
+    profiles = {p.name: slo.load_profile_for(p, paths) for p in pipelines}
+    if a.gpus:
+        plan = planner.plan_gpu(pipelines, profiles, a.gpus, rate=a.rate, app=a.app)
+    else:
+        plan = planner.plan_cpu(pipelines, profiles, cores=a.cores, overheads=_overheads(a, a.app), rate=a.rate,
+                                app=a.app, check_slo=not a.no_check, sim_duration_s=a.sim_duration)
+    out = Path(a.out) if a.out else split_target(a.app)[0].with_suffix(".plan.json")
+    out.write_text(json.dumps(plan.to_json(), indent=2))
+    if a.json:
+        print(json.dumps(plan.to_json(), indent=2))
+    else:
+        print(planner.format_plan(plan))
+        print(f"\nwrote {out}; run it with: slipstream serve {a.app} --plan {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="slipstream", description="Serve multi-stage ML pipelines under a latency SLO.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -448,6 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pool-mb", type=int, default=0, help="shared-memory pool size per replica (MiB)")
     s.add_argument("--profile", action="append", default=[],
                    help="latency profile from `slipstream profile` (default: APP.profile.json beside the app, if any)")
+    s.add_argument("--plan", metavar="FILE",
+                   help="run with a plan from `slipstream plan` (its replicas, threads and batch limits per stage)")
     s.add_argument("--batching", choices=["deadline", "fixed"], default="deadline",
                    help="deadline-aware batch former (default), or fixed max-batch + wait (the Triton/Ray policy)")
     s.add_argument("--fixed-wait-ms", type=float, default=2.0, help="the fixed policy's wait for a full batch")
@@ -456,6 +569,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--admin-token", default=os.environ.get("SLIPSTREAM_ADMIN_TOKEN"),
                    help="bearer token for the admin routes (scale, reset-metrics); required to use them when "
                         "--host is not a loopback address (default: $SLIPSTREAM_ADMIN_TOKEN)")
+    s.add_argument("--autoscale", choices=["anticipatory", "reactive", "off"],
+                   default=os.environ.get("SLIPSTREAM_AUTOSCALE", "anticipatory"),
+                   help="how stages declared with replicas=(lo, hi) follow the load: warm standbys started on the "
+                        "load trend and promoted when the forecast needs them (default), a replica started only "
+                        "once requests miss, or no change")
+    s.add_argument("--cores", type=float, default=None,
+                   help="cores the replicas may use, for the autoscaler (default: the machine's)")
+    s.add_argument("--scale-down-after", type=float, default=10.0, metavar="SECONDS",
+                   help="the autoscaler retires a replica only after the load needed fewer for this long")
     s.set_defaults(fn=cmd_serve)
 
     st = sub.add_parser("status", help="stages, replicas, queue depths, batch sizes of a running node")
@@ -505,7 +627,24 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--iters", type=int, default=30, help="timed calls per batch size")
     pr.add_argument("--budget", type=float, default=3.0, help="seconds at most per batch size and stage")
     pr.add_argument("--out", help="profile file (default: APP.profile.json beside the app)")
+    pr.add_argument("--threads", default="1",
+                    help="comma-separated thread budgets per replica to measure, e.g. 1,2 (default 1)")
     pr.set_defaults(fn=cmd_profile)
+
+    pl = sub.add_parser("plan", help="choose replicas, threads and batch limits per stage for this machine or GPUs")
+    pl.add_argument("app")
+    pl.add_argument("--rate", type=float, help="plan the cheapest configuration holding this many req/s "
+                                                 "(and the machine's max as the autoscaler's bound)")
+    pl.add_argument("--cores", type=float, default=float(os.cpu_count() or 1), help="cores to plan for")
+    pl.add_argument("--gpus", metavar="SPEC", help="plan on GPUs instead: e.g. 12xA30, 4xA100-80GB:nomig, "
+                                                    "or a JSON inventory")
+    pl.add_argument("--profile", action="append", default=[], help="profile file(s) (default: APP.profile.json)")
+    pl.add_argument("--out", help="plan file (default: APP.plan.json beside the app)")
+    pl.add_argument("--pipeline", help="only this pipeline")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.add_argument("--sim-duration", type=float, default=3.0, help="simulated seconds per SLO check")
+    pl.add_argument("--no-check", action="store_true", help="skip the SLO model's check of the plan")
+    pl.set_defaults(fn=cmd_plan)
 
     so = sub.add_parser("slo", help="predict latency and misses against load from the profile (the SLO contract)")
     so.add_argument("app")

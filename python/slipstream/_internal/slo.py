@@ -59,8 +59,11 @@ def _merge_inputs(pipe: Pipeline, name: str, outputs: dict[str, dict[str, np.nda
     return merged
 
 
-def profile_pipeline(pipe: Pipeline, batches: list[int], iters: int, budget_s: float) -> dict[str, Any]:
-    """Measure every stage of `pipe` at each batch size (capped by its max batch size)."""
+def profile_pipeline(pipe: Pipeline, batches: list[int], iters: int, budget_s: float,
+                     threads: int = 1) -> dict[str, Any]:
+    """Measure every stage of `pipe` at each batch size (capped by its max
+    batch size). `threads` is only recorded: the thread budget is set by the
+    environment this process was started with (see `cmd_profile`)."""
     order = _topological(pipe)
     instances = {}
     for name in order:
@@ -101,7 +104,27 @@ def profile_pipeline(pipe: Pipeline, batches: list[int], iters: int, budget_s: f
             })
             done += 1
             _progress(done, total, f"{name} batch {b}: {t.mean():.2f} ms")
-    return {"pipeline": pipe.name, "stages": stages}
+    return {"pipeline": pipe.name, "threads": threads, "stages": stages}
+
+
+def merge_thread_profiles(parts: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One profile per pipeline from runs at several thread counts: each
+    stage keeps ``points`` at one thread (the format every reader knows) and
+    gains ``by_threads: {"2": {"points": [...]}}`` for the others."""
+    base = parts[1] if 1 in parts else parts[min(parts)]
+    merged = []
+    for prof in base:
+        out = {"pipeline": prof["pipeline"], "stages": {}}
+        for name, st in prof["stages"].items():
+            entry: dict[str, Any] = {"points": st["points"]}
+            others = {str(t): {"points": next(p for p in profs if p["pipeline"] == prof["pipeline"])
+                                         ["stages"][name]["points"]}
+                      for t, profs in sorted(parts.items()) if t != 1}
+            if others:
+                entry["by_threads"] = others
+            out["stages"][name] = entry
+        merged.append(out)
+    return merged
 
 
 def _topological(pipe: Pipeline) -> list[str]:

@@ -1,0 +1,174 @@
+"""Goodput at the SLO, as a share of the offline compute limit.
+
+For each pipeline (RAG and recsys by default): plan it for this machine
+(`slipstream plan APP --cores N`), serve it with the plan (`--plan`,
+autoscaler off, so the configuration under test is the plan's), and also
+as shipped (the app's own declaration, autoscaler off, at its starting
+replica counts). At offered Poisson rates from 60% to 105% of the offline
+compute limit (bench/limit.py), measure what is answered within the SLO.
+The SLO holds at a rate when the p99 of answered requests is within the
+target and misses (errors, refusals, answers later than the target) are at
+most the allowed share; the headline is the goodput (answers within the
+SLO per second) at the highest such rate, beside the limit.
+
+    .venv/bin/python bench/limit.py            # first: the limit per pipeline
+    .venv/bin/python bench/goodput.py          # -> bench/results/goodput.{json,md}
+
+Each rate runs `--repeat` times (alternating configurations) and the
+median is kept; the load average before each run is recorded. The load
+generator shares the machine's cores with the node, as everywhere in
+bench/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+sys.path.insert(0, str(ROOT / "bench"))
+
+from limit import load_limit  # noqa: E402
+
+APPS = {"rag": "examples/rag.py", "recsys": "examples/recsys.py"}
+FRACTIONS = (0.6, 0.75, 0.85, 0.9, 0.95, 1.0, 1.05)
+
+
+def plan_for(app: str, cores: float, out: Path) -> dict[str, Any]:
+    """Profile the app (threads 1 and 2) unless it has a profile, then plan it."""
+    if not (ROOT / app).with_suffix(".profile.json").is_file():
+        subprocess.run([sys.executable, "-m", "slipstream._internal.cli", "profile", app, "--threads", "1,2"],
+                       cwd=ROOT, check=True)
+    cmd = [sys.executable, "-m", "slipstream._internal.cli", "plan", app, "--cores", f"{cores:g}", "--out", str(out)]
+    subprocess.run(cmd, cwd=ROOT, check=True)
+    return dict(json.loads(out.read_text()))
+
+
+def run_rate(url: str, pipeline: str, body: bytes, rate: float, seconds: float, slo_ms: float) -> dict[str, Any]:
+    from slipstream import _core
+
+    urllib_post(url + "/v1/admin/reset-metrics")
+    cfg = {"url": f"{url}/v1/pipelines/{pipeline}/infer", "method": "POST", "body": list(body),
+           "content_type": "application/json", "headers": [], "rates": [rate], "duration_s": seconds,
+           "warmup_s": 2.0, "arrival": {"kind": "poisson"}, "max_connections": 1024, "timeout_s": 10.0,
+           "threads": 1, "seed": 11, "slo_ms": slo_ms}
+    r = json.loads(_core.bench(json.dumps(cfg), quiet=True))[0]
+    sent = max(int(r["sent"]), 1)
+    good = int(r["ok"]) - int(r["slower_than_slo"])
+    return {"offered_rps": rate, "sent": sent, "ok": r["ok"], "errors": r["errors"],
+            "errors_by_kind": r["errors_by_kind"], "late": r["slower_than_slo"],
+            "p50_ms": r["latency_ms"]["p50"], "p99_ms": r["latency_ms"]["p99"],
+            "miss_rate": (sent - good) / sent, "goodput_rps": good / r["duration_s"],
+            "load_avg": os.getloadavg()[0]}
+
+
+def urllib_post(url: str) -> None:
+    import urllib.request
+
+    urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=5).read()
+
+
+def holds(row: dict[str, Any], slo_ms: float, max_miss: float) -> bool:
+    return bool(row["ok"] > 0 and row["p99_ms"] <= slo_ms and row["miss_rate"] <= max_miss)
+
+
+def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out = dict(rows[0])
+    for k in ("goodput_rps", "p50_ms", "p99_ms", "miss_rate", "load_avg"):
+        out[k] = statistics.median(r[k] for r in rows)
+    out["runs"] = [{k: r[k] for k in ("goodput_rps", "p99_ms", "miss_rate", "load_avg")} for r in rows]
+    return out
+
+
+def measure(name: str, app: str, limit: float, configs: dict[str, list[str]], a: argparse.Namespace
+            ) -> dict[str, Any]:
+    from slipstream._internal.api import Pipeline
+    from slipstream._internal.app import load_pipelines
+    from slipstream._internal.launch import launch
+    from slipstream._internal.slo import example_body
+
+    _, pipes = load_pipelines(str(ROOT / app))
+    pipe: Pipeline = next(p for p in pipes if p.name == name)
+    assert pipe.slo is not None
+    slo_ms, max_miss = pipe.slo.p99_ms, pipe.slo.max_miss_rate
+    body = example_body(pipe)
+    rates = [round(limit * f) for f in a.fractions]
+    results: dict[str, Any] = {}
+    for label, flags in configs.items():
+        print(f"\n{name} [{label}]: serving with {' '.join(flags) or 'its declaration'}", file=sys.stderr)
+        rows = []
+        with launch(str(ROOT / app), "--autoscale", "off", *flags) as node:
+            time.sleep(1.0)
+            for rate in rates:
+                reps = []
+                for _ in range(a.repeat):
+                    row = run_rate(node.url, name, body, rate, a.duration, slo_ms)
+                    reps.append(row)
+                m = median_row(reps)
+                rows.append(m)
+                ok = "holds" if holds(m, slo_ms, max_miss) else "missed"
+                print(f"  {rate:>7.0f} req/s offered: goodput {m['goodput_rps']:>7.0f}/s p99 {m['p99_ms']:>7.1f} ms "
+                      f"misses {100 * m['miss_rate']:.2f}%  [{ok}]  load {m['load_avg']:.2f}", file=sys.stderr)
+                if not holds(m, slo_ms, max_miss) and rate > limit * 0.9:
+                    break  # past the knee
+        best = max((r for r in rows if holds(r, slo_ms, max_miss)), key=lambda r: r["goodput_rps"], default=None)
+        results[label] = {"rows": rows, "best": best,
+                          "goodput_fraction": (best["goodput_rps"] / limit) if best else 0.0}
+    return {"pipeline": name, "app": app, "limit_rps": limit, "slo_ms": slo_ms, "configs": results}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pipelines", default="rag,recsys")
+    ap.add_argument("--cores", type=float, default=float(os.cpu_count() or 2))
+    ap.add_argument("--duration", type=float, default=10.0, help="measured seconds per run")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--fractions", type=lambda s: [float(x) for x in s.split(",")], default=list(FRACTIONS),
+                    help="offered rates as fractions of the limit")
+    ap.add_argument("--no-shipped", action="store_true", help="measure only the planned configuration")
+    a = ap.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    print(f"load average before: {os.getloadavg()}", file=sys.stderr)
+    out: dict[str, Any] = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "cores": a.cores,
+                           "load_avg_before": os.getloadavg(), "pipelines": {}}
+    for name in a.pipelines.split(","):
+        app = APPS[name]
+        limit = load_limit(name)
+        if not limit:
+            print(f"{name}: no offline limit in bench/results/limit.json: run bench/limit.py first", file=sys.stderr)
+            return 1
+        plan_path = RESULTS / f"goodput_{name}.plan.json"
+        plan = plan_for(app, a.cores, plan_path)
+        configs = {"planned": ["--plan", str(plan_path)]}
+        if not a.no_shipped:
+            configs["shipped"] = []
+        res = measure(name, app, limit, configs, a)
+        res["plan"] = plan["pipelines"].get(name)
+        out["pipelines"][name] = res
+    (RESULTS / "goodput.json").write_text(json.dumps(out, indent=2))
+    lines = ["# Goodput at the SLO vs the offline compute limit", "",
+             f"{out['time']}, {a.cores:g} cores, load average before {out['load_avg_before'][0]:.2f}; "
+             f"median of {a.repeat} runs of {a.duration:g} s per rate (`bench/goodput.py`).", "",
+             "| pipeline | config | limit (req/s) | best rate holding the SLO | goodput (req/s) | share of limit | p99 (ms) |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for name, res in out["pipelines"].items():
+        for label, c in res["configs"].items():
+            b = c["best"]
+            lines.append(f"| {name} | {label} | {res['limit_rps']:.0f} | {b['offered_rps'] if b else '-'} | "
+                         f"{b['goodput_rps'] if b else 0:.0f} | {100 * c['goodput_fraction']:.0f}% | "
+                         f"{b['p99_ms'] if b else float('nan'):.1f} |")
+    (RESULTS / "goodput.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

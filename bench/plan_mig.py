@@ -1,0 +1,144 @@
+"""The planner on a simulated GPU cluster with MIG: twelve A30-class GPUs
+(24 GB; 1g.6gb / 2g.12gb / 4g.24gb slices) serving a PreFLMR-shaped and an
+AudioQuery-shaped pipeline, and PreFLMR alone on four A30s, the size of the
+Vortex paper's multi-stage configuration (arXiv 2511.02062, Figure 6b: three
+nodes of vision encoders, one node split four ways by MIG).
+
+No GPU is used: the profiles below are assumptions with the shapes of the
+real stages, written down so the placements can be argued with. Per stage:
+memory (weights + activations at the batch size listed) and throughput /
+p99 at each A30 slice size. Two effects decide placements and are modelled
+on purpose:
+
+- Small models do not fill a big slice (kernel launch and Python overheads,
+  short sequences), so their throughput grows less than the slice: a 1g.6gb
+  slice (1/4 of the GPU) gets 0.4-0.45 of a whole GPU's throughput.
+- A model whose weights nearly fill a slice can only run small batches on it:
+  the ~10 GB vision encoder on a 12 GB 2g slice runs batch 2 and gets 0.4 of
+  a whole GPU, not 0.5.
+
+Sources of the shapes: PreFLMR's query path (Lin et al., "PreFLMR", ACL 2024;
+the ViT-G checkpoint's vision tower is CLIP ViT-bigG/14, 48 layers, 1664
+wide, ~1.8 B parameters: ~3.7 GB in fp16, ~10 GB with activations and
+workspace at batch 8, and roughly 1 TFLOP per 224 px image, i.e. ~70
+images/s on an A30 at ~40% of its fp16 tensor peak); a BERT-base text
+encoder and a one-layer cross-attention mapping network; late-interaction
+search over an index shard resident on the GPU (~5 GB). AudioQuery: a
+Whisper-small-like ASR (244 M parameters; autoregressive decoding leaves the
+GPU underused, so small slices are relatively efficient), a MiniLM-class text
+encoder, a FAISS IVF index on the GPU (~4 GB), and a FastPitch + HiFi-GAN-like
+TTS. Absolute numbers are rough; the ratios between stages and slice sizes
+are what the planner acts on.
+
+    python bench/plan_mig.py          # ~2 s; writes bench/results/plan_mig.{json,md}
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import slipstream as ss
+from slipstream._internal import planner
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+# stage -> (memory GB, {A30 compute fraction: (req/s, p99 ms, batch)})
+PREFLMR: dict[str, tuple[float, dict[float, tuple[float, float, int]]]] = {
+    "TextEncoder": (1.5, {1.0: (1600, 25, 32), 0.5: (1100, 35, 32), 0.25: (700, 28, 16)}),
+    "VisionEncoder": (10.0, {1.0: (70, 130, 8), 0.5: (28, 85, 2)}),  # 10 GB: no 1g.6gb
+    "CrossAttention": (1.0, {1.0: (3000, 12, 32), 0.5: (2000, 18, 32), 0.25: (1200, 15, 16)}),
+    "Search": (5.0, {1.0: (900, 40, 16), 0.5: (600, 55, 16), 0.25: (380, 45, 8)}),
+}
+AUDIOQUERY: dict[str, tuple[float, dict[float, tuple[float, float, int]]]] = {
+    "ASR": (2.5, {1.0: (45, 250, 8), 0.5: (32, 280, 8), 0.25: (20, 260, 4)}),
+    "TextEncoder": (1.0, {1.0: (2500, 15, 32), 0.5: (1700, 20, 32), 0.25: (1100, 18, 16)}),
+    "Search": (4.0, {1.0: (3000, 12, 32), 0.5: (2000, 16, 32), 0.25: (1300, 14, 16)}),
+    "TTS": (1.5, {1.0: (60, 180, 8), 0.5: (42, 200, 8), 0.25: (27, 190, 4)}),
+}
+SLO_MS = {"preflmr": 500.0, "audioquery": 1500.0}
+
+
+def _component(name: str) -> ss.Component:
+    cls = type(name, (), {"__call__": lambda self, batch: {}})
+    c: ss.Component = ss.component(cls, inputs={"x": ss.Tensor("float32", (-1, 4))})
+    return c
+
+
+def _profile(name: str, stages: dict[str, tuple[float, dict[float, tuple[float, float, int]]]]) -> dict[str, Any]:
+    return {"pipeline": name, "stages": {
+        s: {"points": [], "gpu": {"memory_gb": mem, "models": {"A30": {
+            str(f): {"rps": rps, "p99_ms": p99, "batch": b} for f, (rps, p99, b) in table.items()}}}}
+        for s, (mem, table) in stages.items()}}
+
+
+def pipelines_and_profiles() -> tuple[list[ss.Pipeline], dict[str, Any]]:
+    c = {n: _component(n) for n in PREFLMR}
+    preflmr = ss.Pipeline("preflmr", [c["TextEncoder"], c["VisionEncoder"]] >> c["CrossAttention"] >> c["Search"],
+                          slo=ss.SLO(p99_ms=SLO_MS["preflmr"]))
+    a = {n: _component(n) for n in AUDIOQUERY}
+    audioquery = ss.Pipeline("audioquery", a["ASR"] >> a["TextEncoder"] >> a["Search"] >> a["TTS"],
+                             slo=ss.SLO(p99_ms=SLO_MS["audioquery"]))
+    return [preflmr, audioquery], {"preflmr": _profile("preflmr", PREFLMR),
+                                   "audioquery": _profile("audioquery", AUDIOQUERY)}
+
+
+def run(pipes: list[ss.Pipeline], profiles: dict[str, Any], inventory: str) -> dict[str, Any]:
+    times, plan = [], None
+    for _ in range(5):
+        t0 = time.perf_counter()
+        plan = planner.plan_gpu(pipes, profiles, inventory, app="bench/plan_mig.py")
+        times.append((time.perf_counter() - t0) * 1e3)
+    assert plan is not None
+    return {"inventory": inventory, "pipelines": [p.name for p in pipes], "solve_ms_median": statistics.median(times),
+            "solve_ms": times, "plan": plan.to_json(), "text": planner.format_plan(plan)}
+
+
+def markdown(runs: list[dict[str, Any]]) -> str:
+    out = ["# The planner on simulated A30 clusters with MIG", "",
+           "Profiles are assumptions (see `bench/plan_mig.py`); no GPU was used. "
+           "`python bench/plan_mig.py` regenerates this file.", ""]
+    for r in runs:
+        plan = r["plan"]
+        out += [f"## {' + '.join(r['pipelines'])} on {r['inventory']}", "",
+                f"Solve time: median {r['solve_ms_median']:.0f} ms of 5 (HiGHS, this machine).", "",
+                "| GPU | layout | stages |", "|---|---|---|"]
+        for g in plan["inventory"]["gpus"]:
+            cells = ", ".join(f"{sl}: {st or 'idle'}" for sl, st in zip(g["layout"], g["stages"], strict=True))
+            out.append(f"| {g['id']} | {' + '.join(g['layout'])} | {cells} |")
+        out += ["", "| pipeline | stage | replicas | slices | req/s |", "|---|---|---|---|---|"]
+        for pname, pp in plan["pipelines"].items():
+            for sname, st in pp["stages"].items():
+                kinds: dict[str, int] = {}
+                for q in st["placement"]:
+                    kinds[q["slice"]] = kinds.get(q["slice"], 0) + 1
+                out.append(f"| {pname} | {sname} | {st['replicas']} | "
+                           f"{', '.join(f'{n} x {k}' for k, n in kinds.items())} | {st['throughput_rps']:,.0f} |")
+            out.append(f"| {pname} | **capacity** | | | **{pp['capacity_rps']:,.0f}** |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main() -> int:
+    pipes, profiles = pipelines_and_profiles()
+    runs = [run(pipes[:1], {"preflmr": profiles["preflmr"]}, "4xA30"), run(pipes, profiles, "12xA30")]
+    for r in runs:
+        print(f"\n=== {' + '.join(r['pipelines'])} on {r['inventory']}: solve median {r['solve_ms_median']:.0f} ms"
+              f" (5 runs: {', '.join(f'{t:.0f}' for t in r['solve_ms'])})")
+        print(r["text"])
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "plan_mig.json").write_text(json.dumps(
+        {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "runs": [{k: v for k, v in r.items() if k != "text"}
+                                                               for r in runs]}, indent=2))
+    (RESULTS / "plan_mig.md").write_text(markdown(runs))
+    print(f"\nwrote {RESULTS / 'plan_mig.json'} and {RESULTS / 'plan_mig.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

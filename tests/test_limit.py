@@ -1,0 +1,45 @@
+"""bench/limit.py on the smallest app: a short run writes a positive limit
+that no stage's own throughput is below, and load_limit reads it back."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LIMIT = ROOT / "bench" / "limit.py"
+
+
+def test_limit_of_the_echo_chain(tmp_path: Path) -> None:
+    out = tmp_path / "limit.json"
+    proc = subprocess.run(
+        [sys.executable, str(LIMIT), "--pipelines", "examples/echo.py:demo", "--quick", "--threads", "1",
+         "--cores", str(min(2, len(os.sched_getaffinity(0)))),
+         "--seconds", "0.3", "--warmup", "0.1", "--batch-seconds", "0.05", "--force", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    p = doc["pipelines"]["demo"]
+    stages = p["stages"]
+    assert set(stages) == {"Normalize", "Score"}
+    assert p["limit_rps"] > 0
+    assert p["limit_rps"] <= min(s["requests_per_s"] for s in stages.values())
+    assert p["stage_bound_rps"] == min(s["requests_per_s"] for s in stages.values())
+    for s in stages.values():
+        assert 1 <= s["best_batch"] <= 64
+        assert s["threads"] == 1 and s["processes"] == p["cores"]
+        assert s["cpu_us_per_request"] > 0
+    assert (tmp_path / "limit.md").read_text().startswith("# Offline compute limit")
+
+    spec = importlib.util.spec_from_file_location("bench_limit", LIMIT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.load_limit("demo", out) == p["limit_rps"]
+    assert mod.load_limit("absent", out) is None
+    assert mod.load_limit("demo", tmp_path / "missing.json") is None

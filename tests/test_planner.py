@@ -1,0 +1,327 @@
+"""The planner (`slipstream plan`): HiGHS solves real programs here, on
+synthetic profiles whose answers are known by hand, on MIG inventories, and
+on the recsys example's measured profile through the command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import slipstream as ss
+from slipstream._internal import planner
+from slipstream._internal.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+# No overheads outside the components: the hand calculations stay exact.
+BARE = {"batch_cpu_us": 0.0, "cpu_per_request_us": 0.0, "hop_us": 0.0, "ingress_us": 0.0}
+
+
+def comp(name: str, **kw: Any) -> ss.Component:
+    cls = type(name, (), {"__call__": lambda self, batch: {}})
+    c: ss.Component = ss.component(cls, inputs={"x": ss.Tensor("float32", (-1, 4))}, **kw)
+    return c
+
+
+def points(per_request_ms: float, batches: tuple[int, ...] = (1,), p99_ms: dict[int, float] | None = None,
+           speedup: float = 1.0) -> list[dict[str, Any]]:
+    """Latency linear in the batch: `per_request_ms` per row, divided by `speedup`."""
+    out = []
+    for b in batches:
+        mean = per_request_ms * b / speedup
+        out.append({"batch": b, "mean_ms": mean, "p50_ms": mean, "p99_ms": (p99_ms or {}).get(b, mean)})
+    return out
+
+
+def two_stage(a: ss.Component, b: ss.Component, slo_ms: float = 1000.0) -> ss.Pipeline:
+    return ss.Pipeline("p", a >> b, slo=ss.SLO(p99_ms=slo_ms))
+
+
+def profile(**stages: Any) -> dict[str, Any]:
+    return {"pipeline": "p", "stages": stages}
+
+
+def cpu_plan(pipe: ss.Pipeline, prof: dict[str, Any], cores: float, **kw: Any) -> planner.Plan:
+    kw.setdefault("check_slo", False)
+    return planner.plan_cpu([pipe], {pipe.name: prof}, cores=cores, overheads=BARE, **kw)
+
+
+def test_heavier_stage_gets_replicas_in_proportion_to_its_cost() -> None:
+    # A costs 3 ms per request, B 1 ms, on 4 cores: 1,000 req/s uses all
+    # four, and A needs 3 busy replicas for it, B one.
+    pipe = two_stage(comp("A", max_batch_size=8), comp("B", max_batch_size=8))
+    plan = cpu_plan(pipe, profile(A={"points": points(3.0)}, B={"points": points(1.0)}), cores=4)
+    pp = plan.pipelines["p"]
+    assert (pp.stages["A"].replicas, pp.stages["B"].replicas) == (3, 1)
+    assert pp.capacity_rps == pytest.approx(1000, rel=1e-3)
+    assert any("bottleneck: the cores" in line for line in pp.why)
+
+
+def test_second_level_gives_spare_cores_to_the_next_bottleneck() -> None:
+    # A may have at most 2 replicas: 667 req/s, 2 cores. The 2 cores left go
+    # to B at the second level (2,000 req/s of headroom), not left idle.
+    pipe = two_stage(comp("A", replicas=(1, 2)), comp("B"))
+    plan = cpu_plan(pipe, profile(A={"points": points(3.0)}, B={"points": points(1.0)}), cores=4)
+    pp = plan.pipelines["p"]
+    assert pp.stages["A"].replicas == 2
+    assert pp.capacity_rps == pytest.approx(2000 / 3, rel=1e-3)
+    assert pp.stages["B"].throughput_rps == pytest.approx(2000, rel=1e-3)
+    assert pp.stages["B"].replicas == 2
+    assert any("replicas bound: A" in line for line in pp.why)
+    assert any("headroom" in line and "B 2,000" in line for line in pp.why)
+
+
+def test_threads_when_replicas_are_bounded() -> None:
+    # A may have at most 2 replicas: 667 req/s at one thread. Two threads
+    # make a replica 1.8x faster for 1.11x the CPU per request (3.33 ms), so
+    # with two threads the 4 cores, not the bound, set the rate:
+    # 4 / (3.33 + 0.5) ms = 1,043 req/s.
+    pipe = two_stage(comp("A", replicas=(1, 2)), comp("B"))
+    a = {"points": points(3.0), "by_threads": {"2": {"points": points(3.0, speedup=1.8)}}}
+    plan = cpu_plan(pipe, profile(A=a, B={"points": points(0.5)}), cores=4)
+    st = plan.pipelines["p"].stages["A"]
+    assert (st.replicas, st.threads) == (2, 2)
+    assert plan.pipelines["p"].capacity_rps == pytest.approx(4 / (2 * 3 / 1.8 + 0.5) * 1000, rel=1e-3)
+    # With threads unprofiled, the bound holds it at 667 req/s.
+    plan = cpu_plan(pipe, profile(A={"points": points(3.0)}, B={"points": points(0.5)}), cores=4)
+    assert plan.pipelines["p"].capacity_rps == pytest.approx(2000 / 3, rel=1e-3)
+
+
+def test_slo_rule_excludes_a_batch_that_cannot_fit() -> None:
+    # Batch 16 is cheapest per request but its p99 (40 ms) cannot fit a 50 ms
+    # SLO with queueing room (2 x p99 per stage); batch 4 (p99 10 ms) can.
+    pipe = two_stage(comp("A", max_batch_size=16), comp("B", max_batch_size=16), slo_ms=50)
+    cheap = {b: 1.0 * b for b in (1, 4, 16)}
+    a = {"points": [{"batch": b, "mean_ms": 0.5 + 0.1 * b, "p50_ms": 0.5, "p99_ms": 2.5 * b} for b in (1, 4, 16)]}
+    plan = cpu_plan(pipe, profile(A=a, B={"points": points(0.01, (1, 4, 16), p99_ms=cheap)}), cores=2)
+    pp = plan.pipelines["p"]
+    assert pp.stages["A"].max_batch_size == 4
+    assert any("SLO batch limit: A at batch 16" in line for line in pp.why)
+    # Without an SLO, batch 16 is chosen.
+    free = ss.Pipeline("p", comp("A", max_batch_size=16) >> comp("B", max_batch_size=16))
+    plan = cpu_plan(free, profile(A=a, B={"points": points(0.01, (1, 4, 16))}), cores=2)
+    assert plan.pipelines["p"].stages["A"].max_batch_size == 16
+
+
+def test_no_batch_fits_is_a_clear_error() -> None:
+    pipe = two_stage(comp("A"), comp("B"), slo_ms=5)
+    with pytest.raises(ConfigError, match="SLO path rule"):
+        cpu_plan(pipe, profile(A={"points": points(1.0, p99_ms={1: 10.0})}, B={"points": points(1.0)}), cores=2)
+
+
+def test_rate_gives_the_cheapest_plan_and_the_max_as_bound() -> None:
+    pipe = two_stage(comp("A", max_batch_size=8), comp("B", max_batch_size=8))
+    prof = profile(A={"points": points(3.0)}, B={"points": points(1.0)})
+    full = cpu_plan(pipe, prof, cores=8).pipelines["p"]
+    cheap = cpu_plan(pipe, prof, cores=8, rate=500).pipelines["p"]
+    assert (full.stages["A"].replicas, full.stages["B"].replicas) == (6, 2)
+    # 500 req/s at <= 90% load: A needs ceil(500 / 0.9 / 333) = 2, B 1.
+    assert (cheap.stages["A"].replicas, cheap.stages["B"].replicas) == (2, 1)
+    assert (cheap.stages["A"].max_replicas, cheap.stages["B"].max_replicas) == (6, 2)
+    assert cheap.target_rps == 500 and cheap.max_capacity_rps == pytest.approx(2000, rel=1e-3)
+
+
+def test_declared_replica_bounds_are_respected() -> None:
+    pipe = two_stage(comp("A", replicas=(2, 3)), comp("B", replicas=(2, 5)))
+    plan = cpu_plan(pipe, profile(A={"points": points(1.0)}, B={"points": points(0.2)}), cores=16)
+    st = plan.pipelines["p"].stages
+    assert 2 <= st["A"].replicas <= 3 and 2 <= st["B"].replicas <= 5
+    assert st["A"].replicas == 3  # A is the bottleneck at its bound, with cores to spare
+
+
+def test_slo_model_checks_the_plan() -> None:
+    pipe = two_stage(comp("A", max_batch_size=8), comp("B", max_batch_size=8), slo_ms=100)
+    prof = profile(A={"points": points(2.0, (1, 2, 4, 8))}, B={"points": points(1.0, (1, 2, 4, 8))})
+    plan = planner.plan_cpu([pipe], {"p": prof}, cores=2, sim_duration_s=1.0)
+    pp = plan.pipelines["p"]
+    assert pp.predicted is not None and pp.predicted["p99_ms"] <= 100
+    assert 0 < pp.target_rps <= 0.9 * pp.capacity_rps * 1.0001
+
+
+def batched(fixed_ms: float, per_row_ms: float, batches: tuple[int, ...]) -> list[dict[str, Any]]:
+    """A fixed cost per call (which batching spreads) plus a cost per row."""
+    return [{"batch": b, "mean_ms": fixed_ms + per_row_ms * b, "p50_ms": fixed_ms + per_row_ms * b,
+             "p99_ms": 1.5 * (fixed_ms + per_row_ms * b)} for b in batches]
+
+
+def test_plan_json_round_trip_and_apply_plan() -> None:
+    a, b = comp("A", max_batch_size=8), comp("B", max_batch_size=8)
+    pipe = two_stage(a, b)
+    plan = cpu_plan(pipe, profile(A={"points": batched(2.0, 1.0, (1, 8))}, B={"points": batched(1.0, 0.2, (1, 8))}),
+                    cores=8, rate=500, app="app.py")
+    again = planner.Plan.from_json(json.loads(json.dumps(plan.to_json())))
+    assert again.to_json() == plan.to_json()
+    [out] = planner.apply_plan([pipe], again)
+    ca, cb = out.stage("A"), out.stage("B")
+    assert (ca.replicas, ca.max_replicas, ca.autoscaled) == (again.pipelines["p"].stages["A"].replicas,
+                                                           again.pipelines["p"].stages["A"].max_replicas, True)
+    assert ca.max_batch_size == 8 and cb.threads == 1
+    assert out.graph.edges == pipe.graph.edges and out.to_spec()["stages"][0]["replicas"] == ca.replicas
+    assert pipe.stage("A") is a and a.replicas == 1  # the declaration is untouched
+
+
+def test_apply_plan_refuses_unknown_pipelines_and_stages() -> None:
+    pipe = two_stage(comp("A"), comp("B"))
+    doc = {"version": 1, "pipelines": {"p": {"stages": {"C": {"replicas": 2, "max_batch_size": 4}}}}}
+    with pytest.raises(ConfigError, match="stage.*C.*of pipeline 'p'"):
+        planner.apply_plan([pipe], planner.Plan.from_json(doc))
+    doc = {"version": 1, "pipelines": {"q": {"stages": {}}}}
+    with pytest.raises(ConfigError, match="pipeline 'q'"):
+        planner.apply_plan([pipe], planner.Plan.from_json(doc))
+    with pytest.raises(ConfigError, match="version"):
+        planner.Plan.from_json({"version": 7, "pipelines": {}})
+    # Stages the plan leaves out keep their declaration.
+    doc = {"version": 1, "pipelines": {"p": {"stages": {"A": {"replicas": 3, "max_batch_size": 2}}}}}
+    [out] = planner.apply_plan([pipe], planner.Plan.from_json(doc))
+    assert out.stage("A").replicas == 3 and out.stage("B") is pipe.stage("B")
+
+
+# --- GPUs and MIG ----------------------------------------------------------------------------
+
+def gpu_stage(memory_gb: float, rps_full: float, p99_ms: float = 10.0, exponent: float = 1.0) -> dict[str, Any]:
+    table = {str(f): {"rps": rps_full * f ** exponent, "p99_ms": p99_ms / f ** exponent, "batch": 8}
+             for f in (0.25, 0.5, 1.0)}
+    return {"points": [], "gpu": {"memory_gb": memory_gb, "models": {"A30": table}}}
+
+
+def test_inventory_specs_and_layouts() -> None:
+    [g] = planner.parse_inventory("12xA30")
+    assert g.count == 12 and len(g.model.layouts) == 4
+    for lay in g.model.layouts:  # every A30 layout uses exactly the GPU's four compute slices
+        assert sum(g.model.slices[s][0] for s in lay) == pytest.approx(1.0)
+        assert sum(g.model.slices[s][1] for s in lay) <= 24.0
+    groups = planner.parse_inventory("2xA100-80GB:nomig,1xH100")
+    assert [gr.model.layouts for gr in groups][0] == (("whole",),) and groups[1].model.name == "H100-80GB"
+    for gr in planner.GPU_MODELS.values():
+        for lay in gr.layouts:
+            assert sum(gr.slices[s][0] for s in lay) <= 1.0 + 1e-9
+    with pytest.raises(ConfigError, match="unknown GPU model"):
+        planner.parse_inventory("2xV100")
+    with pytest.raises(ConfigError, match="COUNTxMODEL"):
+        planner.parse_inventory("A30")
+
+
+def test_memory_forces_the_big_stage_onto_whole_gpus() -> None:
+    # Two A30s. Big needs 20 GB: only a 4g.24gb slice fits it, so one GPU
+    # stays whole; Small (2 GB, and more efficient on small slices) gets the
+    # other GPU as four 1g.6gb slices.
+    pipe = ss.Pipeline("p", comp("Big") >> comp("Small"))
+    prof = profile(Big=gpu_stage(20, 100), Small=gpu_stage(2, 100, exponent=0.5))
+    plan = planner.plan_gpu([pipe], {"p": prof}, "2xA30")
+    gpus = plan.inventory["gpus"]
+    assert sorted(tuple(g["layout"]) for g in gpus) == [("1g.6gb",) * 4, ("4g.24gb",)]
+    st = plan.pipelines["p"].stages
+    assert [q["slice"] for q in st["Big"].placement or []] == ["4g.24gb"]
+    assert [q["slice"] for q in st["Small"].placement or []] == ["1g.6gb"] * 4
+    assert plan.pipelines["p"].capacity_rps == pytest.approx(100)
+    assert st["Small"].throughput_rps == pytest.approx(4 * 100 * 0.5)
+
+
+def test_gpu_rate_plan_starts_a_subset_of_the_max_plan() -> None:
+    pipe = ss.Pipeline("p", comp("Big") >> comp("Small"))
+    prof = profile(Big=gpu_stage(10, 100), Small=gpu_stage(2, 400))
+    plan = planner.plan_gpu([pipe], {"p": prof}, "4xA30", rate=60)
+    st = plan.pipelines["p"].stages
+    assert st["Big"].replicas < st["Big"].max_replicas
+    assert plan.pipelines["p"].capacity_rps >= 60 / 0.9 - 1e-6
+
+
+def preflmr_audioquery() -> tuple[list[ss.Pipeline], dict[str, Any]]:
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import plan_mig
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    pipes, profiles = plan_mig.pipelines_and_profiles()
+    return pipes, profiles
+
+
+def test_twelve_a30s_with_preflmr_and_audioquery() -> None:
+    pipes, profiles = preflmr_audioquery()
+    t0 = time.perf_counter()
+    plan = planner.plan_gpu(pipes, profiles, "12xA30", time_limit_s=30)
+    assert time.perf_counter() - t0 < 30
+    groups = planner.parse_inventory("12xA30")
+    layouts = {tuple(lay) for lay in groups[0].model.layouts}
+    slices = groups[0].model.slices
+    gpus = plan.inventory["gpus"]
+    assert [g["id"] for g in gpus] == list(range(12))
+    assert all(tuple(g["layout"]) in layouts for g in gpus)
+    memory = {(p, s): profiles[p]["stages"][s]["gpu"]["memory_gb"] for p in profiles for s in profiles[p]["stages"]}
+    taken = set()
+    for pname, pp in plan.pipelines.items():
+        assert pp.capacity_rps > 0
+        for sname, st in pp.stages.items():
+            assert st.placement is not None and len(st.placement) == st.max_replicas >= 1
+            for q in st.placement:
+                assert gpus[q["gpu"]]["layout"][q["slot"]] == q["slice"]
+                assert memory[(pname, sname)] <= slices[q["slice"]][1]
+                assert (q["gpu"], q["slot"]) not in taken
+                taken.add((q["gpu"], q["slot"]))
+
+
+# --- the command line ----------------------------------------------------------------------------
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "slipstream._internal.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_plan_recsys_and_serve_plan_parsing(tmp_path: Path) -> None:
+    from slipstream._internal.app import load_pipelines
+    from slipstream._internal.cli import _apply_plan_file, build_parser
+
+    out = tmp_path / "recsys.plan.json"
+    r = cli("plan", "examples/recsys.py", "--cores", "2", "--out", str(out), "--sim-duration", "1")
+    assert r.returncode == 0, r.stderr
+    assert "Candidates" in r.stdout and "why:" in r.stdout
+    doc = json.loads(out.read_text())
+    assert doc["version"] == 1 and doc["inventory"] == {"cores": 2.0}
+    stages = doc["pipelines"]["recsys"]["stages"]
+    assert set(stages) == {"Candidates", "Ranker"}
+    assert all(s["replicas"] >= 1 and s["max_batch_size"] >= 1 for s in stages.values())
+
+    r = cli("plan", "examples/recsys.py", "--cores", "2", "--out", str(out), "--json", "--no-check")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["pipelines"]["recsys"]["predicted"] is None
+
+    a = build_parser().parse_args(["serve", "examples/recsys.py", "--plan", str(out)])
+    assert a.plan == str(out)
+    _, pipelines = load_pipelines("examples/recsys.py")
+    [planned] = _apply_plan_file(pipelines, Path(a.plan))
+    for name, st in doc["pipelines"]["recsys"]["stages"].items():
+        c = planned.stage(name)
+        assert (c.replicas, c.max_batch_size, c.threads) == (st["replicas"], st["max_batch_size"], st["threads"])
+
+
+def test_profile_by_threads_is_read_for_planned_threads(tmp_path: Path) -> None:
+    pipe = two_stage(comp("A"), comp("B"))
+    pipe = planner.with_components(pipe, {"A": pipe.stage("A").options(threads=2)})
+    raw = {"pipelines": [{"pipeline": "p", "stages": {
+        "A": {"points": points(2.0), "by_threads": {"2": {"points": points(2.0, speedup=2.0)}}},
+        "B": {"points": points(1.0)}}}]}
+    path = tmp_path / "p.profile.json"
+    path.write_text(json.dumps(raw))
+    loaded = [{"pipeline": "p", "stages": {n: {"points": st["points"]} for n, st in raw["pipelines"][0]["stages"].items()}}]
+    [prof] = planner.profiles_for_threads(loaded, [path], [pipe])
+    assert prof["stages"]["A"]["points"][0]["mean_ms"] == pytest.approx(1.0)
+    assert prof["stages"]["B"]["points"][0]["mean_ms"] == pytest.approx(1.0)
+
+
+def test_profile_by_threads_from_the_command_line(tmp_path: Path) -> None:
+    import shutil
+
+    shutil.copy(ROOT / "tests" / "apps" / "chain.py", tmp_path / "chain.py")
+    r = subprocess.run([sys.executable, "-m", "slipstream._internal.cli", "profile", "chain.py", "--pipeline", "chain",
+                        "--batches", "1,4", "--iters", "3", "--budget", "0.1", "--threads", "2"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    prof = json.loads((tmp_path / "chain.profile.json").read_text())["pipelines"][0]
+    for st in prof["stages"].values():
+        assert [p["batch"] for p in st["points"]] == [1, 4]  # one thread, as before
+        assert [p["batch"] for p in st["by_threads"]["2"]["points"]] == [1, 4]
+    assert "2 thread(s)" in r.stderr
