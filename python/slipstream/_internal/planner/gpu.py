@@ -1,0 +1,384 @@
+"""Planning for GPUs with MIG, where the choices are a layout per GPU and a
+slice type per replica; the GPU inventories and models; `plan_gpu` is its
+entry.
+
+Each GPU takes one MIG layout (or none: the whole GPU). GPUs of a model are
+identical, so the program counts GPUs per layout (``g[m,l]``) rather than
+choosing a layout per GPU (12 GPUs x 4 layouts would be 48 binaries with 12!
+symmetric solutions; aggregated it is 4 integers) and unpacks the counts to
+GPU ids deterministically afterwards. ``r[s,k]`` replicas of stage ``s`` on
+slice type ``k`` (integer, only where the stage's memory fits the slice; one
+replica per slice), ``sum_s r[s,k] <= slices of type k``; ``T_s = sum_k
+mu[s,k] r[s,k]`` from the stage's GPU profile (throughput by compute
+fraction of the GPU). Same objective, same path rule (a stage's latency is
+that of the slowest slice type it uses).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slipstream._internal.api import Pipeline
+from slipstream._internal.errors import ConfigError
+from slipstream._internal.planner.milp import (
+    EPS,
+    QUEUE_FACTOR,
+    TOL,
+    Key,
+    _bounds,
+    _Costs,
+    _costs,
+    _Infeasible,
+    _lex_objective,
+    _Model,
+    _path_rule,
+    _pipeline_rates,
+    _StageBase,
+    _timed_out,
+)
+from slipstream._internal.planner.plan import TARGET_LOAD, PipelinePlan, Plan, StagePlan, _topo
+
+# --- GPU inventories -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GpuModel:
+    """A GPU model: its memory, its MIG slice types (name -> compute
+    fraction, memory GB) and the layouts a GPU may take."""
+
+    name: str
+    memory_gb: float
+    slices: dict[str, tuple[float, float]]
+    layouts: tuple[tuple[str, ...], ...]
+
+
+def _a100_like(name: str, gb: int) -> GpuModel:
+    s1, s2, s3, s4, s7 = (f"1g.{gb // 8}gb", f"2g.{gb // 4}gb", f"3g.{gb // 2}gb", f"4g.{gb // 2}gb", f"7g.{gb}gb")
+    return GpuModel(name, float(gb), {s1: (1 / 7, gb / 8), s2: (2 / 7, gb / 4), s3: (3 / 7, gb / 2),
+                                      s4: (4 / 7, gb / 2), s7: (1.0, float(gb))},
+                    ((s7,), (s4, s3), (s4, s2, s1), (s4, s1, s1, s1), (s3, s3), (s3, s2, s2), (s3, s2, s1, s1),
+                     (s3, s1, s1, s1, s1), (s2, s2, s2, s1), (s2, s2, s1, s1, s1), (s1,) * 7))
+
+
+#: NVIDIA's documented MIG profiles (MIG user guide), a subset of the valid
+#: layouts of each model; the A30's list is complete but for the media-extension
+#: (+me) variants.
+GPU_MODELS: dict[str, GpuModel] = {
+    "A30": GpuModel("A30", 24.0, {"1g.6gb": (0.25, 6.0), "2g.12gb": (0.5, 12.0), "4g.24gb": (1.0, 24.0)},
+                    (("4g.24gb",), ("2g.12gb", "2g.12gb"), ("2g.12gb", "1g.6gb", "1g.6gb"), ("1g.6gb",) * 4)),
+    "A100-40GB": _a100_like("A100-40GB", 40),
+    "A100-80GB": _a100_like("A100-80GB", 80),
+    "H100-80GB": _a100_like("H100-80GB", 80),
+}
+_ALIASES = {"A100": "A100-40GB", "H100": "H100-80GB"}
+WHOLE = "whole"
+
+
+@dataclass(frozen=True)
+class GpuGroup:
+    model: GpuModel
+    count: int
+
+
+def _whole(model: GpuModel) -> GpuModel:
+    return GpuModel(model.name, model.memory_gb, {WHOLE: (1.0, model.memory_gb)}, ((WHOLE,),))
+
+
+def _model_named(name: str, custom: Mapping[str, GpuModel]) -> GpuModel:
+    key = {k.upper(): k for k in [*GPU_MODELS, *custom]}.get(_ALIASES.get(name.upper(), name).upper())
+    if key is None:
+        raise ConfigError(f"unknown GPU model {name!r}: known {', '.join([*GPU_MODELS, *custom])} "
+                          "(describe others in a JSON inventory)")
+    return custom.get(key) or GPU_MODELS[key]
+
+
+def parse_inventory(spec: str) -> list[GpuGroup]:
+    """``12xA30``, ``4xA100-80GB:nomig,2xH100`` (``:nomig``: whole GPUs), or
+    a JSON file: ``{"gpus": [{"model": "A30", "count": 12, "mig": true}],
+    "models": {"X": {"memory_gb": 16, "slices": {"a": [0.5, 8]},
+    "layouts": [["a", "a"]]}}}``."""
+    custom: dict[str, GpuModel] = {}
+    if Path(spec).suffix == ".json" or Path(spec).is_file():
+        try:
+            doc = json.loads(Path(spec).read_text())
+            for name, d in doc.get("models", {}).items():
+                custom[name] = GpuModel(name, float(d["memory_gb"]),
+                                        {k: (float(v[0]), float(v[1])) for k, v in d["slices"].items()},
+                                        tuple(tuple(lay) for lay in d["layouts"]))
+            items = [(str(g["model"]), int(g.get("count", 1)), bool(g.get("mig", True))) for g in doc["gpus"]]
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+            raise ConfigError(f"cannot read GPU inventory {spec}: {e!r}") from None
+    else:
+        items = []
+        for part in spec.split(","):
+            part = part.strip()
+            count_s, sep, rest = part.partition("x")
+            if not sep or not count_s.isdigit():
+                raise ConfigError(f"GPU inventory {part!r}: write COUNTxMODEL[:nomig], e.g. 12xA30")
+            name, _, flag = rest.partition(":")
+            if flag not in ("", "nomig", "mig"):
+                raise ConfigError(f"GPU inventory {part!r}: unknown flag {flag!r} (nomig)")
+            items.append((name, int(count_s), flag != "nomig"))
+    groups = []
+    for name, count, mig in items:
+        model = _model_named(name, custom)
+        for lay in model.layouts:
+            if any(s not in model.slices for s in lay):
+                raise ConfigError(f"GPU model {model.name}: layout {list(lay)} names an unknown slice")
+        if count < 1:
+            raise ConfigError(f"GPU inventory: {name} count must be >= 1")
+        groups.append(GpuGroup(model if mig else _whole(model), count))
+    return groups
+
+
+# --- the GPU program ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Slice:
+    group: int
+    name: str
+    fraction: float
+    memory_gb: float
+
+
+@dataclass(frozen=True)
+class _GpuPoint:
+    rps: float
+    p99_ms: float
+    batch: int
+
+
+@dataclass
+class _GpuStage(_StageBase):
+    memory_gb: float = 0.0
+    points: dict[int, _GpuPoint] = field(default_factory=dict)  # slice index -> point
+
+
+def _gpu_point(gp: Mapping[str, Any], model: str, fraction: float) -> _GpuPoint | None:
+    """A stage's throughput and p99 on a slice of `fraction` of a `model`
+    GPU: its profile's table for that model (or ``"*"``), linear between
+    the listed fractions, proportional outside them."""
+    tables = gp.get("models", {})
+    table = tables.get(model) or tables.get("*")
+    if not table:
+        return None
+    pts = sorted((float(f), p) for f, p in table.items())
+    lo = max((pt for pt in pts if pt[0] <= fraction + TOL), default=None, key=lambda pt: pt[0])
+    hi = min((pt for pt in pts if pt[0] >= fraction - TOL), default=None, key=lambda pt: pt[0])
+    if lo is None or hi is None:
+        edge = hi if lo is None else lo
+        assert edge is not None
+        f, p = edge
+        return _GpuPoint(p["rps"] * fraction / f, p["p99_ms"] * f / fraction, int(p.get("batch", 1)))
+    (f0, p0), (f1, p1) = lo, hi
+    w = 0.0 if f1 - f0 < TOL else (fraction - f0) / (f1 - f0)
+    return _GpuPoint(p0["rps"] + w * (p1["rps"] - p0["rps"]), p0["p99_ms"] + w * (p1["p99_ms"] - p0["p99_ms"]),
+                     int(p0.get("batch", 1)))
+
+
+def _gpu_stages(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, Any]],
+                slices: Sequence[_Slice], groups: Sequence[GpuGroup]) -> list[_GpuStage]:
+    total = sum(g.count * max(len(lay) for lay in g.model.layouts) for g in groups)
+    out = []
+    for pipe in pipelines:
+        prof = profiles.get(pipe.name)
+        if prof is None:
+            raise ConfigError(f"no profile for pipeline {pipe.name!r}")
+        for name in _topo(pipe):
+            gp = prof["stages"].get(name, {}).get("gpu")
+            if gp is None:
+                raise ConfigError(f"{pipe.name}/{name}: the profile has no GPU section (\"gpu\": memory_gb, "
+                                  "models -> fraction -> rps, p99_ms, batch)")
+            lo, hi, bounded = _bounds(pipe.stage(name), total)
+            st = _GpuStage(pipe.name, name, pipe.graph.parents(name), lo, hi, bounded, float(gp.get("demand", 1.0)),
+                           float(gp["memory_gb"]))
+            for k, sl in enumerate(slices):
+                pt = _gpu_point(gp, groups[sl.group].model.name, sl.fraction)
+                if pt is not None and pt.rps > 0 and st.memory_gb <= sl.memory_gb + TOL:
+                    st.points[k] = pt
+            if not st.points:
+                raise ConfigError(f"{pipe.name}/{name} ({st.memory_gb:g} GB) fits no slice of this inventory")
+            out.append(st)
+    return out
+
+
+@dataclass
+class _GpuVars:
+    m: _Model
+    g: dict[tuple[int, int], int]       # (group, layout) -> GPUs
+    r: dict[tuple[Key, int], int]       # (stage, slice) -> replicas
+    rate: dict[str, int]
+
+    def stage_tput(self, s: _GpuStage) -> dict[int, float]:
+        return {v: s.points[k].rps / s.demand for (key, k), v in self.r.items() if key == s.key}
+
+
+def _gpu_program(stages: Sequence[_GpuStage], groups: Sequence[GpuGroup], slices: Sequence[_Slice],
+                 costs: _Costs, q: float, time_limit_s: float, layout_fixed: Mapping[tuple[int, int], int] | None = None,
+                 r_max: Mapping[tuple[Key, int], int] | None = None) -> _GpuVars:
+    m = _Model(time_limit_s)
+    v = _GpuVars(m, {}, {}, {})
+    for gi, grp in enumerate(groups):
+        for li in range(len(grp.model.layouts)):
+            fixed = None if layout_fixed is None else float(layout_fixed[(gi, li)])
+            v.g[(gi, li)] = m.var(fixed or 0.0, grp.count if fixed is None else fixed, integer=True)
+        m.row({v.g[(gi, li)]: 1.0 for li in range(len(grp.model.layouts))}, lo=grp.count, hi=grp.count)
+    lat: dict[Key, dict[int, float]] = {}
+    for s in stages:
+        lat[s.key] = {}
+        for k, pt in s.points.items():
+            hi = _slots(groups, slices[k])
+            if r_max is not None:
+                hi = min(hi, r_max.get((s.key, k), 0))
+            r = v.r[(s.key, k)] = m.var(0, hi, integer=True)
+            if costs.slo_ms.get(s.pipeline) is not None:
+                u = m.var(0, 1, integer=True)
+                m.row({r: 1.0, u: -float(max(hi, 1))}, hi=0.0)
+                lat[s.key][u] = q * pt.p99_ms + costs.hop_ms
+        m.row({v.r[(s.key, k)]: 1.0 for k in s.points}, lo=float(s.lo), hi=float(s.hi))
+    for k, sl in enumerate(slices):
+        grp = groups[sl.group]
+        have = {v.g[(sl.group, li)]: -float(lay.count(sl.name)) for li, lay in enumerate(grp.model.layouts)}
+        m.row({**{x: 1.0 for (_, kk), x in v.r.items() if kk == k}, **have}, hi=0.0)
+    v.rate.update(_pipeline_rates(m, stages, v.stage_tput))
+    _path_rule(m, stages, lat, costs)
+    return v
+
+
+def _slots(groups: Sequence[GpuGroup], sl: _Slice) -> int:
+    """The most slices of this type the group's GPUs can have."""
+    grp = groups[sl.group]
+    return grp.count * max(lay.count(sl.name) for lay in grp.model.layouts)
+
+
+def _slice_types(groups: Sequence[GpuGroup]) -> list[_Slice]:
+    out = []
+    for gi, grp in enumerate(groups):
+        for name, (frac, mem) in grp.model.slices.items():
+            if any(name in lay for lay in grp.model.layouts):
+                out.append(_Slice(gi, name, frac, mem))
+    return out
+
+
+@dataclass
+class _GpuSolution:
+    g: dict[tuple[int, int], int]
+    r: dict[tuple[Key, int], int]
+    tput: dict[Key, float]
+    rate: dict[str, float]
+
+
+def _read_gpu(stages: Sequence[_GpuStage], v: _GpuVars, sol: list[float]) -> _GpuSolution:
+    r = {k: int(round(sol[x])) for k, x in v.r.items()}
+    tput = {s.key: sum(s.points[k].rps * r[(s.key, k)] for k in s.points) / s.demand for s in stages}
+    return _GpuSolution({k: int(round(sol[x])) for k, x in v.g.items()}, r, tput,
+                        {p: min(tput[s.key] for s in stages if s.pipeline == p) for p in v.rate})
+
+
+def _unpack(groups: Sequence[GpuGroup], slices: Sequence[_Slice], stages: Sequence[_GpuStage],
+            sol: _GpuSolution) -> tuple[list[dict[str, Any]], dict[Key, list[dict[str, Any]]]]:
+    """Concrete GPU ids: groups in inventory order, layouts in table order;
+    each stage takes its slices of a type from the lowest GPU id up, so a
+    stage's replicas sit together."""
+    gpus: list[dict[str, Any]] = []
+    free: dict[int, list[tuple[int, int]]] = {k: [] for k in range(len(slices))}
+    index = {(sl.group, sl.name): k for k, sl in enumerate(slices)}
+    for gi, grp in enumerate(groups):
+        for li, lay in enumerate(grp.model.layouts):
+            for _ in range(sol.g[(gi, li)]):
+                gid = len(gpus)
+                gpus.append({"id": gid, "model": grp.model.name, "layout": list(lay), "stages": [None] * len(lay)})
+                for slot, name in enumerate(lay):
+                    free[index[(gi, name)]].append((gid, slot))
+    place: dict[Key, list[dict[str, Any]]] = {s.key: [] for s in stages}
+    for s in stages:
+        for k in sorted(s.points):
+            for _ in range(sol.r[(s.key, k)]):
+                gid, slot = free[k].pop(0)
+                gpus[gid]["stages"][slot] = f"{s.pipeline}/{s.name}"
+                place[s.key].append({"gpu": gid, "slice": slices[k].name, "slot": slot})
+    return gpus, place
+
+
+def plan_gpu(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, Any]],
+             inventory: str | Sequence[GpuGroup], *, rate: float | None = None, app: str = "",
+             overheads: Mapping[str, Any] | None = None, time_limit_s: float = 30.0) -> Plan:
+    """Plan `pipelines` on GPUs with MIG (see the module doc). Each stage's
+    profile has a ``gpu`` section: ``memory_gb``, optional ``demand`` (calls
+    per pipeline request), and ``models``: GPU model (or ``"*"``) ->
+    compute fraction -> ``{"rps", "p99_ms", "batch"}``."""
+    t0 = time.perf_counter()
+    groups = parse_inventory(inventory) if isinstance(inventory, str) else list(inventory)
+    slices = _slice_types(groups)
+    over = {"hop_us": 300.0, "ingress_us": 400.0} | dict(overheads or {})
+    costs = _costs(pipelines, 0.0, over)
+    stages = _gpu_stages(pipelines, profiles, slices, groups)
+    try:
+        v = _gpu_program(stages, groups, slices, costs, QUEUE_FACTOR, time_limit_s)
+        _lex_objective(v.m, v.rate, {s.key: v.stage_tput(s) for s in stages})
+        used = {x: slices[k].fraction for (_, k), x in v.r.items()}
+        best = _read_gpu(stages, v, v.m.solve(used, maximize=False))
+        timed_out = v.m.timed_out
+    except _Infeasible:
+        raise ConfigError("no placement fits: every stage needs a slice its memory fits, within its replica "
+                          "bounds and the SLO path rule (2 x p99 + hop per stage)") from None
+    chosen = best
+    if rate is not None:
+        w = _gpu_program(stages, groups, slices, costs, QUEUE_FACTOR, time_limit_s, layout_fixed=best.g, r_max=best.r)
+        for p, x in w.rate.items():
+            w.m.row({x: 1.0}, lo=min(rate / TARGET_LOAD, best.rate[p] * (1 - EPS)))
+        chosen = _read_gpu(stages, w, w.m.solve({x: slices[k].fraction for (_, k), x in w.r.items()}, maximize=False))
+        timed_out = timed_out or w.m.timed_out
+    gpus, place = _unpack(groups, slices, stages, best)
+    out = {}
+    for pipe in pipelines:
+        mine = [s for s in stages if s.pipeline == pipe.name]
+        sts = {}
+        for s in mine:
+            n_best = sum(best.r[(s.key, k)] for k in s.points)
+            n_rate = sum(chosen.r[(s.key, k)] for k in s.points)
+            used_k = [k for k in s.points if best.r[(s.key, k)] > 0]
+            sts[s.name] = StagePlan(replicas=n_rate, max_replicas=n_best, threads=1,
+                                    max_batch_size=min(s.points[k].batch for k in used_k),
+                                    throughput_rps=chosen.tput[s.key], placement=_order(place[s.key], chosen, s, slices))
+        cap = chosen.rate[pipe.name]
+        out[pipe.name] = PipelinePlan(capacity_rps=cap, target_rps=rate if rate is not None else TARGET_LOAD * cap,
+                                      stages=sts, predicted=None,
+                                      why=_why_gpu(pipe, mine, best, slices, groups, costs) + _timed_out(timed_out),
+                                      max_capacity_rps=best.rate[pipe.name] if rate is not None else None)
+    inv = {"gpus": [{k: g[k] for k in ("id", "model", "layout", "stages")} for g in gpus]}
+    return Plan(app=app, inventory=inv, pipelines=out, solve_ms=(time.perf_counter() - t0) * 1e3)
+
+
+def _order(place: list[dict[str, Any]], chosen: _GpuSolution, s: _GpuStage,
+           slices: Sequence[_Slice]) -> list[dict[str, Any]]:
+    """The max plan's slices of a stage, the ones the rate plan starts first."""
+    want = {slices[k].name: chosen.r[(s.key, k)] for k in s.points}
+    first, rest = [], []
+    for p in place:
+        if want.get(p["slice"], 0) > 0:
+            want[p["slice"]] -= 1
+            first.append(p)
+        else:
+            rest.append(p)
+    return first + rest
+
+
+def _why_gpu(pipe: Pipeline, mine: Sequence[_GpuStage], sol: _GpuSolution, slices: Sequence[_Slice],
+             groups: Sequence[GpuGroup], costs: _Costs) -> list[str]:
+    low = min(sol.tput[s.key] for s in mine)
+    lines = []
+    for s in mine:
+        used = ", ".join(f"{sol.r[(s.key, k)]} x {slices[k].name}" for k in s.points if sol.r[(s.key, k)])
+        tag = "bottleneck " if sol.tput[s.key] <= low * (1 + 1e-3) + TOL else ""
+        lines.append(f"{tag}{s.name}: {used} -> {sol.tput[s.key]:,.0f} req/s ({s.memory_gb:g} GB: fits "
+                     + ", ".join(sorted({slices[k].name for k in s.points})) + ")")
+    lines.append(f"capacity {sol.rate[pipe.name]:,.0f} req/s; every GPU takes one layout; one replica per slice")
+    if costs.slo_ms.get(pipe.name) is not None:
+        lines.append(f"SLO {costs.slo_ms[pipe.name]:g} ms checked by the path rule (2 x p99 + hop per stage); the "
+                     "SLO model simulates CPU cores, not GPUs, so no simulated p99")
+    return lines
