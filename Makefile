@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CARGO ?= $(shell command -v cargo 2>/dev/null || echo $$HOME/.cargo/bin/cargo)
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup build lint test test-rust test-fuzz test-py bench bench-slo bench-faults bench-vs-ray data data-small demo clean fmt
+.PHONY: setup build lint test test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge data data-small demo clean fmt
 
 setup: $(VENV)/.installed
 
@@ -46,8 +46,14 @@ test-py: setup
 demo: setup
 	$(PY) examples/demo.py
 
+# The offline compute limit first (reused if < 1 h old from this machine), then the runtime overhead.
 bench: setup
+	$(PY) bench/limit.py
 	$(PY) bench/run.py
+
+# The offline compute limit of every example pipeline, measured afresh: bench/results/limit.{json,md}.
+bench-limit: setup
+	$(PY) bench/limit.py --force
 
 # SLO-first scheduling: deadline-aware vs fixed batching, measured and predicted.
 bench-slo: setup
@@ -63,6 +69,13 @@ bench-faults: setup
 bench-vs-ray: setup
 	bash bench/vs_ray/setup_ray.sh
 	$(PY) bench/vs_ray/compare.py
+
+# RAG through a load surge (40% -> 150% -> 40% of one Embed replica) under
+# static, reactive and anticipatory scaling and Ray Serve's autoscaler (its
+# own virtualenv): bench/results/surge.{json,md,png}.
+bench-surge: setup
+	bash bench/vs_ray/setup_ray.sh
+	$(PY) bench/surge.py
 
 # The RAG corpus, embeddings and index (about 35 min on 2 cores; resumable).
 data: setup

@@ -78,7 +78,7 @@ def test_a_standby_is_preloaded_then_promoted_then_retired(anticipatory: Node) -
     # ~140% of one replica: the forecast needs two; the warm standby is promoted.
     t = load(node, 70, 5)
     wait_for(lambda: roles(node).get("ready") == 2, timeout=5)
-    assert any(d.startswith("promote: 1 standby -> serving") for d in decisions(node)), decisions(node)
+    assert any(d.startswith("promote: 1 ") for d in decisions(node)), decisions(node)
     assert metric(node, "promote") >= 1
     model = node.stage("elastic", "Slow")["autoscale"]["model"]
     assert 30 <= model["replica_capacity_rps"] <= 60, model  # 20 ms per call, one at a time

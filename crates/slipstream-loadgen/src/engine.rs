@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 
-use crate::arrival::ArrivalGen;
+use crate::arrival::{ArrivalGen, RateSchedule};
 use crate::h1::Conn;
 use crate::stats::{ErrKind, Percentiles, WindowStats};
 use crate::target::Target;
@@ -270,6 +270,8 @@ pub(crate) struct RateRun<'a> {
     pub(crate) target: &'a Arc<Target>,
     pub(crate) arrival: crate::Arrival,
     pub(crate) rate: f64,
+    /// A changing rate for this run (then `rate` is its mean).
+    pub(crate) schedule: Option<RateSchedule>,
     pub(crate) seed: u64,
     pub(crate) duration: Duration,
     pub(crate) warmup: Duration,
@@ -321,10 +323,14 @@ pub(crate) fn run_rate(p: &RateRun<'_>, progress: &mut dyn FnMut(&str)) -> Resul
         warm_end,
         stats: Mutex::new(WindowStats::new().with_timeline(p.timeline_us)),
     });
-    let gen = ArrivalGen::new(p.arrival, p.rate, p.seed);
+    let gen = match &p.schedule {
+        Some(s) => ArrivalGen::scheduled(p.arrival, s.clone(), p.seed),
+        None => ArrivalGen::new(p.arrival, p.rate, p.seed),
+    };
+    let rate_at = |t: f64| p.schedule.as_ref().map_or(p.rate, |s| s.rate_at(t));
 
     rt.spawn(pace(Arc::clone(&sh), gen, start, warm_end, end));
-    rt.block_on(control(&sh, p.rate, start, warm_end, end, progress));
+    rt.block_on(control(&sh, &rate_at, start, warm_end, end, progress));
     sh.close();
     let report = make_report(&sh, p);
     // Drop whatever is still in flight (timed-out exchanges, idle sockets).
@@ -337,7 +343,7 @@ pub(crate) fn run_rate(p: &RateRun<'_>, progress: &mut dyn FnMut(&str)) -> Resul
 /// window (each request's own deadline is scheduled time + timeout).
 async fn control(
     sh: &Arc<Shared>,
-    rate: f64,
+    rate_at: &dyn Fn(f64) -> f64,
     start: Instant,
     warm_end: Instant,
     end: Instant,
@@ -347,6 +353,7 @@ async fn control(
     while !sh.pacer_done.load(Ordering::Acquire) {
         let now = Instant::now();
         if now >= next_line {
+            let rate = rate_at(now.saturating_duration_since(start).as_secs_f64());
             progress(&progress_line(sh, rate, now, start, warm_end));
             next_line += Duration::from_secs(1);
         }
@@ -392,6 +399,7 @@ fn make_report(sh: &Shared, p: &RateRun<'_>) -> RunReport {
     let duration_s = p.duration.as_secs_f64();
     RunReport {
         offered_rps: p.rate,
+        schedule: Vec::new(),
         achieved_rps: s.ok as f64 / duration_s,
         duration_s,
         sent,

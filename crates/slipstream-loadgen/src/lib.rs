@@ -54,6 +54,11 @@
 //!   unfinished is a timeout, so `ok + errors == sent` always holds.
 //!   `late_sends` counts measured requests that started more than 1 ms after
 //!   their scheduled time (generator lag or waiting for a connection).
+//! * **A rate that changes during one run.** `schedule` replaces the sweep
+//!   with one run whose offered rate is piecewise constant (a load step, a
+//!   surge and its end): the same arrival process on a clock warped by the
+//!   cumulative rate, so Poisson arrivals stay Poisson at every rate, and
+//!   one timeline covers the whole window.
 //!
 //! Each rate gets its own tokio runtime (current-thread when `threads == 1`)
 //! and fresh connections, so rates in a sweep do not leak into each other.
@@ -91,6 +96,12 @@ pub struct BenchConfig {
     pub headers: Vec<(String, String)>,
     /// Offered requests/s; one run per rate, in order (a sweep).
     pub rates: Vec<f64>,
+    /// When not empty: one run instead of the sweep, whose offered rate is
+    /// `rate` from `from_s` (seconds into the measured window) until the
+    /// next entry's `from_s`, the last until the end. The first entry is
+    /// from 0 (the warm-up runs at its rate); times increase and lie inside
+    /// the window; rates are finite and > 0.
+    pub schedule: Vec<(f64, f64)>,
     /// Measured seconds per rate.
     pub duration_s: f64,
     /// Seconds at the same rate before measuring (results discarded).
@@ -126,6 +137,7 @@ impl Default for BenchConfig {
             content_type: "application/json".into(),
             headers: Vec::new(),
             rates: vec![1000.0],
+            schedule: Vec::new(),
             duration_s: 10.0,
             warmup_s: 2.0,
             arrival: Arrival::Poisson,
@@ -143,8 +155,11 @@ impl Default for BenchConfig {
 /// Results of one offered rate.
 #[derive(Clone, Debug, Serialize)]
 pub struct RunReport {
-    /// Offered requests/s.
+    /// Offered requests/s (with a schedule: its mean over the window).
     pub offered_rps: f64,
+    /// The rate schedule this run followed (`BenchConfig::schedule`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub schedule: Vec<(f64, f64)>,
     /// Completed-OK requests per second of the measured window.
     pub achieved_rps: f64,
     /// Length of the measured window, seconds.
@@ -222,6 +237,28 @@ fn check_rate(rate: f64) -> Result<(), LoadgenError> {
     }
 }
 
+/// A schedule must start at 0, move forward, end inside the measured window
+/// and offer a finite rate > 0 in every segment.
+fn check_schedule(schedule: &[(f64, f64)], duration_s: f64) -> Result<(), LoadgenError> {
+    let bad = |why: String| Err(LoadgenError::BadConfig(format!("schedule: {why}")));
+    let Some(&(first, _)) = schedule.first() else { return bad("is empty".into()) };
+    if first != 0.0 {
+        return bad(format!("the first segment must start at 0, not {first}"));
+    }
+    for (i, &(from, rate)) in schedule.iter().enumerate() {
+        if !(from.is_finite() && from < duration_s) {
+            return bad(format!("segment {i} starts at {from}, outside the {duration_s} s window"));
+        }
+        if i > 0 && from <= schedule[i - 1].0 {
+            return bad(format!("segment {i} starts at {from}, not after segment {} ({})", i - 1, schedule[i - 1].0));
+        }
+        if !(rate.is_finite() && rate > 0.0) {
+            return bad(format!("segment {i}: rate must be finite and > 0, got {rate}"));
+        }
+    }
+    Ok(())
+}
+
 /// Validated, resolved form of a [`BenchConfig`], shared by the rates.
 struct Prepared {
     target: Arc<target::Target>,
@@ -252,6 +289,7 @@ fn rate_run<'a>(cfg: &BenchConfig, p: &'a Prepared, rate: f64, index: usize) -> 
         target: &p.target,
         arrival: cfg.arrival,
         rate,
+        schedule: None,
         // Distinct, reproducible stream per position in the sweep.
         seed: cfg.seed ^ (index as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15),
         duration: p.duration,
@@ -274,6 +312,9 @@ fn rate_run<'a>(cfg: &BenchConfig, p: &'a Prepared, rate: f64, index: usize) -> 
 /// request to the URL gets no HTTP response. Must not be called from inside
 /// a tokio runtime (it blocks the calling thread).
 pub fn run(cfg: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<Vec<RunReport>, LoadgenError> {
+    if !cfg.schedule.is_empty() {
+        return Ok(vec![run_schedule(cfg, progress)?]);
+    }
     if cfg.rates.is_empty() {
         return Err(LoadgenError::BadConfig("rates is empty".into()));
     }
@@ -290,7 +331,23 @@ pub fn run(cfg: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<Vec<RunR
     Ok(reports)
 }
 
-/// Runs a single offered `rate` (ignoring `cfg.rates`), preflight included.
+/// Runs one window whose rate follows `cfg.schedule` (ignoring `cfg.rates`),
+/// preflight included; `offered_rps` is the schedule's mean over the window.
+pub fn run_schedule(cfg: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<RunReport, LoadgenError> {
+    check_schedule(&cfg.schedule, cfg.duration_s)?;
+    let prepared = prepare(cfg)?;
+    let schedule = arrival::RateSchedule::new(&cfg.schedule, prepared.warmup.as_secs_f64());
+    let (w0, w1) = (prepared.warmup.as_secs_f64(), prepared.warmup.as_secs_f64() + prepared.duration.as_secs_f64());
+    let mean = (schedule.expected_before(w1) - schedule.expected_before(w0)) / (w1 - w0);
+    let mut run = rate_run(cfg, &prepared, mean, 0);
+    run.schedule = Some(schedule);
+    let report = engine::run_rate(&run, progress)?;
+    progress(&summary_line(&report));
+    Ok(RunReport { schedule: cfg.schedule.clone(), ..report })
+}
+
+/// Runs a single offered `rate` (ignoring `cfg.rates` and `cfg.schedule`),
+/// preflight included.
 pub fn run_one(cfg: &BenchConfig, rate: f64, progress: &mut dyn FnMut(&str)) -> Result<RunReport, LoadgenError> {
     check_rate(rate)?;
     let prepared = prepare(cfg)?;
@@ -348,5 +405,34 @@ mod tests {
         }
         let e = run(&BenchConfig { url: "https://x:1/".into(), ..base }, &mut |_| {}).unwrap_err();
         assert_eq!(e.kind(), "bad_url");
+    }
+
+    #[test]
+    fn schedule_from_json_and_bad_schedules_refused() {
+        let cfg: BenchConfig =
+            serde_json::from_str(r#"{"url":"http://127.0.0.1:9/","duration_s":20,"schedule":[[0,100],[5,375.5]]}"#)
+                .unwrap();
+        assert_eq!(cfg.schedule, vec![(0.0, 100.0), (5.0, 375.5)]);
+        assert!(check_schedule(&cfg.schedule, cfg.duration_s).is_ok());
+        let bad: [&[(f64, f64)]; 9] = [
+            &[],
+            &[(1.0, 10.0)],
+            &[(0.0, 10.0), (5.0, 20.0), (5.0, 30.0)],
+            &[(0.0, 10.0), (8.0, 20.0), (4.0, 30.0)],
+            &[(0.0, 10.0), (20.0, 20.0)],
+            &[(0.0, 10.0), (f64::NAN, 20.0)],
+            &[(0.0, 0.0)],
+            &[(0.0, 10.0), (5.0, -1.0)],
+            &[(0.0, f64::INFINITY)],
+        ];
+        for schedule in bad {
+            let cfg = BenchConfig { schedule: schedule.to_vec(), ..cfg.clone() };
+            let e = run_schedule(&cfg, &mut |_| {}).unwrap_err();
+            assert_eq!(e.kind(), "bad_config", "{schedule:?}: {e}");
+            assert!(e.to_string().starts_with("bad config: schedule"), "{e}");
+            if !schedule.is_empty() {
+                assert_eq!(run(&cfg, &mut |_| {}).unwrap_err().kind(), "bad_config");
+            }
+        }
     }
 }

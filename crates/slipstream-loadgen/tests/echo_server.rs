@@ -145,3 +145,35 @@ fn slow_server_requests_time_out() {
     assert_eq!(r.errors_by_kind.get("timeout"), Some(&r.sent));
     assert!(r.max_connections_used <= 4);
 }
+
+#[test]
+fn schedule_steps_the_rate_within_one_run() {
+    let addr = start_server(StatusCode::OK);
+    let cfg = BenchConfig {
+        schedule: vec![(0.0, 200.0), (0.5, 1000.0), (1.0, 200.0)],
+        duration_s: 1.5,
+        warmup_s: 0.2,
+        timeline_ms: 100.0,
+        ..config(addr, 1.0)
+    };
+    let mut lines = Vec::new();
+    let rs = run(&cfg, &mut |l| lines.push(l.to_string())).unwrap();
+    assert_eq!(rs.len(), 1, "a schedule is one run, whatever `rates` says");
+    let r = &rs[0];
+    assert_eq!(r.schedule, cfg.schedule);
+    assert!((r.offered_rps - 1400.0 / 3.0).abs() < 1e-6, "mean offered {}", r.offered_rps);
+    assert_eq!(r.errors, 0, "{:?}", r.errors_by_kind);
+    assert_eq!(r.ok, r.sent);
+    assert_eq!(r.timeline.len(), 15, "the timeline covers the whole window");
+    let sent = |from: usize, to: usize| r.timeline[from..to].iter().map(|b| b.ok).sum::<u64>() as f64;
+    // Poisson counts (mean = variance): 100, 500, 100 expected; 4.5 sigma.
+    for (got, want) in [(sent(0, 5), 100.0), (sent(5, 10), 500.0), (sent(10, 15), 100.0)] {
+        assert!((got - want).abs() <= 4.5 * f64::sqrt(want), "{got} vs {want}: {:?}", r.timeline);
+    }
+    // Progress names the rate offered at the time, not the mean.
+    let live = lines.iter().filter(|l| l.contains(" t="));
+    assert!(
+        live.clone().count() >= 1 && live.clone().all(|l| l.starts_with("rate 200/s") || l.starts_with("rate 1000/s")),
+        "{lines:?}"
+    );
+}

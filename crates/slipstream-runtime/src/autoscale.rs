@@ -4,10 +4,13 @@
 //! Every tick it reads each pipeline's offered load (admitted + refused
 //! requests) and keeps its trend with Holt's linear smoothing (a level and
 //! a slope, so a rising load is seen rising, not only high). Each stage's
-//! capacity per replica comes from the capacity model the batch former
-//! already has: the stage's latency profile (measured by `slipstream
-//! profile`, refined online from real batches) at the best batch size the
-//! AIMD limit allows. From those:
+//! capacity per replica is the lower of two estimates: the latency profile
+//! the batch former plans with (measured by `slipstream profile`, refined
+//! online) at the best batch size the AIMD limit allows, which knows the
+//! component alone; and what the replicas actually did lately (requests
+//! per second of replica busy time, node -> worker -> node), which also
+//! knows the hops and the cores the stage shares with the node, the other
+//! stages and any load generator on the machine. From those:
 //!
 //! - **anticipatory** (the default; Vortex's anticipatory preloading): a
 //!   stage keeps one *standby* replica warm (its component constructed and a
@@ -154,8 +157,34 @@ struct PipeState {
     last_missed: u64,
 }
 
+/// Recent requests per second of replica busy time (decaying sums).
+#[derive(Default)]
+struct Observed {
+    requests: Delta,
+    busy_us: Delta,
+    req_sum: f64,
+    busy_s_sum: f64,
+}
+
+impl Observed {
+    /// Weight of the past per tick (~2.5 s memory at 250 ms ticks).
+    const KEEP: f64 = 0.9;
+    /// Requests the sums must hold before they are trusted.
+    const ENOUGH: f64 = 20.0;
+
+    fn update(&mut self, st: &StageRt) -> Option<f64> {
+        let m = &st.metrics;
+        let dr = self.requests.take(m.requests.load(Relaxed)) as f64;
+        let db = self.busy_us.take(m.busy_us.load(Relaxed)) as f64 / 1e6;
+        self.req_sum = self.req_sum * Self::KEEP + dr;
+        self.busy_s_sum = self.busy_s_sum * Self::KEEP + db;
+        (self.req_sum >= Self::ENOUGH && self.busy_s_sum > 0.0).then(|| self.req_sum / self.busy_s_sum)
+    }
+}
+
 #[derive(Default)]
 struct StageState {
+    observed: Observed,
     /// Ticks in a row the near forecast needed more serving replicas.
     short_ticks: u32,
     /// Since when fewer replicas would do (scale-down hysteresis).
@@ -258,15 +287,22 @@ impl Autoscaler {
         // A stage cannot use more cores than the node has.
         let hi = hi.min(((o.cores / st.threads as f64).floor() as usize).max(lo));
         let c = census(st);
-        let Some(cap) = replica_capacity(st) else { return };
-        let lead = st.start_time().unwrap_or(Duration::from_secs(5)).as_secs_f64();
-        let near = trend.forecast(o.tick.as_secs_f64() * 4.0);
-        let ahead = trend.forecast(lead);
-        let need = |rate: f64, util: f64| ((rate / (util * cap)).ceil() as usize).clamp(lo, hi);
         let now = Instant::now();
         let key = (pipe.name().to_string(), st.name.clone());
         let mut stages = self.stages.lock();
         let ss = stages.entry(key).or_default();
+        let observed = ss.observed.update(st);
+        let profiled = replica_capacity(st);
+        let Some(cap) = (match (profiled, observed) {
+            (Some(p), Some(o)) => Some(p.min(o)),
+            (p, o) => p.or(o),
+        }) else {
+            return;
+        };
+        let lead = st.start_time().unwrap_or(Duration::from_secs(5)).as_secs_f64();
+        let near = trend.forecast(o.tick.as_secs_f64() * 4.0);
+        let ahead = trend.forecast(lead);
+        let need = |rate: f64, util: f64| ((rate / (util * cap)).ceil() as usize).clamp(lo, hi);
         // More serving replicas are needed when the level alone says so, or
         // the near forecast has said so two ticks in a row (one noisy
         // sample of a Poisson load must not flip the replica set).
@@ -274,7 +310,8 @@ impl Autoscaler {
         let need_now = if ss.short_ticks >= 2 { need(near, o.utilization) } else { need(trend.level, o.utilization) };
         ss.model = json!({
             "level_rps": trend.level, "slope_rps_per_s": trend.slope, "forecast_rps": ahead,
-            "lead_s": lead, "replica_capacity_rps": cap, "need": need_now, "max_usable": hi,
+            "lead_s": lead, "replica_capacity_rps": cap, "profiled_capacity_rps": profiled,
+            "observed_capacity_rps": observed, "need": need_now, "max_usable": hi,
             "active": c.active, "standby": c.standby,
         });
         let fmt = |rate: f64| format!("{rate:.0} req/s");
@@ -283,14 +320,20 @@ impl Autoscaler {
             Policy::Off => {}
             Policy::Anticipatory => {
                 if need_now > c.active {
-                    let mut promoted = 0;
+                    let (mut promoted, mut warm) = (0, 0);
                     if c.standby > 0 {
-                        promoted = node.promote_standbys(pipe, st, need_now - c.active);
+                        (promoted, warm) = node.promote_standbys(pipe, st, need_now - c.active);
                     }
                     let rest = need_now - c.active - promoted;
                     let why = format!("forecast {} needs {need_now} replicas ({why_cap})", fmt(near));
                     if promoted > 0 {
-                        self.record(node, pipe, st, ss, "promote", format!("{promoted} standby -> serving: {why}"));
+                        let cold = promoted - warm;
+                        let how = if cold == 0 {
+                            format!("{promoted} warm standby -> serving")
+                        } else {
+                            format!("{promoted} standby -> serving ({cold} still starting: serves once warm)")
+                        };
+                        self.record(node, pipe, st, ss, "promote", format!("{how}: {why}"));
                     }
                     if rest > 0 && c.active + promoted + rest <= hi {
                         node.add_replicas(pipe, st, rest, false);

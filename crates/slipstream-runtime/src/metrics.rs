@@ -68,6 +68,8 @@ pub struct StageMetrics {
     pub slack_us: Hist,
     pub batches: AtomicU64,
     pub requests: AtomicU64,
+    /// Time replicas were busy with batches (node -> worker -> node), µs.
+    pub busy_us: AtomicU64,
     pub errors: AtomicU64,
     pub retries: AtomicU64,
     pub restarts: AtomicU64,
@@ -109,7 +111,7 @@ impl PipelineMetrics {
 impl StageMetrics {
     pub fn reset(&self) {
         self.slack_us.reset();
-        for c in [&self.batches, &self.requests, &self.errors, &self.retries, &self.dropped_late] {
+        for c in [&self.batches, &self.requests, &self.busy_us, &self.errors, &self.retries, &self.dropped_late] {
             c.store(0, Relaxed);
         }
         for h in [&self.batch_size, &self.queue_wait_us, &self.compute_us, &self.hop_us] {

@@ -370,17 +370,21 @@ impl Node {
     }
 
     /// Promote up to `k` standbys of `st` into routing, warm ones first.
-    pub fn promote_standbys(&self, pipe: &PipelineRt, st: &StageRt, k: usize) -> usize {
+    /// Returns (promoted, of which warm: serving at once).
+    pub fn promote_standbys(&self, pipe: &PipelineRt, st: &StageRt, k: usize) -> (usize, usize) {
         let mut standbys: Vec<_> = st.replicas().iter().filter(|r| r.is_standby()).cloned().collect();
         standbys.sort_by_key(|r| r.phase() != Phase::Standby);
-        let mut done = 0;
+        let (mut done, mut warm) = (0, 0);
         for r in standbys.into_iter().take(k) {
+            let was_warm = r.phase() == Phase::Standby;
             if r.promote() {
                 done += 1;
-                self.events.record(pipe.name(), &st.name, Some(r.id), "promoted", String::new());
+                warm += usize::from(was_warm);
+                let how = if was_warm { "warm" } else { "still starting" };
+                self.events.record(pipe.name(), &st.name, Some(r.id), "promoted", how.into());
             }
         }
-        done
+        (done, warm)
     }
 
     /// Take one serving replica of `st` out of routing (the least loaded):

@@ -332,6 +332,7 @@ async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>, budget_ns:
     me.end_batch(n, rtt.as_nanos() as u64, budget_ns);
     stage.metrics.batches.fetch_add(1, Relaxed);
     stage.metrics.requests.fetch_add(n as u64, Relaxed);
+    stage.metrics.busy_us.fetch_add(rtt.as_micros() as u64, Relaxed);
     stage.metrics.batch_size.record(n as u64);
     match reply {
         Ok(FromWorker::Result { id: rid, outputs, compute_us }) if rid == id => {
