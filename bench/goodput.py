@@ -93,13 +93,16 @@ def measure(name: str, app: str, limit: float, configs: dict[str, list[str]], a:
     from slipstream._internal.api import Pipeline
     from slipstream._internal.app import load_pipelines
     from slipstream._internal.launch import launch
-    from slipstream._internal.slo import example_body
+    sys.path.insert(0, str(ROOT / "bench" / "vs_ray"))
+    from bodies import body as request_body
 
     _, pipes = load_pipelines(str(ROOT / app))
     pipe: Pipeline = next(p for p in pipes if p.name == name)
     assert pipe.slo is not None
     slo_ms, max_miss = pipe.slo.p99_ms, pipe.slo.max_miss_rate
-    body = example_body(pipe)
+    # The request bench/limit.py measured the components with.
+    body, source = request_body(ROOT / app, pipe)
+    print(f"{name}: request body from {source}", file=sys.stderr)
     rates = [round(limit * f) for f in a.fractions]
     results: dict[str, Any] = {}
     for label, flags in configs.items():
@@ -122,7 +125,7 @@ def measure(name: str, app: str, limit: float, configs: dict[str, list[str]], a:
         best = max((r for r in rows if holds(r, slo_ms, max_miss)), key=lambda r: r["goodput_rps"], default=None)
         results[label] = {"rows": rows, "best": best,
                           "goodput_fraction": (best["goodput_rps"] / limit) if best else 0.0}
-    return {"pipeline": name, "app": app, "limit_rps": limit, "slo_ms": slo_ms, "configs": results}
+    return {"pipeline": name, "app": app, "limit_rps": limit, "slo_ms": slo_ms, "body": source, "configs": results}
 
 
 def main() -> int:
