@@ -36,12 +36,16 @@ worker alike):
   ``LO-HI`` for the autoscaler (default ``1-4``: start one, add replicas
   as the load needs them, up to what the node's cores allow).
 - ``RAG_SLO_MS``: the pipeline's p99 objective in ms (default 200).
+- ``RAG_EMBED_START_DELAY_S``: extra seconds each Embed replica spends
+  starting (default 0): stands in for a model that loads slowly (a large
+  one, a GPU context) in the autoscaling benchmark (bench/surge.py).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +73,7 @@ def replica_bounds(text: str) -> int | tuple[int, int]:
         raise ss.ConfigError(f"RAG_EMBED_REPLICAS must be a count or LO-HI, not {text!r}") from None
 
 
+START_DELAY_S = float(os.environ.get("RAG_EMBED_START_DELAY_S", "0"))
 EMBED_REPLICAS = replica_bounds(os.environ.get("RAG_EMBED_REPLICAS", "1-4"))
 if MODE not in ("auto", "full", "small"):
     raise ss.ConfigError(f"RAG_INDEX must be auto, full or small, not {MODE!r}")
@@ -104,6 +109,7 @@ class Embed:
     """Query text -> unit-norm MiniLM embedding."""
 
     def __init__(self) -> None:
+        time.sleep(START_DELAY_S)
         self.encoder = TextEncoder(threads=ss.worker_threads())
         self.encoder.encode(["warm up"])
 

@@ -322,7 +322,14 @@ def run_system(server: Server, body_file: Path, slo: float, max_miss: float, mod
     try:
         log(f"  {server.system}: ready in {server.start_s:.1f}s at {server.base}")
         b = Bench(server, body_file, slo, max_miss, mode)
-        code, answer = server.infer(body_file.read_bytes())
+        # The first call of a cold component (tables paged in, a runtime's
+        # first run) may miss a tight SLO, and a node that drops late work
+        # answers it 504; both systems get the same three tries.
+        for _ in range(3):
+            code, answer = server.infer(body_file.read_bytes())
+            if code == 200:
+                break
+            time.sleep(0.2)
         if code != 200:
             raise RuntimeError(f"{server.system} answered {code}: {str(answer)[:500]}")
         unloaded = b.unloaded_ms()
