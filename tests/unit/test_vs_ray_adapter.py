@@ -151,6 +151,7 @@ def test_report_renders_a_result() -> None:
         "ray": {"version": "2.60.0", "env": {"K": "V"}, "adapter_options": []},
         "pipelines": [
             {"name": "p", "stages": {"A": {}}, "slo_ms": 10.0, "slo_declared_ms": 10.0, "outputs_match": True,
+             "limit_rps": 1000.0,
              "goodput_ratio": 1.0, "systems": {"slipstream": system, "ray": system},
              "handoff": {"B": {"fan_in": True, "parents": ["A", "C"], "input_bytes_per_request": 6.4e6,
                                "slipstream_hop_ms": {"p50": 0.2, "p99": 1.0},
@@ -159,7 +160,7 @@ def test_report_renders_a_result() -> None:
         ],
     }
     md = report.markdown(res)
-    assert "| p | 1 | 10 ms | 100 | 100 | 1.0x |" in md
+    assert "| p | 1 | 10 ms | 1,000 | 100 (10%) | 100 (10%) | 1.0x |" in md
     assert "B (fan-in)" in md and "6.40 MB" in md and "Not measured: examples/x.py:x" in md
     json.dumps(res)  # the shape compare.py writes is plain JSON
 
