@@ -111,4 +111,7 @@ recsys = ss.Pipeline(
         "candidate_scores": ss.Tensor("float32", (-1, N_CANDIDATES)),
     },
     slo=ss.SLO(p99_ms=50),
+    # A user with a short history: the default body of `slipstream bench`,
+    # and the warm-up batch every replica runs before its first request.
+    example={"user": [[4242]], "history": [[17, 99, 3, 123456, 4567, -1, -1, -1]]},
 )

@@ -27,4 +27,4 @@ class Threads:
 
 
 elastic = ss.Pipeline("elastic", Slow, slo=ss.SLO(p99_ms=500))
-threads = ss.Pipeline("threads", Threads)
+threads = ss.Pipeline("threads", Threads, example={"x": [[0.0, 0.0]]})

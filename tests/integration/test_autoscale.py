@@ -126,6 +126,13 @@ def test_off_keeps_the_declared_count_and_bounds_are_checked() -> None:
         assert status == 200, body
         assert body["outputs"]["threads"] == [[2, 2]]
         assert node.stage("threads", "Threads")["threads"] == 2
+        # A pipeline with a declared example was sent through itself once
+        # before the node reported ready (every stage's cold first call
+        # happens then); one without starts cold.
+        events = node.status()["events"]
+        primed = [e["detail"] for e in events if e["what"] == "primed"]
+        assert [e["pipeline"] for e in events if e["what"] == "primed"] == ["threads"], events
+        assert primed == ["with its example request: answered"], primed
     finally:
         node.stop()
 

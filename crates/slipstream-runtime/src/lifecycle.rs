@@ -84,6 +84,52 @@ fn former_for(spec: &AppSpec, pipeline: &str, stage: &StageSpec) -> Result<Batch
     Ok(f)
 }
 
+/// Before the node reports ready, send each pipeline that declares an
+/// example request through itself (up to three times, until one is
+/// answered), so that every stage's first replica has made its cold first
+/// call (tables paged in, a runtime's first run) on it rather than on a
+/// client's first request, which might miss a tight SLO; the stages also
+/// keep it as the warm-up sample for replicas added later. Pipelines
+/// without an example start cold, as before: a made-up input could crash
+/// a worker. The priming requests are then taken off the metrics.
+async fn prime(node: &Arc<Node>) {
+    let mut primed = false;
+    for pipe in node.pipelines.values() {
+        let Some(example) = &pipe.spec.example else { continue };
+        let body = serde_json::json!({ "inputs": example }).to_string();
+        let parts = crate::codec::BodyParts::new(vec![bytes::Bytes::from(body)]);
+        let mut outcome = String::from("not run");
+        for _ in 0..3 {
+            let tensors = match crate::codec::decode_v1(&parts, &pipe.spec.inputs, &node.arena) {
+                Ok(t) => t,
+                Err(e) => {
+                    outcome = format!("the declared example does not decode: {e}");
+                    break;
+                }
+            };
+            let ticket = match pipe.ticket(0, Instant::now(), None) {
+                Ok(t) => t,
+                Err(e) => {
+                    outcome = e.to_string();
+                    break;
+                }
+            };
+            primed = true;
+            match node.answer(pipe, tensors, Ok(ticket)).await {
+                Ok(_) => {
+                    outcome = "answered".into();
+                    break;
+                }
+                Err(e) => outcome = e.to_string(),
+            }
+        }
+        node.events.record(pipe.name(), "-", None, "primed", format!("with its example request: {outcome}"));
+    }
+    if primed {
+        node.reset_metrics();
+    }
+}
+
 /// Pipelines with their initial replicas (starting; no tasks yet).
 fn build_pipelines(
     spec: &AppSpec,
@@ -209,6 +255,7 @@ pub async fn run(
                 Err(_) => return Err(RunError::WorkerStart { stage, message: "replica task ended".into() }),
             }
         }
+        prime(&node).await;
         node.mark_serving();
         tokio::spawn(crate::autoscale::run(node.clone(), node.supervisor.stop.clone()));
         if opts.log {
