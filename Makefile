@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CARGO ?= $(shell command -v cargo 2>/dev/null || echo $$HOME/.cargo/bin/cargo)
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup build lint test test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge data data-small demo clean fmt
+.PHONY: setup build lint test test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-plan data data-small demo clean fmt
 
 setup: $(VENV)/.installed
 
@@ -66,9 +66,22 @@ bench-faults: setup
 
 # The same components under Ray Serve (its own virtualenv) and Slipstream,
 # one after the other, same load generator: bench/results/vs_ray.{json,md,png}.
+# Both systems get the same static replica counts: RAG's Embed at the
+# planner's count for a 2-core machine (`slipstream plan examples/rag.py`);
+# set RAG_EMBED_REPLICAS to what the planner says for yours.
 bench-vs-ray: setup
 	bash bench/vs_ray/setup_ray.sh
-	$(PY) bench/vs_ray/compare.py
+	RAG_EMBED_REPLICAS=$${RAG_EMBED_REPLICAS:-2} $(PY) bench/vs_ray/compare.py
+
+# Goodput at the SLO with the planner's configuration vs as shipped, as a
+# share of the offline compute limit: bench/results/goodput.{json,md}.
+bench-goodput: setup
+	$(PY) bench/limit.py --pipelines rag,recsys
+	$(PY) bench/goodput.py
+
+# The planner on simulated A30 clusters with MIG: bench/results/plan_mig.{json,md}.
+bench-plan: setup
+	$(PY) bench/plan_mig.py
 
 # RAG through a load surge (40% -> 150% -> 40% of one Embed replica) under
 # static, reactive and anticipatory scaling and Ray Serve's autoscaler (its

@@ -189,7 +189,10 @@ class SlipstreamServer(Server):
         self.extra = list(extra or [])
 
     def command(self) -> list[str]:
-        return [str(SLIPSTREAM), "serve", self.serve_target, "--port", "0", *self.extra]
+        # Static replica counts, as Ray's deployments get (`num_replicas` =
+        # the component's starting count): the comparison is of the runtimes,
+        # not of autoscalers (bench/surge.py compares those).
+        return [str(SLIPSTREAM), "serve", self.serve_target, "--port", "0", "--autoscale", "off", *self.extra]
 
 
 class RayServer(Server):
