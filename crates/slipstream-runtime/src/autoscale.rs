@@ -373,8 +373,13 @@ impl Autoscaler {
             return;
         }
         // Down, with hysteresis: the level (not the forecast) has needed
-        // fewer replicas, at a lower utilisation, for `down_after`.
-        let fewer = need(trend.level, o.down_utilization) < c.active && need_now < c.active;
+        // fewer replicas, at a lower utilisation, for `down_after`. Judged
+        // on the profiled capacity: what the replicas did lately was at the
+        // small batches a spread-out load forms, and fewer replicas form
+        // larger, cheaper ones; the lower utilisation is the margin.
+        let down_cap = profiled.unwrap_or(cap);
+        let need_down = ((trend.level / (o.down_utilization * down_cap)).ceil() as usize).clamp(lo, hi);
+        let fewer = need_down < c.active && need_now < c.active;
         if fewer && c.active > lo {
             let since = *ss.low_since.get_or_insert(now);
             if now.duration_since(since) >= o.down_after {
@@ -383,11 +388,11 @@ impl Autoscaler {
                 if node.retire_one(pipe, st, to_standby) {
                     let what = if to_standby { "to_standby" } else { "scale_down" };
                     let why = format!(
-                        "load {} for {:.0} s needs {} replicas at {:.0}% busy",
+                        "load {} for {:.0} s needs {need_down} replicas at {:.0}% busy ({} per replica, profiled)",
                         fmt(trend.level),
                         o.down_after.as_secs_f64(),
-                        need(trend.level, o.down_utilization),
-                        o.down_utilization * 100.0
+                        o.down_utilization * 100.0,
+                        fmt(down_cap)
                     );
                     self.record(node, pipe, st, ss, what, why);
                 }
