@@ -136,16 +136,6 @@ def _pipeline(target: str) -> Any:
     return pipes[0]
 
 
-def _topological(pipe: Any) -> list[str]:
-    order: list[str] = []
-    remaining = list(pipe.graph.nodes)
-    while remaining:
-        n = next(n for n in remaining if all(p in order for p in pipe.graph.parents(n)))
-        order.append(n)
-        remaining.remove(n)
-    return order
-
-
 def _request_arrays(pipe: Any, target: str) -> tuple[dict[str, Any], str]:
     """One request's inputs as arrays: the goodput benchmarks' body, decoded
     as the node decodes the pipeline API's JSON; else the pipeline's example."""
@@ -187,7 +177,7 @@ def _prep(spec: dict[str, Any]) -> dict[str, Any]:
     from slipstream._internal.api import Batch
 
     pipe = _pipeline(spec["target"])
-    order = _topological(pipe)
+    order = pipe.graph.topological_order()
     roots, origin = _request_arrays(pipe, spec["target"])
     rows = int(next(iter(roots.values())).shape[0])
     outputs: dict[str, dict[str, Any]] = {}

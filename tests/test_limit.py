@@ -31,7 +31,7 @@ def test_limit_of_the_echo_chain(tmp_path: Path) -> None:
     assert p["limit_rps"] <= min(s["requests_per_s"] for s in stages.values())
     assert p["stage_bound_rps"] == min(s["requests_per_s"] for s in stages.values())
     for s in stages.values():
-        assert 1 <= s["best_batch"] <= 64
+        assert s["best_batch"] in (1, 2, 4, 8, 16, 32, 64), s  # a size the sweep tried, within max_batch_size
         assert s["threads"] == 1 and s["processes"] == p["cores"]
         assert s["cpu_us_per_request"] > 0
     assert (tmp_path / "limit.md").read_text().startswith("# Offline compute limit")

@@ -317,7 +317,7 @@ impl Autoscaler {
         let fmt = |rate: f64| format!("{rate:.0} req/s");
         let why_cap = format!("{} per replica at {:.0}% busy", fmt(cap), o.utilization * 100.0);
         match o.policy {
-            Policy::Off => {}
+            Policy::Off => return,
             Policy::Anticipatory => {
                 if need_now > c.active {
                     let (mut promoted, mut warm) = (0, 0);
@@ -368,9 +368,6 @@ impl Autoscaler {
                     ss.low_since = None;
                 }
             }
-        }
-        if o.policy == Policy::Off {
-            return;
         }
         // Down, with hysteresis: the level (not the forecast) has needed
         // fewer replicas, at a lower utilisation, for `down_after`. Judged

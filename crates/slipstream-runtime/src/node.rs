@@ -372,10 +372,8 @@ impl Node {
     /// Promote up to `k` standbys of `st` into routing, warm ones first.
     /// Returns (promoted, of which warm: serving at once).
     pub fn promote_standbys(&self, pipe: &PipelineRt, st: &StageRt, k: usize) -> (usize, usize) {
-        let mut standbys: Vec<_> = st.replicas().iter().filter(|r| r.is_standby()).cloned().collect();
-        standbys.sort_by_key(|r| r.phase() != Phase::Standby);
         let (mut done, mut warm) = (0, 0);
-        for r in standbys.into_iter().take(k) {
+        for r in st.standbys_warm_first().into_iter().take(k) {
             let was_warm = r.phase() == Phase::Standby;
             if r.promote() {
                 done += 1;
@@ -394,7 +392,7 @@ impl Node {
         let set = st.replicas();
         let Some(r) = set
             .iter()
-            .filter(|r| r.phase() == Phase::Ready && !r.is_standby())
+            .filter(|r| r.phase() == Phase::Ready)
             .min_by_key(|r| (r.load().outstanding, std::cmp::Reverse(r.id)))
         else {
             return false;
@@ -410,9 +408,7 @@ impl Node {
     /// Drain one standby of `st` (a starting one first).
     pub fn drain_standby(&self, pipe: &PipelineRt, st: &StageRt) -> bool {
         let _one_at_a_time = self.scaling.lock();
-        let mut standbys: Vec<_> = st.replicas().iter().filter(|r| r.is_standby()).cloned().collect();
-        standbys.sort_by_key(|r| r.phase() == Phase::Standby);
-        let Some(r) = standbys.first() else { return false };
+        let Some(r) = st.standbys_warm_first().pop() else { return false };
         let done = r.drain();
         if done {
             self.events.record(pipe.name(), &st.name, Some(r.id), "draining", "standby not needed".into());

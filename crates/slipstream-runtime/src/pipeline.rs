@@ -168,6 +168,13 @@ impl StageRt {
         *set = Arc::new(next);
     }
 
+    /// The standbys (held back from routing), warm ones first.
+    pub fn standbys_warm_first(&self) -> Vec<Arc<Replica>> {
+        let mut standbys: Vec<_> = self.replicas().iter().filter(|r| r.is_standby()).cloned().collect();
+        standbys.sort_by_key(|r| r.phase() != Phase::Standby);
+        standbys
+    }
+
     /// Ready while at least one replica's worker serves.
     pub fn is_ready(&self) -> bool {
         self.replicas().iter().any(|r| r.phase() == Phase::Ready)

@@ -322,6 +322,18 @@ class Graph:
     def parents(self, name: str) -> list[str]:
         return [a for a, b in self.edges if b == name]
 
+    def topological_order(self) -> list[str]:
+        """The stages, each after its parents (the first ready one in
+        declaration order, each time). The graph must be acyclic, as a
+        ``Pipeline`` checks."""
+        order: list[str] = []
+        remaining = list(self.nodes)
+        while remaining:
+            n = next(n for n in remaining if all(p in order for p in self.parents(n)))
+            order.append(n)
+            remaining.remove(n)
+        return order
+
 
 class Pipeline:
     """A named DAG of components with declared inputs and an optional SLO.

@@ -64,7 +64,7 @@ def profile_pipeline(pipe: Pipeline, batches: list[int], iters: int, budget_s: f
     """Measure every stage of `pipe` at each batch size (capped by its max
     batch size). `threads` is only recorded: the thread budget is set by the
     environment this process was started with (see `cmd_profile`)."""
-    order = _topological(pipe)
+    order = pipe.graph.topological_order()
     instances = {}
     for name in order:
         t0 = time.perf_counter()
@@ -125,18 +125,6 @@ def merge_thread_profiles(parts: dict[int, list[dict[str, Any]]]) -> list[dict[s
             out["stages"][name] = entry
         merged.append(out)
     return merged
-
-
-def _topological(pipe: Pipeline) -> list[str]:
-    order: list[str] = []
-    remaining = list(pipe.graph.nodes)
-    while remaining:
-        for n in remaining:
-            if all(p in order for p in pipe.graph.parents(n)):
-                order.append(n)
-                remaining.remove(n)
-                break
-    return order
 
 
 def write_profile(path: Path, profiles: list[dict[str, Any]]) -> None:

@@ -61,7 +61,6 @@ from slipstream._internal.planner.plan import (
     PipelinePlan,
     Plan,
     StagePlan,
-    _topo,
     stage_points,
     with_components,
 )
@@ -96,7 +95,7 @@ def _cpu_stages(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[st
         prof = profiles.get(pipe.name)
         if prof is None:
             raise ConfigError(f"no profile for pipeline {pipe.name!r}: run `slipstream profile` first")
-        for name in _topo(pipe):
+        for name in pipe.graph.topological_order():
             comp = pipe.stage(name)
             sp = prof["stages"].get(name)
             if sp is None:
@@ -361,7 +360,7 @@ def plan_cpu(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, 
                                                                                chosen.n[(pipe.name, n)]),
                             threads=best.opt[(pipe.name, n)].threads, max_batch_size=best.opt[(pipe.name, n)].batch,
                             throughput_rps=chosen.tput[(pipe.name, n)])
-               for n in _topo(pipe)}
+               for n in pipe.graph.topological_order()}
         out[pipe.name] = PipelinePlan(
             capacity_rps=chosen.rate[pipe.name],
             target_rps=tgt, stages=sts, predicted=_pred_json(pred),

@@ -41,7 +41,7 @@ from slipstream._internal.planner.milp import (
     _StageBase,
     _timed_out,
 )
-from slipstream._internal.planner.plan import TARGET_LOAD, PipelinePlan, Plan, StagePlan, _topo
+from slipstream._internal.planner.plan import TARGET_LOAD, PipelinePlan, Plan, StagePlan
 
 # --- GPU inventories -------------------------------------------------------------------------
 
@@ -188,7 +188,7 @@ def _gpu_stages(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[st
         prof = profiles.get(pipe.name)
         if prof is None:
             raise ConfigError(f"no profile for pipeline {pipe.name!r}")
-        for name in _topo(pipe):
+        for name in pipe.graph.topological_order():
             gp = prof["stages"].get(name, {}).get("gpu")
             if gp is None:
                 raise ConfigError(f"{pipe.name}/{name}: the profile has no GPU section (\"gpu\": memory_gb, "

@@ -164,16 +164,6 @@ def profiles_for_threads(loaded: list[dict[str, Any]], paths: Sequence[Path],
     return out
 
 
-def _topo(pipe: Pipeline) -> list[str]:
-    """A pipeline's stages in topological order."""
-    order: list[str] = []
-    while len(order) < len(pipe.graph.nodes):
-        for n in pipe.graph.nodes:
-            if n not in order and all(p in order for p in pipe.graph.parents(n)):
-                order.append(n)
-    return order
-
-
 # --- printing -----------------------------------------------------------------------------------
 
 def format_plan(plan: Plan) -> str:
