@@ -84,6 +84,20 @@ pub use block::{Block, BlockMut};
 pub use error::ShmError;
 pub use pool::{Pool, DEFAULT_PAGE_SIZE, HEADER_SIZE, MAGIC, VERSION};
 
+/// Map a file that no one will modify again, read-only, without a copy.
+///
+/// The object store's blob files are written in full, fsynced and renamed
+/// into place before any version names them, and are never written after
+/// that (they are only unlinked, which leaves an existing map intact). This
+/// is the one promise a read-only map of a file needs, and this crate is the
+/// one in the workspace where `unsafe` lives, so the map is made here.
+pub fn map_immutable_file(file: &std::fs::File) -> std::io::Result<memmap2::Mmap> {
+    // SAFETY: the caller's file is immutable for as long as the map lives
+    // (see above); a truncation by another process would make reads fault,
+    // which is the same failure any reader of a file has.
+    unsafe { memmap2::Mmap::map(file) }
+}
+
 /// Directory pools should live in: `/dev/shm` if it exists and is a
 /// directory (memory-backed on Linux), else [`std::env::temp_dir`].
 pub fn default_dir() -> PathBuf {

@@ -1,0 +1,205 @@
+use super::*;
+use std::time::Duration;
+
+fn open(dir: &Path) -> Store {
+    let mut o = StoreOptions::new(dir);
+    o.inline_max = 1024;
+    o.pools = vec![
+        Pool::new("/docs/", 3, None, Some(r"^/docs/([^/]+)/")).unwrap(),
+        Pool::new("/tmp/", 100, Some(0.2), None).unwrap(),
+    ];
+    o.gc_every = Duration::from_secs(3600);
+    o.pin_for = Duration::from_millis(200);
+    Store::open(o).unwrap()
+}
+
+fn bytes(s: &Store, key: &str, sel: Select) -> Vec<u8> {
+    s.get(key, sel).unwrap().1.as_ref().to_vec()
+}
+
+#[test]
+fn versions_and_reads() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path());
+    let a = s.put("/m/x", b"one", "text/plain", None).unwrap();
+    std::thread::sleep(Duration::from_millis(5));
+    let big = vec![7u8; 5000];
+    let b = s.put("/m/x", &big, "application/octet-stream", None).unwrap();
+    assert_eq!((a.meta.version, b.meta.version), (1, 2));
+    assert!(b.meta.timestamp > a.meta.timestamp);
+    assert!(a.meta.path.is_none() && b.meta.path.is_some(), "small inline, large in a blob");
+    assert_eq!(bytes(&s, "/m/x", Select::Latest), big);
+    assert_eq!(bytes(&s, "/m/x", Select::Version(1)), b"one");
+    let between = ((a.meta.timestamp + b.meta.timestamp) / 2.0 * 1e6) as u64;
+    assert_eq!(bytes(&s, "/m/x", Select::AsOf(between)), b"one");
+    assert!(matches!(s.get("/m/x", Select::AsOf(1)), Err(StoreError::NotFound(_))));
+    assert!(matches!(s.get("/m/x", Select::Version(3)), Err(StoreError::NotFound(_))));
+    assert_eq!(s.versions("/m/x").unwrap().len(), 2);
+    // A tombstone is a version; older ones stay readable.
+    let del = s.delete("/m/x", None).unwrap();
+    assert!(del.meta.deleted && del.meta.version == 3);
+    assert!(matches!(s.get("/m/x", Select::Latest), Err(StoreError::NotFound(_))));
+    assert_eq!(bytes(&s, "/m/x", Select::Version(2)), big);
+    assert!(matches!(s.delete("/m/x", None), Err(StoreError::NotFound(_))));
+    let again = s.put("/m/x", b"back", "text/plain", None).unwrap();
+    assert_eq!(again.meta.version, 4);
+}
+
+#[test]
+fn prefix_listing_skips_deleted_and_other_prefixes() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path());
+    for k in ["/docs/a/1", "/docs/a/2", "/docs/b/1", "/docsx", "/models/m"] {
+        s.put(k, k.as_bytes(), "text/plain", None).unwrap();
+    }
+    s.delete("/docs/a/2", None).unwrap();
+    let (keys, more) = s.keys("/docs/", 10).unwrap();
+    let names: Vec<&str> = keys.iter().map(|m| m.key.as_str()).collect();
+    assert_eq!(names, ["/docs/a/1", "/docs/b/1"]);
+    assert!(!more);
+    let (keys, more) = s.keys("/", 2).unwrap();
+    assert_eq!(keys.len(), 2);
+    assert!(more);
+    assert_eq!(s.affinity_of("/docs/a/1"), Some(("/docs/".into(), "a".into())));
+    assert_eq!(s.affinity_of("/models/m"), None);
+}
+
+#[test]
+fn conditional_puts_under_concurrent_writers() {
+    let d = tempfile::tempdir().unwrap();
+    let s = Arc::new(open(d.path()));
+    s.put("/c", b"0", "text/plain", Some(0)).unwrap();
+    assert!(matches!(s.put("/c", b"x", "text/plain", Some(0)), Err(StoreError::Conflict { current: 1, .. })));
+    // 8 writers each try 30 increments with compare-and-swap; every
+    // success must be a distinct version, and the final value the count.
+    let wins = Arc::new(AtomicU64::new(0));
+    let handles: Vec<_> = (0..8)
+        .map(|_| {
+            let (s, wins) = (s.clone(), wins.clone());
+            std::thread::spawn(move || {
+                for _ in 0..30 {
+                    loop {
+                        let (m, body) = s.get("/c", Select::Latest).unwrap();
+                        let n: u64 = std::str::from_utf8(body.as_ref()).unwrap().parse().unwrap();
+                        match s.put("/c", (n + 1).to_string().as_bytes(), "text/plain", Some(m.version)) {
+                            Ok(_) => {
+                                wins.fetch_add(1, Relaxed);
+                                break;
+                            }
+                            Err(StoreError::Conflict { .. }) => continue,
+                            Err(e) => panic!("{e}"),
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    assert_eq!(wins.load(Relaxed), 240);
+    assert_eq!(bytes(&s, "/c", Select::Latest), b"240");
+    assert_eq!(s.meta("/c", Select::Latest, false).unwrap().version, 241);
+}
+
+#[test]
+fn retention_by_count_and_age_and_pins() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path());
+    let big = vec![1u8; 4096];
+    for i in 0..5u8 {
+        let mut v = big.clone();
+        v[0] = i;
+        s.put("/docs/a/x", &v, "application/octet-stream", None).unwrap();
+    }
+    let kept: Vec<u64> = s.versions("/docs/a/x").unwrap().iter().map(|m| m.version).collect();
+    assert_eq!(kept, [3, 4, 5], "the /docs/ pool keeps 3");
+    assert_eq!(std::fs::read_dir(d.path().join("blobs")).unwrap().count(), 3, "removed versions' files are gone");
+    assert!(matches!(s.get("/docs/a/x", Select::Version(1)), Err(StoreError::NotFound(_))));
+    // A reader that asked for a file's path pins it against collection.
+    let m = s.meta("/docs/a/x", Select::Version(3), true).unwrap();
+    let path = m.path.unwrap();
+    s.put("/docs/a/x", &big, "application/octet-stream", None).unwrap();
+    assert!(path.exists(), "pinned file kept");
+    assert_eq!(s.blobs_held(), 1);
+    std::thread::sleep(Duration::from_millis(250));
+    s.collect().unwrap();
+    assert!(!path.exists(), "unlinked once the pin lapsed");
+    // A mapped value outlives its collection.
+    let (_, body) = s.get("/docs/a/x", Select::Version(4)).unwrap();
+    for _ in 0..3 {
+        s.put("/docs/a/x", &big, "application/octet-stream", None).unwrap();
+    }
+    assert_eq!(body.as_ref()[0], 3, "version 4 holds i = 3");
+    // Age: /tmp/ keeps 0.2 s, but always the latest live version.
+    s.put("/tmp/t", b"1", "text/plain", None).unwrap();
+    s.put("/tmp/t", b"2", "text/plain", None).unwrap();
+    s.put("/tmp/gone", b"1", "text/plain", None).unwrap();
+    s.delete("/tmp/gone", None).unwrap();
+    std::thread::sleep(Duration::from_millis(250));
+    assert_eq!(s.collect().unwrap(), 3);
+    assert_eq!(s.versions("/tmp/t").unwrap().len(), 1);
+    assert!(s.versions("/tmp/gone").is_err());
+    // Numbers are never reused after every version is gone.
+    assert_eq!(s.put("/tmp/gone", b"x", "text/plain", None).unwrap().meta.version, 3);
+}
+
+#[test]
+fn reopen_keeps_everything_and_sweeps_orphans() {
+    let d = tempfile::tempdir().unwrap();
+    {
+        let s = open(d.path());
+        s.put("/a", &vec![3u8; 3000], "application/octet-stream", None).unwrap();
+        s.put("/b", b"small", "text/plain", None).unwrap();
+        // A staged blob never committed (as if the process died first).
+        let staged = s.stage(&[vec![9u8; 5000]]).unwrap();
+        std::mem::forget(staged);
+    }
+    assert_eq!(std::fs::read_dir(d.path().join("blobs")).unwrap().count(), 2);
+    let s = open(d.path());
+    assert_eq!(std::fs::read_dir(d.path().join("blobs")).unwrap().count(), 1, "orphan swept");
+    assert_eq!(bytes(&s, "/a", Select::Latest), vec![3u8; 3000]);
+    assert_eq!(bytes(&s, "/b", Select::Latest), b"small");
+    assert_eq!(s.seq(), 2);
+    let c = s.put("/c", &vec![1u8; 2000], "application/octet-stream", None).unwrap();
+    assert_eq!(c.seq, 3);
+    assert!(Store::open(StoreOptions::new(d.path())).is_err_and(|e| matches!(e, StoreError::InUse(_))));
+}
+
+#[test]
+fn change_feed() {
+    let d = tempfile::tempdir().unwrap();
+    let mut o = StoreOptions::new(d.path());
+    o.feed_keep = 5;
+    let s = Store::open(o).unwrap();
+    let mut rx = s.subscribe();
+    s.put("/w/a", b"1", "text/plain", None).unwrap();
+    s.put("/x/a", b"1", "text/plain", None).unwrap();
+    s.delete("/w/a", None).unwrap();
+    assert!(rx.has_changed().unwrap());
+    rx.mark_unchanged();
+    let (ch, seq) = s.changes("/w/", 0, 100).unwrap();
+    assert_eq!(seq, 3);
+    assert_eq!(ch.iter().map(|c| (c.seq, c.deleted)).collect::<Vec<_>>(), [(1, false), (3, true)]);
+    let (ch, seq) = s.changes("/w/", 3, 100).unwrap();
+    assert!(ch.is_empty() && seq == 3);
+    for i in 0..10 {
+        s.put("/w/b", format!("{i}").as_bytes(), "text/plain", None).unwrap();
+    }
+    assert!(matches!(s.changes("/", 0, 100), Err(StoreError::Gone { .. })));
+    let (ch, _) = s.changes("/", 8, 2).unwrap();
+    assert_eq!(ch.len(), 2);
+}
+
+#[test]
+fn bad_input_changes_nothing() {
+    let d = tempfile::tempdir().unwrap();
+    let mut o = StoreOptions::new(d.path());
+    o.max_value = 100;
+    let s = Store::open(o).unwrap();
+    assert!(matches!(s.put("bad", b"x", "text/plain", None), Err(StoreError::BadRequest(_))));
+    assert!(matches!(s.put("/x", &[0u8; 101], "text/plain", None), Err(StoreError::TooLarge { .. })));
+    assert!(matches!(s.put("/x", b"SSTNjunk", TENSORS_CONTENT_TYPE, None), Err(StoreError::BadRequest(_))));
+    assert_eq!(s.seq(), 0);
+    assert!(s.keys("/", 10).unwrap().0.is_empty());
+}
