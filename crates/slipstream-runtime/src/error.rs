@@ -42,6 +42,8 @@ pub enum NodeError {
     Arena(#[from] ShmError),
     #[error("internal error: {0}")]
     Internal(String),
+    #[error(transparent)]
+    Store(#[from] slipstream_store::StoreError),
 }
 
 impl NodeError {
@@ -65,6 +67,7 @@ impl NodeError {
             NodeError::Forbidden(_) => "forbidden",
             NodeError::Arena(e) => e.kind(),
             NodeError::Internal(_) => "internal",
+            NodeError::Store(e) => e.kind(),
         }
     }
 
@@ -95,6 +98,17 @@ impl NodeError {
             // nginx's "client closed request": never sent (nobody is
             // listening), but it keeps the kind out of the 5xx family.
             NodeError::Cancelled => 499,
+            NodeError::Store(e) => {
+                use slipstream_store::StoreError as S;
+                match e {
+                    S::BadRequest(_) => 400,
+                    S::NotFound(_) => 404,
+                    S::Conflict { .. } => 409,
+                    S::Gone { .. } => 410,
+                    S::TooLarge { .. } => 413,
+                    S::InUse(_) | S::Io(_) | S::Closed => 503,
+                }
+            }
         }
     }
 }

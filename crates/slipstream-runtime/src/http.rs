@@ -16,6 +16,7 @@
 //! - Open Inference Protocol (KServe v2): `POST /v2/models/{name}[/versions/{v}]/infer`,
 //!   `GET /v2/models/{name}`, `GET /v2/models/{name}/ready`, `GET /v2`,
 //!   `GET /v2/health/live`, `GET /v2/health/ready`
+//! - object store: `/v1/store/...` (see [`crate::store_http`])
 //! - operations: `GET /healthz`, `GET /readyz` (ready while every stage of
 //!   every pipeline has a serving replica), `GET /metrics` (Prometheus)
 
@@ -73,16 +74,16 @@ impl Body for Chunks {
     }
 }
 
-type Resp = Response<Chunks>;
+pub(crate) type Resp = Response<Chunks>;
 
-fn respond(status: u16, content_type: &'static str, chunks: Vec<Bytes>) -> Resp {
+pub(crate) fn respond(status: u16, content_type: &'static str, chunks: Vec<Bytes>) -> Resp {
     let mut r = Response::new(Chunks::new(chunks));
     *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
     r
 }
 
-fn json_resp(status: u16, v: &Value) -> Resp {
+pub(crate) fn json_resp(status: u16, v: &Value) -> Resp {
     respond(status, "application/json", vec![Bytes::from(serde_json::to_vec(v).expect("serialises"))])
 }
 
@@ -114,7 +115,7 @@ pub async fn handle(node: Arc<Node>, admin_open: bool, req: hyper::Request<Incom
 
 /// Admin routes change the node: they need the node's bearer token when it
 /// has one, and are refused outright on a non-loopback listener without one.
-fn authorise_admin(node: &Node, admin_open: bool, req: &hyper::Request<Incoming>) -> Result<(), NodeError> {
+pub(crate) fn authorise_admin(node: &Node, admin_open: bool, req: &hyper::Request<Incoming>) -> Result<(), NodeError> {
     let Some(token) = node.opts.admin_token.as_deref() else {
         return if admin_open {
             Ok(())
@@ -148,6 +149,7 @@ async fn route(node: &Arc<Node>, admin_open: bool, req: hyper::Request<Incoming>
     let post = method == Method::POST;
     let wrong_method = || NodeError::MethodNotAllowed(method.to_string());
     match parts.as_slice() {
+        ["v1", "store", ..] => crate::store_http::route(node, admin_open, req).await,
         ["v1", "pipelines", name, "infer"] => {
             if !post {
                 return Err(wrong_method());
@@ -259,7 +261,11 @@ fn known_get_route(parts: &[&str]) -> bool {
 const DISCARD_CAP: usize = 16 << 20;
 
 async fn read_body(node: &Node, req: hyper::Request<Incoming>) -> Result<BodyParts, NodeError> {
-    let limit = node.opts.max_body_bytes;
+    Ok(BodyParts::new(read_chunks(req, node.opts.max_body_bytes).await?))
+}
+
+/// The body's chunks as they came, at most `limit` bytes in all (413 beyond).
+pub(crate) async fn read_chunks(req: hyper::Request<Incoming>, limit: usize) -> Result<Vec<Bytes>, NodeError> {
     let declared =
         req.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|s| s.parse::<usize>().ok());
     let mut body = req.into_body();
@@ -281,7 +287,7 @@ async fn read_body(node: &Node, req: hyper::Request<Incoming>) -> Result<BodyPar
     if over || seen > limit {
         return Err(NodeError::PayloadTooLarge { limit });
     }
-    Ok(BodyParts::new(kept))
+    Ok(kept)
 }
 
 /// Header by which a client asks for a deadline tighter than the SLO, in ms from arrival.

@@ -14,7 +14,8 @@
 //! - [`lifecycle`]: start-up, serving and graceful shutdown;
 //! - [`http`]: routes, admin authorisation and the error-to-status mapping;
 //! - [`metrics`], [`report`]: counters and histograms; status and Prometheus text;
-//! - [`events`]: recent replica lifecycle events.
+//! - [`events`]: recent replica lifecycle events;
+//! - [`store_http`]: the object store's routes; [`triggers`]: puts that invoke pipelines.
 
 pub mod arena;
 pub mod autoscale;
@@ -30,6 +31,8 @@ pub mod replica;
 pub mod report;
 pub mod request;
 pub mod spec;
+pub mod store_http;
+pub mod triggers;
 
 pub use error::NodeError;
 pub use lifecycle::{run, run_blocking, RunError};

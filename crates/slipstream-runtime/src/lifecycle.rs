@@ -42,6 +42,8 @@ pub enum RunError {
     Node(#[from] NodeError),
     #[error("i/o error: {0}")]
     Io(#[from] std::io::Error),
+    #[error("object store: {0}")]
+    Store(#[from] slipstream_store::StoreError),
 }
 
 impl RunError {
@@ -52,6 +54,7 @@ impl RunError {
             RunError::WorkerStart { .. } => "worker_start",
             RunError::Node(e) => e.kind(),
             RunError::Io(_) => "io",
+            RunError::Store(e) => e.kind(),
         }
     }
 }
@@ -172,6 +175,71 @@ fn build_pipelines(
     Ok(out)
 }
 
+/// The node's store, and whether it lives in a temporary directory that
+/// goes when this drops.
+struct OpenStore {
+    store: Arc<slipstream_store::Store>,
+    ephemeral: bool,
+}
+
+impl Drop for OpenStore {
+    fn drop(&mut self) {
+        if self.ephemeral {
+            let dir = self.store.dir().to_path_buf();
+            // Other holders (tasks still unwinding) keep it open; remove the
+            // files anyway: the process is ending.
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+fn open_store(spec: &AppSpec, opts: &NodeOptions) -> Result<OpenStore, RunError> {
+    let spec_err = |reason: String| SpecError { pipeline: "-".into(), reason };
+    let (dir, ephemeral) = match &opts.store_dir {
+        Some(d) => (d.clone(), false),
+        None => (std::env::temp_dir().join(format!("slipstream-store-{}", std::process::id())), true),
+    };
+    if ephemeral {
+        let _ = std::fs::remove_dir_all(&dir); // a previous process with this pid
+    }
+    let mut so = slipstream_store::StoreOptions::new(dir);
+    so.max_value = opts.store_max_value;
+    let mut seen = std::collections::BTreeSet::new();
+    for p in &spec.store.pools {
+        if !seen.insert(p.prefix.clone()) {
+            return Err(spec_err(format!("store pool {} is declared twice", p.prefix)).into());
+        }
+        so.pools.push(p.to_pool().map_err(spec_err)?);
+    }
+    Ok(OpenStore { store: Arc::new(slipstream_store::Store::open(so)?), ephemeral })
+}
+
+/// Put each seed file whose key has no live version.
+fn seed_store(spec: &AppSpec, store: &slipstream_store::Store, log: bool) -> Result<(), RunError> {
+    for seed in &spec.store.seed {
+        match store.meta(&seed.key, slipstream_store::Select::Latest, false) {
+            Ok(_) => continue,
+            Err(slipstream_store::StoreError::NotFound(_)) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let data = std::fs::read(&seed.path).map_err(|e| SpecError {
+            pipeline: "-".into(),
+            reason: format!("store seed {}: cannot read {}: {e}", seed.key, seed.path.display()),
+        })?;
+        let c = store.put(&seed.key, &data, &seed.content_type, None)?;
+        if log {
+            eprintln!(
+                "slipstream: store: put {} version {} ({} bytes) from {}",
+                seed.key,
+                c.meta.version,
+                data.len(),
+                seed.path.display()
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Run a node until SIGINT/SIGTERM. Builds its own tokio runtime.
 pub fn run_blocking(
     spec: AppSpec,
@@ -208,17 +276,47 @@ pub async fn run(
     }
     let arena = Arc::new(Arena::new(opts.shm_dir.clone(), opts.ingress_pool_bytes)?);
     let pipelines = build_pipelines(&spec, &opts, &arena)?;
+    let store = open_store(&spec, &opts)?;
+    let feed_start = store.store.seq();
+    seed_store(&spec, &store.store, opts.log)?;
+
+    // Listen before the workers start: they read their objects from the
+    // store through this node while they load.
+    let addr = format!("{}:{}", opts.host, opts.port);
+    let listener = match TcpListener::bind(&addr).await {
+        Ok(l) => l,
+        Err(source) => return Err(RunError::Bind { addr, source }),
+    };
+    let local = listener.local_addr()?;
+    let admin_open = local.ip().is_loopback();
     let socket_dir = std::env::temp_dir().join(format!("slipstream-{}", std::process::id()));
     std::fs::create_dir_all(&socket_dir)?;
+    let mut worker_env = spec.worker_env.clone();
+    let loopback = if local.ip().is_unspecified() || local.ip().is_loopback() {
+        std::net::SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), local.port())
+    } else {
+        local
+    };
+    worker_env.insert("SLIPSTREAM_NODE_URL".into(), format!("http://{loopback}"));
+    if let Some(t) = &opts.admin_token {
+        worker_env.insert("SLIPSTREAM_STORE_TOKEN".into(), t.clone());
+    }
     let launch = Arc::new(Launch {
         argv: spec.worker_argv.clone(),
-        env: spec.worker_env.clone(),
+        env: worker_env,
         socket_dir: socket_dir.clone(),
         start_timeout: opts.worker_start_timeout,
     });
     let (stop_tx, stop_rx) = watch::channel(false);
     let supervisor = Supervisor { launch, stop: stop_rx, tasks: Default::default() };
-    let node = Arc::new(Node::new(pipelines, arena.clone(), opts.clone(), spec.batching.admission, supervisor));
+    let node = Arc::new(Node::new(
+        pipelines,
+        arena.clone(),
+        opts.clone(),
+        spec.batching.admission,
+        supervisor,
+        store.store.clone(),
+    ));
 
     let mut first_starts = Vec::new();
     for p in node.pipelines.values() {
@@ -230,21 +328,15 @@ pub async fn run(
             }
         }
     }
-
-    let addr = format!("{}:{}", opts.host, opts.port);
-    let listener = match TcpListener::bind(&addr).await {
-        Ok(l) => l,
-        Err(source) => {
-            let _ = stop_tx.send(true);
-            return Err(RunError::Bind { addr, source });
-        }
-    };
-    let local = listener.local_addr()?;
     if opts.log {
         eprintln!("slipstream: listening on http://{local}");
+        eprintln!(
+            "slipstream: object store in {}{}",
+            store.store.dir().display(),
+            if store.ephemeral { " (temporary: removed at exit; keep one with --store DIR)" } else { "" }
+        );
     }
     on_listen(local);
-    let admin_open = local.ip().is_loopback();
 
     let graceful = GracefulShutdown::new();
     let startup = async {
@@ -258,6 +350,9 @@ pub async fn run(
         prime(&node).await;
         node.mark_serving();
         tokio::spawn(crate::autoscale::run(node.clone(), node.supervisor.stop.clone()));
+        if !node.triggers.is_empty() {
+            tokio::spawn(crate::triggers::follow(node.clone(), node.supervisor.stop.clone(), feed_start));
+        }
         if opts.log {
             let names: Vec<&str> = node.pipelines.keys().map(|s| s.as_str()).collect();
             eprintln!("slipstream: ready, serving {} on http://{local}", names.join(", "));

@@ -52,6 +52,10 @@ pub struct NodeOptions {
     pub log: bool,
     /// How autoscaled stages (declared with replica bounds) follow the load.
     pub autoscale: crate::autoscale::Options,
+    /// The object store's directory; None: a temporary one, removed at exit.
+    pub store_dir: Option<PathBuf>,
+    /// The largest value a store put may carry.
+    pub store_max_value: u64,
 }
 
 impl Default for NodeOptions {
@@ -70,6 +74,8 @@ impl Default for NodeOptions {
             admin_token: None,
             log: true,
             autoscale: Default::default(),
+            store_dir: None,
+            store_max_value: 1 << 30,
         }
     }
 }
@@ -91,6 +97,9 @@ pub struct Node {
     pub admission: bool,
     pub supervisor: Supervisor,
     pub autoscaler: Autoscaler,
+    /// Models, indices and documents (see `docs/design/store.md`).
+    pub store: Arc<slipstream_store::Store>,
+    pub triggers: crate::triggers::Triggers,
     /// Start-up finished: every first worker reported ready.
     serving: AtomicBool,
     draining: AtomicBool,
@@ -131,8 +140,11 @@ impl Node {
         opts: NodeOptions,
         admission: bool,
         supervisor: Supervisor,
+        store: Arc<slipstream_store::Store>,
     ) -> Node {
         Node {
+            triggers: crate::triggers::Triggers::new(pipelines.values()),
+            store,
             pipelines,
             arena,
             events: Arc::new(Events::new(opts.log)),
@@ -148,6 +160,11 @@ impl Node {
             next_id: AtomicU64::new(1),
             scaling: Mutex::new(()),
         }
+    }
+
+    /// A fresh request id.
+    pub fn next_request_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Relaxed)
     }
 
     pub fn pipeline(&self, name: &str) -> Result<Arc<PipelineRt>, NodeError> {
@@ -237,7 +254,7 @@ impl Node {
         if self.is_draining() {
             return Err(NodeError::ShuttingDown);
         }
-        let ticket = pipe.ticket(self.next_id.fetch_add(1, Relaxed), arrival.at, arrival.budget)?;
+        let ticket = pipe.ticket(self.next_request_id(), arrival.at, arrival.budget)?;
         if !self.admission {
             return Ok(Ok(ticket));
         }
@@ -295,7 +312,8 @@ impl Node {
     /// Run one admitted request through its pipeline's DAG. If this future
     /// is dropped first (the client went away), the guards settle the
     /// request as cancelled and take it off the drain count.
-    async fn infer(&self, pipe: &Arc<PipelineRt>, tensors: Tensors, ticket: Ticket) -> Result<Tensors, NodeError> {
+    async fn infer(&self, pipe: &Arc<PipelineRt>, tensors: Tensors, mut ticket: Ticket) -> Result<Tensors, NodeError> {
+        pipe.route_by_affinity(&mut ticket, &tensors, &self.store.options().pools);
         self.inflight.fetch_add(1, Relaxed);
         let _inflight = InFlight(self);
         let result = Admitted::enter(pipe, tensors, ticket).outcome().await;

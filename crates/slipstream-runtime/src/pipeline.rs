@@ -105,6 +105,11 @@ pub struct StageRt {
     /// Inputs of a request this stage ran successfully (see [`Sample`]).
     pub sample: Mutex<Option<Sample>>,
     pub metrics: StageMetrics,
+    /// The string input naming the store object a request reads, when the
+    /// stage routes by affinity group.
+    pub affinity: Option<String>,
+    /// Affinity group -> the replica that was given it (it holds the group).
+    sticky: Mutex<std::collections::HashMap<String, u32>>,
 }
 
 impl StageRt {
@@ -123,7 +128,37 @@ impl StageRt {
             template,
             sample: Mutex::new(None),
             metrics: StageMetrics::default(),
+            affinity: spec.affinity.clone(),
+            sticky: Mutex::new(std::collections::HashMap::new()),
         }
+    }
+
+    /// The replica for a request of affinity group `group`: the one that was
+    /// given the group before, while it serves and its queue is short (at
+    /// most two full batches), else the shortest queue, which then holds it.
+    pub fn sticky(&self, group: &str, tiebreak: u64) -> Option<Arc<Replica>> {
+        let set = self.replicas();
+        let mut map = self.sticky.lock();
+        if let Some(r) = map.get(group).and_then(|id| set.iter().find(|r| r.id == *id)) {
+            if r.phase() == Phase::Ready && r.load().accepting && r.queue_len() <= 2 * self.max_batch {
+                return Some(r.clone());
+            }
+        }
+        let r = self.choose(tiebreak, None)?;
+        if map.len() >= 100_000 {
+            map.clear(); // a bound on memory; groups re-stick on their next request
+        }
+        map.insert(group.to_string(), r.id);
+        Some(r)
+    }
+
+    /// Affinity groups this stage has placed, per replica id.
+    pub fn groups_by_replica(&self) -> BTreeMap<u32, usize> {
+        let mut out = BTreeMap::new();
+        for id in self.sticky.lock().values() {
+            *out.entry(*id).or_insert(0) += 1;
+        }
+        out
     }
 
     /// The current replicas (a snapshot).
@@ -364,6 +399,19 @@ impl PipelineRt {
         self.gate.lock().decide(prediction, budget).map_err(Duration::from_nanos)
     }
 
+    /// Route the stages that declare affinity to the replica holding the
+    /// affinity group of the object their input names (see [`StageRt::sticky`]).
+    pub fn route_by_affinity(&self, t: &mut Ticket, inputs: &Tensors, pools: &[slipstream_store::Pool]) {
+        for s in self.stages.iter().filter(|s| s.affinity.is_some()) {
+            let name = s.affinity.as_deref().expect("filtered");
+            let Some(key) = inputs.iter().find(|(n, _)| n == name).and_then(|(_, t)| first_string(t)) else { continue };
+            let Some((pool, group)) = slipstream_store::affinity_of(pools, &key) else { continue };
+            if let Some(r) = s.sticky(&format!("{pool}{group}"), t.id) {
+                t.route[s.index] = r;
+            }
+        }
+    }
+
     /// Put `req` on stage `stage`: its routed replica, or another one if
     /// that one no longer takes work. Fails the request (503) when no
     /// replica of the stage will serve it.
@@ -374,4 +422,15 @@ impl PipelineRt {
             req.fail(NodeError::Unavailable { stage: s.name.clone(), reason: "it has no live replica".into() });
         }
     }
+}
+
+/// The first element of a string tensor (u32 length + bytes per element).
+fn first_string(t: &crate::arena::TensorRef) -> Option<String> {
+    if t.dtype != DType::String {
+        return None;
+    }
+    let b = t.bytes();
+    let n = u32::from_le_bytes(b.get(..4)?.try_into().ok()?) as usize;
+    let s = b.get(4..4usize.checked_add(n)?)?;
+    String::from_utf8(s.to_vec()).ok()
 }

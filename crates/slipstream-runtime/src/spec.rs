@@ -25,7 +25,63 @@ pub struct AppSpec {
     /// How autoscaled stages follow the load (node defaults when absent).
     #[serde(default)]
     pub autoscale: Option<AutoscaleSpec>,
+    /// The object store's pools and the objects put at start-up.
+    #[serde(default)]
+    pub store: StoreSpec,
 }
+
+/// The app's view of the object store (see `docs/design/store.md`).
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct StoreSpec {
+    #[serde(default)]
+    pub pools: Vec<PoolSpec>,
+    #[serde(default)]
+    pub seed: Vec<SeedSpec>,
+}
+
+/// A key prefix with its retention and affinity.
+#[derive(Clone, Debug, Deserialize)]
+pub struct PoolSpec {
+    pub prefix: String,
+    #[serde(default = "default_keep")]
+    pub keep_versions: u64,
+    #[serde(default)]
+    pub keep_age_s: Option<f64>,
+    #[serde(default)]
+    pub affinity: Option<String>,
+}
+
+fn default_keep() -> u64 {
+    16
+}
+
+impl PoolSpec {
+    pub fn to_pool(&self) -> Result<slipstream_store::Pool, String> {
+        slipstream_store::Pool::new(&self.prefix, self.keep_versions, self.keep_age_s, self.affinity.as_deref())
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// A file put under `key` at start-up unless the key has a live version.
+#[derive(Clone, Debug, Deserialize)]
+pub struct SeedSpec {
+    pub key: String,
+    pub path: std::path::PathBuf,
+    #[serde(default = "octet_stream")]
+    pub content_type: String,
+}
+
+fn octet_stream() -> String {
+    "application/octet-stream".into()
+}
+
+/// The inputs a trigger can carry, by name (see [`StageSpec::watch`]).
+pub const TRIGGER_INPUTS: [(&str, slipstream_types::DType); 4] = [
+    ("key", slipstream_types::DType::String),
+    ("version", slipstream_types::DType::Int64),
+    ("op", slipstream_types::DType::String),
+    ("value", slipstream_types::DType::Bytes),
+];
 
 /// Autoscaler settings from `slipstream serve` (see [`crate::autoscale`]).
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -200,6 +256,17 @@ pub struct StageSpec {
     /// Environment of this stage's workers, over the node-wide one.
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// Store objects its workers load before they are ready (by argument name).
+    #[serde(default)]
+    pub needs: BTreeMap<String, String>,
+    /// A key prefix: a put or delete under it invokes this (root) stage's
+    /// pipeline, with the [`TRIGGER_INPUTS`] the pipeline declares.
+    #[serde(default)]
+    pub watch: Option<String>,
+    /// A string input naming the store object each request reads: the
+    /// request goes to the replica that holds the object's affinity group.
+    #[serde(default)]
+    pub affinity: Option<String>,
 }
 
 impl StageSpec {
@@ -222,6 +289,41 @@ pub struct SpecError {
 }
 
 impl PipelineSpec {
+    /// A stage's `needs`, `watch` and `affinity` fit the store and the pipeline.
+    fn check_store_fields(&self, s: &StageSpec) -> Result<(), String> {
+        for (arg, key) in &s.needs {
+            slipstream_store::check_key(key).map_err(|e| format!("stage '{}' needs {arg}: {e}", s.name))?;
+        }
+        if let Some(prefix) = &s.watch {
+            slipstream_store::check_prefix(prefix).map_err(|e| format!("stage '{}' watches {e}", s.name))?;
+            if !s.parents.is_empty() {
+                return Err(format!("stage '{}' watches {prefix} but has parents: a watching stage is a root", s.name));
+            }
+            for (name, spec) in &self.inputs {
+                match TRIGGER_INPUTS.iter().find(|(n, _)| n == name) {
+                    Some((_, dtype)) if *dtype == spec.dtype => {}
+                    _ => {
+                        return Err(format!(
+                            "stage '{}' watches {prefix}, so the pipeline's inputs must be among key (string), \
+                             version (int64), op (string) and value (bytes); '{name}' is not",
+                            s.name
+                        ))
+                    }
+                }
+            }
+        }
+        if let Some(input) = &s.affinity {
+            match self.inputs.get(input) {
+                Some(spec) if spec.dtype == slipstream_types::DType::String => {}
+                _ => return Err(format!(
+                    "stage '{}' routes by affinity on input '{input}', which must be a string input of the pipeline",
+                    s.name
+                )),
+            }
+        }
+        Ok(())
+    }
+
     /// Check the pipeline and return its stages in topological order
     /// (indices into `self.stages`).
     pub fn validate(&self) -> Result<Vec<usize>, SpecError> {
@@ -267,6 +369,9 @@ impl PipelineSpec {
                     crate::node::MAX_REPLICAS
                 )));
             }
+        }
+        for s in &self.stages {
+            self.check_store_fields(s).map_err(err)?;
         }
         let mut indegree = vec![0usize; self.stages.len()];
         for (i, s) in self.stages.iter().enumerate() {

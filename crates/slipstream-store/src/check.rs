@@ -68,6 +68,12 @@ pub struct TensorEntry {
 /// Check a named-tensors value: magic, format version, a JSON header that
 /// fits, and every tensor inside the data with `nbytes = prod(shape) * itemsize`.
 pub fn check_tensors(value: &[u8]) -> Result<BTreeMap<String, TensorEntry>, StoreError> {
+    check_tensors_head(value, value.len() as u64)
+}
+
+/// [`check_tensors`] given the value's first bytes (at least its header)
+/// and its total length.
+pub fn check_tensors_head(value: &[u8], total: u64) -> Result<BTreeMap<String, TensorEntry>, StoreError> {
     let bad = |why: String| StoreError::BadRequest(format!("invalid named-tensors value: {why}"));
     if value.len() < 16 || &value[..4] != TENSORS_MAGIC {
         return Err(bad("it does not start with the SSTN header".into()));
@@ -81,11 +87,11 @@ pub fn check_tensors(value: &[u8]) -> Result<BTreeMap<String, TensorEntry>, Stor
         .ok()
         .and_then(|h| h.checked_add(16))
         .filter(|&e| e <= value.len())
-        .ok_or_else(|| bad(format!("a header of {header_len} bytes does not fit in {} bytes", value.len())))?;
+        .ok_or_else(|| bad(format!("a header of {header_len} bytes does not fit in {total} bytes")))?;
     let header: BTreeMap<String, TensorEntry> =
         serde_json::from_slice(&value[16..header_end]).map_err(|e| bad(format!("header: {e}")))?;
     let data_start = header_end.next_multiple_of(64);
-    let data_len = (value.len() as u64).saturating_sub(data_start as u64);
+    let data_len = total.saturating_sub(data_start as u64);
     for (name, t) in &header {
         let dtype: DType =
             t.dtype.parse().map_err(|_| bad(format!("tensor {name:?} has unknown dtype {:?}", t.dtype)))?;

@@ -26,7 +26,9 @@ mod blob;
 mod check;
 
 pub use blob::StagedBlob;
-pub use check::{check_key, check_prefix, check_tensors, MAX_KEY_BYTES, TENSORS_CONTENT_TYPE, TENSORS_MAGIC};
+pub use check::{
+    check_key, check_prefix, check_tensors, check_tensors_head, MAX_KEY_BYTES, TENSORS_CONTENT_TYPE, TENSORS_MAGIC,
+};
 
 use parking_lot::Mutex;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
@@ -554,6 +556,25 @@ impl Store {
     /// Run age-based retention now (it also runs every `gc_every`).
     pub fn collect(&self) -> Result<usize, StoreError> {
         self.inner.collect_aged()
+    }
+
+    /// A named counter of the node's own (e.g. the trigger cursor).
+    pub fn counter(&self, name: &str) -> Result<Option<u64>, StoreError> {
+        let txn = self.inner.db.begin_read().map_err(io)?;
+        let t = txn.open_table(COUNTERS).map_err(io)?;
+        Ok(t.get(format!("node/{name}").as_str()).map_err(io)?.map(|v| v.value()))
+    }
+
+    /// Set a named counter (its own durable commit).
+    pub fn set_counter(&self, name: &str, value: u64) -> Result<(), StoreError> {
+        let txn = self.inner.db.begin_write().map_err(io)?;
+        txn.open_table(COUNTERS).map_err(io)?.insert(format!("node/{name}").as_str(), value).map_err(io)?;
+        txn.commit().map_err(io)
+    }
+
+    /// The oldest change the feed still holds.
+    pub fn feed_first(&self) -> u64 {
+        self.inner.feed_first.load(Relaxed)
     }
 
     /// Blob files waiting for their pins to lapse before they are unlinked.
