@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CARGO ?= $(shell command -v cargo 2>/dev/null || echo $$HOME/.cargo/bin/cargo)
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup build lint test test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-plan data data-small demo clean fmt
+.PHONY: setup build lint test test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-plan data data-small demo clean fmt
 
 setup: $(VENV)/.installed
 
@@ -78,6 +78,10 @@ bench-vs-ray: setup
 bench-goodput: setup
 	$(PY) bench/limit.py --pipelines rag,recsys
 	$(PY) bench/goodput.py
+
+# Live knowledge base: put -> first query that finds the document, at half load.
+bench-freshness: setup
+	$(PY) bench/freshness.py
 
 # The planner on simulated A30 clusters with MIG: bench/results/plan_mig.{json,md}.
 bench-plan: setup
