@@ -132,6 +132,9 @@ def test_a_failing_trigger_is_retried_then_recorded(node: Node, store: ss.store.
     wait_for(lambda: log_versions(store, "f") == ["2 put fine"], timeout=30)
     stats = node.get("/v1/store")[1]["triggers"]
     assert stats["failed"] >= 1 and stats["retried"] >= 4
+    _, _, metrics = node.request("GET", "/metrics")
+    failed = [ln for ln in metrics.decode().splitlines() if ln.startswith('slipstream_store_triggers_total{outcome="failed"}')]
+    assert failed and int(failed[0].split()[-1]) >= 1
 
 
 def test_affinity_routes_a_group_to_the_replica_holding_it(node: Node, store: ss.store.Store) -> None:

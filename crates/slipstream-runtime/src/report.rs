@@ -198,6 +198,27 @@ pub fn prometheus(node: &Node) -> String {
             n,
         );
     }
+    let tm = &node.triggers.metrics;
+    for (outcome, n) in [("fired", &tm.fired), ("retried", &tm.retried), ("failed", &tm.failed)] {
+        t.counter(
+            "slipstream_store_triggers_total",
+            "Store triggers by outcome (fired: answered; retried: another try; failed: recorded under /_slipstream/failed-triggers/).",
+            &[("outcome", outcome)],
+            n.load(Relaxed),
+        );
+    }
+    t.gauge(
+        "slipstream_store_triggers_pending",
+        "Store triggers queued or being delivered.",
+        &[],
+        node.triggers.pending() as f64,
+    );
+    t.gauge(
+        "slipstream_store_seq",
+        "Sequence number of the store's last committed change.",
+        &[],
+        node.store.seq() as f64,
+    );
     let c = node.arena.copies.snapshot();
     for (site, n, b) in [
         ("body_join", c.body_join, c.body_join_bytes),

@@ -315,10 +315,12 @@ impl PipelineSpec {
         if let Some(input) = &s.affinity {
             match self.inputs.get(input) {
                 Some(spec) if spec.dtype == slipstream_types::DType::String => {}
-                _ => return Err(format!(
+                _ => {
+                    return Err(format!(
                     "stage '{}' routes by affinity on input '{input}', which must be a string input of the pipeline",
                     s.name
-                )),
+                ))
+                }
             }
         }
         Ok(())
