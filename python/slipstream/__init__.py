@@ -15,14 +15,21 @@ them into a DAG with ``>>``, give the pipeline an SLO, and serve it with
 
     app = ss.Pipeline("demo", Normalize, inputs={"x": ss.Tensor("float32", (-1, 2))},
                       slo=ss.SLO(p99_ms=50))
+
+Models, indices and documents live in the node's versioned object store
+(``ss.store``): a component declares the objects it needs
+(``@ss.component(needs={"model": "/models/m"})``) and is rebuilt when a new
+version is put, or is invoked by puts under a prefix (``watch="/docs/"``).
 """
 
+from slipstream import store
 from slipstream._internal.api import (
     SLO,
     Batch,
     Component,
     Graph,
     Pipeline,
+    Pool,
     Tensor,
     component,
     worker_threads,
@@ -32,8 +39,18 @@ from slipstream._internal.errors import (
     ConfigError,
     Error,
     ServeError,
+    StoreBadRequest,
+    StoreConflict,
+    StoreError,
+    StoreGone,
+    StoreNotFound,
+    StoreUnauthorized,
+    StoreUnavailable,
+    TensorFormatError,
 )
 from slipstream._internal.launch import Server, launch
+from slipstream._internal.needs import loaded_versions
+from slipstream._internal.store import Object
 
 __version__ = "0.1.0"
 
@@ -45,12 +62,24 @@ __all__ = [
     "ConfigError",
     "Error",
     "Graph",
+    "Object",
     "Pipeline",
+    "Pool",
     "ServeError",
     "Server",
+    "StoreBadRequest",
+    "StoreConflict",
+    "StoreError",
+    "StoreGone",
+    "StoreNotFound",
+    "StoreUnauthorized",
+    "StoreUnavailable",
     "Tensor",
+    "TensorFormatError",
     "__version__",
     "component",
     "launch",
+    "loaded_versions",
+    "store",
     "worker_threads",
 ]

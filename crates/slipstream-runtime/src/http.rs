@@ -94,6 +94,8 @@ pub const ERROR_KIND_HEADER: &str = "x-slipstream-error-kind";
 pub fn error_resp(e: &NodeError, v2: bool) -> Resp {
     let body = if v2 {
         json!({"error": e.to_string()})
+    } else if let NodeError::Store(slipstream_store::StoreError::Conflict { current, .. }) = e {
+        json!({"error": {"kind": e.kind(), "message": e.to_string(), "current": current}})
     } else {
         json!({"error": {"kind": e.kind(), "message": e.to_string()}})
     };

@@ -1,4 +1,5 @@
-"""The declarative API: components, graphs, pipelines, SLOs, tensor specs.
+"""The declarative API: components, graphs, pipelines, SLOs, tensor specs,
+and what they ask of the object store (needs, watches, pools, seeds).
 
 Nothing here runs a model. These objects describe what to serve; ``serve``
 turns them into the JSON spec the node reads (see ``app.py``), and each
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import keyword
 import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -18,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from slipstream._internal.errors import ConfigError
+from slipstream._internal.keys import RESERVED_PREFIX, key_problem, prefix_problem
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
@@ -65,6 +68,125 @@ class Tensor:
 
     def to_json(self) -> dict[str, Any]:
         return {"dtype": self.dtype, "shape": list(self.shape)}
+
+
+#: What a put or delete under a watched prefix gives the pipeline: one row
+#: each. ``value`` is the value when it is at most 1 MiB, else empty (read
+#: it with ``ss.store.get``).
+TRIGGER_INPUTS = {
+    "key": Tensor("string", (-1,)),
+    "version": Tensor("int64", (-1,)),
+    "op": Tensor("string", (-1,)),
+    "value": Tensor("bytes", (-1,)),
+}
+
+
+def _declared_key(key: Any, where: str, *, write: bool = False) -> str:
+    problem = key_problem(key, write=write)
+    if problem is not None:
+        raise ConfigError(f"{where}: invalid store key {key!r}: {problem}")
+    return str(key)
+
+
+def _declared_prefix(prefix: Any, where: str) -> str:
+    problem = prefix_problem(prefix, whole_segments=True)
+    if problem is not None:
+        raise ConfigError(f"{where}: invalid store prefix {prefix!r}: {problem}")
+    return str(prefix)
+
+
+def _check_affinity_input(stage: str, name: str, inputs: Mapping[str, Tensor]) -> None:
+    spec = inputs.get(name)
+    if spec is None or spec.dtype != "string":
+        raise ConfigError(f"{stage}: affinity={name!r} must name a string input (inputs: "
+                          + ", ".join(f"{k} ({v.dtype})" for k, v in inputs.items()) + ")")
+
+
+@dataclass(frozen=True)
+class Pool:
+    """Settings for the store keys under ``prefix`` (a key belongs to the
+    pool with the longest matching prefix; the root pool ``/`` keeps 16
+    versions and has no affinity).
+
+    Retention keeps each key's last ``keep_versions`` versions, and drops
+    older ones past ``keep_age_s`` seconds (None: no age limit).
+    ``affinity`` is a regular expression whose first capture group maps a
+    key to its affinity group, e.g. ``r"^/docs/([^/]+)/"``: the objects of
+    one group are routed to, cached and evicted on one replica together."""
+
+    prefix: str
+    keep_versions: int = 16
+    keep_age_s: float | None = None
+    affinity: str | None = None
+
+    def __post_init__(self) -> None:
+        where = f"ss.Pool({self.prefix!r})"
+        _declared_prefix(self.prefix, where)
+        if self.prefix.startswith(RESERVED_PREFIX):
+            raise ConfigError(f"{where}: keys under {RESERVED_PREFIX} are the node's own")
+        if isinstance(self.keep_versions, bool) or not isinstance(self.keep_versions, int) or self.keep_versions < 1:
+            raise ConfigError(f"{where}: keep_versions must be an integer >= 1, got {self.keep_versions!r}")
+        if self.keep_age_s is not None and (
+            isinstance(self.keep_age_s, bool) or not isinstance(self.keep_age_s, (int, float)) or not self.keep_age_s > 0
+        ):
+            raise ConfigError(f"{where}: keep_age_s must be a number of seconds > 0, or None, got {self.keep_age_s!r}")
+        if self.affinity is not None:
+            if not isinstance(self.affinity, str):
+                raise ConfigError(f"{where}: affinity is a regular expression string, got {self.affinity!r}")
+            try:
+                groups = re.compile(self.affinity).groups
+            except re.error as e:
+                raise ConfigError(f"{where}: affinity {self.affinity!r} is not a regular expression: {e}") from None
+            if groups < 1:
+                raise ConfigError(f"{where}: affinity {self.affinity!r} needs a capture group: "
+                                  "its first group names a key's affinity group")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prefix": self.prefix, "keep_versions": self.keep_versions, "keep_age_s": self.keep_age_s,
+                "affinity": self.affinity}
+
+
+@dataclass(frozen=True)
+class Seed:
+    """A file put under ``key`` when the node starts, before any worker, if
+    the key has no live version. Made by ``Pipeline(seed=...)``."""
+
+    key: str
+    path: str
+    content_type: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "path": self.path, "content_type": self.content_type}
+
+
+#: Every seed the pipelines made in this process declared, by key: what a
+#: component's needs resolve to outside a worker when no node is named.
+SEEDS: dict[str, Seed] = {}
+
+
+def _seed(key: Any, value: Any, where: str) -> Seed:
+    """``seed={key: path}`` or ``{key: (path, content_type)}``: the file must
+    exist now; its content type defaults to named tensors when the file
+    starts with their magic, else octets."""
+    from slipstream._internal.store import guess_content_type  # the store client imports this module
+
+    _declared_key(key, where, write=True)
+    content_type = None
+    if isinstance(value, tuple):
+        if len(value) != 2 or not isinstance(value[1], str):
+            raise ConfigError(f"{where}: seed {key!r} takes a path or (path, content_type), got {value!r}")
+        value, content_type = value
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"{where}: seed {key!r} takes a file path, got {type(value).__name__}")
+    path = os.path.abspath(os.fspath(value))
+    if not os.path.isfile(path):
+        raise ConfigError(f"{where}: seed {key!r}: no such file {path}")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise ConfigError(f"{where}: seed {key!r}: cannot read {path}: {e.strerror or e}") from None
+    return Seed(key, path, content_type or guess_content_type(head))
 
 
 def worker_threads() -> int:
@@ -153,6 +275,16 @@ class Component:
     threads: int = 1
     min_replicas: int = 0
     max_replicas: int = 0
+    #: Store objects the constructor takes: keyword argument name -> key.
+    #: Each replica gets them (``ss.Object``) before it is ready, and is
+    #: rebuilt beside the old one when a new version is put.
+    needs: dict[str, str] = field(default_factory=dict)
+    #: A store prefix ("/docs/"): every put or delete under it invokes the
+    #: pipeline this component is the root of, with ``TRIGGER_INPUTS``.
+    watch: str | None = None
+    #: A string input naming a store key per request: requests are routed to
+    #: the replica that holds that key's affinity group (see ``ss.Pool``).
+    affinity: str | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -164,6 +296,45 @@ class Component:
             raise ConfigError(f"{self.name}: threads must be an integer >= 1, got {self.threads!r}")
         if "__call__" not in dir(self.cls):
             raise ConfigError(f"{self.name}: a component class needs a __call__(self, batch) method")
+        self._check_store_options()
+
+    def _check_store_options(self) -> None:
+        """``needs``, ``watch`` and ``affinity``; a watching component without
+        declared inputs gets the trigger's."""
+        if self.needs is None:
+            self.needs = {}
+        if not isinstance(self.needs, Mapping):
+            raise ConfigError(f"{self.name}: needs maps constructor argument names to store keys, got {self.needs!r}")
+        self.needs = dict(self.needs)
+        for arg, key in self.needs.items():
+            if not isinstance(arg, str) or not arg.isidentifier() or keyword.iskeyword(arg):
+                raise ConfigError(f"{self.name}: needs name {arg!r} must be a Python identifier "
+                                  "(it is passed as a keyword argument to the constructor)")
+            _declared_key(key, f"{self.name}: needs {arg!r}")
+        self._check_init_kwargs(self.init_kwargs)
+        if self.watch is not None:
+            _declared_prefix(self.watch, f"{self.name}: watch")
+            if not self.inputs:
+                self.inputs = dict(TRIGGER_INPUTS)
+            for k, t in self.inputs.items():
+                want = TRIGGER_INPUTS.get(k)
+                if want is None or t.dtype != want.dtype or len(t.shape) != 1:
+                    raise ConfigError(
+                        f"{self.name}: a watching component's inputs are among "
+                        + ", ".join(f"{n} ({v.dtype}, one dimension)" for n, v in TRIGGER_INPUTS.items())
+                        + f"; got {k!r}: {t.dtype}{list(t.shape)}"
+                    )
+        if self.affinity is not None:
+            if not isinstance(self.affinity, str) or not _NAME.match(self.affinity):
+                raise ConfigError(f"{self.name}: affinity names one of its string inputs, got {self.affinity!r}")
+            if self.inputs:
+                _check_affinity_input(self.name, self.affinity, self.inputs)
+
+    def _check_init_kwargs(self, kwargs: Mapping[str, Any]) -> None:
+        both = sorted(set(kwargs) & set(self.needs))
+        if both:
+            raise ConfigError(f"{self.name}: {', '.join(both)} come from the store (needs); "
+                              "do not also bind them")
 
     def _set_replicas(self, replicas: Any, keep_bounds: bool = False) -> None:
         """``replicas`` is a count (fixed) or ``(lo, hi)`` bounds (start at lo,
@@ -191,7 +362,8 @@ class Component:
     def options(self, **changes: Any) -> Component:
         """A copy with other options, e.g. ``Encoder.options(name="enc2", replicas=4)``
         or ``replicas=(1, 4)``, ``threads=2``."""
-        unknown = set(changes) - {"name", "max_batch_size", "replicas", "threads", "inputs", "outputs"}
+        unknown = set(changes) - {"name", "max_batch_size", "replicas", "threads", "inputs", "outputs", "needs",
+                                  "watch", "affinity"}
         if unknown:
             raise ConfigError(f"unknown component option(s): {', '.join(sorted(unknown))}")
         c = copy.copy(self)
@@ -204,12 +376,24 @@ class Component:
 
     def bind(self, *args: Any, **kwargs: Any) -> Component:
         """A copy whose class is constructed with these arguments in each worker."""
+        self._check_init_kwargs(kwargs)
         c = copy.copy(self)
         c.init_args, c.init_kwargs = args, kwargs
         return c
 
-    def instantiate(self) -> Any:
-        return self.cls(*self.init_args, **self.init_kwargs)
+    def instantiate(self, objects: Mapping[str, Any] | None = None) -> Any:
+        """Construct the class with its bound arguments and, as keyword
+        arguments, the store objects of its ``needs``: ``objects`` (the
+        worker passes what it fetched), or when not given, what
+        ``needs.resolve`` finds outside a worker (profiling, benchmarks)."""
+        if objects is None and self.needs:
+            from slipstream._internal.needs import resolve  # it imports this module
+
+            objects = resolve(self)
+        missing = set(self.needs) - set(objects or {})
+        if missing:
+            raise ConfigError(f"{self.name}: constructing it needs the store objects {', '.join(sorted(missing))}")
+        return self.cls(*self.init_args, **self.init_kwargs, **(objects or {}))
 
     def __rshift__(self, other: Any) -> Graph:
         return Graph.of(self) >> other
@@ -231,6 +415,9 @@ def component(
     threads: int = 1,
     inputs: Mapping[str, Tensor] | None = None,
     outputs: Mapping[str, Tensor] | None = None,
+    needs: Mapping[str, str] | None = None,
+    watch: str | None = None,
+    affinity: str | None = None,
 ) -> Any:
     """Declare a component: a class whose ``__call__(self, batch)`` takes a
     :class:`Batch` and returns a dict of arrays. The class is constructed once
@@ -239,7 +426,21 @@ def component(
 
     ``replicas`` is a fixed count, or ``(lo, hi)``: start ``lo`` and let the
     autoscaler add replicas up to ``hi`` when load rises (and retire them
-    when it falls). ``threads`` is each replica's thread budget."""
+    when it falls). ``threads`` is each replica's thread budget.
+
+    Store options (docs/design/store.md):
+
+    - ``needs={"encoder": "/models/minilm"}``: the constructor gets
+      ``encoder=<ss.Object>``, the key's latest version, before the replica
+      is ready. A new version builds a new instance beside the old one; the
+      worker switches to it between batches (``ss.loaded_versions()`` says
+      which versions serve).
+    - ``watch="/docs/"``: every put or delete under the prefix invokes the
+      pipeline this component is the root of, with inputs among ``key``,
+      ``version``, ``op`` and ``value`` (all four when none are declared).
+    - ``affinity="doc"``: the string input ``doc`` names a store key; the
+      node sends requests for one affinity group (``ss.Pool(affinity=...)``)
+      to the same replica, whose ``ss.store.group(key)`` then hits its cache."""
 
     def wrap(c: type) -> Component:
         if not isinstance(c, type):
@@ -252,6 +453,9 @@ def component(
             threads=threads,
             inputs=dict(inputs or {}),
             outputs=dict(outputs or {}),
+            needs=dict(needs or {}),
+            watch=watch,
+            affinity=affinity,
         )
 
     return wrap(cls) if cls is not None else wrap
@@ -339,6 +543,10 @@ class Pipeline:
     """A named DAG of components with declared inputs and an optional SLO.
 
     ``inputs`` defaults to the declared inputs of the root components.
+    ``pools`` declares store pools (``ss.Pool``) and ``seed`` files to put in
+    the store at start-up, ``{"/models/minilm": path}`` or ``{key: (path,
+    content_type)}`` (relative paths are taken from the current directory;
+    the node puts a seed only while its key has no live version).
     """
 
     def __init__(
@@ -351,6 +559,8 @@ class Pipeline:
         slo: SLO | None = None,
         example: Mapping[str, Any] | None = None,
         fallback: Mapping[str, Any] | None = None,
+        pools: Iterable[Pool] = (),
+        seed: Mapping[str, Any] | None = None,
     ):
         if not isinstance(name, str) or not _NAME.match(name):
             raise ConfigError(f"pipeline name {name!r} may use letters, digits, '_', '-' and '.' only")
@@ -384,6 +594,38 @@ class Pipeline:
         self.example = self._check_example(example)
         self.fallback = self._check_fallback(fallback)
         self._check_acyclic()
+        self._check_store_stages(roots)
+        self.pools = list(pools)
+        for pool in self.pools:
+            if not isinstance(pool, Pool):
+                raise ConfigError(f"pipeline {name!r}: pools takes ss.Pool objects, got {pool!r}")
+        prefixes = [pool.prefix for pool in self.pools]
+        if len(set(prefixes)) != len(prefixes):
+            raise ConfigError(f"pipeline {name!r} declares a pool prefix twice")
+        if seed is not None and not isinstance(seed, Mapping):
+            raise ConfigError(f"pipeline {name!r}: seed maps store keys to files, got {seed!r}")
+        self.seeds = [_seed(k, v, f"pipeline {name!r}") for k, v in (seed or {}).items()]
+        SEEDS.update((s.key, s) for s in self.seeds)
+
+    def _check_store_stages(self, roots: list[Component]) -> None:
+        """A watching stage is the pipeline's root (at most one), and the
+        pipeline's inputs are the trigger's; an affinity input of a root
+        stage is one of the pipeline's string inputs."""
+        watching = [c for c in self.graph.nodes.values() if c.watch is not None]
+        if len(watching) > 1:
+            raise ConfigError(f"pipeline {self.name!r}: only one stage may watch a prefix "
+                              f"({', '.join(c.name for c in watching)} do)")
+        if watching:
+            w = watching[0]
+            if w not in roots:
+                raise ConfigError(f"pipeline {self.name!r}: {w.name} watches {w.watch} but is not the pipeline's root")
+            bad = [k for k, v in self.inputs.items() if k not in TRIGGER_INPUTS or TRIGGER_INPUTS[k].dtype != v.dtype]
+            if bad:
+                raise ConfigError(f"pipeline {self.name!r} is invoked by puts under {w.watch}: its inputs must be "
+                                  f"among {', '.join(TRIGGER_INPUTS)} with their dtypes, not {', '.join(bad)}")
+        for c in roots:
+            if c.affinity is not None:
+                _check_affinity_input(f"pipeline {self.name!r}: {c.name}", c.affinity, self.inputs)
 
     def _check_fallback(self, fallback: Mapping[str, Any] | None) -> dict[str, Any] | None:
         """The answer for one row (Clipper's default output), per declared
@@ -509,6 +751,9 @@ class Pipeline:
                     "max_replicas": int(c.max_replicas),
                     "threads": int(c.threads),
                     "max_batch_size": int(c.max_batch_size),
+                    "needs": dict(c.needs),
+                    "watch": c.watch,
+                    "affinity": c.affinity,
                 }
                 for n, c in self.graph.nodes.items()
             ],

@@ -16,7 +16,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from slipstream._internal.api import Pipeline
+from slipstream._internal.api import Pipeline, Pool, Seed
 from slipstream._internal.errors import ConfigError
 
 
@@ -106,6 +106,35 @@ def stage_env(threads: int) -> dict[str, str]:
     return env
 
 
+def store_pools(pipelines: list[Pipeline]) -> list[Pool]:
+    """The pools the pipelines declare, each prefix once: a prefix declared
+    by several pipelines must have the same settings everywhere."""
+    pools: dict[str, tuple[Pool, str]] = {}
+    for p in pipelines:
+        for pool in p.pools:
+            have = pools.get(pool.prefix)
+            if have is not None and have[0] != pool:
+                raise ConfigError(f"pool {pool.prefix} is declared differently by pipelines {have[1]!r} and "
+                                  f"{p.name!r}: {have[0]} vs {pool}")
+            pools.setdefault(pool.prefix, (pool, p.name))
+    return [pool for pool, _ in pools.values()]
+
+
+def store_seeds(pipelines: list[Pipeline]) -> list[Seed]:
+    """The seeds the pipelines declare, each key once (the same file and
+    content type wherever a key is seeded twice)."""
+    seeds: dict[str, tuple[Seed, str]] = {}
+    for p in pipelines:
+        for seed in p.seeds:
+            have = seeds.get(seed.key)
+            if have is not None and have[0] != seed:
+                raise ConfigError(f"store key {seed.key} is seeded differently by pipelines {have[1]!r} "
+                                  f"({have[0].path}, {have[0].content_type}) and {p.name!r} "
+                                  f"({seed.path}, {seed.content_type})")
+            seeds.setdefault(seed.key, (seed, p.name))
+    return [seed for seed, _ in seeds.values()]
+
+
 def app_spec(
     target: str,
     pipelines: list[Pipeline],
@@ -128,6 +157,8 @@ def app_spec(
             st["env"] = stage_env(st["threads"])
     return {
         "pipelines": specs,
+        "store": {"pools": [pool.to_json() for pool in store_pools(pipelines)],
+                  "seed": [seed.to_json() for seed in store_seeds(pipelines)]},
         "batching": batching or {},
         "profiles": profiles or [],
         "autoscale": autoscale,

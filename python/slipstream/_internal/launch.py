@@ -6,7 +6,9 @@ notebooks, clients and benchmarks that need a live node.
 
 The node is a child process on a free port; `launch` returns once every
 worker is ready (or raises with the node's output if it could not start) and
-the context manager stops it gracefully (SIGINT: drain, then exit).
+the context manager stops it gracefully (SIGINT: drain, then exit). Its
+object store is ephemeral unless `store=DIR` names a directory to keep it
+in (then `ss.store.Store(node.url)` reads what a previous run left).
 """
 
 from __future__ import annotations
@@ -47,11 +49,16 @@ class Server:
         self.stop()
 
 
-def launch(app: str | Path, *flags: str, echo: bool = False, cwd: str | Path | None = None) -> Server:
+def launch(app: str | Path, *flags: str, echo: bool = False, cwd: str | Path | None = None,
+           store: str | Path | None = None) -> Server:
     """Start `slipstream serve APP --port 0 FLAGS...` and wait until it is ready.
 
-    `echo` copies the node's start-up lines to stderr."""
+    `echo` copies the node's start-up lines to stderr. `store`: the object
+    store's directory (`--store`; default: `$SLIPSTREAM_STORE`, else an
+    ephemeral store)."""
     cmd = [sys.executable, "-m", "slipstream._internal.cli", "serve", str(app), "--port", "0", *flags]
+    if store is not None:
+        cmd += ["--store", str(store)]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=cwd)
     assert proc.stderr is not None
     url, log, ready = None, [], False

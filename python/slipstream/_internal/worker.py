@@ -2,10 +2,12 @@
 
 Started by the node as ``python -m slipstream._internal.worker --app FILE
 --pipeline P --stage S ...``. It imports the app file, constructs the
-component (models load here, before the worker reports ready), connects to
-the node's socket, and then loops: read a batch descriptor, build numpy
-views over shared memory (no copy), call the component, put the outputs
-into this replica's own pool, reply with their descriptors.
+component (models load here, before the worker reports ready; store
+objects the component ``needs`` are fetched first, see ``needs.py``),
+connects to the node's socket, and then loops: read a batch descriptor,
+build numpy views over shared memory (no copy), call the component, put the
+outputs into this replica's own pool, reply with their descriptors. Between
+batches it switches to an instance rebuilt for new versions of its needs.
 
 An output that is (a contiguous slice of) an input is passed back by
 reference instead of copied. An exception in the component fails that batch
@@ -30,9 +32,10 @@ from typing import Any
 import numpy as np
 
 from slipstream import _core
-from slipstream._internal import protocol
+from slipstream._internal import groups, protocol
 from slipstream._internal.api import DTYPES, VAR_DTYPES, Batch
-from slipstream._internal.app import load_pipelines
+from slipstream._internal.app import load_pipelines, store_pools
+from slipstream._internal.needs import Replica
 
 
 class Pools:
@@ -226,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         pipe = next((p for p in pipelines if p.name == args.pipeline), None)
         if pipe is None:
             raise LookupError(f"the app no longer defines pipeline {args.pipeline!r}")
-        instance = pipe.stage(args.stage).instantiate()
+        groups.configure(store_pools(pipelines))  # ss.store.group's affinity groups
+        replica = Replica(pipe.stage(args.stage), label)
         pools = Pools(args.pool_prefix, args.pool)
     except BaseException as e:  # report why we cannot start, then exit
         tb = traceback.format_exc()
@@ -242,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         if msg["op"] != "batch":
             continue
         try:
-            reply = run_batch(instance, pools, msg)
+            reply = run_batch(replica.current(), pools, msg)
         except Exception as e:
             sys.stderr.write(f"slipstream worker {label}: batch {msg['id']} failed:\n{traceback.format_exc()}")
             reply = {"op": "error", "id": msg["id"], "kind": "component_error", "message": f"{type(e).__name__}: {e}"}
