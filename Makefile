@@ -94,6 +94,12 @@ bench-surge: setup
 	bash bench/vs_ray/setup_ray.sh
 	$(PY) bench/surge.py
 
+# The object store through HTTP against Redis (no persistence, and AOF with
+# fsync on every write), 1 KB to 100 MB values, 1 and 8 clients, plus a
+# same-machine reader mapping a blob file: bench/results/store.{json,md}.
+bench-store: setup
+	$(PY) bench/store.py
+
 # The RAG corpus, embeddings and index (about 35 min on 2 cores; resumable).
 data: setup
 	nice -n 15 $(PY) scripts/prepare_rag.py

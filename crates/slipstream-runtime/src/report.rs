@@ -91,6 +91,18 @@ pub fn status(node: &Node) -> Value {
         "arena": node.arena.usage(),
         "arena_used_bytes": node.arena.used_bytes(),
         "pipelines": pipelines,
+        "store": {
+            "path": node.store.dir(),
+            "seq": node.store.seq(),
+            "triggers": {
+                "watching": node.triggers.watched().into_iter()
+                    .map(|(prefix, pipeline)| json!({"prefix": prefix, "pipeline": pipeline})).collect::<Vec<_>>(),
+                "pending": node.triggers.pending(),
+                "fired": node.triggers.metrics.fired.load(Relaxed),
+                "retried": node.triggers.metrics.retried.load(Relaxed),
+                "failed": node.triggers.metrics.failed.load(Relaxed),
+            },
+        },
         "events": node.events.recent(),
     })
 }

@@ -151,7 +151,9 @@ async fn put(
             .to_string(),
     };
     let parts = read_chunks(req, node.store.options().max_value as usize).await?;
-    if content_type == TENSORS_CONTENT_TYPE {
+    // Media types compare without parameters and case-insensitively.
+    let media = content_type.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    if media == TENSORS_CONTENT_TYPE {
         let total: usize = parts.iter().map(|p| p.len()).sum();
         slipstream_store::check_tensors_head(&head_bytes(&parts), total as u64)?;
     }

@@ -72,15 +72,20 @@ fn fsync_dir(dir: &Path) -> Result<(), StoreError> {
 impl Blobs {
     /// Open the blob directory: clear half-written files, unlink files no
     /// version names (a crash between staging and committing), and start
-    /// numbering after the highest id seen.
-    pub(crate) fn open(root: &Path, referenced: &HashSet<u64>, pin_for: Duration) -> Result<Blobs, StoreError> {
+    /// numbering after the highest id seen or committed (`next`).
+    pub(crate) fn open(
+        root: &Path,
+        referenced: &HashSet<u64>,
+        next: u64,
+        pin_for: Duration,
+    ) -> Result<Blobs, StoreError> {
         let dir = root.join("blobs");
         let tmp = root.join("tmp");
         let _ = std::fs::remove_dir_all(&tmp);
         for d in [&dir, &tmp] {
             std::fs::create_dir_all(d).map_err(|e| io(format!("cannot create {}: {e}", d.display())))?;
         }
-        let mut max = referenced.iter().copied().max().unwrap_or(0);
+        let mut max = referenced.iter().copied().max().unwrap_or(0).max(next.saturating_sub(1));
         let mut swept = 0;
         for entry in std::fs::read_dir(&dir).map_err(io)? {
             let entry = entry.map_err(io)?;

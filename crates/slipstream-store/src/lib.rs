@@ -309,13 +309,14 @@ impl Store {
             Err(e) => return Err(io(format!("cannot open {}: {e}", opts.dir.join("meta.redb").display()))),
         };
         let txn = db.begin_write().map_err(io)?;
-        let (seq, feed_first, referenced) = {
+        let (seq, feed_first, referenced, blob_next) = {
             txn.open_table(HEADS).map_err(io)?;
             txn.open_table(INLINE).map_err(io)?;
             let versions = txn.open_table(VERSIONS).map_err(io)?;
             let feed = txn.open_table(FEED).map_err(io)?;
             let counters = txn.open_table(COUNTERS).map_err(io)?;
             let seq = counters.get("seq").map_err(io)?.map(|v| v.value()).unwrap_or(0);
+            let blob_next = counters.get("blob_next").map_err(io)?.map(|v| v.value()).unwrap_or(0);
             let first = feed.first().map_err(io)?.map(|(k, _)| k.value()).unwrap_or(seq + 1);
             let mut referenced = std::collections::HashSet::new();
             for row in versions.iter().map_err(io)? {
@@ -324,10 +325,10 @@ impl Store {
                     referenced.insert(b);
                 }
             }
-            (seq, first, referenced)
+            (seq, first, referenced, blob_next)
         };
         txn.commit().map_err(io)?;
-        let blobs = blob::Blobs::open(&opts.dir, &referenced, opts.pin_for)?;
+        let blobs = blob::Blobs::open(&opts.dir, &referenced, blob_next, opts.pin_for)?;
         let (seq_tx, _) = tokio::sync::watch::channel(seq);
         let inner = Arc::new(Inner { db, opts, blobs, seq: seq_tx, feed_first: AtomicU64::new(feed_first) });
         let (tx, rx) = sync_channel::<(Write, Reply)>(1024);
@@ -399,7 +400,7 @@ impl Store {
         if_version: Option<u64>,
     ) -> Result<Committed, StoreError> {
         check_key(key)?;
-        if content_type == TENSORS_CONTENT_TYPE {
+        if content_type.split(';').next().unwrap_or("").trim().eq_ignore_ascii_case(TENSORS_CONTENT_TYPE) {
             check_tensors(value)?;
         }
         let staged = self.stage(&[value])?;
@@ -414,31 +415,62 @@ impl Store {
     /// The metadata of the selected version; `pin`: keep its blob file
     /// from collection for a while (a reader is about to map it).
     pub fn meta(&self, key: &str, select: Select, pin: bool) -> Result<Meta, StoreError> {
-        let (meta, rec) = self.inner.find(key, select)?;
-        if pin {
-            if let Some(id) = rec.blob {
+        self.read(key, select, |_, meta, rec| {
+            if let (true, Some(id)) = (pin, rec.blob) {
+                // Pinned before it is checked: collection cannot take it now.
                 self.inner.blobs.pin(id);
+                if !self.inner.blobs.path(id).exists() {
+                    return Ok(None); // collected just before the pin: look again
+                }
             }
-        }
-        Ok(meta)
+            Ok(Some(meta))
+        })
     }
 
     /// The selected version's metadata and value (a tombstone is NotFound).
     pub fn get(&self, key: &str, select: Select) -> Result<(Meta, Body), StoreError> {
-        let (meta, rec) = self.inner.find(key, select)?;
-        if meta.deleted {
-            return Err(StoreError::NotFound(format!("{key} was deleted at version {}", meta.version)));
-        }
-        let body = match rec.blob {
-            Some(id) => Body::Mapped(self.inner.blobs.map(id, rec.size)?),
-            None => {
-                let txn = self.inner.db.begin_read().map_err(io)?;
-                let t = txn.open_table(INLINE).map_err(io)?;
-                let v = t.get((key, meta.version)).map_err(io)?;
-                Body::Inline(v.map(|g| g.value().to_vec()).unwrap_or_default())
+        self.read(key, select, |txn, meta, rec| {
+            if meta.deleted {
+                return Err(StoreError::NotFound(format!("{key} was deleted at version {}", meta.version)));
             }
-        };
-        Ok((meta, body))
+            let body = match rec.blob {
+                Some(id) => match self.inner.blobs.map(id, rec.size) {
+                    Ok(m) => Body::Mapped(m),
+                    Err(_) if !self.inner.blobs.path(id).exists() => return Ok(None),
+                    Err(e) => return Err(e),
+                },
+                None => {
+                    // The same snapshot as the lookup: retention cannot take it in between.
+                    let t = txn.open_table(INLINE).map_err(io)?;
+                    let v = t.get((key, meta.version)).map_err(io)?;
+                    Body::Inline(
+                        v.ok_or_else(|| io(format!("{key} version {} has no value", meta.version)))?.value().to_vec(),
+                    )
+                }
+            };
+            Ok(Some((meta, body)))
+        })
+    }
+
+    /// Look `key` up and hand the version to `f` within one read
+    /// snapshot. `f` returns None when the version's blob file was
+    /// collected after the snapshot was taken (a put that dropped the
+    /// version committed meanwhile): then look again, in a newer snapshot,
+    /// where the latest is the newer version and an old one is NotFound.
+    fn read<T>(
+        &self,
+        key: &str,
+        select: Select,
+        f: impl Fn(&redb::ReadTransaction, Meta, Record) -> Result<Option<T>, StoreError>,
+    ) -> Result<T, StoreError> {
+        for _ in 0..8 {
+            let txn = self.inner.db.begin_read().map_err(io)?;
+            let (meta, rec) = self.inner.find(&txn, key, select)?;
+            if let Some(out) = f(&txn, meta, rec)? {
+                return Ok(out);
+            }
+        }
+        Err(io(format!("{key}: its blob kept being collected under the read")))
     }
 
     /// Every version retention has kept, oldest first.
@@ -633,9 +665,8 @@ impl Inner {
         }
     }
 
-    fn find(&self, key: &str, select: Select) -> Result<(Meta, Record), StoreError> {
+    fn find(&self, txn: &redb::ReadTransaction, key: &str, select: Select) -> Result<(Meta, Record), StoreError> {
         check_key(key)?;
-        let txn = self.db.begin_read().map_err(io)?;
         let heads = txn.open_table(HEADS).map_err(io)?;
         let versions = txn.open_table(VERSIONS).map_err(io)?;
         let latest = heads.get(key).map_err(io)?.map(|v| v.value()).unwrap_or(0);
@@ -722,6 +753,7 @@ impl Inner {
             let mut feed = txn.open_table(FEED).map_err(io)?;
             let mut counters = txn.open_table(COUNTERS).map_err(io)?;
             let mut seq = counters.get("seq").map_err(io)?.map(|v| v.value()).unwrap_or(0);
+            let mut blob_next = 0u64;
             for w in writes {
                 let key = w.key.as_str();
                 let latest = heads.get(key).map_err(io)?.map(|v| v.value()).unwrap_or(0);
@@ -748,6 +780,7 @@ impl Inner {
                         (Record { ts, size: bytes.len() as u64, ct: w.content_type, blob: None, deleted: false }, None)
                     }
                     Some(Staged::Blob(b)) => {
+                        blob_next = blob_next.max(b.id() + 1);
                         (Record { ts, size: b.size(), ct: w.content_type, blob: Some(b.id()), deleted: false }, Some(b))
                     }
                 };
@@ -778,6 +811,11 @@ impl Inner {
                 outcomes.push(Outcome::Done(Committed { meta, seq }, blob));
             }
             counters.insert("seq", seq).map_err(io)?;
+            // Blob ids are never reused, even for files already collected
+            // (a path once handed out never names other bytes).
+            if blob_next > counters.get("blob_next").map_err(io)?.map_or(0, |v| v.value()) {
+                counters.insert("blob_next", blob_next).map_err(io)?;
+            }
             // Trim the feed to its last `feed_keep` changes.
             let first = self.feed_first.load(Relaxed);
             if seq > self.opts.feed_keep && seq - self.opts.feed_keep > first {

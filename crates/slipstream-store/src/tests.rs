@@ -203,3 +203,64 @@ fn bad_input_changes_nothing() {
     assert_eq!(s.seq(), 0);
     assert!(s.keys("/", 10).unwrap().0.is_empty());
 }
+
+#[test]
+fn reads_racing_retention_are_whole_or_not_found() {
+    let d = tempfile::tempdir().unwrap();
+    let mut o = StoreOptions::new(d.path());
+    o.inline_max = 1024;
+    o.pools = vec![Pool::new("/one/", 1, None, None).unwrap()];
+    let s = Arc::new(Store::open(o).unwrap());
+    s.put("/one/small", &[1u8; 100], "x", None).unwrap();
+    s.put("/one/big", &[1u8; 4096], "x", None).unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let readers: Vec<_> = ["/one/small", "/one/big"]
+        .into_iter()
+        .map(|key| {
+            let (s, stop) = (s.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut n = 0;
+                while !stop.load(Relaxed) {
+                    let (m, body) = s.get(key, Select::Latest).unwrap();
+                    assert_eq!(body.as_ref().len() as u64, m.size, "{key} v{}: a partial value", m.version);
+                    assert!(body.as_ref().iter().all(|&b| b == body.as_ref()[0]), "{key}: a torn value");
+                    let m = s.meta(key, Select::Latest, true).unwrap();
+                    assert!(m.path.is_none_or(|p| p.exists()), "{key}: a path to a collected file");
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    for i in 0..300u32 {
+        let b = (i % 250) as u8;
+        s.put("/one/small", &[b; 100], "x", None).unwrap();
+        s.put("/one/big", &[b; 4096], "x", None).unwrap();
+    }
+    stop.store(true, Relaxed);
+    for r in readers {
+        assert!(r.join().unwrap() > 0);
+    }
+}
+
+#[test]
+fn blob_ids_are_not_reused_after_a_restart() {
+    let d = tempfile::tempdir().unwrap();
+    let mut o = StoreOptions::new(d.path());
+    o.inline_max = 10;
+    o.pools = vec![Pool::new("/one/", 1, None, None).unwrap()];
+    let first = {
+        let s = Store::open(o.clone()).unwrap();
+        let a = s.put("/one/a", &[1u8; 100], "x", None).unwrap().meta.path.unwrap();
+        s.put("/one/a", &[2u8; 100], "x", None).unwrap(); // collects a's first file, the newest id is now 2
+        s.put("/one/b", &[3u8; 100], "x", None).unwrap();
+        s.delete("/one/b", None).unwrap();
+        s.put("/one/b", &[4u8; 10], "x", None).unwrap(); // inline: b's file (the newest id) is gone
+        a
+    };
+    let s = Store::open(o).unwrap();
+    let next = s.put("/one/c", &[5u8; 100], "x", None).unwrap().meta.path.unwrap();
+    assert!(next > first);
+    let name = |p: &Path| u64::from_str_radix(p.file_name().unwrap().to_str().unwrap(), 16).unwrap();
+    assert_eq!(name(&next), 4, "ids 1-3 were handed out before the restart");
+}

@@ -114,6 +114,12 @@ def cmd_status(a: argparse.Namespace) -> int:
           f"  arena={st.get('arena_used_bytes', 0) / 1e6:.1f} MB")
     c = st["copies"]
     print(f"payload copies: ingress={c['ingress']} gather={c['gather']} worker={c['worker']} egress={c['egress']}")
+    store = st.get("store")
+    if store:
+        t = store["triggers"]
+        watching = ", ".join(f"{w['prefix']} -> {w['pipeline']}" for w in t["watching"]) or "none"
+        print(f"store {store['path']}: {store['seq']} changes; triggers ({watching}): fired={t['fired']} "
+              f"retried={t['retried']} failed={t['failed']} pending={t['pending']}")
     for p in st["pipelines"]:
         slo = p["slo"]
         lat = p["latency_ms"]
