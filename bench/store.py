@@ -345,6 +345,48 @@ class Redis:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+OHA = shutil.which("oha") or str(Path.home() / ".cargo" / "bin" / "oha")
+REDIS_BENCH = "/usr/bin/redis-benchmark"
+
+
+def independent(node_url: str, addrs: dict[str, tuple[str, int]], seconds: float, n: int) -> dict[str, Any]:
+    """1 KB puts and gets measured by generators in Rust and C instead of
+    this script's Python clients: `oha` against the store (and `/healthz`,
+    the node's HTTP floor), `redis-benchmark` against both Redis servers."""
+    out: dict[str, Any] = {}
+    if not (os.path.exists(OHA) and os.path.exists(REDIS_BENCH)):
+        log("independent generators: oha or redis-benchmark missing; skipped")
+        return out
+    value = Path(tempfile.mkdtemp(prefix="bench-oha-")) / "v1k"
+    value.write_bytes(os.urandom(1024))
+    try:
+        for c in CLIENTS:
+            runs = {"slipstream put": ["-m", "PUT", "-D", str(value), f"{node_url}/v1/store/objects/bench/oha{c}"],
+                    "slipstream get": [f"{node_url}/v1/store/objects/bench/oha{c}"],
+                    "http floor (GET /healthz)": [f"{node_url}/healthz"]}
+            for what, args in runs.items():
+                r = subprocess.run([OHA, "-z", f"{seconds}s", "-c", str(c), "--no-tui", "--output-format", "json",
+                                    *args], capture_output=True, text=True, check=True)
+                d = json.loads(r.stdout)
+                codes = d.get("statusCodeDistribution", {})
+                out[f"{what} x{c}"] = {"ops_s": d["summary"]["requestsPerSec"],
+                                       "p50_ms": d["latencyPercentiles"]["p50"] * 1e3,
+                                       "p99_ms": d["latencyPercentiles"]["p99"] * 1e3, "status": codes}
+            for name in ("redis", "redis-fsync"):
+                host, port = addrs[name]
+                tests = "set,get" if name == "redis" else "set"
+                r = subprocess.run([REDIS_BENCH, "-h", host, "-p", str(port), "-t", tests, "-c", str(c),
+                                    "-n", str(n if name == "redis" else n // 5), "-d", "1024", "--csv"],
+                                   capture_output=True, text=True, check=True)
+                for row in r.stdout.splitlines()[1:]:
+                    cols = [x.strip('"') for x in row.split(",")]
+                    out[f"{name} {cols[0].lower()} x{c}"] = {"ops_s": float(cols[1]), "p50_ms": float(cols[4]),
+                                                            "p99_ms": float(cols[6])}
+    finally:
+        shutil.rmtree(value.parent, ignore_errors=True)
+    return out
+
+
 def start_node(store_dir: Path) -> Any:
     import slipstream as ss
 
@@ -485,6 +527,11 @@ def markdown(res: dict[str, Any]) -> str:
     lines += ["", f"The HTTP client's floor: `GET /healthz` (no store) over the same kind of connection, "
               f"1 client: p50 {f['p50_ms']:.3f} ms, p99 {f['p99_ms']:.3f} ms; a Redis `PING`: p50 "
               f"{f['redis_ping_p50_ms']:.3f} ms. Small-value latencies are mostly these."]
+    ind = res.get("independent")
+    if ind:
+        lines += ["", "## 1 KB values with independent generators (`oha` for HTTP, `redis-benchmark` for Redis)", "",
+                  "| what | ops/s | p50 ms | p99 ms |", "|---|---:|---:|---:|"]
+        lines += [f"| {k} | {v['ops_s']:,.0f} | {v['p50_ms']:.3f} | {v['p99_ms']:.3f} |" for k, v in ind.items()]
     rw = {k: v["aof_rewrites"] for k, v in res.get("redis_persistence", {}).items() if v.get("aof_rewrites")}
     if rw:
         lines += ["", "Redis rewrote its append-only file in the background on its own (default "
@@ -554,6 +601,10 @@ def main() -> int:
                 addrs[name] = ("127.0.0.1", redises[name].port)
             if "http_floor" not in res:
                 res["http_floor"] = floor(node.url, addrs["redis"], mode.ops["1KB"][0])
+            if label == "1KB":
+                log("1 KB with independent generators (oha, redis-benchmark)...")
+                res["independent"] = independent(node.url, addrs, 2.0 if a.quick else 6.0,
+                                                  20_000 if a.quick else 100_000)
             for clients in CLIENTS:
                 reps: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
                 for rep in range(mode.repeats):
