@@ -20,10 +20,11 @@ A put under ``/docs/<corpus>/<name>`` fires the ``ingest`` pipeline (its
 ``Ingest`` stage watches ``/docs/``), which embeds the document and puts its
 vector under ``/index/live/<corpus>/<name>``; every ``Search`` replica
 follows that prefix and adds the row to its index while it serves (a
-delete removes it). The encoder itself is the store object
-``/models/minilm`` (put from the cached ONNX graph at start-up), which
-``Embed`` and ``Ingest`` replicas load before they are ready, and reload
-beside the old one when a new version is put.
+delete removes it). The encoder and the IVF index are store objects too
+(``/models/minilm``, ``/index/debian/ivf``, put from the built files at
+start-up): ``Embed``, ``Ingest`` and ``Search`` replicas load them before
+they are ready, and load a new version beside the old one when it is put
+(a rebuilt index, a new encoder), switching without failing a request.
 
 Stages:
 - ``Embed``: ``query`` (string, one per row) -> ``embedding`` float32 (rows, 384), unit rows.
@@ -63,6 +64,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,7 @@ SLO_MS = float(os.environ.get("RAG_SLO_MS", "200"))
 FOLD_AT = int(os.environ.get("RAG_FOLD_AT", "2000"))
 
 ENCODER_KEY = "/models/minilm"
+INDEX_KEY = "/index/debian/ivf"
 DOCS = "/docs/"
 LIVE = "/index/live/"
 
@@ -150,32 +153,37 @@ class Embed:
 @ss.component(max_batch_size=64, inputs={"embedding": ss.Tensor("float32", (-1, DIM))},
               outputs={"ids": ss.Tensor("int64", (-1, TOPK)), "scores": ss.Tensor("float32", (-1, TOPK)),
                        "package": ss.Tensor("string", (-1, TOPK)), "title": ss.Tensor("string", (-1, TOPK)),
-                       "passage": ss.Tensor("string", (-1, TOPK))})
+                       "passage": ss.Tensor("string", (-1, TOPK))}, needs={"index": INDEX_KEY})
 class Search:
     """Embedding -> top-k passages of the IVF index, with their texts."""
 
-    def __init__(self) -> None:
-        d = ensure_index()
+    def __init__(self, index: ss.Object) -> None:
+        import faiss
+
         vindex.configure_faiss(1)
-        self.index = vindex.VectorIndex.load(d)
+        # The IVF index is the store object /index/debian/ivf (seeded from
+        # the built index file): read from its blob file when it is mapped.
+        graph = faiss.read_index(index.path) if index.path else \
+            faiss.deserialize_index(np.frombuffer(index.memoryview(), dtype=np.uint8))
+        # The file carries the tuned nprobe (vindex.prepare sets it before saving).
+        self.index = vindex.VectorIndex(graph, {"n": int(graph.ntotal), "dim": int(graph.d),
+                                                "nprobe": int(graph.nprobe)})
+        self.index_version = index.version
         self.live = LiveIndex(self.index, DIM, fold_at=FOLD_AT)
-        held = vindex.indexed_ids(d)
         passages = corpus.load_passages()
-        if self.index.meta.get("corpus") != vindex.corpus_key(passages):
-            raise ss.ConfigError(f"the index in {d} was built from another corpus than {corpus.passages_path()}: "
-                                 "rebuild it with scripts/prepare_rag.py --force")
         n = len(passages)
-        # Lookup tables over all passage ids, plus one empty entry at the
-        # end that id -1 (fewer than k hits) indexes.
+        # Lookup tables over all passage ids (whichever index version is
+        # served), plus one empty entry at the end that id -1 (fewer than k
+        # hits) indexes.
         self.package = np.full(n + 1, "", dtype=object)
         self.title = np.full(n + 1, "", dtype=object)
         self.passage = np.full(n + 1, "", dtype=object)
-        for i in held:
-            p = passages[int(i)]
-            self.package[i], self.title[i] = p.package, p.title
-            self.passage[i] = snippet(p.text)
+        for i, p in enumerate(passages):
+            self.package[i], self.title[i], self.passage[i] = p.package, p.title, snippet(p.text)
         if os.environ.get("SLIPSTREAM_NODE_URL"):  # served: follow the live documents
-            threading.Thread(target=self._follow, name="live-index", daemon=True).start()
+            # The thread holds the instance weakly: when a new index version
+            # replaces this instance (hot swap), its follower ends.
+            threading.Thread(target=follow_live, args=(weakref.ref(self),), name="live-index", daemon=True).start()
 
     def __call__(self, batch: ss.Batch) -> dict:
         scores, ids = self.live.search(batch["embedding"], TOPK)
@@ -186,26 +194,6 @@ class Search:
             package[r, c], title[r, c], passage[r, c] = name.rsplit("/", 1)[-1], text.split("\n", 1)[0], snippet(text)
         return {"ids": ids, "scores": scores, "package": package, "title": title, "passage": passage}
 
-    def _follow(self) -> None:
-        """Keep the live rows in step with ``/index/live/``: load what is
-        there, then apply each change as the store reports it."""
-        store = ss.store.Store()
-        while True:
-            try:
-                seq = store.cursor(LIVE)
-                for v in store.keys(LIVE, limit=100_000):
-                    self._apply(store, v.key)
-                while True:
-                    seq, changes = store.watch(LIVE, since=seq, timeout_ms=30_000)
-                    for c in changes:
-                        if c.deleted:
-                            self.live.delete(c.key[len(LIVE):])
-                        else:
-                            self._apply(store, c.key)
-            except Exception as e:  # the node restarting, a feed gap: start over
-                print(f"rag Search: live index follower: {type(e).__name__}: {e}; resyncing", file=sys.stderr)
-                time.sleep(1.0)
-
     def _apply(self, store: Any, key: str) -> None:
         name = key[len(LIVE):]
         try:
@@ -214,6 +202,39 @@ class Search:
         except ss.store.StoreNotFound:
             return  # deleted meanwhile: its delete follows in the feed
         self.live.upsert(name, vec, text)
+
+
+def follow_live(ref: weakref.ref[Search]) -> None:
+    """Keep a Search instance's live rows in step with ``/index/live/``:
+    load what is there, then apply each change as the store reports it;
+    end when the instance is gone."""
+    store = ss.store.Store()
+    seq: int | None = None
+    while True:
+        try:
+            if seq is None:
+                seq = store.cursor(LIVE)
+                listed = store.keys(LIVE, limit=100_000)
+                me = ref()
+                if me is None:
+                    return
+                for v in listed:
+                    me._apply(store, v.key)
+                del me
+            seq, changes = store.watch(LIVE, since=seq, timeout_ms=10_000)
+            me = ref()
+            if me is None:
+                return
+            for c in changes:
+                if c.deleted:
+                    me.live.delete(c.key[len(LIVE):])
+                else:
+                    me._apply(store, c.key)
+            del me
+        except Exception as e:  # the node restarting, a feed gap: start over
+            print(f"rag Search: live index follower: {type(e).__name__}: {e}; resyncing", file=sys.stderr)
+            seq = None
+            time.sleep(1.0)
 
 
 def snippet(text: str) -> str:
@@ -262,7 +283,7 @@ if __name__.startswith("slipstream_app_") and os.environ.get("SLIPSTREAM_WORKER"
 rag = ss.Pipeline("rag", Embed >> Search, slo=ss.SLO(p99_ms=SLO_MS),
                   example={"query": ["how do I configure a reverse proxy with TLS termination"]},
                   pools=[ss.Pool(DOCS, keep_versions=4), ss.Pool(LIVE, keep_versions=1)],
-                  seed={ENCODER_KEY: build_onnx()})
+                  seed={ENCODER_KEY: build_onnx(), INDEX_KEY: index_dir() / vindex.INDEX_FILE})
 # Documents put under /docs/ are embedded here (a generous SLO: indexing is
 # not interactive, but its time is the knowledge base's freshness).
 ingest = ss.Pipeline("ingest", Ingest, slo=ss.SLO(p99_ms=1000))

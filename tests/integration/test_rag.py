@@ -13,13 +13,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, Node
+from tests.conftest import ROOT, Node, wait_for
 
 sys.path.insert(0, str(ROOT / "examples"))
 
@@ -191,3 +193,53 @@ def test_rag_client_reports_metrics(rag_node: Node, slice_dir: Path) -> None:
     m = json.loads(r.stdout.strip().splitlines()[-1])
     assert m["queries"] == 20 and m["recall@10"] >= 0.8
     assert "query:" in r.stdout  # a real answer is shown
+
+
+def packages_for(node: Node, text: str) -> list[str]:
+    status, out = node.infer("rag", query=[text])
+    assert status == 200, out
+    return list(out["outputs"]["package"][0])
+
+
+def test_live_document_is_found_then_deleted(rag_node: Node) -> None:
+    import slipstream as ss
+
+    store = ss.store.Store(rag_node.url)
+    text = ("glimmerquill\nGlimmerquill renders handwritten musical notation from photographs into "
+            "engraved sheet music and MIDI files.")
+    question = "turn photos of handwritten music notation into sheet music and midi"
+    store.put("/docs/test/glimmerquill", text)
+    wait_for(lambda: "glimmerquill" in packages_for(rag_node, question)[:3], timeout=30)
+    assert store.get("/index/live/test/glimmerquill").tensors()["embedding"].shape == (1, 384)
+    store.delete("/docs/test/glimmerquill")
+    wait_for(lambda: "glimmerquill" not in packages_for(rag_node, question), timeout=30)
+
+
+def test_index_hot_swap_keeps_answering(rag_node: Node, slice_dir: Path) -> None:
+    """A new version of the IVF index (here the same bytes) replaces each
+    Search replica's instance between batches: no request fails, and the
+    live documents are reloaded into the new instance."""
+    import slipstream as ss
+
+    store = ss.store.Store(rag_node.url)
+    store.put("/docs/test/swapcheck", "swapcheck\nSwapcheck verifies zebra stripe alignment in barcode printers.")
+    question = "verify zebra stripe alignment of barcode printers"
+    wait_for(lambda: "swapcheck" in packages_for(rag_node, question)[:3], timeout=30)
+    old = store.get("/index/debian/ivf")
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            statuses.append(rag_node.infer("rag", query=[question])[0])
+
+    t = threading.Thread(target=client)
+    t.start()
+    new = store.put("/index/debian/ivf", (slice_dir / vindex.INDEX_FILE).read_bytes())
+    assert new.version == old.version + 1
+    wait_for(lambda: f"/index/debian/ivf v{old.version} -> v{new.version}" in rag_node.log(), timeout=60)
+    time.sleep(0.5)
+    stop.set()
+    t.join()
+    assert statuses and all(s == 200 for s in statuses), [s for s in statuses if s != 200]
+    assert "swapcheck" in packages_for(rag_node, question)[:3], "live rows reloaded into the new instance"
