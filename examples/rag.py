@@ -191,7 +191,8 @@ class Search:
         package, title, passage = self.package[base], self.title[base], self.passage[base]
         for r, c in zip(*np.nonzero(ids >= LIVE_BASE), strict=True):
             name, text = self.live.describe(int(ids[r, c])) or ("", "")
-            package[r, c], title[r, c], passage[r, c] = name.rsplit("/", 1)[-1], text.split("\n", 1)[0], snippet(text)
+            head, _, body = text.partition("\n")  # a document's first line is its title
+            package[r, c], title[r, c], passage[r, c] = name.rsplit("/", 1)[-1], head, snippet(body or head)
         return {"ids": ids, "scores": scores, "package": package, "title": title, "passage": passage}
 
     def _apply(self, store: Any, key: str) -> None:
