@@ -636,6 +636,36 @@ impl Drop for Store {
     }
 }
 
+type VersionsTable<'t> = redb::Table<'t, (&'static str, u64), &'static [u8]>;
+
+/// The records of `key`'s versions 1..=`upto` that retention has kept.
+fn records(versions: &VersionsTable<'_>, key: &str, upto: u64) -> Result<Vec<(u64, Record)>, StoreError> {
+    versions
+        .range((key, 0)..=(key, upto))
+        .map_err(io)?
+        .map(|row| {
+            let (k, v) = row.map_err(io)?;
+            Ok((k.value().1, Record::decode(v.value())?))
+        })
+        .collect()
+}
+
+/// Remove one version (its record and inline value); its blob file, if
+/// any, goes to `garbage`, to be unlinked once the removal has committed.
+fn remove_version(
+    versions: &mut VersionsTable<'_>,
+    inline: &mut VersionsTable<'_>,
+    key: &str,
+    version: u64,
+    r: &Record,
+    garbage: &mut Vec<u64>,
+) -> Result<(), StoreError> {
+    versions.remove((key, version)).map_err(io)?;
+    inline.remove((key, version)).map_err(io)?;
+    garbage.extend(r.blob);
+    Ok(())
+}
+
 /// What one write in a group commit came to, before the commit.
 enum Outcome {
     Done(Committed, Option<StagedBlob>),
@@ -793,18 +823,8 @@ impl Inner {
                 let keep = self.pool_of(key).keep_versions;
                 if version > keep {
                     let cut = version - keep;
-                    let old: Vec<(u64, Record)> = versions
-                        .range((key, 0)..=(key, cut))
-                        .map_err(io)?
-                        .map(|row| {
-                            let (k, v) = row.map_err(io)?;
-                            Ok((k.value().1, Record::decode(v.value())?))
-                        })
-                        .collect::<Result<_, StoreError>>()?;
-                    for (v, r) in old {
-                        versions.remove((key, v)).map_err(io)?;
-                        inline.remove((key, v)).map_err(io)?;
-                        garbage.extend(r.blob);
+                    for (v, r) in records(&versions, key, cut)? {
+                        remove_version(&mut versions, &mut inline, key, v, &r, &mut garbage)?;
                     }
                 }
                 let meta = self.meta_of(key, version, &rec);
@@ -864,20 +884,10 @@ impl Inner {
                     if self.pool_of(&key).prefix != pool.prefix {
                         continue;
                     }
-                    let old: Vec<(u64, Record)> = versions
-                        .range((key.as_str(), 0)..=(key.as_str(), latest))
-                        .map_err(io)?
-                        .map(|row| {
-                            let (k, v) = row.map_err(io)?;
-                            Ok((k.value().1, Record::decode(v.value())?))
-                        })
-                        .collect::<Result<_, StoreError>>()?;
-                    for (v, r) in old {
+                    for (v, r) in records(&versions, &key, latest)? {
                         let is_latest_live = v == latest && !r.deleted;
                         if r.ts < cutoff && !is_latest_live {
-                            versions.remove((key.as_str(), v)).map_err(io)?;
-                            inline.remove((key.as_str(), v)).map_err(io)?;
-                            garbage.extend(r.blob);
+                            remove_version(&mut versions, &mut inline, &key, v, &r, &mut garbage)?;
                             removed += 1;
                         }
                     }
