@@ -207,6 +207,11 @@ def test_needs_watch_and_affinity_are_in_the_stage_spec() -> None:
     assert set(indexing.to_spec()["inputs"]) == {"key", "version", "op", "value"}
     st = searching.to_spec()["stages"][0]
     assert (st["needs"], st["watch"], st["affinity"]) == ({}, None, "doc")
+    # Puts invoke the first, requests the second: profile and plan skip the first.
+    assert (indexing.watch, searching.watch) == ("/docs/", None)
+    from slipstream._internal.cli import _request_pipelines
+
+    assert _request_pipelines([indexing, searching], "plan") == [searching]
 
 
 def test_a_watching_component_may_declare_some_trigger_inputs() -> None:

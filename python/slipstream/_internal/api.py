@@ -725,6 +725,12 @@ class Pipeline:
         for n in self.graph.nodes:
             visit(n)
 
+    @property
+    def watch(self) -> str | None:
+        """The store prefix whose puts invoke this pipeline (its root watches
+        it), or None for a pipeline that requests invoke."""
+        return next((c.watch for c in self.graph.nodes.values() if c.watch is not None), None)
+
     def stage(self, name: str) -> Component:
         try:
             return self.graph.nodes[name]

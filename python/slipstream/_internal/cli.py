@@ -362,6 +362,16 @@ def _thread_counts(spec: str) -> list[int]:
     return counts
 
 
+def _request_pipelines(pipelines: list[Any], what: str) -> list[Any]:
+    """The pipelines that requests invoke; those that store puts invoke
+    (a root that watches a prefix) have no request rate to profile or plan."""
+    for p in pipelines:
+        if p.watch is not None:
+            print(f"slipstream: {what} skips pipeline {p.name}: store puts under {p.watch} invoke it, "
+                  "not requests (it keeps its declaration and shares the cores)", file=sys.stderr)
+    return [p for p in pipelines if p.watch is None]
+
+
 def cmd_profile(a: argparse.Namespace) -> int:
     if os.environ.get("SLIPSTREAM_PROFILE_CHILD") != "1":
         return _profile_parent(a)
@@ -375,6 +385,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
         pipelines = [p for p in pipelines if p.name == a.pipeline]
         if not pipelines:
             return _fail(f"no pipeline named {a.pipeline!r} in {a.app}")
+    pipelines = _request_pipelines(pipelines, "profile")
     batches = [int(b) for b in a.batches.split(",")] if a.batches else list(slo.DEFAULT_BATCHES)
     threads = int(os.environ.get("SLIPSTREAM_THREADS", "1"))
     profiles = []
@@ -534,6 +545,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         return _fail(f"no profile {', '.join(missing)}: run `slipstream profile {a.app}` first")
+    pipelines = _request_pipelines(pipelines, "plan")
     profiles = {p.name: slo.load_profile_for(p, paths) for p in pipelines}
     if a.gpus:
         plan = planner.plan_gpu(pipelines, profiles, a.gpus, rate=a.rate, app=a.app)
