@@ -49,7 +49,7 @@ const VERSIONS: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("vers
 const INLINE: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("inline");
 /// sequence number -> [`Change`] as JSON.
 const FEED: TableDefinition<u64, &[u8]> = TableDefinition::new("feed");
-/// Counters: `seq`.
+/// Counters of the store's own: `blob_next` (blob ids are never reused), the trigger cursor.
 const COUNTERS: TableDefinition<&str, u64> = TableDefinition::new("counters");
 
 #[derive(Debug, thiserror::Error)]
@@ -315,7 +315,7 @@ impl Store {
             let versions = txn.open_table(VERSIONS).map_err(io)?;
             let feed = txn.open_table(FEED).map_err(io)?;
             let counters = txn.open_table(COUNTERS).map_err(io)?;
-            let seq = counters.get("seq").map_err(io)?.map(|v| v.value()).unwrap_or(0);
+            let seq = last_seq(&feed)?;
             let blob_next = counters.get("blob_next").map_err(io)?.map(|v| v.value()).unwrap_or(0);
             let first = feed.first().map_err(io)?.map(|(k, _)| k.value()).unwrap_or(seq + 1);
             let mut referenced = std::collections::HashSet::new();
@@ -525,8 +525,7 @@ impl Store {
         }
         let txn = self.inner.db.begin_read().map_err(io)?;
         let feed = txn.open_table(FEED).map_err(io)?;
-        let counters = txn.open_table(COUNTERS).map_err(io)?;
-        let seq = counters.get("seq").map_err(io)?.map(|v| v.value()).unwrap_or(0);
+        let seq = last_seq(&feed)?;
         let mut out = Vec::new();
         let mut read_to = seq;
         for row in feed.range(since.saturating_add(1)..).map_err(io)? {
@@ -634,6 +633,12 @@ impl Drop for Store {
             let _ = t.join();
         }
     }
+}
+
+/// The sequence number of the last change: the feed's last key (the feed
+/// always keeps its newest entries), 0 before the first.
+fn last_seq(feed: &impl ReadableTable<u64, &'static [u8]>) -> Result<u64, StoreError> {
+    Ok(feed.last().map_err(io)?.map_or(0, |(k, _)| k.value()))
 }
 
 type VersionsTable<'t> = redb::Table<'t, (&'static str, u64), &'static [u8]>;
@@ -782,7 +787,7 @@ impl Inner {
             let mut inline = txn.open_table(INLINE).map_err(io)?;
             let mut feed = txn.open_table(FEED).map_err(io)?;
             let mut counters = txn.open_table(COUNTERS).map_err(io)?;
-            let mut seq = counters.get("seq").map_err(io)?.map(|v| v.value()).unwrap_or(0);
+            let mut seq = last_seq(&feed)?;
             let mut blob_next = 0u64;
             for w in writes {
                 let key = w.key.as_str();
@@ -830,7 +835,6 @@ impl Inner {
                 let meta = self.meta_of(key, version, &rec);
                 outcomes.push(Outcome::Done(Committed { meta, seq }, blob));
             }
-            counters.insert("seq", seq).map_err(io)?;
             // Blob ids are never reused, even for files already collected
             // (a path once handed out never names other bytes).
             if blob_next > counters.get("blob_next").map_err(io)?.map_or(0, |v| v.value()) {
@@ -846,6 +850,11 @@ impl Inner {
             }
             seq
         };
+        if !outcomes.iter().any(|o| matches!(o, Outcome::Done(..))) {
+            // Every write was refused: nothing to make durable.
+            txn.abort().map_err(io)?;
+            return Ok(outcomes);
+        }
         txn.commit().map_err(io)?;
         if seq > self.opts.feed_keep {
             self.feed_first.fetch_max(seq - self.opts.feed_keep, Relaxed);
