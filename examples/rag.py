@@ -52,7 +52,9 @@ worker alike):
   as the load needs them, up to what the node's cores allow).
 - ``RAG_SLO_MS``: the pipeline's p99 objective in ms (default 200).
 - ``RAG_FOLD_AT``: live rows kept in the exact delta before they are
-  folded into the IVF index (default 2000).
+  folded into the IVF index (default 2000); once the rows folded in reach
+  half of those the index was trained on, it is retrained in the
+  background and swapped in (see ``models/live.py``).
 - ``RAG_EMBED_START_DELAY_S``: extra seconds each Embed replica spends
   starting (default 0): stands in for a model that loads slowly (a large
   one, a GPU context) in the autoscaling benchmark (bench/surge.py).

@@ -83,6 +83,39 @@ def test_ivf_index_build_tune_save_load(tmp_path: Path) -> None:
         vindex.VectorIndex.load(tmp_path / "nowhere")
 
 
+def test_live_index_delta_fold_delete_and_rebuild() -> None:
+    from models.live import LIVE_BASE, LiveIndex, ivf_contents
+
+    rng = np.random.default_rng(1)
+
+    def unit(n: int) -> np.ndarray:
+        x = rng.normal(size=(n, 16))
+        return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+    vindex.configure_faiss(1)
+    base = vindex.VectorIndex.build(unit(400), nlist=8)
+    base.nprobe = 8  # every list: exact, so what is found is what the index holds
+    live = LiveIndex(base, 16, fold_at=50, rebuild_at=0.5)
+    rows = unit(260)
+    ids = [live.upsert(f"d{i}", rows[i], f"doc {i}") for i in range(260)]
+    assert ids[0] == LIVE_BASE and live.folds == 5, "260 rows: five folds of 50, 10 in the delta"
+    t = live._rebuilding
+    if t is not None:
+        t.join(30)
+    assert live.rebuilds == 1, "200 rows folded onto 400 trained: half, so the index was retrained"
+    held, _ = ivf_contents(base.index)
+    assert len(held) == 400 + 250 and base.index.nprobe == 8
+    for i in (0, 120, 220, 255, 259):  # folded before the rebuild, folded during it (replayed), in the delta
+        assert live.search(rows[i:i + 1], 3)[1][0, 0] == ids[i]
+    assert live.delete("d0") and live.delete("d259") and not live.delete("d0")
+    assert ids[0] not in live.search(rows[0:1], 10)[1][0]
+    assert ids[259] not in live.search(rows[259:260], 10)[1][0]
+    # Replacing a document keeps one row for its name.
+    new = live.upsert("d120", rows[121], "doc 120, rewritten")
+    got = live.search(rows[121:122], 3)[1][0]
+    assert new in got and ids[120] not in got and live.describe(new) == ("d120", "doc 120, rewritten")
+
+
 class FakeEncoder:
     """Deterministic 'embeddings'; fails on purpose after `fail_after` calls."""
 
