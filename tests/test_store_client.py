@@ -695,3 +695,13 @@ def test_cli_put_get_ls_versions_rm(capsys: pytest.CaptureFixture[str], fake: Fa
     assert rc == 0 and out.splitlines()[1].endswith("deleted")
     rc, _, err = run_cli(capsys, "get", "/models/w", *url)
     assert rc == 1 and "deleted" in err
+
+
+def test_content_type_of_a_file() -> None:
+    from slipstream._internal.store import guess_content_type
+
+    assert guess_content_type(b"SSTN", "weights.txt") == ss.store.TENSORS  # the bytes decide first
+    assert guess_content_type(b"hi", "notes.txt") == "text/plain; charset=utf-8"
+    assert guess_content_type(b"{}", "a.json") == "application/json"
+    assert guess_content_type(b"\x1f\x8b", "a.tar.gz") == ss.store.OCTETS  # compressed: not its inner type
+    assert guess_content_type(b"xx", None) == guess_content_type(b"xx", "model.onnx") == ss.store.OCTETS

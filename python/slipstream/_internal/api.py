@@ -186,7 +186,7 @@ def _seed(key: Any, value: Any, where: str) -> Seed:
             head = f.read(4)
     except OSError as e:
         raise ConfigError(f"{where}: seed {key!r}: cannot read {path}: {e.strerror or e}") from None
-    return Seed(key, path, content_type or guess_content_type(head))
+    return Seed(key, path, content_type or guess_content_type(head, str(path)))
 
 
 def worker_threads() -> int:

@@ -227,9 +227,18 @@ def encode_value(value: Value, content_type: str | None = None) -> tuple[list[by
     )
 
 
-def guess_content_type(head: bytes) -> str:
-    """The content type of a file's bytes: named tensors by their magic, else octets."""
-    return TENSORS if head[:4] == _MAGIC else OCTETS
+def guess_content_type(head: bytes, name: str | None = None) -> str:
+    """The content type of a file: named tensors by their magic, else what
+    its name says (``notes.txt``: text/plain), else octets."""
+    if head[:4] == _MAGIC:
+        return TENSORS
+    if name:
+        import mimetypes
+
+        guessed, encoding = mimetypes.guess_type(name)
+        if guessed and encoding is None:
+            return f"{guessed}; charset=utf-8" if guessed.startswith("text/") else guessed
+    return OCTETS
 
 
 # --- what the node answers -----------------------------------------------------

@@ -96,7 +96,7 @@ def cmd_put(a: argparse.Namespace) -> int:
             content_type = TENSORS
         else:
             value = _read_input(a.file)
-            content_type = a.content_type or guess_content_type(value[:4].tobytes())
+            content_type = a.content_type or guess_content_type(value[:4].tobytes(), None if a.file == "-" else a.file)
     except (OSError, ValueError) as e:
         return fail(f"cannot read {a.file}: {getattr(e, 'strerror', None) or e}")
     v = _store(a).put(a.key, value, if_version=a.if_version, content_type=content_type)
