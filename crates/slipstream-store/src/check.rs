@@ -169,4 +169,56 @@ mod tests {
             assert!(check_tensors(&c).is_err());
         }
     }
+
+    /// Mutated named-tensors values and random keys: never a panic, and
+    /// whatever is accepted keeps every tensor inside the value.
+    #[test]
+    fn mutations_never_panic_and_accepted_values_are_in_bounds() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        };
+        let header = r#"{"a":{"dtype":"float32","shape":[2,3],"offset":0,"nbytes":24},"b":{"dtype":"int64","shape":[4],"offset":64,"nbytes":32}}"#;
+        let seed = tensors(header, &[1u8; 96]);
+        let edges = [0u64, 1, 63, 64, 1 << 31, 1 << 62, u64::MAX, u64::MAX - 63];
+        let mut accepted = 0;
+        for _ in 0..50_000 {
+            let mut v = seed.clone();
+            for _ in 0..1 + next() % 4 {
+                let at = (next() as usize) % v.len();
+                match next() % 5 {
+                    0 => v[at] ^= 1 << (next() % 8),
+                    1 => v.truncate(at),
+                    2 if at + 8 <= v.len() => {
+                        v[at..at + 8].copy_from_slice(&edges[(next() % 8) as usize].to_le_bytes())
+                    }
+                    3 => {
+                        let alphabet = b"0123456789,:{}[]\"-";
+                        v.insert(at, alphabet[(next() as usize) % alphabet.len()])
+                    }
+                    _ => v.extend(std::iter::repeat_n(0u8, (next() % 200) as usize)),
+                }
+                if v.is_empty() {
+                    break;
+                }
+            }
+            if let Ok(h) = check_tensors(&v) {
+                accepted += 1;
+                let header_len = u64::from_le_bytes(v[8..16].try_into().unwrap()) as usize;
+                let data = (16 + header_len).next_multiple_of(64) as u64;
+                for t in h.values() {
+                    assert!(data + t.offset + t.nbytes <= v.len() as u64, "{t:?} outside a {}-byte value", v.len());
+                }
+            }
+            let key: String =
+                (0..next() % 12).map(|_| ['/', 'a', '.', ' ', '\n', 'é'][(next() % 6) as usize]).collect();
+            if check_key(&key).is_ok() {
+                assert!(key.starts_with('/') && !key.ends_with('/') && !key.contains("//") && !key.contains('\n'));
+            }
+        }
+        assert!(accepted > 0, "some mutations keep the value valid");
+    }
 }
