@@ -6,10 +6,14 @@ retention, and a model hot swap under load with no failed request."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -200,3 +204,26 @@ def test_model_hot_swap_under_load_fails_no_request(node: Node, store: ss.store.
         versions = [v for _, _, v in mine]
         assert versions == sorted(versions), "a client saw the old model after the new one"
     assert all(y == (2.0 if v == first else 3.0) for _, y, v in results)
+
+
+def test_a_temporary_store_goes_with_its_node_and_strays_are_swept() -> None:
+    # A store left by a killed node (no such process), and one of a live one.
+    tmp = Path(tempfile.gettempdir())
+    dead_pid = next(p for p in range(4_000_000, 4_100_000) if not Path(f"/proc/{p}").exists())
+    stray, alive = tmp / f"slipstream-store-{dead_pid}", tmp / f"slipstream-store-{os.getpid()}"
+    for d in (stray, alive):
+        (d / "blobs").mkdir(parents=True, exist_ok=True)
+    try:
+        n = Node(str(APPS / "storeapp.py"))
+        try:
+            n.wait_ready(120)
+            path = Path(n.get("/v1/store")[1]["path"])
+            assert path.is_dir() and path.name == f"slipstream-store-{n.proc.pid}"
+            assert not stray.exists(), "a dead node's temporary store is swept"
+            assert alive.exists(), "a live process's is not"
+        finally:
+            n.stop()
+        assert not path.exists(), "the node removes its temporary store at exit"
+    finally:
+        for d in (stray, alive):
+            shutil.rmtree(d, ignore_errors=True)

@@ -201,6 +201,7 @@ fn open_store(spec: &AppSpec, opts: &NodeOptions) -> Result<OpenStore, RunError>
     };
     if ephemeral {
         let _ = std::fs::remove_dir_all(&dir); // a previous process with this pid
+        sweep_dead_ephemeral_stores();
     }
     let mut so = slipstream_store::StoreOptions::new(dir);
     so.max_value = opts.store_max_value;
@@ -212,6 +213,23 @@ fn open_store(spec: &AppSpec, opts: &NodeOptions) -> Result<OpenStore, RunError>
         so.pools.push(p.to_pool().map_err(spec_err)?);
     }
     Ok(OpenStore { store: Arc::new(slipstream_store::Store::open(so)?), ephemeral })
+}
+
+/// Remove the temporary stores of nodes that died without cleaning up
+/// (killed): `slipstream-store-<pid>` whose process is gone (Linux: no
+/// `/proc/<pid>`).
+fn sweep_dead_ephemeral_stores() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else { return };
+    if !std::path::Path::new("/proc/self").exists() {
+        return; // no way to tell a dead pid here
+    }
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix("slipstream-store-")) else { continue };
+        if pid.parse::<u32>().is_ok() && !std::path::Path::new("/proc").join(pid).exists() {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
 }
 
 /// Put each seed file whose key has no live version.
