@@ -152,15 +152,6 @@ impl StageRt {
         Some(r)
     }
 
-    /// Affinity groups this stage has placed, per replica id.
-    pub fn groups_by_replica(&self) -> BTreeMap<u32, usize> {
-        let mut out = BTreeMap::new();
-        for id in self.sticky.lock().values() {
-            *out.entry(*id).or_insert(0) += 1;
-        }
-        out
-    }
-
     /// The current replicas (a snapshot).
     pub fn replicas(&self) -> ReplicaSet {
         self.replicas.read().clone()
@@ -424,13 +415,11 @@ impl PipelineRt {
     }
 }
 
-/// The first element of a string tensor (u32 length + bytes per element).
+/// The first element of a string tensor.
 fn first_string(t: &crate::arena::TensorRef) -> Option<String> {
     if t.dtype != DType::String {
         return None;
     }
-    let b = t.bytes();
-    let n = u32::from_le_bytes(b.get(..4)?.try_into().ok()?) as usize;
-    let s = b.get(4..4usize.checked_add(n)?)?;
-    String::from_utf8(s.to_vec()).ok()
+    let elems = slipstream_types::var::elements(t.bytes())?;
+    String::from_utf8(elems.first()?.to_vec()).ok()
 }

@@ -25,7 +25,6 @@ use crate::spec::TRIGGER_INPUTS;
 use parking_lot::Mutex;
 use serde_json::json;
 use slipstream_store::{Select, StoreError};
-use slipstream_types::DType;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -238,12 +237,10 @@ async fn record_failure(node: &Arc<Node>, pipe: &PipelineRt, item: &Item, err: &
     }
 }
 
-fn var_bytes(parts: &[&[u8]]) -> Vec<u8> {
-    let mut out = Vec::new();
-    for p in parts {
-        out.extend((p.len() as u32).to_le_bytes());
-        out.extend_from_slice(p);
-    }
+/// One variable-size element (the layout of string and bytes tensors).
+fn one_element(elem: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(4 + elem.len());
+    slipstream_types::var::push(&mut out, elem);
     out
 }
 
@@ -275,12 +272,11 @@ async fn inputs(node: &Arc<Node>, pipe: &PipelineRt, item: &Item) -> Result<Tens
             continue;
         }
         let bytes = match name {
-            "key" => var_bytes(&[item.key.as_bytes()]),
+            "key" => one_element(item.key.as_bytes()),
             "version" => (item.version as i64).to_le_bytes().to_vec(),
-            "op" => var_bytes(&[item.op.as_bytes()]),
-            _ => var_bytes(&[&value]),
+            "op" => one_element(item.op.as_bytes()),
+            _ => one_element(&value),
         };
-        debug_assert!(dtype != DType::Int64 || bytes.len() == 8);
         sample.inputs.push((name.to_string(), dtype, vec![1], bytes));
     }
     sample.to_arena(&node.arena)
@@ -293,8 +289,8 @@ pub async fn follow(node: Arc<Node>, mut stop: watch::Receiver<bool>, start: u64
         Ok(Some(c)) => c,
         _ => start,
     };
-    if cursor + 1 < store.feed_first() {
-        let first = store.feed_first();
+    let first = store.feed_first();
+    if cursor + 1 < first {
         node.events.record(
             "-",
             "-",

@@ -552,17 +552,6 @@ impl Store {
         self.inner.seq.subscribe()
     }
 
-    /// The pool `key` belongs to (longest matching prefix).
-    pub fn pool_of(&self, key: &str) -> Pool {
-        self.inner.pool_of(key).clone()
-    }
-
-    /// `(pool prefix, affinity key)` of `key`, if its pool declares
-    /// affinity and the key matches.
-    pub fn affinity_of(&self, key: &str) -> Option<(String, String)> {
-        affinity_of(&self.inner.opts.pools, key)
-    }
-
     /// Totals for `GET /v1/store`: (live keys, versions, bytes held).
     pub fn totals(&self) -> Result<(u64, u64, u64), StoreError> {
         let txn = self.inner.db.begin_read().map_err(io)?;

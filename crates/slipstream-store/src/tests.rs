@@ -60,8 +60,9 @@ fn prefix_listing_skips_deleted_and_other_prefixes() {
     let (keys, more) = s.keys("/", 2).unwrap();
     assert_eq!(keys.len(), 2);
     assert!(more);
-    assert_eq!(s.affinity_of("/docs/a/1"), Some(("/docs/".into(), "a".into())));
-    assert_eq!(s.affinity_of("/models/m"), None);
+    let pools = &s.options().pools;
+    assert_eq!(affinity_of(pools, "/docs/a/1"), Some(("/docs/".into(), "a".into())));
+    assert_eq!(affinity_of(pools, "/models/m"), None);
 }
 
 #[test]
