@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT / "bench"))
 
+from goodput import run_rate  # noqa: E402
 from limit import load_limit  # noqa: E402
 
 WORDS = ("quantum ledger parser daemon widget codec mirror shell raster tensor cipher router gauge "
@@ -57,19 +58,8 @@ def query(url: str, text: str) -> list[str]:
 
 
 def background(url: str, rate: float, seconds: float, slo_ms: float, out: dict[str, Any]) -> None:
-    from slipstream import _core
-
     body = json.dumps({"inputs": {"query": ["how do I configure a reverse proxy with TLS termination"]}}).encode()
-    cfg = {"url": f"{url}/v1/pipelines/rag/infer", "method": "POST", "body": list(body),
-           "content_type": "application/json", "headers": [], "rates": [rate], "duration_s": seconds,
-           "warmup_s": 0.0, "arrival": {"kind": "poisson"}, "max_connections": 1024, "timeout_s": 10.0,
-           "threads": 1, "seed": 5, "slo_ms": slo_ms}
-    r = json.loads(_core.bench(json.dumps(cfg), quiet=True))[0]
-    sent = max(int(r["sent"]), 1)
-    good = int(r["ok"]) - int(r["slower_than_slo"])
-    out.update(offered_rps=rate, sent=sent, ok=r["ok"], errors=r["errors"], errors_by_kind=r["errors_by_kind"],
-               p50_ms=r["latency_ms"]["p50"], p99_ms=r["latency_ms"]["p99"], goodput_rps=good / r["duration_s"],
-               miss_rate=(sent - good) / sent)
+    out.update(run_rate(url, "rag", body, rate, seconds, slo_ms, warmup_s=0.0, seed=5))
 
 
 def main() -> int:

@@ -52,14 +52,17 @@ def plan_for(app: str, cores: float, out: Path) -> dict[str, Any]:
     return dict(json.loads(out.read_text()))
 
 
-def run_rate(url: str, pipeline: str, body: bytes, rate: float, seconds: float, slo_ms: float) -> dict[str, Any]:
+def run_rate(url: str, pipeline: str, body: bytes, rate: float, seconds: float, slo_ms: float,
+             warmup_s: float = 2.0, seed: int = 11) -> dict[str, Any]:
+    """One open-loop Poisson run at `rate` with the project's generator: what
+    was answered, within the SLO or not (goodput), and the load average."""
     from slipstream import _core
 
     urllib_post(url + "/v1/admin/reset-metrics")
     cfg = {"url": f"{url}/v1/pipelines/{pipeline}/infer", "method": "POST", "body": list(body),
            "content_type": "application/json", "headers": [], "rates": [rate], "duration_s": seconds,
-           "warmup_s": 2.0, "arrival": {"kind": "poisson"}, "max_connections": 1024, "timeout_s": 10.0,
-           "threads": 1, "seed": 11, "slo_ms": slo_ms}
+           "warmup_s": warmup_s, "arrival": {"kind": "poisson"}, "max_connections": 1024, "timeout_s": 10.0,
+           "threads": 1, "seed": seed, "slo_ms": slo_ms}
     r = json.loads(_core.bench(json.dumps(cfg), quiet=True))[0]
     sent = max(int(r["sent"]), 1)
     good = int(r["ok"]) - int(r["slower_than_slo"])
