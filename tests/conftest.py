@@ -27,9 +27,11 @@ SLIPSTREAM = [sys.executable, "-m", "slipstream._internal.cli"]
 class Node:
     """A running `slipstream serve` process."""
 
-    def __init__(self, app: str, *args: str, ready_timeout: float = 60.0, env: dict[str, str] | None = None):
+    def __init__(self, app: str, *args: str, ready_timeout: float = 60.0, env: dict[str, str] | None = None,
+                 command: str = "serve"):
+        argv = [command, app] if command == "serve" else [command]
         self.proc = subprocess.Popen(
-            [*SLIPSTREAM, "serve", app, "--port", "0", *args],
+            [*SLIPSTREAM, *argv, "--port", "0", *args],
             cwd=ROOT,
             env={**os.environ, **(env or {})},
             stdout=subprocess.PIPE,

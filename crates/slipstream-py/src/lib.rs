@@ -23,7 +23,7 @@ fn core_err(kind: &str, message: impl ToString) -> PyErr {
 
 /// Serve the app described by `spec_json` until SIGINT/SIGTERM.
 #[pyfunction]
-#[pyo3(signature = (spec_json, host="127.0.0.1", port=8000, threads=0, max_body_bytes=0, request_timeout_s=0.0, drain_timeout_s=0.0, worker_start_timeout_s=0.0, pool_mb=0, admin_token=None, log=true, store_dir=None, store_max_value_mb=0))]
+#[pyo3(signature = (spec_json, host="127.0.0.1", port=8000, threads=0, max_body_bytes=0, request_timeout_s=0.0, drain_timeout_s=0.0, worker_start_timeout_s=0.0, pool_mb=0, admin_token=None, log=true, store_dir=None, store_max_value_mb=0, cluster_json=None))]
 #[allow(clippy::too_many_arguments)]
 fn serve(
     py: Python<'_>,
@@ -40,6 +40,7 @@ fn serve(
     log: bool,
     store_dir: Option<String>,
     store_max_value_mb: u64,
+    cluster_json: Option<String>,
 ) -> PyResult<()> {
     let spec: AppSpec = serde_json::from_str(spec_json).map_err(|e| core_err("invalid_spec", e))?;
     let admin_token = admin_token.filter(|t| !t.is_empty());
@@ -64,6 +65,9 @@ fn serve(
         opts.store_max_value = store_max_value_mb
             .checked_mul(1 << 20)
             .ok_or_else(|| core_err("invalid_option", "store_max_value_mb is too large"))?;
+    }
+    if let Some(c) = cluster_json.filter(|c| !c.is_empty()) {
+        opts.cluster = Some(serde_json::from_str(&c).map_err(|e| core_err("invalid_option", format!("cluster: {e}")))?);
     }
     if pool_mb > 0 {
         opts.replica_pool_bytes = pool_mb << 20;

@@ -15,10 +15,12 @@
 //! - [`http`]: routes, admin authorisation and the error-to-status mapping;
 //! - [`metrics`], [`report`]: counters and histograms; status and Prometheus text;
 //! - [`events`]: recent replica lifecycle events;
-//! - [`store_http`]: the object store's routes; [`triggers`]: puts that invoke pipelines.
+//! - [`store_http`]: the object store's routes; [`triggers`]: puts that invoke pipelines;
+//! - [`cluster`]: membership and placement on etcd, and the data plane between nodes.
 
 pub mod arena;
 pub mod autoscale;
+pub mod cluster;
 pub mod codec;
 pub mod error;
 pub mod events;

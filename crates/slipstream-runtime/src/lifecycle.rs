@@ -44,6 +44,10 @@ pub enum RunError {
     Io(#[from] std::io::Error),
     #[error("object store: {0}")]
     Store(#[from] slipstream_store::StoreError),
+    #[error("cluster: {0}")]
+    Cluster(String),
+    #[error("a new deployment replaced this one; the node stopped to run it")]
+    Redeploy,
 }
 
 impl RunError {
@@ -55,6 +59,8 @@ impl RunError {
             RunError::Node(e) => e.kind(),
             RunError::Io(_) => "io",
             RunError::Store(e) => e.kind(),
+            RunError::Cluster(_) => "cluster",
+            RunError::Redeploy => "redeploy",
         }
     }
 }
@@ -151,7 +157,9 @@ fn build_pipelines(
         let mut stages = Vec::with_capacity(p.stages.len());
         for (i, s) in p.stages.iter().enumerate() {
             let stage = StageRt::new(s, i, former_for(spec, &p.name, s)?);
-            for _ in 0..s.replicas {
+            // In a cluster, the placement says how many run here.
+            let replicas = if opts.cluster.is_some() { 0 } else { s.replicas };
+            for _ in 0..replicas {
                 stage.add_replica(arena.replica_pool(opts.replica_pool_bytes)?, epoch, false);
             }
             stages.push(stage);
@@ -268,6 +276,18 @@ pub fn run_blocking(
     rt.block_on(run(spec, opts, on_listen, shutdown_signal()))
 }
 
+/// Resolves when the cluster agent saw a new deployment (never without a cluster).
+async fn redeployed(rx: Option<&mut watch::Receiver<bool>>) {
+    if let Some(rx) = rx {
+        while rx.changed().await.is_ok() {
+            if *rx.borrow() {
+                return;
+            }
+        }
+    }
+    std::future::pending().await
+}
+
 async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
@@ -316,6 +336,9 @@ pub async fn run(
         local
     };
     worker_env.insert("SLIPSTREAM_NODE_URL".into(), format!("http://{loopback}"));
+    if let Some(c) = &opts.cluster {
+        worker_env.insert("SLIPSTREAM_NODE_NAME".into(), c.name.clone());
+    }
     if let Some(t) = &opts.admin_token {
         worker_env.insert("SLIPSTREAM_STORE_TOKEN".into(), t.clone());
     }
@@ -336,6 +359,12 @@ pub async fn run(
         store.store.clone(),
     ));
 
+    node.set_listen_port(local.port());
+    let mut joined = match opts.cluster.clone() {
+        Some(c) => Some(crate::cluster::start(&node, c).await.map_err(RunError::Cluster)?),
+        None => None,
+    };
+    let mut redeploy = joined.as_ref().map(|j| j.redeploy.clone());
     let mut first_starts = Vec::new();
     for p in node.pipelines.values() {
         for s in &p.stages {
@@ -365,9 +394,14 @@ pub async fn run(
                 Err(_) => return Err(RunError::WorkerStart { stage, message: "replica task ended".into() }),
             }
         }
-        prime(&node).await;
+        if node.cluster().is_none() {
+            prime(&node).await;
+        }
         node.mark_serving();
-        tokio::spawn(crate::autoscale::run(node.clone(), node.supervisor.stop.clone()));
+        if node.cluster().is_none() {
+            // In a cluster the placement sets replica counts.
+            tokio::spawn(crate::autoscale::run(node.clone(), node.supervisor.stop.clone()));
+        }
         if !node.triggers.is_empty() {
             tokio::spawn(crate::triggers::follow(node.clone(), node.supervisor.stop.clone(), feed_start));
         }
@@ -414,9 +448,16 @@ pub async fn run(
                 });
             }
             _ = &mut shutdown => break,
+            _ = redeployed(redeploy.as_mut()) => {
+                outcome = Err(RunError::Redeploy);
+                break;
+            }
         }
     }
     drop(listener);
+    if let Some(j) = &mut joined {
+        j.leave().await;
+    }
 
     // Drain: refuse new work, wait for in-flight requests.
     let inflight = node.start_draining();
@@ -432,6 +473,7 @@ pub async fn run(
     for t in tasks {
         let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
     }
+    drop(joined); // the data plane served other nodes' work until now
     arena.unlink_all();
     let _ = std::fs::remove_dir_all(&socket_dir);
     if opts.log && outcome.is_ok() {

@@ -29,6 +29,10 @@ use tokio::task::JoinHandle;
 /// Replicas one stage may be scaled to.
 pub const MAX_REPLICAS: usize = 64;
 
+/// How long a replica the cluster placed elsewhere keeps serving before it
+/// drains (other nodes apply the new placement within this).
+const PLACEMENT_GRACE: Duration = Duration::from_secs(2);
+
 /// Node settings. Defaults suit one machine; the CLI overrides them.
 #[derive(Clone, Debug)]
 pub struct NodeOptions {
@@ -56,6 +60,8 @@ pub struct NodeOptions {
     pub store_dir: Option<PathBuf>,
     /// The largest value a store put may carry.
     pub store_max_value: u64,
+    /// Join a cluster on etcd (`docs/design/cluster.md`); None: one machine.
+    pub cluster: Option<crate::cluster::ClusterOptions>,
 }
 
 impl Default for NodeOptions {
@@ -76,6 +82,7 @@ impl Default for NodeOptions {
             autoscale: Default::default(),
             store_dir: None,
             store_max_value: 1 << 30,
+            cluster: None,
         }
     }
 }
@@ -100,6 +107,10 @@ pub struct Node {
     /// Models, indices and documents (see `docs/design/store.md`).
     pub store: Arc<slipstream_store::Store>,
     pub triggers: crate::triggers::Triggers,
+    /// The cluster side, when the node is part of one (set once at start-up).
+    cluster: std::sync::OnceLock<Arc<crate::cluster::Cluster>>,
+    /// The HTTP port it listens on (known once bound).
+    port: std::sync::atomic::AtomicU16,
     /// Start-up finished: every first worker reported ready.
     serving: AtomicBool,
     draining: AtomicBool,
@@ -153,6 +164,8 @@ impl Node {
             started: Instant::now(),
             admission,
             supervisor,
+            cluster: std::sync::OnceLock::new(),
+            port: std::sync::atomic::AtomicU16::new(0),
             serving: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             inflight: AtomicUsize::new(0),
@@ -160,6 +173,23 @@ impl Node {
             next_id: AtomicU64::new(1),
             scaling: Mutex::new(()),
         }
+    }
+
+    /// The cluster this node belongs to, if any.
+    pub fn cluster(&self) -> Option<&Arc<crate::cluster::Cluster>> {
+        self.cluster.get()
+    }
+
+    pub fn join_cluster(&self, c: Arc<crate::cluster::Cluster>) {
+        let _ = self.cluster.set(c);
+    }
+
+    pub fn set_listen_port(&self, port: u16) {
+        self.port.store(port, Relaxed);
+    }
+
+    pub fn listen_port(&self) -> u16 {
+        self.port.load(Relaxed)
     }
 
     /// A fresh request id.
@@ -240,9 +270,13 @@ impl Node {
             events: self.events.clone(),
             stop: self.supervisor.stop.clone(),
         };
+        let run = match (ctx.me.is_local(), self.cluster()) {
+            (false, Some(c)) => tokio::spawn(crate::cluster::dataplane::run_remote(ctx, c.clone())),
+            _ => tokio::spawn(task::run(ctx, first_start)),
+        };
         let mut tasks = self.supervisor.tasks.lock();
         tasks.retain(|t| !t.is_finished());
-        tasks.push(tokio::spawn(task::run(ctx, first_start)));
+        tasks.push(run);
     }
 
     /// Admission control, decided before the body is decoded, so that
@@ -337,7 +371,8 @@ impl Node {
         let _one_at_a_time = self.scaling.lock();
         let pipe = self.pipeline(pipeline)?;
         let st = pipe.stage(stage)?;
-        let mut live: Vec<Arc<Replica>> = st.replicas().iter().filter(|r| r.phase().will_serve()).cloned().collect();
+        let mut live: Vec<Arc<Replica>> =
+            st.replicas().iter().filter(|r| r.is_local() && r.phase().will_serve()).cloned().collect();
         let from = live.len();
         let (mut added, mut draining) = (Vec::new(), Vec::new());
         if n > from {
@@ -363,6 +398,68 @@ impl Node {
             "added": added,
             "draining": draining,
         }))
+    }
+
+    /// The cluster's placement gives this node `n` replicas of `st` (0
+    /// allowed): start the missing ones; drain the surplus after a grace
+    /// period, during which nodes still routing here by the old placement
+    /// are served (they apply the new one within moments).
+    pub fn set_local_replicas(self: &Arc<Self>, pipe: &Arc<PipelineRt>, st: &StageRt, n: usize) {
+        let _one_at_a_time = self.scaling.lock();
+        let mut live: Vec<Arc<Replica>> =
+            st.replicas().iter().filter(|r| r.is_local() && r.phase().will_serve() && !r.leaving()).cloned().collect();
+        let from = live.len();
+        if n > from {
+            self.add_replicas(pipe, st, n - from, false);
+        } else if n < from {
+            live.sort_by_key(|r| (r.phase() == Phase::Ready, r.load().outstanding, std::cmp::Reverse(r.id)));
+            for r in live.into_iter().take(from - n) {
+                r.mark_leaving();
+                self.events.record(pipe.name(), &st.name, Some(r.id), "leaving", "placed elsewhere".into());
+                let events = self.events.clone();
+                let (pipe, stage) = (pipe.name().to_string(), st.name.clone());
+                tokio::spawn(async move {
+                    tokio::time::sleep(PLACEMENT_GRACE).await;
+                    if r.drain() {
+                        events.record(&pipe, &stage, Some(r.id), "draining", "placed elsewhere".into());
+                    }
+                });
+            }
+        }
+        if n != from {
+            self.events.record(pipe.name(), &st.name, None, "placed", format!("{from} -> {n} replicas here"));
+        }
+    }
+
+    /// The cluster's placement gives node `name` `count` replicas of `st`
+    /// (for every member but this one): keep one remote replica here per
+    /// replica placed there; drain those of nodes that left or lost them.
+    pub fn set_remote_replicas(
+        &self,
+        pipe: &Arc<PipelineRt>,
+        st: &StageRt,
+        nodes: &BTreeMap<String, (std::net::SocketAddr, usize)>,
+    ) {
+        let _one_at_a_time = self.scaling.lock();
+        let set = st.replicas();
+        let mut have: BTreeMap<&str, usize> = BTreeMap::new();
+        for r in set.iter().filter(|r| r.phase().will_serve()) {
+            let Some(at) = &r.remote else { continue };
+            let keep = nodes.get(&at.node).is_some_and(|(addr, n)| *addr == at.addr && have.get(at.node.as_str()).copied().unwrap_or(0) < *n);
+            if keep {
+                *have.entry(at.node.as_str()).or_default() += 1;
+            } else if r.drain() {
+                self.events.record(pipe.name(), &st.name, Some(r.id), "draining", format!("node {} left or lost it", at.node));
+            }
+        }
+        for (name, (addr, n)) in nodes {
+            for _ in have.get(name.as_str()).copied().unwrap_or(0)..*n {
+                let at = crate::replica::RemoteAt { node: name.clone(), addr: *addr };
+                let r = st.add_remote(at, self.arena.ingress(), pipe.epoch);
+                self.events.record(pipe.name(), &st.name, Some(r.id), "added", format!("on node {name}"));
+                self.spawn_replica(pipe, st.index, r, None);
+            }
+        }
     }
 
     /// Start `n` replicas of `st` (warm-up before traffic; as standbys,

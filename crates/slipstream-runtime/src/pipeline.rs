@@ -174,12 +174,30 @@ impl StageRt {
     /// as a `standby`, until it is promoted), with its sibling's learned
     /// profile when there is one.
     pub fn add_replica(&self, pool: Arc<Pool>, epoch: Instant, standby: bool) -> Arc<Replica> {
-        let former = self.replicas().iter().find(|r| r.phase() == Phase::Ready).map_or(self.template.clone(), |r| {
+        let r = Replica::new(self.next_id.fetch_add(1, Relaxed), pool, self.learned_former(), epoch, standby);
+        self.insert(Arc::new(r))
+    }
+
+    /// A new replica standing for one on another node (starting until that
+    /// node reports its replicas ready); replies arrive in `pool`.
+    pub fn add_remote(&self, at: crate::replica::RemoteAt, pool: Arc<Pool>, epoch: Instant) -> Arc<Replica> {
+        let r = Replica::new(self.next_id.fetch_add(1, Relaxed), pool, self.learned_former(), epoch, false);
+        self.insert(Arc::new(r.on_node(at)))
+    }
+
+    /// The batch former a new replica starts with: a serving sibling's
+    /// profile (a local one first: a remote one's includes the network), else the template.
+    fn learned_former(&self) -> BatchFormer {
+        let set = self.replicas();
+        let ready = set.iter().filter(|r| r.phase() == Phase::Ready);
+        ready.clone().find(|r| r.is_local()).or(ready.clone().next()).map_or(self.template.clone(), |r| {
             let mut f = r.former();
             f.limit = f.max_batch;
             f
-        });
-        let r = Arc::new(Replica::new(self.next_id.fetch_add(1, Relaxed), pool, former, epoch, standby));
+        })
+    }
+
+    fn insert(&self, r: Arc<Replica>) -> Arc<Replica> {
         let mut set = self.replicas.write();
         let mut next = (**set).clone();
         next.push(r.clone());
@@ -239,6 +257,18 @@ impl StageRt {
             let set = self.replicas();
             let waiting: Vec<&Arc<Replica>> = set.iter().filter(|r| r.phase().will_serve() && !is(not, r)).collect();
             (!waiting.is_empty()).then(|| waiting[(tiebreak as usize) % waiting.len()].clone())
+        })
+    }
+
+    /// Where work another node sent goes: the shortest accepting queue among
+    /// this node's own replicas, else one of them that will serve.
+    pub fn local_target(&self, tiebreak: u64) -> Option<Arc<Replica>> {
+        let set = self.replicas();
+        let local: Vec<&Arc<Replica>> = set.iter().filter(|r| r.is_local()).collect();
+        let loads: Vec<ReplicaLoad> = local.iter().map(|r| r.load()).collect();
+        choose_replica(&loads, tiebreak).map(|i| local[i].clone()).or_else(|| {
+            let waiting: Vec<&&Arc<Replica>> = local.iter().filter(|r| r.phase().will_serve()).collect();
+            (!waiting.is_empty()).then(|| (*waiting[(tiebreak as usize) % waiting.len()]).clone())
         })
     }
 
@@ -409,6 +439,18 @@ impl PipelineRt {
     pub fn enqueue(&self, req: Arc<Request>, stage: usize) {
         let s = &self.stages[stage];
         let routed = req.route[stage].clone();
+        if req.is_stage_only() {
+            // Another node's work stays on this node's replicas.
+            let target = if routed.phase() == Phase::Ready { Some(routed) } else { s.local_target(req.id) };
+            let refused = match target {
+                Some(r) => r.push(req).err(),
+                None => Some(req),
+            };
+            if let Some(req) = refused {
+                req.fail(NodeError::Unavailable { stage: s.name.clone(), reason: "no replica here takes it".into() });
+            }
+            return;
+        }
         if let Err(req) = s.place(req, Some(&routed), None) {
             req.fail(NodeError::Unavailable { stage: s.name.clone(), reason: "it has no live replica".into() });
         }

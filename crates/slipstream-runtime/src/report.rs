@@ -40,6 +40,8 @@ pub fn status(node: &Node) -> Value {
                                 "queue": l.queued,
                                 "outstanding": l.outstanding,
                                 "batch_limit": r.batch_limit(),
+                                "node": r.remote.as_ref().map(|at| at.node.as_str()),
+                                "leaving": r.leaving(),
                             })
                         }).collect::<Vec<_>>(),
                         "batches": m.batches.load(Relaxed),
@@ -103,6 +105,7 @@ pub fn status(node: &Node) -> Value {
                 "failed": node.triggers.metrics.failed.load(Relaxed),
             },
         },
+        "cluster": node.cluster().map(|c| c.status()),
         "events": node.events.recent(),
     })
 }

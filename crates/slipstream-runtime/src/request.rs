@@ -51,6 +51,9 @@ pub struct Request {
     pub route: Vec<Arc<Replica>>,
     /// Whether this request was already retried after a worker died.
     pub retried: AtomicBool,
+    /// Set for one stage's work run on behalf of another node (see
+    /// [`Request::for_stage`]): only that stage runs, and its outputs are the answer.
+    only: Option<usize>,
     done: AtomicBool,
     state: Mutex<State>,
 }
@@ -58,6 +61,30 @@ pub struct Request {
 impl Request {
     /// A new request with the deadline and route of its ticket.
     fn new(pipe: Arc<PipelineRt>, inputs: Tensors, ticket: Ticket) -> (Arc<Request>, oneshot::Receiver<Reply>) {
+        Self::build(pipe, inputs, ticket, None)
+    }
+
+    /// One stage's work for a request that entered the cluster at another
+    /// node (its ingress keeps the request's state and joins; this node
+    /// runs stage `stage` on `replica`'s queue, alongside its own requests,
+    /// ordered by the same deadline). The answer is the stage's outputs.
+    pub fn for_stage(
+        pipe: Arc<PipelineRt>,
+        stage: usize,
+        inputs: Tensors,
+        ticket: Ticket,
+    ) -> (Arc<Request>, oneshot::Receiver<Reply>) {
+        let (req, rx) = Self::build(pipe, inputs, ticket, Some(stage));
+        req.pipe.enqueue(req.clone(), stage);
+        (req, rx)
+    }
+
+    fn build(
+        pipe: Arc<PipelineRt>,
+        inputs: Tensors,
+        ticket: Ticket,
+        only: Option<usize>,
+    ) -> (Arc<Request>, oneshot::Receiver<Reply>) {
         let (tx, rx) = oneshot::channel();
         let Ticket { id, arrival, deadline, route } = ticket;
         let n = pipe.stages.len();
@@ -77,6 +104,7 @@ impl Request {
             deadline_ns,
             route,
             retried: AtomicBool::new(false),
+            only,
             done: AtomicBool::new(false),
             state: Mutex::new(state),
         });
@@ -90,6 +118,12 @@ impl Request {
         }
     }
 
+    /// One stage's work run for another node ([`Request::for_stage`]): it
+    /// stays on this node's replicas.
+    pub fn is_stage_only(&self) -> bool {
+        self.only.is_some()
+    }
+
     pub fn is_done(&self) -> bool {
         self.done.load(Relaxed)
     }
@@ -99,7 +133,7 @@ impl Request {
     pub fn stage_inputs(&self, stage: usize) -> Result<Tensors, NodeError> {
         let st = self.state.lock();
         let parents = &self.pipe.dag.parents[stage];
-        if parents.is_empty() {
+        if parents.is_empty() || self.only == Some(stage) {
             return Ok(st.inputs.clone());
         }
         let mut merged: Tensors = Vec::new();
@@ -128,6 +162,15 @@ impl Request {
         {
             let mut st = self.state.lock();
             if st.reply.is_none() {
+                return;
+            }
+            if self.only == Some(stage) {
+                let tx = st.reply.take();
+                self.release(&mut st);
+                drop(st);
+                if let Some(tx) = tx {
+                    let _ = tx.send(Ok(outputs));
+                }
                 return;
             }
             st.outputs[stage] = Some(outputs);
@@ -165,6 +208,9 @@ impl Request {
     /// The stage the request waits at or runs in now (the first whose
     /// parents are all done and whose own output is not in yet).
     pub fn stage_now(&self) -> String {
+        if let Some(s) = self.only {
+            return self.pipe.stages[s].name.clone();
+        }
         let st = self.state.lock();
         let at = (0..self.pipe.stages.len()).find(|&s| st.pending_parents[s] == 0 && st.outputs[s].is_none());
         at.map_or_else(|| "-".into(), |s| self.pipe.stages[s].name.clone())

@@ -18,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from slipstream._internal.cluster_cli import add_cluster_commands
 from slipstream._internal.errors import Error, ServeError
 from slipstream._internal.store_cli import add_store_commands
 from slipstream._internal.store_cli import fail as _fail
@@ -25,8 +26,8 @@ from slipstream._internal.store_cli import fail as _fail
 DEFAULT_URL = os.environ.get("SLIPSTREAM_URL", "http://127.0.0.1:8000")
 
 
-def cmd_serve(a: argparse.Namespace) -> int:
-    from slipstream import _core
+def build_spec(a: argparse.Namespace) -> dict[str, Any]:
+    """The app's spec for the node, from the app file and the spec flags (serve and deploy share them)."""
     from slipstream._internal.app import app_spec, default_profile_path, load_pipelines, load_profiles
 
     _, pipelines = load_pipelines(a.app)
@@ -49,21 +50,32 @@ def cmd_serve(a: argparse.Namespace) -> int:
             for s in p.to_spec()["stages"]
         )
         print(f"slipstream: pipeline {p.name}: {stages}", file=sys.stderr)
+    return spec
+
+
+def node_options(a: argparse.Namespace) -> dict[str, Any]:
+    """`_core.serve`'s node settings from the node flags (serve and node share them)."""
+    return {
+        "host": a.host,
+        "port": a.port,
+        "threads": a.threads,
+        "max_body_bytes": int(a.max_body_mb * (1 << 20)),
+        "request_timeout_s": a.request_timeout,
+        "drain_timeout_s": a.drain_timeout,
+        "worker_start_timeout_s": a.worker_start_timeout,
+        "pool_mb": a.pool_mb,
+        "admin_token": a.admin_token,
+        "store_dir": a.store or None,
+        "store_max_value_mb": a.store_max_value_mb,
+    }
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from slipstream import _core
+
+    spec = build_spec(a)
     try:
-        _core.serve(
-            json.dumps(spec),
-            host=a.host,
-            port=a.port,
-            threads=a.threads,
-            max_body_bytes=int(a.max_body_mb * (1 << 20)),
-            request_timeout_s=a.request_timeout,
-            drain_timeout_s=a.drain_timeout,
-            worker_start_timeout_s=a.worker_start_timeout,
-            pool_mb=a.pool_mb,
-            admin_token=a.admin_token,
-            store_dir=a.store or None,
-            store_max_value_mb=a.store_max_value_mb,
-        )
+        _core.serve(json.dumps(spec), **node_options(a))
     except _core.CoreError as e:
         kind, message = e.args
         raise ServeError(kind, message) from None
@@ -562,47 +574,58 @@ def cmd_plan(a: argparse.Namespace) -> int:
     return 0
 
 
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    """The flags that shape an app's spec (serve and deploy)."""
+    p.add_argument("app", help="app file, optionally file.py:pipeline_variable")
+    p.add_argument("--profile", action="append", default=[],
+                   help="latency profile from `slipstream profile` (default: APP.profile.json beside the app, if any)")
+    p.add_argument("--plan", metavar="FILE",
+                   help="run with a plan from `slipstream plan` (its replicas, threads and batch limits per stage)")
+    p.add_argument("--batching", choices=["deadline", "fixed"], default="deadline",
+                   help="deadline-aware batch former (default), or fixed max-batch + wait (the Triton/Ray policy)")
+    p.add_argument("--fixed-wait-ms", type=float, default=2.0, help="the fixed policy's wait for a full batch")
+    p.add_argument("--max-wait-ms", type=float, default=2.0, help="the deadline policy's longest delayed-batching wait")
+    p.add_argument("--no-admission", action="store_true", help="do not refuse requests predicted to miss the SLO")
+    p.add_argument("--autoscale", choices=["anticipatory", "reactive", "off"],
+                   default=os.environ.get("SLIPSTREAM_AUTOSCALE", "anticipatory"),
+                   help="how stages declared with replicas=(lo, hi) follow the load: warm standbys started on the "
+                        "load trend and promoted when the forecast needs them (default), a replica started only "
+                        "once requests miss, or no change")
+    p.add_argument("--cores", type=float, default=None,
+                   help="cores the replicas may use, for the autoscaler (default: the machine's)")
+    p.add_argument("--scale-down-after", type=float, default=10.0, metavar="SECONDS",
+                   help="the autoscaler retires a replica only after the load needed fewer for this long")
+
+
+def add_node_args(p: argparse.ArgumentParser) -> None:
+    """The flags of a node (serve and node)."""
+    p.add_argument("--host", default=os.environ.get("SLIPSTREAM_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(os.environ.get("SLIPSTREAM_PORT", "8000")))
+    p.add_argument("--threads", type=int, default=0, help="node threads (default: min(cores, 4))")
+    p.add_argument("--max-body-mb", type=float, default=64.0)
+    p.add_argument("--request-timeout", type=float, default=30.0, help="seconds before a request is answered 504")
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--worker-start-timeout", type=float, default=300.0)
+    p.add_argument("--pool-mb", type=int, default=0, help="shared-memory pool size per replica (MiB)")
+    p.add_argument("--admin-token", default=os.environ.get("SLIPSTREAM_ADMIN_TOKEN"),
+                   help="bearer token for the admin routes (scale, reset-metrics); required to use them when "
+                        "--host is not a loopback address (default: $SLIPSTREAM_ADMIN_TOKEN)")
+    p.add_argument("--store", metavar="DIR", default=os.environ.get("SLIPSTREAM_STORE") or None,
+                   help="the object store's directory, kept across restarts (default: $SLIPSTREAM_STORE, else "
+                        "an ephemeral store in a temporary directory, deleted when the node exits)")
+    p.add_argument("--store-max-value-mb", type=int, default=0, metavar="N",
+                   help="largest value the store takes, MiB (default 0: the node's, 1024)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="slipstream", description="Serve multi-stage ML pipelines under a latency SLO.")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("serve", help="serve the pipelines of an app file")
-    s.add_argument("app", help="app file, optionally file.py:pipeline_variable")
-    s.add_argument("--host", default=os.environ.get("SLIPSTREAM_HOST", "127.0.0.1"))
-    s.add_argument("--port", type=int, default=int(os.environ.get("SLIPSTREAM_PORT", "8000")))
-    s.add_argument("--threads", type=int, default=0, help="node threads (default: min(cores, 4))")
-    s.add_argument("--max-body-mb", type=float, default=64.0)
-    s.add_argument("--request-timeout", type=float, default=30.0, help="seconds before a request is answered 504")
-    s.add_argument("--drain-timeout", type=float, default=30.0)
-    s.add_argument("--worker-start-timeout", type=float, default=300.0)
-    s.add_argument("--pool-mb", type=int, default=0, help="shared-memory pool size per replica (MiB)")
-    s.add_argument("--profile", action="append", default=[],
-                   help="latency profile from `slipstream profile` (default: APP.profile.json beside the app, if any)")
-    s.add_argument("--plan", metavar="FILE",
-                   help="run with a plan from `slipstream plan` (its replicas, threads and batch limits per stage)")
-    s.add_argument("--batching", choices=["deadline", "fixed"], default="deadline",
-                   help="deadline-aware batch former (default), or fixed max-batch + wait (the Triton/Ray policy)")
-    s.add_argument("--fixed-wait-ms", type=float, default=2.0, help="the fixed policy's wait for a full batch")
-    s.add_argument("--max-wait-ms", type=float, default=2.0, help="the deadline policy's longest delayed-batching wait")
-    s.add_argument("--no-admission", action="store_true", help="do not refuse requests predicted to miss the SLO")
-    s.add_argument("--admin-token", default=os.environ.get("SLIPSTREAM_ADMIN_TOKEN"),
-                   help="bearer token for the admin routes (scale, reset-metrics); required to use them when "
-                        "--host is not a loopback address (default: $SLIPSTREAM_ADMIN_TOKEN)")
-    s.add_argument("--autoscale", choices=["anticipatory", "reactive", "off"],
-                   default=os.environ.get("SLIPSTREAM_AUTOSCALE", "anticipatory"),
-                   help="how stages declared with replicas=(lo, hi) follow the load: warm standbys started on the "
-                        "load trend and promoted when the forecast needs them (default), a replica started only "
-                        "once requests miss, or no change")
-    s.add_argument("--cores", type=float, default=None,
-                   help="cores the replicas may use, for the autoscaler (default: the machine's)")
-    s.add_argument("--scale-down-after", type=float, default=10.0, metavar="SECONDS",
-                   help="the autoscaler retires a replica only after the load needed fewer for this long")
-    s.add_argument("--store", metavar="DIR", default=os.environ.get("SLIPSTREAM_STORE") or None,
-                   help="the object store's directory, kept across restarts (default: $SLIPSTREAM_STORE, else "
-                        "an ephemeral store in a temporary directory, deleted when the node exits)")
-    s.add_argument("--store-max-value-mb", type=int, default=0, metavar="N",
-                   help="largest value the store takes, MiB (default 0: the node's, 1024)")
+    add_spec_args(s)
+    add_node_args(s)
     s.set_defaults(fn=cmd_serve)
+    add_cluster_commands(sub, add_spec_args, add_node_args, build_spec, node_options)
 
     st = sub.add_parser("status", help="stages, replicas, queue depths, batch sizes of a running node")
     st.add_argument("--url", default=DEFAULT_URL)

@@ -163,12 +163,28 @@ impl LoadCell {
 /// What [`Replica::take_batch`] handed the replica task.
 pub type Step = Taken<Work>;
 
+/// A replica that runs on another node of the cluster: this node keeps its
+/// queue (EDF, batching) and sends each batch over the data plane.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteAt {
+    /// The node's name in the cluster.
+    pub node: String,
+    /// Its data-plane address.
+    pub addr: std::net::SocketAddr,
+}
+
 /// A worker replica of a stage, as the scheduler sees it.
 pub struct Replica {
     /// Unique within its stage for the node's lifetime (names the worker).
     pub id: u32,
-    /// The pool its worker allocates outputs in.
+    /// The pool its worker allocates outputs in (for a remote replica: the
+    /// ingress pool, where the replies are received).
     pub pool: Arc<Pool>,
+    /// Set for a replica on another node (see [`RemoteAt`]).
+    pub remote: Option<RemoteAt>,
+    /// The cluster placed it elsewhere: it serves until it drains (a
+    /// moment later), and no longer counts towards this node's share.
+    leaving: AtomicBool,
     /// Reference instant of the pipeline's ns clock.
     epoch: Instant,
     state: Mutex<State>,
@@ -186,6 +202,8 @@ impl Replica {
         let r = Replica {
             id,
             pool,
+            remote: None,
+            leaving: AtomicBool::new(false),
             epoch,
             state: Mutex::new(State {
                 phase: Phase::Starting,
@@ -203,6 +221,25 @@ impl Replica {
         };
         r.publish(&r.state.lock());
         r
+    }
+
+    /// The same replica, standing for one on another node.
+    pub fn on_node(mut self, at: RemoteAt) -> Replica {
+        self.remote = Some(at);
+        self
+    }
+
+    pub fn mark_leaving(&self) {
+        self.leaving.store(true, Relaxed);
+    }
+
+    pub fn leaving(&self) -> bool {
+        self.leaving.load(Relaxed)
+    }
+
+    /// Runs on this node (it has a worker process here).
+    pub fn is_local(&self) -> bool {
+        self.remote.is_none()
     }
 
     fn now_ns(&self) -> u64 {

@@ -54,15 +54,15 @@ enum Ended {
 }
 
 impl ReplicaCtx {
-    fn stage(&self) -> &StageRt {
+    pub(crate) fn stage(&self) -> &StageRt {
         &self.pipe.stages[self.stage]
     }
 
-    fn event(&self, what: &'static str, detail: String) {
+    pub(crate) fn event(&self, what: &'static str, detail: String) {
         self.events.record(self.pipe.name(), &self.stage().name, Some(self.me.id), what, detail);
     }
 
-    fn stopping(&self) -> bool {
+    pub(crate) fn stopping(&self) -> bool {
         *self.stop.borrow()
     }
 }
@@ -212,7 +212,7 @@ async fn sleep_until_opt(at: Option<Instant>) {
 
 /// Move what waited for a dead worker to accepting replicas, if any (else
 /// it waits here for the restart).
-fn move_queue_elsewhere(ctx: &ReplicaCtx) {
+pub(crate) fn move_queue_elsewhere(ctx: &ReplicaCtx) {
     let stage = ctx.stage();
     if stage.choose(0, Some(&ctx.me)).is_none() {
         return;
@@ -271,7 +271,7 @@ fn maybe_sample(ctx: &ReplicaCtx, inputs: &Tensors) {
 
 /// The tail shape and dtype of every input: requests can share a batch only
 /// when these agree.
-fn signature(inputs: &Tensors) -> Vec<(&str, slipstream_types::DType, &[u64])> {
+pub(crate) fn signature(inputs: &Tensors) -> Vec<(&str, slipstream_types::DType, &[u64])> {
     inputs.iter().map(|(n, t)| (n.as_str(), t.dtype, &t.shape[1..])).collect()
 }
 
@@ -380,7 +380,7 @@ async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>, budget_ns:
     }
 }
 
-fn fail_all(members: Vec<(Arc<Request>, Tensors)>, err: impl Fn(&Request) -> NodeError) {
+pub(crate) fn fail_all(members: Vec<(Arc<Request>, Tensors)>, err: impl Fn(&Request) -> NodeError) {
     for (req, _) in members {
         let e = err(&req);
         req.fail(e);
@@ -389,7 +389,7 @@ fn fail_all(members: Vec<(Arc<Request>, Tensors)>, err: impl Fn(&Request) -> Nod
 
 /// The worker died with this batch in flight: retry each request once on
 /// another replica of the stage, else fail it with 503.
-fn retry_or_fail(ctx: &ReplicaCtx, members: Vec<(Arc<Request>, Tensors)>, why: &str) {
+pub(crate) fn retry_or_fail(ctx: &ReplicaCtx, members: Vec<(Arc<Request>, Tensors)>, why: &str) {
     let stage = ctx.stage();
     ctx.me.worker_died();
     let fail = |req: Arc<Request>| {

@@ -1,0 +1,254 @@
+"""A cluster of nodes on etcd: ``slipstream deploy`` and ``slipstream node``.
+
+``deploy`` builds the app's spec (as ``serve`` does) and puts it into etcd
+under ``/slipstream/<cluster>/deploy``, signed with the cluster token.
+``node`` joins the cluster: it waits for a deployment, checks that the app
+file it names is here and unchanged (every node runs the same code: a
+shared file system or the same image), and runs the node on it; the node's
+agent takes it from there (membership, placement, routing across nodes;
+docs/design/cluster.md). When a new deployment replaces the one it runs,
+the node drains, stops, and ``node`` starts it again on the new one.
+
+etcd is reached through its JSON gateway (``/v3/...``), as the node does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import hmac
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+from slipstream._internal.errors import ServeError
+from slipstream._internal.store_cli import fail
+
+
+class EtcdError(Exception):
+    pass
+
+
+class Etcd:
+    """The few etcd calls the CLI needs, over the JSON gateway."""
+
+    def __init__(self, url: str, timeout: float = 3.0) -> None:
+        scheme, sep, rest = url.partition("://")
+        if not sep or scheme not in ("etcd", "http") or not rest:
+            raise EtcdError(f"--cluster {url!r}: expected etcd://HOST:PORT[,HOST:PORT...]")
+        self.endpoints = [f"http://{e.strip()}" for e in rest.rstrip("/").split(",") if e.strip()]
+        self.timeout = timeout
+
+    def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        last = ""
+        for ep in self.endpoints:
+            req = urllib.request.Request(ep + path, data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                    out: dict[str, Any] = json.loads(r.read())
+                    return out
+            except urllib.error.HTTPError as e:
+                raise EtcdError(f"etcd at {ep}: {e.code} {e.read()[:200]!r}") from None
+            except (OSError, ValueError) as e:
+                last = f"{ep}: {e}"
+        raise EtcdError(f"no etcd endpoint answered (last: {last})")
+
+    def put(self, key: str, value: bytes) -> None:
+        self._call("/v3/kv/put", {"key": _b64(key.encode()), "value": _b64(value)})
+
+    def get(self, key: str) -> bytes | None:
+        kvs = self._call("/v3/kv/range", {"key": _b64(key.encode())}).get("kvs") or []
+        return base64.b64decode(kvs[0].get("value", "")) if kvs else None
+
+    def get_prefix(self, prefix: str) -> dict[str, bytes]:
+        raw = prefix.encode()
+        end = raw[:-1] + bytes([raw[-1] + 1])
+        kvs = self._call("/v3/kv/range", {"key": _b64(raw), "range_end": _b64(end)}).get("kvs") or []
+        return {base64.b64decode(kv["key"]).decode(): base64.b64decode(kv.get("value", "")) for kv in kvs}
+
+
+def _b64(b: bytes) -> str:
+    return base64.b64encode(b).decode()
+
+
+def _cluster_key(token: str) -> bytes:
+    return hashlib.sha256(b"slipstream-cluster-v1\0" + token.encode()).digest()
+
+
+def _sign(token: str, parts: list[bytes]) -> str:
+    """HMAC-SHA256 over length-prefixed parts (the node's `ClusterKey::sign`)."""
+    mac = hmac.new(_cluster_key(token), digestmod=hashlib.sha256)
+    for p in parts:
+        mac.update(len(p).to_bytes(8, "little"))
+        mac.update(p)
+    return mac.hexdigest()
+
+
+def seal(token: str, kind: str, value: Any) -> bytes:
+    body = json.dumps(value, separators=(",", ":"))
+    return json.dumps({"body": body, "sig": _sign(token, [kind.encode(), body.encode()])}).encode()
+
+
+def unseal(token: str, kind: str, raw: bytes) -> Any:
+    env = json.loads(raw)
+    want = _sign(token, [kind.encode(), env["body"].encode()])
+    if not hmac.compare_digest(want, env.get("sig", "")):
+        raise EtcdError(f"the {kind} record is not signed with this cluster token")
+    return json.loads(env["body"])
+
+
+def _root(a: argparse.Namespace) -> str:
+    return f"/slipstream/{a.cluster_name}/"
+
+
+def _token(a: argparse.Namespace) -> str:
+    if not a.token:
+        raise EtcdError("a cluster token is required: --token or $SLIPSTREAM_CLUSTER_TOKEN "
+                        "(every node and deploy must hold the same one)")
+    return str(a.token)
+
+
+def _file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def cmd_deploy(a: argparse.Namespace, build_spec: Callable[[argparse.Namespace], dict[str, Any]]) -> int:
+    try:
+        token = _token(a)
+        etcd = Etcd(a.cluster)
+        app = Path(a.app.split(":")[0]).resolve()
+        if not app.is_file():
+            return fail(f"no app file {app}")
+        a.app = str(app) + (":" + a.app.split(":", 1)[1] if ":" in a.app else "")
+        spec = build_spec(a)
+        body = json.dumps(spec, sort_keys=True)
+        deploy_id = hashlib.sha256((body + _file_sha256(app)).encode()).hexdigest()[:12]
+        record = {"id": deploy_id, "spec": spec, "app": str(app), "app_sha256": _file_sha256(app),
+                  "at": time.time()}
+        etcd.put(_root(a) + "deploy", seal(token, "deploy", record))
+    except EtcdError as e:
+        return fail(str(e))
+    stages = sum(len(p["stages"]) for p in spec["pipelines"])
+    print(f"deployed {deploy_id}: {len(spec['pipelines'])} pipeline(s), {stages} stage(s) to cluster "
+          f"'{a.cluster_name}' at {a.cluster}")
+    if a.wait <= 0:
+        return 0
+    return _wait_ready(etcd, a, token, deploy_id, spec)
+
+
+def _wait_ready(etcd: Etcd, a: argparse.Namespace, token: str, deploy_id: str, spec: dict[str, Any]) -> int:
+    """Until every stage has a ready replica somewhere in the cluster (or --wait runs out)."""
+    want = {f"{p['name']}/{s['name']}" for p in spec["pipelines"] for s in p["stages"]}
+    until = time.monotonic() + a.wait
+    last = ""
+    while time.monotonic() < until:
+        ready: set[str] = set()
+        nodes = 0
+        for raw in etcd.get_prefix(_root(a) + "members/").values():
+            try:
+                m = unseal(token, "member", raw)
+            except (EtcdError, ValueError, KeyError):
+                continue
+            if m.get("deploy") == deploy_id:
+                nodes += 1
+                ready |= {k for k, n in (m.get("ready") or {}).items() if n > 0}
+        line = f"{nodes} node(s) run it; {len(want & ready)}/{len(want)} stages ready"
+        if line != last:
+            print(f"  {line}", file=sys.stderr)
+            last = line
+        if want <= ready:
+            print("ready")
+            return 0
+        time.sleep(0.3)
+    return fail(f"not ready after {a.wait:.0f} s: {last}")
+
+
+def cmd_node(a: argparse.Namespace, node_options: Callable[[argparse.Namespace], dict[str, Any]]) -> int:
+    from slipstream import _core
+
+    try:
+        token = _token(a)
+        etcd = Etcd(a.cluster)
+    except EtcdError as e:
+        return fail(str(e))
+    name = a.name or f"{os.uname().nodename}-{a.port}"
+    waiting_said = False
+    while True:
+        try:
+            raw = etcd.get(_root(a) + "deploy")
+        except EtcdError as e:
+            return fail(str(e))
+        if raw is None:
+            if not waiting_said:
+                print(f"slipstream: node {name}: waiting for a deployment "
+                      f"(slipstream deploy APP --cluster {a.cluster})", file=sys.stderr)
+                waiting_said = True
+            time.sleep(0.5)
+            continue
+        try:
+            d = unseal(token, "deploy", raw)
+        except (EtcdError, ValueError, KeyError) as e:
+            return fail(f"cluster '{a.cluster_name}': {e}")
+        app = Path(d["app"])
+        if not app.is_file() or _file_sha256(app) != d["app_sha256"]:
+            return fail(f"deployment {d['id']} runs {app}, which this machine lacks or holds in another version; "
+                        "every node needs the same app files (a shared file system or the same image)")
+        spec = d["spec"]
+        spec["worker_argv"][0] = sys.executable
+        cluster = {"etcd": a.cluster, "name": name, "cluster": a.cluster_name, "token": token,
+                   "data_listen": a.data_listen, "ttl_s": a.ttl, "deploy": d["id"],
+                   **({"advertise": a.advertise} if a.advertise else {})}
+        print(f"slipstream: node {name}: running deployment {d['id']} ({app})", file=sys.stderr)
+        try:
+            _core.serve(json.dumps(spec), cluster_json=json.dumps(cluster), **node_options(a))
+        except _core.CoreError as e:
+            kind, message = e.args
+            if kind == "redeploy":
+                print(f"slipstream: node {name}: {message}", file=sys.stderr)
+                waiting_said = False
+                continue
+            raise ServeError(kind, message) from None
+        except KeyboardInterrupt:
+            pass
+        return 0
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", required=True, metavar="etcd://HOST:PORT[,HOST:PORT]",
+                   help="the etcd cluster that holds the cluster's membership, deployment and placement")
+    p.add_argument("--cluster-name", default=os.environ.get("SLIPSTREAM_CLUSTER_NAME", "default"),
+                   help="several clusters may share one etcd (default: 'default')")
+    p.add_argument("--token", default=os.environ.get("SLIPSTREAM_CLUSTER_TOKEN"),
+                   help="the cluster's shared secret: nodes without it cannot join, place work or send "
+                        "frames (default: $SLIPSTREAM_CLUSTER_TOKEN)")
+
+
+def add_cluster_commands(sub: Any, add_spec_args: Callable[[argparse.ArgumentParser], None],
+                         add_node_args: Callable[[argparse.ArgumentParser], None],
+                         build_spec: Callable[[argparse.Namespace], dict[str, Any]],
+                         node_options: Callable[[argparse.Namespace], dict[str, Any]]) -> None:
+    d = sub.add_parser("deploy", help="put an app's pipelines into a cluster (nodes place and run them)")
+    add_spec_args(d)
+    add_cluster_args(d)
+    d.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="wait until every stage has a ready replica in the cluster")
+    d.set_defaults(fn=lambda a: cmd_deploy(a, build_spec))
+
+    n = sub.add_parser("node", help="run a node that joins a cluster on etcd and serves its deployment")
+    add_node_args(n)
+    add_cluster_args(n)
+    n.add_argument("--name", default=None, help="the node's name in the cluster (default: HOSTNAME-PORT)")
+    n.add_argument("--data-listen", default="127.0.0.1:0", metavar="HOST:PORT",
+                   help="where the data plane listens for other nodes (default: a free loopback port)")
+    n.add_argument("--advertise", default=None, metavar="IP",
+                   help="the address other nodes reach this one's data plane at (default: the listen address)")
+    n.add_argument("--ttl", type=int, default=3, metavar="SECONDS",
+                   help="membership lease: a node that stops renewing it leaves the cluster after this long")
+    n.set_defaults(fn=lambda a: cmd_node(a, node_options))

@@ -1,0 +1,45 @@
+"""Test app for clusters: a fan-out / fan-in whose stages say which node ran them."""
+
+import os
+import time
+
+import numpy as np
+import slipstream as ss
+
+X = {"x": ss.Tensor("float32", (-1, 2))}
+
+
+def _node(rows: int) -> np.ndarray:
+    return np.array([os.environ.get("SLIPSTREAM_NODE_NAME", "?")] * rows, dtype=object)
+
+
+@ss.component(max_batch_size=16, inputs=X, replicas=3)
+class Fan:
+    def __call__(self, batch: ss.Batch) -> dict:
+        x = batch["x"]
+        if (x < 0).any():  # x[:, 1] < 0: sleep |x| ms (an off-CPU cost)
+            time.sleep(float(-x[:, 1].min()) / 1000.0)
+        return {"x": np.abs(x), "fan_node": _node(batch.rows)}
+
+
+@ss.component(max_batch_size=16, replicas=2)
+class Sum:
+    def __call__(self, batch: ss.Batch) -> dict:
+        route = [f"{f}>{n}" for f, n in zip(batch["fan_node"], _node(batch.rows))]
+        return {"sum": batch["x"].sum(axis=1, keepdims=True), "sum_route": np.array(route, dtype=object)}
+
+
+@ss.component(max_batch_size=16, replicas=2)
+class Prod:
+    def __call__(self, batch: ss.Batch) -> dict:
+        return {"prod": batch["x"].prod(axis=1, keepdims=True), "prod_node": _node(batch.rows)}
+
+
+@ss.component(max_batch_size=16, replicas=3)
+class Join:
+    def __call__(self, batch: ss.Batch) -> dict:
+        route = [f"{s}|{p}>{j}" for s, p, j in zip(batch["sum_route"], batch["prod_node"], _node(batch.rows))]
+        return {"both": np.concatenate([batch["sum"], batch["prod"]], axis=1), "route": np.array(route, dtype=object)}
+
+
+diamond = ss.Pipeline("diamond", Fan >> [Sum, Prod] >> Join, slo=ss.SLO(p99_ms=2000))

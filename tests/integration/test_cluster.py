@@ -1,0 +1,215 @@
+"""A cluster on a real etcd: three real nodes (`slipstream node`) on
+loopback, a deployment placed over them, requests that cross nodes and meet
+again at a fan-in, placement changes under load with no failed request, a
+node killed under load, and intruders without the cluster token refused."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.conftest import Node, wait_for
+from tests.integration.cluster_util import CLUSTER_APP, TOKEN, Etcd, deploy, start_node
+
+STAGES = {"diamond/Fan": 3, "diamond/Sum": 2, "diamond/Prod": 2, "diamond/Join": 3}
+
+
+def cluster_of(n: Node) -> Any:
+    return n.status()["cluster"]
+
+
+def placed(n: Node) -> dict[str, dict[str, int]]:
+    p = cluster_of(n)["placement"]
+    return p["stages"] if p else {}
+
+
+def local_counts(n: Node) -> dict[str, int]:
+    """Replicas serving on this node per stage (not remote, not leaving or draining)."""
+    return {f"{p['name']}/{s['name']}": sum(1 for r in s["replicas"] if not r["node"] and not r["leaving"]
+                                              and r["state"] in ("starting", "ready", "down"))
+            for p in n.status()["pipelines"] for s in p["stages"]}
+
+
+def all_ready(n: Node) -> bool:
+    return n.request("GET", "/readyz")[0] == 200
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[Etcd]:
+    e = Etcd(1)
+    yield e
+    e.stop()
+
+
+@pytest.fixture(scope="module")
+def nodes(etcd: Etcd) -> Iterator[dict[str, Node]]:
+    out = deploy(etcd, CLUSTER_APP, wait=0)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "deployed" in out.stdout
+    ns = {name: start_node(etcd, name) for name in ("n1", "n2", "n3")}
+    try:
+        for n in ns.values():
+            wait_for(lambda n=n: all_ready(n) and len(cluster_of(n)["members"]) == 3, timeout=60)
+        yield ns
+    finally:
+        for n in ns.values():
+            n.stop()
+
+
+def ask(n: Node, i: int, timeout: float = 10.0) -> tuple[int, Any]:
+    return n.infer("diamond", x=[[float(i), 2.0]])
+
+
+def check_answer(i: int, body: Any) -> str:
+    both = body["outputs"]["both"]
+    assert both == [[abs(i) + 2.0, abs(i) * 2.0]], body
+    return str(body["outputs"]["route"][0])
+
+
+def test_nodes_join_and_the_placement_spreads_every_stage(nodes: dict[str, Node]) -> None:
+    views = [cluster_of(n) for n in nodes.values()]
+    assert all(sorted(v["members"]) == ["n1", "n2", "n3"] for v in views)
+    epochs = {v["placement"]["epoch"] for v in views}
+    assert len(epochs) == 1, "every node applies the same placement"
+    stages = views[0]["placement"]["stages"]
+    for key, total in STAGES.items():
+        assert sum(stages[key].values()) == total, stages
+        assert max(stages[key].values()) - min(stages[key].get(n, 0) for n in nodes) <= 1, stages
+    # Each node runs exactly the local replicas the placement gives it.
+    for name, n in nodes.items():
+        wait_for(lambda n=n, name=name: local_counts(n) == {k: v.get(name, 0) for k, v in stages.items()}, timeout=20)
+    m = views[0]["members"]["n2"]
+    assert m["cores"] >= 1 and m["memory_bytes"] > 0 and m["data"]
+
+
+def test_requests_cross_nodes_and_meet_at_the_fan_in(nodes: dict[str, Node]) -> None:
+    routes: Counter[str] = Counter()
+    for name, n in nodes.items():
+        for i in range(40):
+            status, body = ask(n, i)
+            assert status == 200, body
+            routes[name + ":" + check_answer(i, body)] += 1
+    # Stages ran on other nodes than the ingress (the route is "fan>sum|prod>join").
+    crossed = sum(c for r, c in routes.items() if any(p not in ("", r.split(":")[0])
+                                                       for p in r.split(":")[1].replace("|", ">").split(">")))
+    assert crossed > 0, routes
+    for n in nodes.values():
+        c = cluster_of(n)["counters"]
+        assert c["sent_batches"] > 0 and c["served_batches"] > 0, c
+        dp = cluster_of(n)["data_plane"]
+        assert dp["frames_sent"] > 0, dp
+
+
+class Load:
+    """Requests from a few threads to the given ingresses until stopped; counts outcomes."""
+
+    def __init__(self, targets: list[Node], threads: int = 4) -> None:
+        self.targets = targets
+        self.stop_ev = threading.Event()
+        self.outcomes: Counter[int] = Counter()
+        self.failures: list[str] = []
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self.run, args=(k,), daemon=True) for k in range(threads)]
+        for t in self.threads:
+            t.start()
+
+    def run(self, k: int) -> None:
+        i = k
+        while not self.stop_ev.is_set():
+            n = self.targets[i % len(self.targets)]
+            try:
+                status, body = ask(n, i % 50)
+            except OSError as e:
+                status, body = -1, str(e)
+            with self.lock:
+                self.outcomes[status] += 1
+                if status != 200:
+                    self.failures.append(f"{status}: {json.dumps(body)[:300]}")
+            i += len(self.threads)
+            time.sleep(0.005)
+
+    def finish(self) -> Counter[int]:
+        self.stop_ev.set()
+        for t in self.threads:
+            t.join(30)
+        return self.outcomes
+
+
+def test_placement_changes_under_load_fail_no_request(etcd: Etcd, nodes: dict[str, Node]) -> None:
+    load = Load(list(nodes.values()))
+    n4 = start_node(etcd, "n4")
+    try:
+        wait_for(lambda: "n4" in json.dumps(placed(nodes["n1"])), timeout=60)
+        wait_for(lambda: cluster_of(nodes["n1"])["members"].get("n4", {}).get("ready"), timeout=60)
+        time.sleep(3)  # traffic over the new placement, the moved replicas drained
+        assert any(r.get("node") == "n4" for p in nodes["n1"].status()["pipelines"]
+                   for s in p["stages"] for r in s["replicas"]), "n1 routes to n4's replicas"
+    finally:
+        n4.stop()  # leaves gracefully: lease revoked, its replicas placed again
+    wait_for(lambda: "n4" not in json.dumps(placed(nodes["n1"])), timeout=30)
+    time.sleep(3)
+    outcomes = load.finish()
+    assert outcomes[200] > 100, outcomes
+    assert set(outcomes) == {200}, (outcomes, load.failures[:5])
+
+
+def test_a_killed_node_leaves_and_loses_no_request_that_could_be_retried(etcd: Etcd, nodes: dict[str, Node]) -> None:
+    survivors = [nodes["n1"], nodes["n2"]]
+    load = Load(survivors)
+    time.sleep(1.0)
+    killed_at = time.monotonic()
+    nodes["n3"].stop(signal.SIGKILL)
+    # Its lease (2 s) expires; the placement moves its replicas to the survivors.
+    wait_for(lambda: "n3" not in cluster_of(nodes["n1"])["members"], timeout=30)
+    left_after = time.monotonic() - killed_at
+    wait_for(lambda: "n3" not in json.dumps(placed(nodes["n1"])), timeout=30)
+    for key, total in STAGES.items():
+        wait_for(lambda key=key, total=total: sum(placed(nodes["n1"])[key].values()) == total, timeout=30)
+    time.sleep(2)
+    outcomes = load.finish()
+    assert left_after < 10, left_after
+    assert outcomes[200] > 50, outcomes
+    assert set(outcomes) == {200}, (outcomes, load.failures[:5])
+    # It comes back and rejoins.
+    nodes["n3"] = start_node(etcd, "n3")
+    wait_for(lambda: "n3" in json.dumps(placed(nodes["n1"])), timeout=60)
+    wait_for(lambda: all_ready(nodes["n3"]), timeout=60)
+    status, body = ask(nodes["n3"], 5)
+    assert status == 200, body
+
+
+def test_intruders_without_the_token_are_refused(etcd: Etcd, nodes: dict[str, Node]) -> None:
+    n1 = nodes["n1"]
+    before = cluster_of(n1)["counters"]
+    # 1. A node with another token cannot read the deployment: it does not start.
+    intruder = start_node(etcd, "intruder", token="not-the-token")
+    assert intruder.proc.wait(30) != 0
+    assert "not signed with this cluster token" in intruder.log()
+    # 2. A member record written straight into etcd without the key is ignored.
+    from slipstream._internal.cluster_cli import Etcd as EtcdClient
+
+    EtcdClient(etcd.url).put("/slipstream/default/members/mallory", json.dumps(
+        {"body": json.dumps({"node": "mallory"}), "sig": "00" * 32}).encode())
+    wait_for(lambda: cluster_of(n1)["counters"]["refused_records"] > before["refused_records"], timeout=10)
+    assert "mallory" not in cluster_of(n1)["members"]
+    # 3. A connection to the data plane without the token gets no further than the handshake.
+    host, port = cluster_of(n1)["data"].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(b"SSPR" + b"\x00" * 64)
+        s.settimeout(5)
+        try:
+            while s.recv(4096):
+                pass
+        except OSError:
+            pass
+    wait_for(lambda: cluster_of(n1)["counters"]["refused_handshakes"] > before["refused_handshakes"], timeout=10)
+    status, body = ask(n1, 3)
+    assert status == 200, body
