@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install what building Slipstream needs on a fresh Debian/Ubuntu machine:
-# a C toolchain, Python's venv module, and Rust (via rustup) if cargo is missing.
+# Install what building and testing Slipstream needs on a fresh Debian/Ubuntu
+# machine: a C toolchain, Python's venv module, espeak-ng, etcd, iproute2, and
+# Rust (via rustup) if cargo is missing.
 set -euo pipefail
 need_apt=()
 command -v cc >/dev/null 2>&1 || need_apt+=(build-essential)
@@ -8,6 +9,10 @@ python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need_apt+=(python3-venv)
 command -v curl >/dev/null 2>&1 || need_apt+=(curl)
 # The AudioQuery example speaks with espeak-ng (a Debian package).
 command -v espeak-ng >/dev/null 2>&1 || need_apt+=(espeak-ng)
+# Clusters run on etcd; the cluster tests start real etcd members and put
+# nodes in network namespaces (ip, tc from iproute2).
+command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
+command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

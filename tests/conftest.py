@@ -28,10 +28,10 @@ class Node:
     """A running `slipstream serve` process."""
 
     def __init__(self, app: str, *args: str, ready_timeout: float = 60.0, env: dict[str, str] | None = None,
-                 command: str = "serve"):
+                 command: str = "serve", wrap: list[str] | None = None):
         argv = [command, app] if command == "serve" else [command]
         self.proc = subprocess.Popen(
-            [*SLIPSTREAM, *argv, "--port", "0", *args],
+            [*(wrap or []), *SLIPSTREAM, *argv, "--port", "0", *args],
             cwd=ROOT,
             env={**os.environ, **(env or {})},
             stdout=subprocess.PIPE,

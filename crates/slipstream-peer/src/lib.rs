@@ -62,7 +62,7 @@ pub use client::Peers;
 pub use costs::{measure_costs, Costs, MAX_MERGE_THRESHOLD, MIN_MERGE_THRESHOLD};
 pub use frame::{InTensor, Incoming, Kind, OutTensor, Outgoing};
 pub use handshake::MAX_NODE_ID;
-pub use server::{serve, serve_with_config, ServerHandle};
+pub use server::{serve, serve_with_config, ServerHandle, ServerStats};
 
 use serde::Serialize;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};

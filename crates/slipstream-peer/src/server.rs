@@ -43,7 +43,34 @@ pub struct ServerHandle {
     state: Arc<ServerState>,
 }
 
+/// A server's counters, readable after the handle moved elsewhere (cheap to
+/// clone; keeps nothing of the server alive but its counters).
+#[derive(Clone, Debug)]
+pub struct ServerStats(Arc<ServerState>);
+
+impl ServerStats {
+    /// Handshakes that failed (see [`ServerHandle::refused`]).
+    pub fn refused(&self) -> u64 {
+        self.0.refused.load(Relaxed)
+    }
+
+    /// Authenticated connections open now.
+    pub fn connections(&self) -> usize {
+        self.0.open.load(Relaxed)
+    }
+
+    /// What the server sent (replies) and received (calls).
+    pub fn counters(&self) -> CounterSnapshot {
+        self.0.counters.snapshot()
+    }
+}
+
 impl ServerHandle {
+    /// Its counters, as a handle of their own.
+    pub fn stats(&self) -> ServerStats {
+        ServerStats(self.state.clone())
+    }
+
     /// Handshakes that failed (wrong token, another protocol, too slow).
     pub fn refused(&self) -> u64 {
         self.state.refused.load(Relaxed)

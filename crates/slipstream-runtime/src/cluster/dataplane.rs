@@ -35,7 +35,7 @@ use crate::replica::{Phase, Work};
 use crate::request::{request_rows, Request};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use slipstream_peer::{Incoming, InTensor, Kind, OutTensor, Outgoing, PeerError};
+use slipstream_peer::{InTensor, Incoming, OutTensor, Outgoing, PeerError};
 use slipstream_shm::{Block, BlockMut};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -143,10 +143,6 @@ fn error_from(kind: &str, message: String, stage: &str) -> NodeError {
     }
 }
 
-fn error_reply(id: u64, why: String) -> Outgoing {
-    Outgoing { kind: Kind::Error, id, meta: why.into_bytes(), tensors: Vec::new() }
-}
-
 /// Fails a stage request that is still running when its caller goes away.
 struct StageCall(Arc<Request>);
 
@@ -158,24 +154,23 @@ impl Drop for StageCall {
 
 /// Run a batch another node sent: every request as one stage's work here.
 pub async fn serve_call(node: Arc<Node>, from: String, inc: Incoming<ArenaBuf>) -> Outgoing {
-    let id = inc.id;
     let meta: CallMeta = match serde_json::from_slice(&inc.meta) {
         Ok(m) => m,
-        Err(e) => return error_reply(id, format!("malformed call from {from}: {e}")),
+        Err(e) => return Outgoing::error(format!("malformed call from {from}: {e}")),
     };
     let Ok(pipe) = node.pipeline(&meta.pipeline) else {
-        return error_reply(id, format!("no pipeline '{}' here", meta.pipeline));
+        return Outgoing::error(format!("no pipeline '{}' here", meta.pipeline));
     };
     let Some(stage) = pipe.stages.get(meta.stage as usize) else {
-        return error_reply(id, format!("pipeline '{}' has no stage {}", meta.pipeline, meta.stage));
+        return Outgoing::error(format!("pipeline '{}' has no stage {}", meta.pipeline, meta.stage));
     };
     if node.is_draining() {
-        return error_reply(id, "the node is shutting down".into());
+        return Outgoing::error("the node is shutting down");
     }
     let block = Arc::new(inc.payload.0.freeze());
     let per_req = match split_incoming(block, inc.tensors, meta.reqs.iter().map(|r| r.n)) {
         Ok(p) => p,
-        Err(e) => return error_reply(id, e),
+        Err(e) => return Outgoing::error(e),
     };
     if let Some(c) = node.cluster() {
         c.counters.served_batches.fetch_add(1, Relaxed);
@@ -220,8 +215,11 @@ pub async fn serve_call(node: Arc<Node>, from: String, inc: Incoming<ArenaBuf>) 
     let live = stage.replicas().iter().filter(|r| r.is_local() && r.phase() == Phase::Ready).count().max(1);
     let outstanding: u32 = stage.replicas().iter().filter(|r| r.is_local()).map(|r| r.load().outstanding).sum();
     let meta = ReplyMeta { results, outstanding: outstanding / live as u32 };
-    Outgoing { kind: Kind::Reply, id, meta: serde_json::to_vec(&meta).expect("serialises"), tensors }
+    Outgoing::reply(serde_json::to_vec(&meta).expect("serialises"), tensors)
 }
+
+/// The shortest wait for a remote batch before its node counts as failed.
+const MIN_PATIENCE: Duration = Duration::from_millis(250);
 
 /// A node that failed here is probed again after this long.
 const PROBE_AFTER: Duration = Duration::from_millis(500);
@@ -229,7 +227,7 @@ const PROBE_AFTER: Duration = Duration::from_millis(500);
 /// Whether `at` answers an empty call for the stage within a moment.
 async fn probe(cluster: &Cluster, at: &crate::replica::RemoteAt, pipeline: &str, stage: usize) -> bool {
     let meta = CallMeta { pipeline: pipeline.to_string(), stage: stage as u32, reqs: Vec::new() };
-    let msg = Outgoing { kind: Kind::Call, id: 0, meta: serde_json::to_vec(&meta).expect("serialises"), tensors: Vec::new() };
+    let msg = Outgoing::call(serde_json::to_vec(&meta).expect("serialises"), Vec::new());
     cluster.peers.call(at.addr, msg, PROBE_AFTER).await.is_ok()
 }
 
@@ -372,17 +370,20 @@ async fn send_batch(ctx: &ReplicaCtx, cluster: &Cluster, batch: Vec<Work>, budge
         tensors.extend(inputs.iter().map(|(name, t)| lend(name, t)));
     }
     let meta = CallMeta { pipeline: ctx.pipe.name().to_string(), stage: ctx.stage as u32, reqs };
-    let msg = Outgoing { kind: Kind::Call, id: 0, meta: serde_json::to_vec(&meta).expect("serialises"), tensors };
+    let msg = Outgoing::call(serde_json::to_vec(&meta).expect("serialises"), tensors);
     let at = ctx.me.remote.clone().expect("remote");
     // Give the node until the last deadline (or the request timeout) plus
     // a margin to answer; it answers late requests itself.
     let wait = latest.saturating_duration_since(now).max(Duration::from_millis(1)).min(ctx.pipe.timeout) + Duration::from_secs(2);
     cluster.counters.sent_batches.fetch_add(1, Relaxed);
     cluster.counters.sent_requests.fetch_add(n as u64, Relaxed);
-    let mean_wait = 0;
-    ctx.me.begin_batch(n, mean_wait);
+    let expected = Duration::from_nanos(ctx.me.begin_batch(n, 0));
+    // A node that does not answer within a few times the batch's expected
+    // latency is taken for partitioned: its requests are retried elsewhere
+    // rather than left to wait for their deadline.
+    let patience = (expected * 4 + Duration::from_millis(100)).max(MIN_PATIENCE).min(wait);
     let sent = Instant::now();
-    let reply = cluster.peers.call(at.addr, msg, wait).await;
+    let reply = cluster.peers.call(at.addr, msg, patience).await;
     let rtt = sent.elapsed();
     ctx.me.end_batch(n, rtt.as_nanos() as u64, budget_ns);
     stage.metrics.batches.fetch_add(1, Relaxed);
@@ -391,8 +392,10 @@ async fn send_batch(ctx: &ReplicaCtx, cluster: &Cluster, batch: Vec<Work>, budge
     let inc = match reply {
         Ok(inc) => inc,
         Err(PeerError::Remote(why)) => {
-            fail_all(members, |_| NodeError::Unavailable { stage: stage.name.clone(), reason: format!("node {}: {why}", at.node) });
-            return Ok(());
+            // The node refused the whole batch (shutting down, say): elsewhere.
+            let why = format!("node {}: {why}", at.node);
+            retry_or_fail(ctx, members, &why);
+            return Err(why);
         }
         Err(PeerError::Alloc(why)) => {
             fail_all(members, |_| NodeError::Unavailable { stage: stage.name.clone(), reason: why.clone() });
@@ -445,7 +448,16 @@ async fn send_batch(ctx: &ReplicaCtx, cluster: &Cluster, batch: Vec<Work>, budge
                 if kind == "component_error" {
                     stage.metrics.errors.fetch_add(1, Relaxed);
                 }
-                req.fail(error_from(&kind, message, &stage.name));
+                // No replica there any more (the placement moved it): once elsewhere.
+                let elsewhere = matches!(kind.as_str(), "unavailable" | "shutting_down") && !req.retried.swap(true, Relaxed);
+                match elsewhere.then(|| stage.choose(req.id, Some(&ctx.me))).flatten() {
+                    Some(r) => {
+                        if let Err(req) = r.push(req) {
+                            req.fail(error_from(&kind, message, &stage.name));
+                        }
+                    }
+                    None => req.fail(error_from(&kind, message, &stage.name)),
+                }
             }
         }
     }

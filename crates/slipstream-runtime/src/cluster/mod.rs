@@ -170,7 +170,8 @@ pub struct Cluster {
     /// Set when the agent sees a new deployment: the node stops so that its
     /// launcher restarts it on the new one.
     pub redeploy: watch::Sender<bool>,
-    pub refused_handshakes: Mutex<Option<Arc<dyn Fn() -> u64 + Send + Sync>>>,
+    /// The data-plane server's counters (set once it listens).
+    pub server: std::sync::OnceLock<slipstream_peer::ServerStats>,
     /// Members whose data plane failed here: node -> (its lease then, since when).
     suspects: Mutex<BTreeMap<String, (i64, std::time::Instant)>>,
     /// The node's pipelines (fixed for its life) and event log.
@@ -243,7 +244,7 @@ impl Cluster {
     pub fn status(&self) -> serde_json::Value {
         let v = self.view();
         let c = &self.counters;
-        let refused = self.refused_handshakes.lock().as_ref().map_or(0, |f| f());
+        let server = self.server.get();
         serde_json::json!({
             "node": self.me(),
             "cluster": self.opts.cluster,
@@ -259,10 +260,12 @@ impl Cluster {
                 "served_batches": c.served_batches.load(Relaxed),
                 "retried": c.retried.load(Relaxed),
                 "refused_records": c.refused_records.load(Relaxed),
-                "refused_handshakes": refused,
+                "refused_handshakes": server.map_or(0, |s| s.refused()),
                 "placements_written": c.placements_written.load(Relaxed),
             },
             "data_plane": self.peers.counters(),
+            "data_plane_served": server.map(|s| s.counters()),
+            "peer_connections": {"out": self.peers.connections(), "in": server.map_or(0, |s| s.connections())},
         })
     }
 }
@@ -313,7 +316,7 @@ pub async fn start(node: &Arc<crate::node::Node>, opts: ClusterOptions) -> Resul
         counters: ClusterCounters::default(),
         costs,
         redeploy: redeploy_tx,
-        refused_handshakes: Mutex::new(None),
+        server: std::sync::OnceLock::new(),
         suspects: Mutex::new(BTreeMap::new()),
         pipelines: node.pipelines.values().cloned().collect(),
         events: node.events.clone(),
@@ -329,6 +332,7 @@ pub async fn start(node: &Arc<crate::node::Node>, opts: ClusterOptions) -> Resul
         cluster.costs.merge_threshold,
         move |from, inc| dataplane::serve_call(n.clone(), from, inc),
     );
+    let _ = cluster.server.set(server.stats());
     let lease = agent::join(&etcd, node, &cluster)
         .await
         .map_err(|e| format!("cannot join the cluster through etcd at {}: {e}", cluster.opts.etcd))?;

@@ -1,0 +1,364 @@
+"""A cluster on one machine: scaling, cross-node handoff, node kill, merged frames.
+
+Every node is a real `slipstream node` process joined through a real etcd
+(tests/integration/cluster_util.py starts both); the load generator is the
+project's open-loop one (Poisson arrivals, latency from the scheduled send),
+sending to the first node's ingress, which routes across the cluster.
+
+1. **Scaling** (`bench/apps/cluster.py:scale`): one stage whose cost is off
+   the CPU (it sleeps for its batch latency, as a GPU model would), one
+   replica per node, SLO p99 <= 300 ms with at most 1% misses. Goodput at
+   the SLO = answers within the SLO per second at the highest offered rate
+   (fractions of the compute limit) where the SLO holds; 1, 2 and 3 nodes;
+   the ratio to linear. With `--ray`, the same app under Ray Serve as a 1-
+   and 3-node Ray cluster on this machine (`bench/vs_ray/ray_adapter.py
+   --nodes K --spread`), side by side.
+2. **Handoff** (`handoff`): a stage's output of 1 KB or 6.4 MB consumed by
+   the next stage, on one node and with the two stages on two nodes
+   (request latency p50/p99, 1 request in flight); with `--ray`, the same
+   under Ray (one node; two Ray nodes with the stages pinned apart).
+3. **Node kill** (`scale` on 3 nodes at half their capacity): one node is
+   killed with SIGKILL; requests lost, and the time until goodput is full
+   again (250 ms buckets).
+4. **Merged frames**: `cargo run --release -p slipstream-peer --example
+   merge` (many small tensors per request, merged vs unmerged vs one
+   message per tensor).
+
+    .venv/bin/python bench/cluster.py [--ray] [--quick]   # -> bench/results/cluster.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+APP = str(ROOT / "bench" / "apps" / "cluster.py")
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from goodput import holds, run_rate  # noqa: E402
+
+from tests.conftest import wait_for  # noqa: E402
+from tests.integration.cluster_util import Etcd, deploy, start_node  # noqa: E402
+
+SLO_MS = 300.0
+MAX_MISS = 0.01
+# One replica of `Model`: batches of 4 rows in 40 + 4 x 5 ms.
+REPLICA_RPS = 4 / (0.040 + 4 * 0.005)
+BODY_SCALE = json.dumps({"inputs": {"x": [[0.5] * 16]}}).encode()
+
+
+def log(msg: str) -> None:
+    print(f"[cluster] {msg}", file=sys.stderr, flush=True)
+
+
+class Cluster:
+    """etcd + `k` nodes running `bench/apps/cluster.py`, `replicas` Model replicas in all."""
+
+    def __init__(self, k: int, replicas: int) -> None:
+        os.environ["CLUSTER_MODEL_REPLICAS"] = str(replicas)
+        self.etcd = Etcd(1)
+        out = deploy(self.etcd, APP, wait=0)
+        if out.returncode != 0:
+            raise RuntimeError(out.stdout + out.stderr)
+        self.nodes = [start_node(self.etcd, f"n{i + 1}", "--ttl", "2") for i in range(k)]
+        first = self.nodes[0]
+        wait_for(lambda: len(first.status()["cluster"]["members"]) == k
+                 and first.request("GET", "/readyz")[0] == 200, timeout=120)
+        for n in self.nodes:
+            wait_for(lambda n=n: n.request("GET", "/readyz")[0] == 200, timeout=120)
+        time.sleep(1.0)
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+        self.etcd.stop()
+
+
+def goodput_at_slo(url: str, capacity: float, fractions: list[float], seconds: float, repeat: int,
+                   pipeline: str = "scale") -> dict[str, Any]:
+    rows = []
+    for f in fractions:
+        runs = [run_rate(url, pipeline, BODY_SCALE, f * capacity, seconds, SLO_MS, warmup_s=2.0, seed=7 + r)
+                for r in range(repeat)]
+        med = {k: statistics.median(r[k] for r in runs) for k in ("goodput_rps", "p50_ms", "p99_ms", "miss_rate",
+                                                                   "load_avg")}
+        row = {"fraction": f, "offered_rps": f * capacity, **med, "holds": holds(med | {"ok": 1}, SLO_MS, MAX_MISS),
+               "runs": [{k: r[k] for k in ("goodput_rps", "p99_ms", "miss_rate", "load_avg")} for r in runs]}
+        log(f"  {f:.2f} x {capacity:.0f} req/s: goodput {row['goodput_rps']:.1f}, p99 {row['p99_ms']:.0f} ms, "
+            f"misses {row['miss_rate']:.2%} ({'holds' if row['holds'] else 'fails'})")
+        rows.append(row)
+    held = [r for r in rows if r["holds"]]
+    return {"capacity_rps": capacity, "rates": rows,
+            "goodput_rps": max((r["goodput_rps"] for r in held), default=0.0)}
+
+
+def scaling_slipstream(a: argparse.Namespace) -> dict[str, Any]:
+    out = {}
+    for k in a.nodes:
+        log(f"scaling: Slipstream, {k} node(s)")
+        c = Cluster(k, k)
+        try:
+            out[str(k)] = goodput_at_slo(c.url, k * REPLICA_RPS, a.fractions, a.seconds, a.repeat)
+        finally:
+            c.stop()
+    return out
+
+
+def ray_serve(app: str, k: int, extra: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
+    """Ray Serve as a k-node Ray cluster on this machine, serving `app`."""
+    ray_py = ROOT / "bench" / "vs_ray" / ".venv-ray" / "bin" / "python"
+    port = 8100 + k
+    cmd = [str(ray_py), str(ROOT / "bench" / "vs_ray" / "ray_adapter.py"), "serve", app, "--port", str(port),
+           *(["--nodes", str(k)] if k > 1 else []), *extra]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 300
+    for line in proc.stdout:
+        sys.stderr.write("  ray: " + line)
+        if line.strip() == "ready" or line.rstrip().endswith(" ready"):
+            break
+        if time.monotonic() > deadline:
+            break
+    if proc.poll() is not None:
+        raise RuntimeError("Ray Serve did not start")
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def ray_stop(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def scaling_ray(a: argparse.Namespace) -> dict[str, Any]:
+    out = {}
+    for k in a.nodes:
+        log(f"scaling: Ray Serve, {k} Ray node(s)")
+        proc, url = ray_serve(f"{APP}:scale", k, ["--spread"] if k > 1 else [], {"CLUSTER_MODEL_REPLICAS": str(k)})
+        try:
+            out[str(k)] = goodput_at_slo(url, k * REPLICA_RPS, a.fractions, a.seconds, a.repeat)
+        finally:
+            ray_stop(proc)
+    return out
+
+
+def latency_run(url: str, pipeline: str, body: bytes, seconds: float) -> dict[str, Any]:
+    """Closed loop, one request in flight: latency p50/p99 (ms)."""
+    import urllib.request
+
+    lat = []
+    end = time.monotonic() + seconds
+    target = f"{url}/v1/pipelines/{pipeline}/infer"
+    for _ in range(20):  # warm-up
+        urllib.request.urlopen(urllib.request.Request(target, data=body, method="POST"), timeout=10).read()
+    while time.monotonic() < end:
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(urllib.request.Request(target, data=body, method="POST"), timeout=10) as r:
+            r.read()
+        lat.append((time.perf_counter() - t0) * 1e3)
+    lat.sort()
+    return {"n": len(lat), "p50_ms": lat[len(lat) // 2], "p99_ms": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+            "load_avg": os.getloadavg()[0]}
+
+
+SIZES = {"1KB": 256, "6.4MB": 1_600_000}
+
+
+def handoff_bodies() -> dict[str, bytes]:
+    return {name: json.dumps({"inputs": {"n": [[n]]}}).encode() for name, n in SIZES.items()}
+
+
+def median_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"p50_ms": statistics.median(r["p50_ms"] for r in runs), "p99_ms": statistics.median(r["p99_ms"] for r in runs),
+            "runs": runs}
+
+
+def handoff_slipstream(a: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, where in ((1, "one_node"), (2, "two_nodes")):
+        log(f"handoff: Slipstream, {where}")
+        c = Cluster(k, 1)
+        try:
+            placement = c.nodes[0].status()["cluster"]["placement"]["stages"]
+            apart = k == 1 or placement["handoff/Produce"] != placement["handoff/Consume"]
+            out[where] = {"placement": {s: placement[s] for s in ("handoff/Produce", "handoff/Consume")},
+                          "stages_apart": apart}
+            for name, body in handoff_bodies().items():
+                out[where][name] = median_runs([latency_run(c.url, "handoff", body, a.seconds / 2)
+                                                for _ in range(a.repeat)])
+                log(f"  {name}: p50 {out[where][name]['p50_ms']:.2f} ms, p99 {out[where][name]['p99_ms']:.2f} ms")
+        finally:
+            c.stop()
+    return out
+
+
+def handoff_ray(a: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, where, extra in ((1, "one_node", []), (3, "two_nodes", ["--place", "Consume=0,Produce=1"])):
+        log(f"handoff: Ray Serve, {where}")
+        proc, url = ray_serve(f"{APP}:handoff", k, extra, {})
+        try:
+            out[where] = {}
+            for name, body in handoff_bodies().items():
+                out[where][name] = median_runs([latency_run(url, "handoff", body, a.seconds / 2)
+                                                for _ in range(a.repeat)])
+                log(f"  {name}: p50 {out[where][name]['p50_ms']:.2f} ms, p99 {out[where][name]['p99_ms']:.2f} ms")
+        finally:
+            ray_stop(proc)
+    return out
+
+
+def node_kill(a: argparse.Namespace) -> dict[str, Any]:
+    """3 nodes at half their capacity; n3 killed 6 s in; 250 ms buckets."""
+    from slipstream import _core
+
+    log("node kill: 3 nodes, half their capacity, n3 killed with SIGKILL")
+    c = Cluster(3, 3)
+    bucket_ms, kill_at, duration = 250.0, 6.0, a.kill_seconds
+    rate = 0.5 * 3 * REPLICA_RPS
+    try:
+        cfg = {"url": f"{c.url}/v1/pipelines/scale/infer", "method": "POST", "body": list(BODY_SCALE),
+               "content_type": "application/json", "headers": [], "rates": [rate], "duration_s": duration,
+               "warmup_s": 0.0, "arrival": {"kind": "poisson"}, "max_connections": 512, "timeout_s": 10.0,
+               "threads": 1, "seed": 3, "slo_ms": SLO_MS, "timeline_ms": bucket_ms, "timeline_latencies": False}
+        import threading
+
+        killed: dict[str, float] = {}
+
+        def kill() -> None:
+            time.sleep(kill_at)
+            killed["t"] = time.monotonic()
+            c.nodes[2].stop(signal.SIGKILL)
+
+        t0 = time.monotonic()
+        threading.Thread(target=kill, daemon=True).start()
+        report = json.loads(_core.bench(json.dumps(cfg), quiet=True))[0]
+        events = [e for e in c.nodes[0].status()["events"] if e["what"] in ("node_suspected", "placed", "ready")]
+    finally:
+        c.stop()
+    kill_s = killed["t"] - t0 - 0.02
+    buckets = report["timeline"]
+    good = []
+    for b in buckets:
+        sent = b["ok"] + sum(b["errors_by_kind"].values())
+        good.append((b["t_s"], (b["ok"] - b["slower_than_slo"]) / sent if sent else 1.0, sent))
+    # Full goodput again: from here on, every bucket answers >= 99% of what was sent in it within the SLO.
+    recovered = None
+    for i, (t, _share, _) in enumerate(good):
+        if t >= kill_s and all(s >= 0.99 for _, s, _ in good[i:]):
+            recovered = t - kill_s
+            break
+    lost = {k: v for k, v in report["errors_by_kind"].items()}
+    return {"rate_rps": rate, "kill_at_s": kill_s, "sent": report["sent"], "ok": report["ok"],
+            "late": report["slower_than_slo"], "errors_by_kind": lost, "lost": sum(lost.values()),
+            "recovered_after_s": recovered, "worst_bucket_share": min(s for _, s, _ in good),
+            "timeline": [{"t_s": t, "good_share": s, "sent": n} for t, s, n in good], "events": events[-20:],
+            "load_avg": os.getloadavg()[0]}
+
+
+def merged_frames(a: argparse.Namespace) -> dict[str, Any]:
+    log("merged frames: cargo run --release -p slipstream-peer --example merge")
+    out = RESULTS / "cluster_merge.json"
+    subprocess.run(["cargo", "run", "--release", "--locked", "-q", "-p", "slipstream-peer", "--example", "merge",
+                    "--", "--json", str(out), "--secs", str(max(1.0, a.seconds / 3))], cwd=ROOT, check=True)
+    return dict(json.loads(out.read_text()))
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lines = ["# A cluster on one machine", "",
+             f"{res['machine']}; load average before: {res['load_avg_before']:.2f}. "
+             f"Command: `{res['command']}`. Medians of {res['repeat']} runs per point.", ""]
+    sc = res.get("scaling", {})
+    if sc:
+        lines += ["## Scaling: goodput at the SLO (p99 <= 300 ms, <= 1% misses), off-CPU stage", "",
+                  "| nodes | compute limit req/s | " + " | ".join(f"{s} goodput | {s} vs linear" for s in sc) + " |",
+                  "|---|---|" + "---|---|" * len(sc)]
+        for k in res["nodes"]:
+            row = [str(k), f"{k * REPLICA_RPS:.0f}"]
+            for s in sc.values():
+                g1 = s.get("1", {}).get("goodput_rps", 0.0)
+                gk = s.get(str(k), {}).get("goodput_rps", 0.0)
+                row += [f"{gk:.1f}", f"{gk / (k * g1):.2f}x" if g1 else "-"]
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    ho = res.get("handoff", {})
+    if ho:
+        lines += ["## Handoff: one stage's output to the next (request latency, 1 in flight)", "",
+                  "| system | tensor | one node p50 / p99 ms | two nodes p50 / p99 ms | added by the network p50 |",
+                  "|---|---|---|---|---|"]
+        for sysname, h in ho.items():
+            for size in SIZES:
+                one, two = h["one_node"][size], h["two_nodes"][size]
+                lines.append(f"| {sysname} | {size} | {one['p50_ms']:.2f} / {one['p99_ms']:.2f} | "
+                             f"{two['p50_ms']:.2f} / {two['p99_ms']:.2f} | {two['p50_ms'] - one['p50_ms']:+.2f} ms |")
+        lines.append("")
+    k = res.get("kill")
+    if k:
+        rec = f"{k['recovered_after_s']:.2f} s" if k["recovered_after_s"] is not None else "not within the run"
+        lines += ["## Node kill under load (3 nodes, half their capacity, one SIGKILLed)", "",
+                  f"{k['sent']} requests sent at {k['rate_rps']:.0f} req/s; answered {k['ok']} "
+                  f"({k['late']} later than the SLO); lost: {k['lost']} {k['errors_by_kind']}; "
+                  f"full goodput again {rec} after the kill (every 250 ms bucket >= 99% within the SLO); "
+                  f"worst bucket: {k['worst_bucket_share']:.0%} within the SLO.", ""]
+    m = res.get("merge")
+    if m:
+        lines += ["## Merged frames (many small tensors per request)", "", "```", json.dumps(
+            {k: v for k, v in m.items() if k in ("ratios", "costs", "modes")}, indent=1)[:3000], "```", ""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ray", action="store_true", help="also run Ray Serve as a multi-node Ray cluster")
+    ap.add_argument("--quick", action="store_true", help="fewer, shorter points (a smoke run)")
+    ap.add_argument("--only", choices=["scaling", "handoff", "kill", "merge"], action="append")
+    a = ap.parse_args()
+    a.nodes = [1, 2, 3]
+    a.fractions = [0.7, 0.85, 0.95] if not a.quick else [0.8]
+    a.seconds = 8.0 if not a.quick else 4.0
+    a.repeat = 3 if not a.quick else 1
+    a.kill_seconds = 20.0 if not a.quick else 12.0
+    only = set(a.only or ["scaling", "handoff", "kill", "merge"])
+    res: dict[str, Any] = {"machine": f"{os.cpu_count()} cores", "load_avg_before": os.getloadavg()[0],
+                           "command": "bench/cluster.py " + " ".join(sys.argv[1:]), "repeat": a.repeat,
+                           "nodes": a.nodes, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    log(f"load average {res['load_avg_before']:.2f}")
+    if "scaling" in only:
+        res["scaling"] = {"slipstream": scaling_slipstream(a)}
+        if a.ray:
+            res["scaling"]["ray"] = scaling_ray(a)
+    if "handoff" in only:
+        res["handoff"] = {"slipstream": handoff_slipstream(a)}
+        if a.ray:
+            res["handoff"]["ray"] = handoff_ray(a)
+    if "kill" in only:
+        res["kill"] = node_kill(a)
+    if "merge" in only:
+        res["merge"] = merged_frames(a)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "cluster.json").write_text(json.dumps(res, indent=1))
+    (RESULTS / "cluster.md").write_text(markdown(res))
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

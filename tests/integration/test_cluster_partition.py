@@ -1,0 +1,98 @@
+"""A network partition between nodes, made for real: one node runs in its
+own network namespace, and a blackhole route cuts it off (established
+connections go silent; nothing is refused). No request may hang: each is
+answered by its deadline, the cut-off node leaves the placement when its
+lease expires, and once the partition heals it rejoins."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+
+from tests.conftest import Node, wait_for
+from tests.integration.cluster_util import CLUSTER_APP, Etcd, Netns, deploy, start_node
+
+SLO_S = 2.0  # tests/apps/cluster.py
+
+
+@pytest.fixture(scope="module")
+def netns() -> Iterator[Netns]:
+    try:
+        ns = Netns()
+    except Exception as e:  # noqa: BLE001 (any failure to make one means: not here)
+        pytest.skip(f"cannot make a network namespace here (needs root and CAP_NET_ADMIN): {e}")
+    yield ns
+    ns.close()
+
+
+def test_a_partition_leaves_no_request_hanging_and_heals(netns: Netns) -> None:
+    etcd = Etcd(1, host=netns.host_ip)
+    nodes: dict[str, Node] = {}
+    try:
+        out = deploy(etcd, CLUSTER_APP, wait=0)
+        assert out.returncode == 0, out.stdout + out.stderr
+        data = ("--data-listen", f"{netns.host_ip}:0")
+        nodes["n1"] = start_node(etcd, "n1", *data)
+        nodes["n2"] = start_node(etcd, "n2", *data)
+        nodes["n3"] = start_node(etcd, "n3", "--data-listen", f"{netns.ns_ip}:0", wrap=netns.wrap)
+        n1 = nodes["n1"]
+        wait_for(lambda: len(n1.status()["cluster"]["members"]) == 3 and n1.request("GET", "/readyz")[0] == 200,
+                 timeout=60)
+        wait_for(lambda: "n3" in json.dumps(n1.status()["cluster"]["placement"]), timeout=30)
+
+        results: list[tuple[float, float, int]] = []  # (sent, took, status)
+        stop = threading.Event()
+
+        def load(k: int) -> None:
+            i = k
+            while not stop.is_set():
+                n = (nodes["n1"], nodes["n2"])[i % 2]
+                t0 = time.monotonic()
+                try:
+                    status, _ = n.infer("diamond", x=[[float(i % 9), 2.0]])
+                except OSError:
+                    status = -1
+                results.append((t0, time.monotonic() - t0, status))
+                i += 4
+                time.sleep(0.01)
+
+        threads = [threading.Thread(target=load, args=(k,), daemon=True) for k in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        cut = time.monotonic()
+        netns.partition()
+        wait_for(lambda: "n3" not in n1.status()["cluster"]["members"], timeout=30)
+        wait_for(lambda: "n3" not in json.dumps(n1.status()["cluster"]["placement"]), timeout=30)
+        time.sleep(3.0)
+        stop.set()
+        for t in threads:
+            t.join(30)
+        after = [r for r in results if r[0] >= cut]
+        assert len(after) > 50, len(after)
+        # Nothing hangs: every request is answered by its deadline (plus the
+        # answer's own way back), whatever happened to it.
+        slowest = max(took for _, took, _ in after)
+        assert slowest < SLO_S + 1.0, slowest
+        statuses: Counter[int] = Counter(s for _, _, s in after)
+        assert set(statuses) <= {200, 503, 504}, statuses
+        # Once the placement left n3 out, everything is answered.
+        late = [s for _, _, s in after[-40:]]
+        assert late and all(s == 200 for s in late), (statuses, late)
+        # Healed: n3 finds its lease gone, joins again and gets work back.
+        netns.heal()
+        wait_for(lambda: "n3" in n1.status()["cluster"]["members"], timeout=30)
+        wait_for(lambda: "n3" in json.dumps(n1.status()["cluster"]["placement"]), timeout=30)
+        wait_for(lambda: n1.status()["cluster"]["members"]["n3"]["ready"], timeout=60)
+        status, body = n1.infer("diamond", x=[[4.0, 2.0]])
+        assert status == 200, body
+    finally:
+        for n in nodes.values():
+            n.stop()
+        etcd.stop()
+        netns.heal()
