@@ -25,7 +25,7 @@ class Fan:
 @ss.component(max_batch_size=16, replicas=2)
 class Sum:
     def __call__(self, batch: ss.Batch) -> dict:
-        route = [f"{f}>{n}" for f, n in zip(batch["fan_node"], _node(batch.rows))]
+        route = [f"{f}>{n}" for f, n in zip(batch["fan_node"], _node(batch.rows), strict=True)]
         return {"sum": batch["x"].sum(axis=1, keepdims=True), "sum_route": np.array(route, dtype=object)}
 
 
@@ -38,8 +38,19 @@ class Prod:
 @ss.component(max_batch_size=16, replicas=3)
 class Join:
     def __call__(self, batch: ss.Batch) -> dict:
-        route = [f"{s}|{p}>{j}" for s, p, j in zip(batch["sum_route"], batch["prod_node"], _node(batch.rows))]
+        route = [f"{s}|{p}>{j}" for s, p, j in zip(batch["sum_route"], batch["prod_node"], _node(batch.rows), strict=True)]
         return {"both": np.concatenate([batch["sum"], batch["prod"]], axis=1), "route": np.array(route, dtype=object)}
 
 
 diamond = ss.Pipeline("diamond", Fan >> [Sum, Prod] >> Join, slo=ss.SLO(p99_ms=2000))
+
+
+@ss.component(max_batch_size=4, inputs={"x": ss.Tensor("float32", (-1, 262144))})
+class Big:
+    """Hands its 1 MB input back without a copy (a view of it)."""
+
+    def __call__(self, batch: ss.Batch) -> dict:
+        return {"y": batch["x"], "big_node": _node(batch.rows)}
+
+
+big = ss.Pipeline("big", Big)

@@ -32,7 +32,7 @@ class Etcd:
         self.names = [f"e{i}" for i in range(members)]
         self.client = [free_port() for _ in self.names]
         self.peer = [free_port() for _ in self.names]
-        self.initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names, self.peer))
+        self.initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names, self.peer, strict=True))
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * members
         for i in range(members):
             self.start(i)
@@ -66,7 +66,7 @@ class Etcd:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                port = next(c for c, p in zip(self.client, self.procs) if p is not None)
+                port = next(c for c, p in zip(self.client, self.procs, strict=True) if p is not None)
                 with urllib.request.urlopen(f"http://{self.host}:{port}/health", timeout=1) as r:
                     if b"true" in r.read():
                         return

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import Node, wait_for
-from tests.integration.cluster_util import CLUSTER_APP, TOKEN, Etcd, deploy, start_node
+from tests.integration.cluster_util import CLUSTER_APP, Etcd, deploy, start_node
 
 STAGES = {"diamond/Fan": 3, "diamond/Sum": 2, "diamond/Prod": 2, "diamond/Join": 3}
 
@@ -106,6 +106,26 @@ def test_requests_cross_nodes_and_meet_at_the_fan_in(nodes: dict[str, Node]) -> 
         assert c["sent_batches"] > 0 and c["served_batches"] > 0, c
         dp = cluster_of(n)["data_plane"]
         assert dp["frames_sent"] > 0, dp
+
+
+def test_a_tensor_crosses_nodes_with_one_copy_per_receive(nodes: dict[str, Node]) -> None:
+    """1 MB in and out of a stage on another node: the sender writes it from
+    shared memory (no copy), the receiver reads it straight into its arena
+    (the one copy a network receive makes, counted as an ingress write)."""
+    home = next(iter(placed(nodes["n1"])["big/Big"]))
+    ingress = next(n for name, n in nodes.items() if name != home)
+    mb = 262144 * 4
+    before = ingress.status()
+    status, body = ingress.infer("big", x=[[1.5] * 262144])
+    assert status == 200 and body["outputs"]["big_node"] == [home], body
+    after = ingress.status()
+    d_ingress = after["copies"]["ingress_bytes"] - before["copies"]["ingress_bytes"]
+    # The request's body decoded into the arena (1 MB), and the reply received into it (1 MB).
+    assert 2 * mb <= d_ingress < 2 * mb + 64 * 1024, d_ingress
+    dp0, dp1 = before["cluster"]["data_plane"], after["cluster"]["data_plane"]
+    assert dp1["zero_copy_tensors"] - dp0["zero_copy_tensors"] >= 1, (dp0, dp1)
+    assert dp1["merge_copied_bytes"] - dp0["merge_copied_bytes"] < 4096, (dp0, dp1)
+    assert dp1["bytes_received"] - dp0["bytes_received"] >= mb
 
 
 class Load:

@@ -445,11 +445,19 @@ impl Node {
         let mut have: BTreeMap<&str, usize> = BTreeMap::new();
         for r in set.iter().filter(|r| r.phase().will_serve()) {
             let Some(at) = &r.remote else { continue };
-            let keep = nodes.get(&at.node).is_some_and(|(addr, n)| *addr == at.addr && have.get(at.node.as_str()).copied().unwrap_or(0) < *n);
+            let keep = nodes
+                .get(&at.node)
+                .is_some_and(|(addr, n)| *addr == at.addr && have.get(at.node.as_str()).copied().unwrap_or(0) < *n);
             if keep {
                 *have.entry(at.node.as_str()).or_default() += 1;
             } else if r.drain() {
-                self.events.record(pipe.name(), &st.name, Some(r.id), "draining", format!("node {} left or lost it", at.node));
+                self.events.record(
+                    pipe.name(),
+                    &st.name,
+                    Some(r.id),
+                    "draining",
+                    format!("node {} left or lost it", at.node),
+                );
             }
         }
         for (name, (addr, n)) in nodes {

@@ -92,7 +92,13 @@ async fn put_record(etcd: &Etcd, node: &Node, cluster: &Cluster, lease: i64) -> 
 
 /// Keep the lease alive and the record current until `stop`; then leave
 /// (revoke the lease, so that the others stop routing here at once).
-pub async fn membership(etcd: Etcd, node: Arc<Node>, cluster: Arc<Cluster>, mut lease: i64, mut stop: watch::Receiver<bool>) {
+pub async fn membership(
+    etcd: Etcd,
+    node: Arc<Node>,
+    cluster: Arc<Cluster>,
+    mut lease: i64,
+    mut stop: watch::Receiver<bool>,
+) {
     let renew = (cluster.opts.ttl() / 3).max(Duration::from_millis(200));
     let mut last = my_record(&node, &cluster);
     let mut next_renew = tokio::time::Instant::now() + renew;
@@ -150,12 +156,7 @@ struct Keys {
 
 impl Default for Keys {
     fn default() -> Keys {
-        Keys {
-            members: BTreeMap::new(),
-            placement: None,
-            deploy: None,
-            members_changed: tokio::time::Instant::now(),
-        }
+        Keys { members: BTreeMap::new(), placement: None, deploy: None, members_changed: tokio::time::Instant::now() }
     }
 }
 
@@ -274,20 +275,25 @@ async fn reconcile(etcd: &Etcd, node: &Arc<Node>, cluster: &Arc<Cluster>, keys: 
             Err(e) => refuse(&kv.key, e),
         }
     }
-    let current = keys.placement.as_ref().and_then(|kv| match open::<Placement>(&cluster.key, "placement", &kv.value) {
-        Ok(p) => Some((p, kv.mod_revision)),
-        Err(e) => {
-            refuse("placement", e);
-            None
-        }
-    });
+    let current =
+        keys.placement.as_ref().and_then(|kv| match open::<Placement>(&cluster.key, "placement", &kv.value) {
+            Ok(p) => Some((p, kv.mod_revision)),
+            Err(e) => {
+                refuse("placement", e);
+                None
+            }
+        });
     // The leader writes the placement, once the membership has settled.
     let settled = keys.members_changed.elapsed() >= SETTLE;
     if settled && members.keys().next().map(String::as_str) == Some(cluster.me()) {
         let want: BTreeMap<String, u32> = node
             .pipelines
             .values()
-            .flat_map(|p| p.stages.iter().map(move |s| (format!("{}/{}", p.name(), s.name), p.spec.stages[s.index].replicas as u32)))
+            .flat_map(|p| {
+                p.stages
+                    .iter()
+                    .map(move |s| (format!("{}/{}", p.name(), s.name), p.spec.stages[s.index].replicas as u32))
+            })
             .collect();
         let names: Vec<String> = members.keys().cloned().collect();
         let prev = current.as_ref().filter(|(p, _)| &p.deploy == deploy).map(|(p, _)| &p.stages);

@@ -71,7 +71,12 @@ impl AsRef<[u8]> for Lent {
 }
 
 fn lend(name: &str, t: &TensorRef) -> OutTensor {
-    OutTensor { name: name.to_string(), dtype: t.dtype, shape: t.shape.clone(), data: Bytes::from_owner(Lent(t.clone())) }
+    OutTensor {
+        name: name.to_string(),
+        dtype: t.dtype,
+        shape: t.shape.clone(),
+        data: Bytes::from_owner(Lent(t.clone())),
+    }
 }
 
 /// One request of a batch on the wire.
@@ -122,7 +127,10 @@ fn split_incoming(
         for _ in 0..n {
             let t = it.next().ok_or("the frame holds fewer tensors than its requests name")?;
             let offset = block.offset().checked_add(t.offset).ok_or("tensor offset overflows")?;
-            one.push((t.name, TensorRef { block: block.clone(), offset, nbytes: t.nbytes, dtype: t.dtype, shape: t.shape }));
+            one.push((
+                t.name,
+                TensorRef { block: block.clone(), offset, nbytes: t.nbytes, dtype: t.dtype, shape: t.shape },
+            ));
         }
         out.push(one);
     }
@@ -365,7 +373,10 @@ async fn send_batch(ctx: &ReplicaCtx, cluster: &Cluster, batch: Vec<Work>, budge
     let mut reqs = Vec::with_capacity(n);
     let mut latest = now;
     for (req, inputs) in &members {
-        reqs.push(CallReq { n: inputs.len() as u32, budget_us: req.deadline.saturating_duration_since(now).as_micros() as u64 });
+        reqs.push(CallReq {
+            n: inputs.len() as u32,
+            budget_us: req.deadline.saturating_duration_since(now).as_micros() as u64,
+        });
         latest = latest.max(req.deadline);
         tensors.extend(inputs.iter().map(|(name, t)| lend(name, t)));
     }
@@ -374,7 +385,8 @@ async fn send_batch(ctx: &ReplicaCtx, cluster: &Cluster, batch: Vec<Work>, budge
     let at = ctx.me.remote.clone().expect("remote");
     // Give the node until the last deadline (or the request timeout) plus
     // a margin to answer; it answers late requests itself.
-    let wait = latest.saturating_duration_since(now).max(Duration::from_millis(1)).min(ctx.pipe.timeout) + Duration::from_secs(2);
+    let wait = latest.saturating_duration_since(now).max(Duration::from_millis(1)).min(ctx.pipe.timeout)
+        + Duration::from_secs(2);
     cluster.counters.sent_batches.fetch_add(1, Relaxed);
     cluster.counters.sent_requests.fetch_add(n as u64, Relaxed);
     let expected = Duration::from_nanos(ctx.me.begin_batch(n, 0));
@@ -449,7 +461,8 @@ async fn send_batch(ctx: &ReplicaCtx, cluster: &Cluster, batch: Vec<Work>, budge
                     stage.metrics.errors.fetch_add(1, Relaxed);
                 }
                 // No replica there any more (the placement moved it): once elsewhere.
-                let elsewhere = matches!(kind.as_str(), "unavailable" | "shutting_down") && !req.retried.swap(true, Relaxed);
+                let elsewhere =
+                    matches!(kind.as_str(), "unavailable" | "shutting_down") && !req.retried.swap(true, Relaxed);
                 match elsewhere.then(|| stage.choose(req.id, Some(&ctx.me))).flatten() {
                     Some(r) => {
                         if let Err(req) = r.push(req) {

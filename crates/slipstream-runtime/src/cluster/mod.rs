@@ -137,7 +137,8 @@ impl View {
     /// Whether `node` serves stage `key` now (a live member reporting a
     /// ready replica, and not suspected here).
     pub fn serves(&self, node: &str, key: &str) -> bool {
-        !self.suspects.contains(node) && self.members.get(node).is_some_and(|m| m.ready.get(key).copied().unwrap_or(0) > 0)
+        !self.suspects.contains(node)
+            && self.members.get(node).is_some_and(|m| m.ready.get(key).copied().unwrap_or(0) > 0)
     }
 }
 
@@ -348,4 +349,53 @@ pub async fn start(node: &Arc<crate::node::Node>, opts: ClusterOptions) -> Resul
         );
     }
     Ok(Joined { redeploy, leave, tasks, _server: server })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `slipstream deploy` (Python) seals records the node opens: the same
+    /// vector is checked in tests/unit/test_cluster_cli.py.
+    const SEALED_BY_PYTHON: &str = r#"{"body": "{\"id\":\"x\"}", "sig": "ec0d33655ff61f052d4ace384e1cf0ea472ac37819e435f89d6f1b49489d27ed"}"#;
+
+    #[derive(Deserialize, Serialize, PartialEq, Debug)]
+    struct Head {
+        id: String,
+    }
+
+    #[test]
+    fn records_sealed_in_python_open_here_and_nothing_else_does() {
+        let key = ClusterKey::from_token("t");
+        let d: Head = open(&key, "deploy", SEALED_BY_PYTHON.as_bytes()).unwrap();
+        assert_eq!(d.id, "x");
+        assert!(open::<Head>(&ClusterKey::from_token("u"), "deploy", SEALED_BY_PYTHON.as_bytes()).is_err(), "another token");
+        assert!(open::<Head>(&key, "placement", SEALED_BY_PYTHON.as_bytes()).is_err(), "another kind");
+        let tampered = SEALED_BY_PYTHON.replace(r#"\"x\""#, r#"\"y\""#);
+        assert!(open::<Head>(&key, "deploy", tampered.as_bytes()).is_err(), "a changed body");
+        assert!(open::<Head>(&key, "deploy", b"not json").is_err());
+        let mine = seal(&key, "member", &Head { id: "n1".into() });
+        assert_eq!(open::<Head>(&key, "member", &mine).unwrap(), Head { id: "n1".into() });
+    }
+
+    #[test]
+    fn a_suspected_node_serves_nothing_until_cleared() {
+        let mut v = View::default();
+        let m = Member {
+            node: "n2".into(),
+            http: String::new(),
+            data: "127.0.0.1:1".parse().unwrap(),
+            cores: 1,
+            memory_bytes: 0,
+            gpus: vec![],
+            store_keys: 0,
+            ready: [("p/s".to_string(), 1)].into(),
+            deploy: "d".into(),
+            lease: 7,
+        };
+        v.members.insert("n2".into(), m);
+        assert!(v.serves("n2", "p/s") && !v.serves("n2", "p/t") && !v.serves("n3", "p/s"));
+        v.suspects.insert("n2".into());
+        assert!(!v.serves("n2", "p/s"));
+    }
 }

@@ -60,7 +60,8 @@ pub fn place(want: &BTreeMap<String, u32>, nodes: &[String], prev: Option<&Assig
         }
         // Too many (count lowered): off the fullest nodes.
         while counts.values().sum::<u32>() > n {
-            let fullest = *counts.iter().max_by_key(|(id, &c)| (c, std::cmp::Reverse(*id))).map(|(id, _)| id).expect("nodes");
+            let fullest =
+                *counts.iter().max_by_key(|(id, &c)| (c, std::cmp::Reverse(*id))).map(|(id, _)| id).expect("nodes");
             *counts.get_mut(fullest).expect("present") -= 1;
         }
         for (id, c) in &counts {
@@ -177,7 +178,8 @@ mod tests {
         assert!(totals.iter().max().unwrap() - totals.iter().min().unwrap() <= 1, "{totals:?} {four:?}");
         for (stage, &n) in &w {
             assert_eq!(sum(&four, stage), n);
-            let c: Vec<u32> = ["n1", "n2", "n3", "n4"].iter().map(|x| four[stage].get(*x).copied().unwrap_or(0)).collect();
+            let c: Vec<u32> =
+                ["n1", "n2", "n3", "n4"].iter().map(|x| four[stage].get(*x).copied().unwrap_or(0)).collect();
             assert!(c.iter().max().unwrap() - c.iter().min().unwrap() <= 1, "{stage}: {c:?}");
         }
         assert_eq!(place(&w, &nodes(&["n1", "n2", "n3", "n4"]), Some(&four)), four, "stable");
