@@ -318,6 +318,118 @@ class _Stats:
                 "batch_size": percentiles(self.batch_size), "compute_ms": percentiles(self.compute_ms),
                 "in_bytes": percentiles(self.in_bytes)}
 
+    SERIES = ("hop_ms", "batch_size", "compute_ms", "in_bytes")
+
+    def samples(self) -> dict[str, Any]:
+        """The raw samples, to be merged with other replicas' (``merge_samples``)."""
+        return {"batches": self.batches, "requests": self.requests, **{k: getattr(self, k) for k in self.SERIES}}
+
+
+def merge_samples(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One stage's ``/v1/status`` summary from the raw samples of several
+    deployments (a stage split into per-node deployments, ``--spread``)."""
+    s = _Stats()
+    for p in parts:
+        s.batches += int(p["batches"])
+        s.requests += int(p["requests"])
+        for k in s.SERIES:
+            getattr(s, k).extend(p[k])
+    return s.summary()
+
+
+# ----------------------------------------------------------------------------
+# Placement on a multi-node Ray cluster (--nodes K, --spread, --place).
+# ----------------------------------------------------------------------------
+
+def node_resource(i: int) -> str:
+    """The custom resource that only Ray node ``i`` of the cluster has."""
+    return f"node_{i}"
+
+
+# What a pinned replica asks of its node's resource (each node has 100).
+NODE_SHARE = 0.01
+
+
+def plan_placement(replicas: Mapping[str, int], nodes: int = 1, spread: bool = False,
+                   place: Mapping[str, int] | None = None) -> dict[str, list[int | None]]:
+    """The Ray node of every replica of every stage (``None``: Ray's
+    scheduler decides). ``replicas``: stage -> replica count, parents first.
+
+    ``place`` pins whole stages to a node. With ``spread``, every other
+    stage's replica j goes to node ``(j + offset) % nodes``, where ``offset``
+    counts the replicas spread before this stage, so the round-robin goes on
+    from stage to stage: nodes' totals differ by at most one, and a chain
+    of one-replica stages crosses a node boundary at every hop. The ingress
+    is not counted: it always runs on node 0 (the head)."""
+    place = dict(place or {})
+    unknown = sorted(set(place) - set(replicas))
+    if unknown:
+        raise ValueError(f"--place names unknown stage(s) {', '.join(unknown)}; stages: {', '.join(replicas)}")
+    bad = {s: n for s, n in place.items() if not 0 <= n < nodes}
+    if bad:
+        raise ValueError(f"--place: node index out of range 0..{nodes - 1}: {bad}")
+    out: dict[str, list[int | None]] = {}
+    offset = 0
+    for stage, n in replicas.items():
+        if stage in place:
+            out[stage] = [place[stage]] * n
+        elif spread and nodes > 1:
+            out[stage] = [(j + offset) % nodes for j in range(n)]
+            offset += n
+        else:
+            out[stage] = [None] * n
+    return out
+
+
+def plan_deployments(placement: Mapping[str, Sequence[int | None]]
+                     ) -> tuple[dict[str, tuple[str, int | None, int]], dict[str, list[str]]]:
+    """Ray Serve deployments for a placement (``plan_placement``).
+
+    All replicas of one Serve deployment share its ``ray_actor_options``, so
+    Serve cannot put replica j of a deployment on a chosen node. A stage
+    whose replicas go to several nodes becomes one deployment per node,
+    ``STAGE@nodeI``, each pinned there with that node's resource and holding
+    that node's share of the replicas; a stage on one node (or left to Ray)
+    keeps its own name. Returns (deployment -> (stage, node or None,
+    num_replicas), stage -> route), where a stage's route names the
+    deployment of each of its replicas, in replica order: the ingress sends
+    request i of the stage to ``route[i % len(route)]``, so every replica
+    gets the same share of the requests."""
+    deployments: dict[str, tuple[str, int | None, int]] = {}
+    routes: dict[str, list[str]] = {}
+    for stage, where in placement.items():
+        if len(set(where)) <= 1:
+            deployments[stage] = (stage, where[0] if where else None, len(where))
+            routes[stage] = [stage]
+            continue
+        route = []
+        for node in where:
+            name = f"{stage}@node{node}"
+            _, _, count = deployments.get(name, (stage, node, 0))
+            deployments[name] = (stage, node, count + 1)
+            route.append(name)
+        routes[stage] = route
+    return deployments, routes
+
+
+def format_placement(actual: Mapping[str, Sequence[int]], expected: Mapping[str, int | None],
+                     nodes: int) -> tuple[str, list[str]]:
+    """The one-line replica -> node summary printed at start-up, and the
+    deployments whose replicas are not where they were meant to be
+    (``expected``: deployment -> node, or None where Ray decides; node -1 in
+    ``actual``: a node that is not one of the cluster's)."""
+    parts = [f"{d}=[{','.join(str(n) for n in sorted(ns))}]" for d, ns in actual.items()]
+    problems = []
+    for d, want in expected.items():
+        got = actual.get(d, [])
+        if not got:
+            problems.append(f"{d}: no running replica")
+        elif want is not None and any(n != want for n in got):
+            problems.append(f"{d}: replicas on node(s) {sorted(set(got))}, meant for node {want}")
+    used = sorted({n for ns in actual.values() for n in ns})
+    line = f"replica -> Ray node ({nodes} nodes, {len(used)} used): " + " ".join(parts)
+    return line, problems
+
 
 # ----------------------------------------------------------------------------
 # The Ray Serve application.
@@ -378,6 +490,9 @@ class StageImpl:
     def get_stats(self) -> dict[str, Any]:
         return self.stats.summary()
 
+    def get_samples(self) -> dict[str, Any]:
+        return self.stats.samples()
+
     def reset_stats(self) -> bool:
         self.stats.reset()
         return True
@@ -386,7 +501,10 @@ class StageImpl:
 class IngressImpl:
     """The HTTP ingress: Slipstream's JSON API in front of the stage deployments."""
 
-    def __init__(self, target: str, handles: dict[str, Any]) -> None:
+    def __init__(self, target: str, handles: dict[str, Any], routes: dict[str, list[str]] | None = None) -> None:
+        """``handles``: deployment name -> handle. ``routes``: stage -> the
+        deployment of each of its replicas (``plan_deployments``); without
+        it every stage is the one deployment of its own name."""
         pipeline = load_pipeline(target)
         self.name = pipeline.name
         self.specs = {k: _tensor_spec(v) for k, v in pipeline.inputs.items()}
@@ -394,6 +512,11 @@ class IngressImpl:
         self.order = topo_order(self.parents)
         self.sinks = sinks(self.parents)
         self.handles = handles
+        routes = routes or {n: [n] for n in self.parents}
+        # A stage split over nodes: its deployments, round-robin per replica.
+        self.routes = {n: [handles[d] for d in routes[n]] for n in self.parents}
+        self.stage_deployments = {n: list(dict.fromkeys(routes[n])) for n in self.parents}
+        self._next = dict.fromkeys(self.parents, 0)
         self.infer_path = f"/v1/pipelines/{self.name}/infer"
         try:
             import orjson
@@ -414,11 +537,26 @@ class IngressImpl:
     def _error(self, status: int, kind: str, message: str) -> Any:
         return self._json({"error": {"kind": kind, "message": message}}, status)
 
+    def _handle(self, stage: str) -> Any:
+        route = self.routes[stage]
+        if len(route) == 1:
+            return route[0]
+        i = self._next[stage]
+        self._next[stage] = i + 1
+        return route[i % len(route)]
+
+    async def _stage_stats(self, stage: str) -> dict[str, Any]:
+        deps = self.stage_deployments[stage]
+        if len(deps) == 1:
+            stats: dict[str, Any] = await self.handles[deps[0]].get_stats.remote()
+            return stats
+        return merge_samples(await asyncio.gather(*(self.handles[d].get_samples.remote() for d in deps)))
+
     async def run(self, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
         responses: dict[str, Any] = {}
         for n in self.order:
             args = [responses[p] for p in self.parents[n]] if self.parents[n] else [inputs]
-            responses[n] = self.handles[n].remote(*args)
+            responses[n] = self._handle(n).remote(*args)
         done = await asyncio.gather(*(responses[s] for s in self.sinks))
         merged, _ = merge_parts(done)
         return merged
@@ -440,8 +578,8 @@ class IngressImpl:
                     body[k] = np.ascontiguousarray(v)
             return self._json({"outputs": body})
         if path == "/v1/status" and method == "GET":
-            names = list(self.handles)
-            stats = await asyncio.gather(*(self.handles[n].get_stats.remote() for n in names))
+            names = list(self.parents)
+            stats = await asyncio.gather(*(self._stage_stats(n) for n in names))
             stages = [{"name": n, "parents": self.parents[n], **s} for n, s in zip(names, stats, strict=True)]
             return self._json({"pipelines": [{"name": self.name, "stages": stages}]})
         if path == "/v1/admin/reset-metrics" and method == "POST":
@@ -452,8 +590,17 @@ class IngressImpl:
         return self._error(404, "not_found", f"no route for {method} {path}")
 
 
+def pipeline_placement(pipeline: Any, nodes: int = 1, spread: bool = False,
+                       place: Mapping[str, int] | None = None) -> dict[str, list[int | None]]:
+    """``plan_placement`` for an ``ss.Pipeline`` (stages parents first)."""
+    parents = {n: list(pipeline.graph.parents(n)) for n in pipeline.graph.nodes}
+    replicas = {n: int(pipeline.graph.nodes[n].replicas) for n in topo_order(parents)}
+    return plan_placement(replicas, nodes, spread, place)
+
+
 def build_app(target: str, *, batch_wait_s: float = 0.0, ingress_replicas: int = 1,
-              max_ongoing: int = 1024, compute_thread: bool = False) -> Any:
+              max_ongoing: int = 1024, compute_thread: bool = False, nodes: int = 1,
+              spread: bool = False, place: Mapping[str, int] | None = None) -> Any:
     """The Ray Serve application for one pipeline (see the module docstring).
 
     ``batch_wait_s``: ``@serve.batch``'s ``batch_wait_timeout_s`` for every
@@ -463,26 +610,42 @@ def build_app(target: str, *, batch_wait_s: float = 0.0, ingress_replicas: int =
     ``compute_thread``: run the component in a worker thread instead of on
     the replica's event loop. Whether stage outputs travel by value (gRPC)
     or through the object store is Ray's ``RAY_SERVE_USE_GRPC_BY_DEFAULT``.
+
+    ``nodes`` > 1 (a cluster whose node i has the resource ``node_i``): the
+    ingress is pinned to node 0, the head; ``spread`` and ``place`` pin the
+    stages' replicas (``plan_placement``, ``plan_deployments``); stages
+    neither spread nor placed are left to Ray's scheduler. With ``nodes`` =
+    1 the app is the same as without these arguments.
     """
     from ray import serve
 
     pipeline = load_pipeline(target)
     no_cpu = {"num_cpus": 0}  # logical CPUs only: every deployment fits on a 2-core machine
+
+    def on(node: int | None) -> dict[str, Any]:
+        if nodes <= 1 or node is None:
+            return dict(no_cpu)
+        return {**no_cpu, "resources": {node_resource(node): NODE_SHARE}}
+
+    deployments, routes = plan_deployments(pipeline_placement(pipeline, nodes, spread, place))
     handles: dict[str, Any] = {}
-    for name, comp in pipeline.graph.nodes.items():
+    for name, (stage, node, count) in deployments.items():
+        comp = pipeline.graph.nodes[stage]
         dep = serve.deployment(
             StageImpl,
             name=name,
-            num_replicas=int(comp.replicas),
+            num_replicas=count,
             max_ongoing_requests=max(64, 2 * int(comp.max_batch_size)),
-            ray_actor_options=no_cpu,
+            ray_actor_options=on(node),
         )
-        handles[name] = dep.bind(target, name, int(comp.max_batch_size), batch_wait_s, compute_thread)
+        handles[name] = dep.bind(target, stage, int(comp.max_batch_size), batch_wait_s, compute_thread)
     ingress = serve.deployment(
         IngressImpl, name="Ingress", num_replicas=int(ingress_replicas),
-        max_ongoing_requests=int(max_ongoing), ray_actor_options=no_cpu,
+        max_ongoing_requests=int(max_ongoing), ray_actor_options=on(0),
     )
-    return ingress.bind(target, handles)
+    if nodes <= 1:
+        return ingress.bind(target, handles)
+    return ingress.bind(target, handles, routes)
 
 
 # ----------------------------------------------------------------------------
@@ -496,7 +659,12 @@ def serve_main(a: argparse.Namespace) -> int:
     # Import the app before Ray starts, as `slipstream serve` does before it
     # starts its workers: settings an app makes at import time (e.g.
     # OPENBLAS_NUM_THREADS) reach every Ray worker through the environment.
-    load_pipeline(target)
+    pipeline = load_pipeline(target)
+    try:
+        pipeline_placement(pipeline, a.nodes, a.spread, a.place)  # --place names real stages and nodes
+    except ValueError as e:
+        print(f"ray_adapter: error: {e}", file=sys.stderr, flush=True)
+        return 2
     env = dict(RAY_ENV)
     if not a.ha_proxy:
         env["RAY_SERVE_ENABLE_HA_PROXY"] = "0"
@@ -507,6 +675,16 @@ def serve_main(a: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="vsray-", dir="/tmp"))
     hap = tmp / "haproxy"
     hap.mkdir()
+    if a.nodes > 1:
+        # ray.cluster_utils.Cluster records its address in $RAY_TMPDIR/ray/ray_current_cluster
+        # (default /tmp/ray/...), where a bare ray.init() anywhere on the machine would find and
+        # join it, and deletes that file on shutdown (another Ray's, if it had overwritten it).
+        (tmp / "ray").mkdir()
+        env["RAY_TMPDIR"] = str(tmp)
+        # The ingress replica waits 30 s on shutdown (by default) for external load balancers to
+        # drop it; HAProxy here is Serve's own and goes at the same time, so this only delays the
+        # stop (serve.shutdown gives up after 30 s). Shutdown-only: no effect while serving.
+        env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "1"
     env |= {
         # HAProxy's files default to /tmp/haproxy-serve, shared with any other Ray on the machine.
         "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(hap / "haproxy.cfg"),
@@ -543,28 +721,138 @@ def serve_main(a: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    ray.init(address="local", num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False,
-             _temp_dir=str(tmp), logging_level=logging.WARNING, log_to_driver=a.verbose,
-             configure_logging=True)
+    t_start = time.monotonic()
+    cluster: Any = None
+    if a.nodes > 1:
+        cluster = _start_cluster(a.nodes, tmp)
+        # Each of Cluster's nodes registers a SIGTERM handler that kills that node only and
+        # exits; ours stops serving, then shuts everything down in order (finally below).
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
     try:
-        quiet = LoggingConfig(enable_access_log=False, log_level="WARNING")
-        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=a.port), logging_config=quiet)
-        app = ray_adapter.build_app(target, batch_wait_s=a.batch_wait_ms / 1000.0,
-                                    ingress_replicas=a.ingress_replicas, max_ongoing=a.max_ongoing,
-                                    compute_thread=a.compute_thread)
-        serve.run(app, name="vs_ray", route_prefix="/", logging_config=quiet)
-        url = f"http://127.0.0.1:{a.port}"
-        print(f"ray_adapter: listening on {url}", file=sys.stderr, flush=True)
-        _wait_http(url + "/healthz", 120.0)
-        print(f"ray_adapter: ready, serving {a.app} on {url}", file=sys.stderr, flush=True)
-        while not stop["now"]:
-            time.sleep(0.2)
-    finally:
+        if cluster is None:
+            ray.init(address="local", num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False,
+                     _temp_dir=str(tmp), logging_level=logging.WARNING, log_to_driver=a.verbose,
+                     configure_logging=True)
+        else:
+            ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=a.verbose,
+                     configure_logging=True)
+            # ray.init's core worker installs a fatal-signal handler for SIGTERM that prints a
+            # stack and kills the driver: take SIGTERM back so it shuts the cluster down in order.
+            signal.signal(signal.SIGTERM, on_signal)
+            signal.signal(signal.SIGINT, on_signal)
+            print(f"ray_adapter: Ray cluster of {a.nodes} nodes on this machine up in "
+                  f"{time.monotonic() - t_start:.1f}s (address {cluster.address})", file=sys.stderr, flush=True)
         try:
-            serve.shutdown()
+            quiet = LoggingConfig(enable_access_log=False, log_level="WARNING")
+            # One proxy, on the head node: every node is 127.0.0.1 here, so proxies on the other
+            # nodes would all try to bind the same port (Serve's default is one per node).
+            where = {} if cluster is None else {"proxy_location": "HeadOnly"}
+            serve.start(http_options=HTTPOptions(host="127.0.0.1", port=a.port), logging_config=quiet, **where)
+            app = ray_adapter.build_app(target, batch_wait_s=a.batch_wait_ms / 1000.0,
+                                        ingress_replicas=a.ingress_replicas, max_ongoing=a.max_ongoing,
+                                        compute_thread=a.compute_thread, nodes=a.nodes, spread=a.spread,
+                                        place=a.place)
+            serve.run(app, name="vs_ray", route_prefix="/", logging_config=quiet)
+            url = f"http://127.0.0.1:{a.port}"
+            print(f"ray_adapter: listening on {url}", file=sys.stderr, flush=True)
+            _wait_http(url + "/healthz", 120.0)
+            if cluster is not None:
+                _report_placement(target, a)
+            print(f"ray_adapter: ready, serving {a.app} on {url}", file=sys.stderr, flush=True)
+            if cluster is not None:
+                print(f"ray_adapter: start-up took {time.monotonic() - t_start:.1f}s", file=sys.stderr, flush=True)
+            while not stop["now"]:
+                time.sleep(0.2)
         finally:
-            ray.shutdown()
+            try:
+                serve.shutdown()
+            finally:
+                ray.shutdown()
+    finally:
+        if cluster is not None:
+            _stop_cluster(cluster)
     return 0
+
+
+def _object_store_bytes() -> int:
+    """Ray's default object store size for this machine when it is one node
+    (30% of the memory, at most 95% of /dev/shm)."""
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    size = int(0.3 * mem)
+    try:
+        st = os.statvfs("/dev/shm")
+        size = min(size, int(0.95 * st.f_frsize * st.f_blocks))
+    except OSError:
+        pass
+    return size
+
+
+def _start_cluster(nodes: int, tmp: Path) -> Any:
+    """A Ray cluster of ``nodes`` nodes on this machine
+    (``ray.cluster_utils.Cluster``): the head and ``nodes - 1`` more, each
+    its own raylet, object store and agents, node i with the resource
+    ``node_i: 100``. The machine's logical CPUs and object store of the
+    one-node setup are shared out among the nodes (replicas ask for no CPU;
+    Cluster's own default object store is a test-sized 150 MiB)."""
+    from ray.cluster_utils import Cluster
+
+    common = {
+        "num_cpus": -(-max(8, os.cpu_count() or 1) // nodes),
+        "object_store_memory": _object_store_bytes() // nodes,
+        "temp_dir": str(tmp),
+        "node_ip_address": "127.0.0.1",
+    }
+    # shutdown_at_exit: each node's processes die with this process (atexit, and the
+    # kernel's parent-death signal where Linux offers it), whatever happens to it.
+    cluster = Cluster(initialize_head=True, shutdown_at_exit=True,
+                      head_node_args={**common, "include_dashboard": False,
+                                      "resources": {node_resource(0): 100}})
+    try:
+        for i in range(1, nodes):
+            cluster.add_node(**common, resources={node_resource(i): 100})
+        cluster.wait_for_nodes()
+    except BaseException:
+        _stop_cluster(cluster)
+        raise
+    return cluster
+
+
+def _stop_cluster(cluster: Any) -> None:
+    """Kill every process of every node (the others first, then the head)
+    and wait for them."""
+    try:
+        cluster.shutdown()
+    except Exception as e:  # noqa: BLE001 - still try the rest, and say so
+        print(f"ray_adapter: cluster shutdown: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        for node in [*cluster.worker_nodes, *([cluster.head_node] if cluster.head_node else [])]:
+            node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+
+
+def _report_placement(target: str, a: argparse.Namespace) -> None:
+    """Print where Ray placed each replica (from the Serve controller's own
+    record, as ``serve status`` shows it) and warn where that is not the
+    plan."""
+    import ray
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeInstanceDetails
+
+    index: dict[str, int] = {}
+    for n in ray.nodes():
+        for res in n.get("Resources", {}):
+            if n.get("Alive") and res.startswith("node_") and res[5:].isdigit():
+                index[n["NodeID"]] = int(res[5:])
+    details = ServeInstanceDetails(**_get_global_client().get_serve_details())
+    app = details.applications["vs_ray"]
+    actual = {name: [index.get(r.node_id or "", -1) for r in d.replicas if str(r.state.value) == "RUNNING"]
+              for name, d in app.deployments.items()}
+    deployments, _ = plan_deployments(pipeline_placement(load_pipeline(target), a.nodes, a.spread, a.place))
+    expected: dict[str, int | None] = {"Ingress": 0, **{d: node for d, (_, node, _) in deployments.items()}}
+    order = ["Ingress", *deployments]
+    line, problems = format_placement({d: actual.get(d, []) for d in order}, expected, a.nodes)
+    print(f"ray_adapter: {line}", file=sys.stderr, flush=True)
+    for p in problems:
+        print(f"ray_adapter: WARNING: placement: {p}", file=sys.stderr, flush=True)
 
 
 def _thread_vars() -> tuple[str, ...]:
@@ -613,6 +901,17 @@ def _wait_http(url: str, timeout: float) -> None:
     raise RuntimeError(f"the Ray app did not answer {url} within {timeout:.0f}s ({last})")
 
 
+def _parse_place(text: str) -> dict[str, int]:
+    """``STAGE=NODE,...`` -> {stage: node index}."""
+    out: dict[str, int] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        stage, sep, node = item.partition("=")
+        if not sep or not stage.strip() or not node.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"expected STAGE=NODE_INDEX, got {item!r}")
+        out[stage.strip()] = int(node)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -632,7 +931,19 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--keep-env", action="append", default=[],
                    help="a RAY_ENV variable to take from the environment when set there (repeatable)")
     s.add_argument("--verbose", action="store_true", help="forward worker logs to stderr")
+    s.add_argument("--nodes", type=int, default=1,
+                   help="Ray nodes: K > 1 runs a K-node Ray cluster on this machine (ray.cluster_utils.Cluster); "
+                        "the ingress stays on node 0, the head")
+    s.add_argument("--spread", action="store_true",
+                   help="with --nodes K: replica j of each stage on node (j + offset) %% K, round-robin "
+                        "continuing from stage to stage (a stage over several nodes becomes one deployment per node)")
+    s.add_argument("--place", type=_parse_place, default={}, metavar="STAGE=NODE,...",
+                   help="with --nodes K: pin whole stages to nodes (0 is the head), e.g. Produce=0,Consume=1")
     a = ap.parse_args(argv)
+    if a.nodes < 1:
+        ap.error("--nodes must be at least 1")
+    if a.nodes == 1 and (a.spread or a.place):
+        ap.error("--spread and --place need --nodes K with K > 1")
     here = str(Path(__file__).resolve().parent)
     if here not in sys.path:
         sys.path.insert(0, here)

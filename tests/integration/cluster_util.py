@@ -43,6 +43,7 @@ class Etcd:
         return "etcd://" + ",".join(f"{self.host}:{p}" for p in self.client)
 
     def start(self, i: int) -> None:
+        """Start member `i` (again: on its data directory, rejoining the cluster)."""
         n = self.names[i]
         log = open(self.dir / f"{n}.log", "ab")  # noqa: SIM115 (lives as long as the process)
         self.procs[i] = subprocess.Popen(
@@ -51,7 +52,8 @@ class Etcd:
              "--advertise-client-urls", f"http://{self.host}:{self.client[i]}",
              "--listen-peer-urls", f"http://127.0.0.1:{self.peer[i]}",
              "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer[i]}",
-             "--initial-cluster", self.initial, "--initial-cluster-state", "new",
+             "--initial-cluster", self.initial,
+             "--initial-cluster-state", "existing" if (self.dir / n).exists() else "new",
              "--heartbeat-interval", "50", "--election-timeout", "500"],
             stdout=log, stderr=subprocess.STDOUT)
 

@@ -44,7 +44,7 @@ def all_ready(n: Node) -> bool:
 
 @pytest.fixture(scope="module")
 def etcd() -> Iterator[Etcd]:
-    e = Etcd(1)
+    e = Etcd(3)  # three members: the failure tests kill one
     yield e
     e.stop()
 
@@ -185,6 +185,7 @@ def test_a_killed_node_leaves_and_loses_no_request_that_could_be_retried(etcd: E
     survivors = [nodes["n1"], nodes["n2"]]
     load = Load(survivors)
     time.sleep(1.0)
+    etcd.kill(0)  # and an etcd member with it: the nodes carry on through the other two
     killed_at = time.monotonic()
     nodes["n3"].stop(signal.SIGKILL)
     # Its lease (2 s) expires; the placement moves its replicas to the survivors.
@@ -204,6 +205,7 @@ def test_a_killed_node_leaves_and_loses_no_request_that_could_be_retried(etcd: E
     wait_for(lambda: all_ready(nodes["n3"]), timeout=60)
     status, body = ask(nodes["n3"], 5)
     assert status == 200, body
+    etcd.start(0)
 
 
 def test_intruders_without_the_token_are_refused(etcd: Etcd, nodes: dict[str, Node]) -> None:

@@ -24,8 +24,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from slipstream._internal.errors import ServeError
 from slipstream._internal.store_cli import fail
