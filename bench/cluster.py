@@ -131,12 +131,15 @@ def ray_serve(app: str, k: int, extra: list[str], env: dict[str, str]) -> tuple[
     deadline = time.monotonic() + 300
     for line in proc.stdout:
         sys.stderr.write("  ray: " + line)
-        if line.strip() == "ready" or line.rstrip().endswith(" ready"):
+        if "ready, serving" in line:
             break
         if time.monotonic() > deadline:
             break
     if proc.poll() is not None:
         raise RuntimeError("Ray Serve did not start")
+    import threading
+
+    threading.Thread(target=lambda: [None for _ in proc.stdout or []], daemon=True).start()  # keep its pipe drained
     return proc, f"http://127.0.0.1:{port}"
 
 

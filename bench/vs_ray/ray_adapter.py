@@ -44,6 +44,19 @@ It prints ``listening on http://127.0.0.1:PORT`` and ``ready`` on stderr,
 serves until SIGINT/SIGTERM, then shuts down the Ray instance it started
 (and only that one). The Ray settings it applies are documented in
 ``bench/vs_ray/README.md`` and in ``RAY_ENV`` below.
+
+``--nodes K`` (K > 1) runs a K-node Ray cluster on this machine instead
+(``ray.cluster_utils.Cluster``: K raylets, object stores and agent sets,
+node i with the custom resource ``node_i``), with the ingress and Serve's
+one proxy on node 0, the head. ``--spread`` puts replica j of each stage on
+node ``(j + offset) % K`` (``plan_placement``); ``--place STAGE=I,...`` pins
+whole stages. Serve cannot pin one replica of a deployment apart from the
+others, so a stage spread over several nodes runs as one deployment per
+node (``STAGE@nodeI``) and the ingress round-robins over its replicas
+(``plan_deployments``). At start-up a line ``replica -> Ray node ...`` shows
+where each deployment's replicas run::
+
+    bench/vs_ray/.venv-ray/bin/python bench/vs_ray/ray_adapter.py serve examples/noop.py:noop --port 8001 --nodes 3 --spread
 """
 
 from __future__ import annotations
