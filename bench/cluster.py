@@ -91,8 +91,12 @@ class Cluster:
 
 def goodput_at_slo(url: str, capacity: float, fractions: list[float], seconds: float, repeat: int,
                    pipeline: str = "scale") -> dict[str, Any]:
+    """Goodput at the highest offered rate (a fraction of the compute limit)
+    where the SLO holds; when it holds at none of `fractions`, lower ones
+    are tried (down to 10%) until it does."""
     rows = []
-    for f in fractions:
+
+    def point(f: float) -> dict[str, Any]:
         runs = [run_rate(url, pipeline, BODY_SCALE, f * capacity, seconds, SLO_MS, warmup_s=2.0, seed=7 + r)
                 for r in range(repeat)]
         med = {k: statistics.median(r[k] for r in runs) for k in ("goodput_rps", "p50_ms", "p99_ms", "miss_rate",
@@ -102,6 +106,13 @@ def goodput_at_slo(url: str, capacity: float, fractions: list[float], seconds: f
         log(f"  {f:.2f} x {capacity:.0f} req/s: goodput {row['goodput_rps']:.1f}, p99 {row['p99_ms']:.0f} ms, "
             f"misses {row['miss_rate']:.2%} ({'holds' if row['holds'] else 'fails'})")
         rows.append(row)
+        return row
+
+    for f in fractions:
+        point(f)
+    lower = [0.5, 0.35, 0.25, 0.15, 0.1]
+    while not any(r["holds"] for r in rows) and lower:
+        point(lower.pop(0))
     held = [r for r in rows if r["holds"]]
     return {"capacity_rps": capacity, "rates": rows,
             "goodput_rps": max((r["goodput_rps"] for r in held), default=0.0)}
@@ -269,9 +280,11 @@ def node_kill(a: argparse.Namespace) -> dict[str, Any]:
         if t >= kill_s and all(s >= 0.99 for _, s, _ in good[i:]):
             recovered = t - kill_s
             break
-    lost = {k: v for k, v in report["errors_by_kind"].items()}
+    errors = dict(report["errors_by_kind"])
+    refused = errors.get("status_429", 0)
     return {"rate_rps": rate, "kill_at_s": kill_s, "sent": report["sent"], "ok": report["ok"],
-            "late": report["slower_than_slo"], "errors_by_kind": lost, "lost": sum(lost.values()),
+            "late": report["slower_than_slo"], "errors_by_kind": errors, "refused": refused,
+            "lost": sum(errors.values()) - refused,
             "recovered_after_s": recovered, "worst_bucket_share": min(s for _, s, _ in good),
             "timeline": [{"t_s": t, "good_share": s, "sent": n} for t, s, n in good], "events": events[-20:],
             "load_avg": os.getloadavg()[0]}
@@ -318,7 +331,9 @@ def markdown(res: dict[str, Any]) -> str:
         rec = f"{k['recovered_after_s']:.2f} s" if k["recovered_after_s"] is not None else "not within the run"
         lines += ["## Node kill under load (3 nodes at 70% of their capacity, one SIGKILLed)", "",
                   f"{k['sent']} requests sent at {k['rate_rps']:.0f} req/s; answered {k['ok']} "
-                  f"({k['late']} later than the SLO); lost: {k['lost']} {k['errors_by_kind']}; "
+                  f"({k['late']} later than the SLO); refused by admission (429, predicted to miss while "
+                  f"capacity was short): {k['refused']}; lost (failed after admission): {k['lost']} "
+                  f"{k['errors_by_kind']}; "
                   f"full goodput again {rec} after the kill (every 250 ms bucket >= 99% within the SLO); "
                   f"worst bucket: {k['worst_bucket_share']:.0%} within the SLO.", ""]
     m = res.get("merge")
@@ -333,9 +348,12 @@ def main() -> int:
     ap.add_argument("--ray", action="store_true", help="also run Ray Serve as a multi-node Ray cluster")
     ap.add_argument("--quick", action="store_true", help="fewer, shorter points (a smoke run)")
     ap.add_argument("--only", choices=["scaling", "handoff", "kill", "merge"], action="append")
+    ap.add_argument("--fractions", default="", help="offered rates for the scaling points, as fractions of the "
+                    "compute limit (default 0.7,0.85,0.95; lower ones follow where none holds)")
+    ap.add_argument("--systems", default="slipstream,ray", help="with --ray: which systems to run (e.g. ray)")
     a = ap.parse_args()
     a.nodes = [1, 2, 3]
-    a.fractions = [0.7, 0.85, 0.95] if not a.quick else [0.8]
+    a.fractions = [float(f) for f in a.fractions.split(",") if f] or ([0.7, 0.85, 0.95] if not a.quick else [0.8])
     a.seconds = 8.0 if not a.quick else 4.0
     a.repeat = 3 if not a.quick else 1
     a.kill_seconds = 20.0 if not a.quick else 12.0
@@ -344,20 +362,36 @@ def main() -> int:
                            "command": "bench/cluster.py " + " ".join(sys.argv[1:]), "repeat": a.repeat,
                            "nodes": a.nodes, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     log(f"load average {res['load_avg_before']:.2f}")
+    systems = set(a.systems.split(",")) if a.ray else {"slipstream"}
+    stamp = {"command": res["command"], "when": res["when"], "load_avg_before": res["load_avg_before"]}
     if "scaling" in only:
-        res["scaling"] = {"slipstream": scaling_slipstream(a)}
-        if a.ray:
-            res["scaling"]["ray"] = scaling_ray(a)
+        res["scaling"] = {}
+        if "slipstream" in systems:
+            res["scaling"]["slipstream"] = scaling_slipstream(a) | {"run": stamp}
+        if "ray" in systems:
+            res["scaling"]["ray"] = scaling_ray(a) | {"run": stamp}
     if "handoff" in only:
-        res["handoff"] = {"slipstream": handoff_slipstream(a)}
-        if a.ray:
-            res["handoff"]["ray"] = handoff_ray(a)
+        res["handoff"] = {}
+        if "slipstream" in systems:
+            res["handoff"]["slipstream"] = handoff_slipstream(a) | {"run": stamp}
+        if "ray" in systems:
+            res["handoff"]["ray"] = handoff_ray(a) | {"run": stamp}
     if "kill" in only:
         res["kill"] = node_kill(a)
     if "merge" in only:
         res["merge"] = merged_frames(a)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "cluster.json").write_text(json.dumps(res, indent=1))
+    path = RESULTS / "cluster.json"
+    if a.only and path.exists():
+        # A partial rerun updates what it measured and keeps the rest (each
+        # section records its own command, time and load average).
+        old = json.loads(path.read_text())
+        for section in ("scaling", "handoff"):
+            if section in res:
+                old.setdefault(section, {}).update(res[section])
+                res[section] = old[section]
+        res = old | {k: v for k, v in res.items() if k not in ("machine",)}
+    path.write_text(json.dumps(res, indent=1))
     (RESULTS / "cluster.md").write_text(markdown(res))
     print(markdown(res))
     return 0

@@ -108,7 +108,9 @@ enum ReqResult {
 #[derive(Serialize, Deserialize, Default)]
 struct ReplyMeta {
     results: Vec<ReqResult>,
-    /// Requests queued at or running on the stage's replicas there, per replica.
+    /// Requests queued at or running on the stage's replicas there when the
+    /// batch was answered, per replica: the load report routing and
+    /// admission at the sender add to the remote replica's own queue.
     #[serde(default)]
     outstanding: u32,
 }
@@ -430,6 +432,7 @@ async fn send_batch(ctx: &ReplicaCtx, cluster: &Cluster, batch: Vec<Work>, budge
             return Ok(());
         }
     };
+    ctx.me.set_backlog(meta.outstanding);
     if meta.results.len() != n {
         let why = format!("node {} answered {} of {n} requests", at.node, meta.results.len());
         fail_all(members, |_| NodeError::Internal(why.clone()));

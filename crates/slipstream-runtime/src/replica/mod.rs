@@ -185,6 +185,10 @@ pub struct Replica {
     /// The cluster placed it elsewhere: it serves until it drains (a
     /// moment later), and no longer counts towards this node's share.
     leaving: AtomicBool,
+    /// For a remote replica: requests other nodes have queued at it, as its
+    /// node last reported (counted as queued here, so that routing and
+    /// admission see the whole queue, not only this node's part of it).
+    backlog: AtomicU32,
     /// Reference instant of the pipeline's ns clock.
     epoch: Instant,
     state: Mutex<State>,
@@ -204,6 +208,7 @@ impl Replica {
             pool,
             remote: None,
             leaving: AtomicBool::new(false),
+            backlog: AtomicU32::new(0),
             epoch,
             state: Mutex::new(State {
                 phase: Phase::Starting,
@@ -227,6 +232,14 @@ impl Replica {
     pub fn on_node(mut self, at: RemoteAt) -> Replica {
         self.remote = Some(at);
         self
+    }
+
+    /// A remote replica's node reported `n` requests queued or running
+    /// there besides this node's (a load report with each answer).
+    pub fn set_backlog(&self, n: u32) {
+        if self.backlog.swap(n, Relaxed) != n {
+            self.publish_queue(&self.state.lock());
+        }
     }
 
     pub fn mark_leaving(&self) {
@@ -281,7 +294,7 @@ impl Replica {
         let load = ReplicaLoad::of(
             &st.former,
             st.phase == Phase::Ready,
-            st.queue.len(),
+            st.queue.len() + self.backlog.load(Relaxed) as usize,
             st.running,
             st.wait_ns,
             st.last_batch,
@@ -295,7 +308,7 @@ impl Replica {
     /// queue estimate (the batch latencies stay as published).
     fn publish_queue(&self, st: &State) {
         let mut load = self.load.load();
-        load.set_queue(&st.former, st.queue.len(), st.running, 0);
+        load.set_queue(&st.former, st.queue.len() + self.backlog.load(Relaxed) as usize, st.running, 0);
         self.load.store_queue(&load);
     }
 
