@@ -290,6 +290,38 @@ def node_kill(a: argparse.Namespace) -> dict[str, Any]:
             "load_avg": os.getloadavg()[0]}
 
 
+def oha_check(a: argparse.Namespace) -> dict[str, Any]:
+    """The 3-node headline with an independent generator: `oha` at a fixed
+    rate (with latency correction) against the first node's ingress."""
+    import shutil
+
+    oha = shutil.which("oha") or str(Path.home() / ".cargo" / "bin" / "oha")
+    out: dict[str, Any] = {}
+    c = Cluster(3, 3)
+    try:
+        body = BODY_SCALE.decode()
+        for f in (0.85, 0.95):
+            rate = f * 3 * REPLICA_RPS
+            runs = []
+            for _ in range(a.repeat):
+                r = subprocess.run([oha, "-z", f"{a.seconds + 4:.0f}s", "-q", f"{rate:.0f}", "--latency-correction",
+                                    "-c", "64", "--no-tui", "--output-format", "json", "-m", "POST",
+                                    "-H", "content-type: application/json", "-d", body,
+                                    f"{c.url}/v1/pipelines/scale/infer"], capture_output=True, text=True, check=True)
+                d = json.loads(r.stdout)
+                codes = {str(k): v for k, v in d.get("statusCodeDistribution", {}).items()}
+                runs.append({"rps": d["summary"]["requestsPerSec"], "p50_ms": d["latencyPercentiles"]["p50"] * 1e3,
+                             "p99_ms": d["latencyPercentiles"]["p99"] * 1e3, "status": codes,
+                             "load_avg": os.getloadavg()[0]})
+            out[f"{rate:.0f}"] = {"offered_rps": rate, "p50_ms": statistics.median(x["p50_ms"] for x in runs),
+                                  "p99_ms": statistics.median(x["p99_ms"] for x in runs), "runs": runs}
+            log(f"  oha at {rate:.0f} req/s: p50 {out[f'{rate:.0f}']['p50_ms']:.0f} ms, "
+                f"p99 {out[f'{rate:.0f}']['p99_ms']:.0f} ms, {runs[-1]['status']}")
+    finally:
+        c.stop()
+    return out
+
+
 def merged_frames(a: argparse.Namespace) -> dict[str, Any]:
     log("merged frames: cargo run --release -p slipstream-peer --example merge")
     out = RESULTS / "cluster_merge.json"
@@ -300,8 +332,9 @@ def merged_frames(a: argparse.Namespace) -> dict[str, Any]:
 
 def markdown(res: dict[str, Any]) -> str:
     lines = ["# A cluster on one machine", "",
-             f"{res['machine']}; load average before: {res['load_avg_before']:.2f}. "
-             f"Command: `{res['command']}`. Medians of {res['repeat']} runs per point.", ""]
+             f"{res['machine']}. Medians of {res['repeat']} runs per point. Each section's command, time and "
+             "load average are in cluster.json (`run`); the last command was "
+             f"`{res['command']}` at {res['when']} (load average {res['load_avg_before']:.2f}).", ""]
     sc = res.get("scaling", {})
     if sc:
         lines += ["## Scaling: goodput at the SLO (p99 <= 300 ms, <= 1% misses), off-CPU stage", "",
@@ -336,10 +369,31 @@ def markdown(res: dict[str, Any]) -> str:
                   f"{k['errors_by_kind']}; "
                   f"full goodput again {rec} after the kill (every 250 ms bucket >= 99% within the SLO); "
                   f"worst bucket: {k['worst_bucket_share']:.0%} within the SLO.", ""]
+    o = res.get("oha")
+    if o:
+        lines += ["## The 3-node point with an independent generator (oha, fixed rate, latency correction)", "",
+                  "| offered req/s | p50 ms | p99 ms | statuses (last run) |", "|---|---|---|---|"]
+        for v in o.values():
+            lines.append(f"| {v['offered_rps']:.0f} | {v['p50_ms']:.0f} | {v['p99_ms']:.0f} | {v['runs'][-1]['status']} |")
+        lines.append("")
     m = res.get("merge")
     if m:
-        lines += ["## Merged frames (many small tensors per request)", "", "```", json.dumps(
-            {k: v for k, v in m.items() if k in ("ratios", "costs", "modes")}, indent=1)[:3000], "```", ""]
+        c = m["measure_costs"]
+        lines += ["## Merged frames: 128 sparse features of 64 B + 13 dense floats per request, echoed "
+                  "(`cargo run --release -p slipstream-peer --example merge`)", "",
+                  f"Measured at start-up: {c['per_segment_ns']:.1f} ns per extra iovec, {c['per_byte_ns']:.3f} ns "
+                  f"per copied byte: merge threshold {c['merge_threshold']} B.", "",
+                  "| mode | frames per request | p50 us (1 in flight) | p99 us | req/s (16 in flight) |",
+                  "|---|---|---|---|---|"]
+        for name, mode in m["modes"].items():
+            lat, thr = mode["latency"]["median"], mode["throughput"]["median"]
+            lines.append(f"| {name} | {mode['frames_per_request']} | {lat['p50_us']:.0f} | {lat['p99_us']:.0f} | "
+                         f"{thr['rps']:.0f} |")
+        r = m["ratios"]
+        lines += ["", f"Merged vs one message per tensor: {r['merged_vs_one_by_one']['throughput_merged_over_other']:.1f}x "
+                  f"the throughput, {r['merged_vs_one_by_one']['p50_other_over_merged']:.1f}x lower p50; merged vs "
+                  f"one frame with an iovec per tensor: {r['merged_vs_unmerged']['throughput_merged_over_other']:.2f}x "
+                  f"the throughput, {r['merged_vs_unmerged']['p50_other_over_merged']:.2f}x lower p50.", ""]
     return "\n".join(lines)
 
 
@@ -347,7 +401,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ray", action="store_true", help="also run Ray Serve as a multi-node Ray cluster")
     ap.add_argument("--quick", action="store_true", help="fewer, shorter points (a smoke run)")
-    ap.add_argument("--only", choices=["scaling", "handoff", "kill", "merge"], action="append")
+    ap.add_argument("--only", choices=["scaling", "handoff", "kill", "merge", "oha"], action="append")
     ap.add_argument("--fractions", default="", help="offered rates for the scaling points, as fractions of the "
                     "compute limit (default 0.7,0.85,0.95; lower ones follow where none holds)")
     ap.add_argument("--systems", default="slipstream,ray", help="with --ray: which systems to run (e.g. ray)")
@@ -357,7 +411,7 @@ def main() -> int:
     a.seconds = 8.0 if not a.quick else 4.0
     a.repeat = 3 if not a.quick else 1
     a.kill_seconds = 20.0 if not a.quick else 12.0
-    only = set(a.only or ["scaling", "handoff", "kill", "merge"])
+    only = set(a.only or ["scaling", "handoff", "kill", "merge", "oha"])
     res: dict[str, Any] = {"machine": f"{os.cpu_count()} cores", "load_avg_before": os.getloadavg()[0],
                            "command": "bench/cluster.py " + " ".join(sys.argv[1:]), "repeat": a.repeat,
                            "nodes": a.nodes, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -380,6 +434,9 @@ def main() -> int:
         res["kill"] = node_kill(a)
     if "merge" in only:
         res["merge"] = merged_frames(a)
+    if "oha" in only:
+        log("independent generator: oha against 3 nodes")
+        res["oha"] = oha_check(a)
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "cluster.json"
     if a.only and path.exists():
