@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CARGO ?= $(shell command -v cargo 2>/dev/null || echo $$HOME/.cargo/bin/cargo)
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup build lint test test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-plan data data-small demo clean fmt
+.PHONY: setup build lint test test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-cluster bench-plan data data-small demo clean fmt
 
 setup: $(VENV)/.installed
 
@@ -72,6 +72,13 @@ bench-faults: setup
 bench-vs-ray: setup
 	bash bench/vs_ray/setup_ray.sh
 	RAG_EMBED_REPLICAS=$${RAG_EMBED_REPLICAS:-2} $(PY) bench/vs_ray/compare.py
+
+# A cluster of 1-3 nodes on this machine (real etcd): scaling at the SLO, cross-node
+# handoff, a node killed under load, merged frames; Ray Serve as a Ray cluster beside it:
+# bench/results/cluster.{json,md}.
+bench-cluster: setup
+	bash bench/vs_ray/setup_ray.sh
+	$(PY) bench/cluster.py --ray
 
 # Goodput at the SLO with the planner's configuration vs as shipped, as a
 # share of the offline compute limit: bench/results/goodput.{json,md}.
