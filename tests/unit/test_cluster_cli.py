@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from slipstream._internal.cluster_cli import Etcd, EtcdError, seal, unseal
 
 # The node opens exactly this (crates/slipstream-runtime/src/cluster/mod.rs, SEALED_BY_PYTHON).

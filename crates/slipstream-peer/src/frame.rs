@@ -26,7 +26,7 @@
 //! checked length; sums are checked; nothing panics on any input.
 
 use bytes::Bytes;
-use slipstream_types::{checked_nbytes, DType};
+use slipstream_types::{checked_nbytes, DType, ALL_DTYPES};
 use std::ops::Range;
 
 pub const FRAME_MAGIC: u32 = u32::from_le_bytes(*b"SSPF");
@@ -43,26 +43,6 @@ pub const MAX_DTYPE_NAME: usize = 16;
 pub const DEFAULT_MAX_PAYLOAD: u64 = 4 << 30;
 
 static ZEROS: [u8; ALIGN as usize] = [0; ALIGN as usize];
-
-/// Every dtype (`slipstream-types` keeps its list private): what the encoder
-/// accepts and [`dtype_from_wire`] decodes. A dtype added there and missing
-/// here is refused by the encoder, never misread.
-const DTYPES: [DType; 14] = [
-    DType::Bool,
-    DType::Uint8,
-    DType::Uint16,
-    DType::Uint32,
-    DType::Uint64,
-    DType::Int8,
-    DType::Int16,
-    DType::Int32,
-    DType::Int64,
-    DType::Float16,
-    DType::Float32,
-    DType::Float64,
-    DType::String,
-    DType::Bytes,
-];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
@@ -253,9 +233,6 @@ pub fn encode(msg: &Outgoing, merge_threshold: usize, limits: &Limits) -> Result
         if t.shape.len() > MAX_NDIM {
             return Err(format!("tensor '{}' has {} dimensions, the limit is {MAX_NDIM}", t.name, t.shape.len()));
         }
-        if !DTYPES.contains(&t.dtype) {
-            return Err(format!("tensor '{}': dtype {} has no wire spelling", t.name, t.dtype));
-        }
         let n = t.data.len() as u64;
         if !t.dtype.is_variable() && checked_nbytes(t.dtype, &t.shape) != Some(n) {
             return Err(format!("tensor '{}': {n} bytes of data for {} {:?}", t.name, t.dtype, t.shape));
@@ -383,26 +360,9 @@ pub struct HeadDecoder {
     consumed: u64,
 }
 
-/// The dtype a table spells `b` (`DType::name`); a `match` rather than a
-/// search of [`DTYPES`], as it runs per received tensor.
+/// The dtype a table spells `b` (`DType::name`).
 fn dtype_from_wire(b: &[u8]) -> Option<DType> {
-    Some(match b {
-        b"bool" => DType::Bool,
-        b"uint8" => DType::Uint8,
-        b"uint16" => DType::Uint16,
-        b"uint32" => DType::Uint32,
-        b"uint64" => DType::Uint64,
-        b"int8" => DType::Int8,
-        b"int16" => DType::Int16,
-        b"int32" => DType::Int32,
-        b"int64" => DType::Int64,
-        b"float16" => DType::Float16,
-        b"float32" => DType::Float32,
-        b"float64" => DType::Float64,
-        b"string" => DType::String,
-        b"bytes" => DType::Bytes,
-        _ => return None,
-    })
+    ALL_DTYPES.into_iter().find(|d| d.name().as_bytes() == b)
 }
 
 fn u64_at(b: &[u8], at: usize) -> u64 {
@@ -675,7 +635,7 @@ mod tests {
 
     #[test]
     fn every_dtype_round_trips() {
-        let tensors: Vec<OutTensor> = DTYPES
+        let tensors: Vec<OutTensor> = ALL_DTYPES
             .iter()
             .map(|&d| {
                 let n = if d.is_variable() { 6 } else { d.size() * 3 };
@@ -686,13 +646,13 @@ mod tests {
         let head =
             decode_head(&flat(&encode(&msg, 0, &Limits::default()).unwrap()), &Limits::default()).unwrap().unwrap();
         let got: Vec<DType> = head.tensors.iter().map(|t| t.dtype).collect();
-        assert_eq!(got, DTYPES);
-        for d in DTYPES {
+        assert_eq!(got, ALL_DTYPES);
+        for d in ALL_DTYPES {
             assert_eq!(dtype_from_wire(d.name().as_bytes()), Some(d));
         }
         assert_eq!(dtype_from_wire(b"FP32"), None, "only the numpy spelling");
-        let names: std::collections::HashSet<&str> = DTYPES.iter().map(|d| d.name()).collect();
-        assert_eq!(names.len(), DTYPES.len());
+        let names: std::collections::HashSet<&str> = ALL_DTYPES.iter().map(|d| d.name()).collect();
+        assert_eq!(names.len(), ALL_DTYPES.len());
         assert!(names.iter().all(|n| n.len() <= MAX_DTYPE_NAME));
     }
 

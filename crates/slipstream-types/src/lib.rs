@@ -36,7 +36,8 @@ pub enum DType {
     Bytes,
 }
 
-const ALL: [DType; 14] = [
+/// Every dtype, in a stable order.
+pub const ALL_DTYPES: [DType; 14] = [
     DType::Bool,
     DType::Uint8,
     DType::Uint16,
@@ -114,7 +115,7 @@ impl DType {
         if s == "BYTES" {
             return Some(DType::Bytes);
         }
-        ALL.into_iter().find(|d| d.v2_name() == s)
+        ALL_DTYPES.into_iter().find(|d| d.v2_name() == s)
     }
 
     pub fn is_float(self) -> bool {
@@ -141,7 +142,11 @@ impl FromStr for DType {
     /// Accepts numpy spellings (`float32`, also `f4`-free long names only)
     /// and Open Inference Protocol spellings (`FP32`).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        ALL.into_iter().find(|d| d.name() == s).or_else(|| DType::from_v2(s)).ok_or_else(|| UnknownDType(s.to_string()))
+        ALL_DTYPES
+            .into_iter()
+            .find(|d| d.name() == s)
+            .or_else(|| DType::from_v2(s))
+            .ok_or_else(|| UnknownDType(s.to_string()))
     }
 }
 
@@ -273,7 +278,7 @@ mod tests {
 
     #[test]
     fn dtype_spellings_round_trip() {
-        for d in ALL {
+        for d in ALL_DTYPES {
             assert_eq!(d.name().parse::<DType>().unwrap(), d);
             if d != DType::String {
                 assert_eq!(d.v2_name().parse::<DType>().unwrap(), d);

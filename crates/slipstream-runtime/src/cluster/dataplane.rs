@@ -30,7 +30,10 @@ use crate::arena::{Arena, TensorRef, Tensors};
 use crate::error::NodeError;
 use crate::node::Node;
 use crate::pipeline::Ticket;
-use crate::replica::task::{fail_all, move_queue_elsewhere, retry_or_fail, signature, ReplicaCtx};
+use crate::replica::task::{
+    done_serving, fail_all, members_of, move_queue_elsewhere, next_step, retry_or_fail, sleep_until_opt, Next,
+    ReplicaCtx,
+};
 use crate::replica::{Phase, Work};
 use crate::request::{request_rows, Request};
 use bytes::Bytes;
@@ -300,41 +303,28 @@ pub async fn run_remote(mut ctx: ReplicaCtx, cluster: Arc<Cluster>) {
 
 /// Send batches until drained (Ok) or the remote node fails (Err).
 async fn serve_remote(ctx: &mut ReplicaCtx, cluster: &Cluster) -> Result<(), String> {
+    let at = ctx.me.remote.clone().expect("remote");
+    let key = format!("{}/{}", ctx.pipe.name(), ctx.stage().name);
+    let mut view = cluster.view.subscribe();
     loop {
-        let rest = ctx.pipe.rest_ns(ctx.stage);
-        let step = ctx.me.take_batch(rest);
-        let dropped = !step.expired.is_empty();
-        if dropped {
-            let stage = ctx.stage();
-            stage.metrics.dropped_late.fetch_add(step.expired.len() as u64, Relaxed);
-            for w in step.expired {
-                w.req.fail(NodeError::DeadlineExceeded { stage: stage.name.clone() });
+        let wake = match next_step(ctx) {
+            Next::Run(batch, budget_ns) => {
+                send_batch(ctx, cluster, batch, budget_ns).await?;
+                continue;
             }
-        }
-        if let Some((head, _)) = step.batch.first() {
-            let now = ctx.pipe.now_ns();
-            let budget_ns = head.saturating_sub(now + rest);
-            let batch = step.batch.into_iter().map(|(_, w)| w).collect();
-            send_batch(ctx, cluster, batch, budget_ns).await?;
-            continue;
-        }
-        if dropped {
-            continue;
-        }
-        if (ctx.stopping() || ctx.me.phase() == Phase::Draining) && ctx.me.queue_len() == 0 {
+            Next::Again => continue,
+            Next::Wait(wake) => wake,
+        };
+        if done_serving(ctx) {
             return Ok(());
         }
         if ctx.me.phase() == Phase::Down {
             return Err("its node stopped serving the stage".into());
         }
-        let wake = step.wait_until.map(|at| ctx.pipe.epoch + Duration::from_nanos(at));
-        let mut view = cluster.view.subscribe();
-        let at = ctx.me.remote.clone().expect("remote");
-        let key = format!("{}/{}", ctx.pipe.name(), ctx.stage().name);
         tokio::select! {
             _ = ctx.me.woken() => {}
             _ = ctx.stop.changed() => {}
-            _ = async { match wake { Some(w) => tokio::time::sleep_until(w.into()).await, None => std::future::pending().await } } => {}
+            _ = sleep_until_opt(wake) => {}
             _ = view.changed() => {
                 if !view.borrow().serves(&at.node, &key) && ctx.me.phase() == Phase::Ready {
                     return Err("its node no longer reports the stage ready".into());
@@ -349,24 +339,7 @@ async fn serve_remote(ctx: &mut ReplicaCtx, cluster: &Cluster) -> Result<(), Str
 async fn send_batch(ctx: &ReplicaCtx, cluster: &Cluster, batch: Vec<Work>, budget_ns: u64) -> Result<(), String> {
     let stage = ctx.stage();
     let now = Instant::now();
-    let mut members: Vec<(Arc<Request>, Tensors)> = Vec::with_capacity(batch.len());
-    let mut deferred = Vec::new();
-    for work in batch {
-        stage.metrics.queue_wait_us.record(now.duration_since(work.enqueued).as_micros() as u64);
-        match work.req.stage_inputs(ctx.stage) {
-            Ok(inputs) => {
-                if let Some((_, first)) = members.first() {
-                    if signature(first) != signature(&inputs) {
-                        deferred.push(work);
-                        continue;
-                    }
-                }
-                members.push((work.req, inputs));
-            }
-            Err(e) => work.req.fail(e),
-        }
-    }
-    ctx.me.requeue(deferred);
+    let (members, mean_wait) = members_of(ctx, batch);
     if members.is_empty() {
         return Ok(());
     }
@@ -391,7 +364,7 @@ async fn send_batch(ctx: &ReplicaCtx, cluster: &Cluster, batch: Vec<Work>, budge
         + Duration::from_secs(2);
     cluster.counters.sent_batches.fetch_add(1, Relaxed);
     cluster.counters.sent_requests.fetch_add(n as u64, Relaxed);
-    let expected = Duration::from_nanos(ctx.me.begin_batch(n, 0));
+    let expected = Duration::from_nanos(ctx.me.begin_batch(n, mean_wait));
     // A node that does not answer within a few times the batch's expected
     // latency is taken for partitioned: its requests are retried elsewhere
     // rather than left to wait for their deadline.

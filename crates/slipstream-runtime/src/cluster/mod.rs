@@ -357,7 +357,8 @@ mod tests {
 
     /// `slipstream deploy` (Python) seals records the node opens: the same
     /// vector is checked in tests/unit/test_cluster_cli.py.
-    const SEALED_BY_PYTHON: &str = r#"{"body": "{\"id\":\"x\"}", "sig": "ec0d33655ff61f052d4ace384e1cf0ea472ac37819e435f89d6f1b49489d27ed"}"#;
+    const SEALED_BY_PYTHON: &str =
+        r#"{"body": "{\"id\":\"x\"}", "sig": "ec0d33655ff61f052d4ace384e1cf0ea472ac37819e435f89d6f1b49489d27ed"}"#;
 
     #[derive(Deserialize, Serialize, PartialEq, Debug)]
     struct Head {
@@ -369,7 +370,10 @@ mod tests {
         let key = ClusterKey::from_token("t");
         let d: Head = open(&key, "deploy", SEALED_BY_PYTHON.as_bytes()).unwrap();
         assert_eq!(d.id, "x");
-        assert!(open::<Head>(&ClusterKey::from_token("u"), "deploy", SEALED_BY_PYTHON.as_bytes()).is_err(), "another token");
+        assert!(
+            open::<Head>(&ClusterKey::from_token("u"), "deploy", SEALED_BY_PYTHON.as_bytes()).is_err(),
+            "another token"
+        );
         assert!(open::<Head>(&key, "placement", SEALED_BY_PYTHON.as_bytes()).is_err(), "another kind");
         let tampered = SEALED_BY_PYTHON.replace(r#"\"x\""#, r#"\"y\""#);
         assert!(open::<Head>(&key, "deploy", tampered.as_bytes()).is_err(), "a changed body");

@@ -163,37 +163,63 @@ async fn warm_up(ctx: &ReplicaCtx, w: &mut Worker) -> Result<(), String> {
     Ok(())
 }
 
+/// What the batch step says a replica task should do next.
+pub(crate) enum Next {
+    /// Run this batch; its most urgent request has this much slack (ns).
+    Run(Vec<Work>, u64),
+    /// Some requests expired (and were failed): look again at once.
+    Again,
+    /// Nothing to run: wait for new work, or until this instant.
+    Wait(Option<Instant>),
+}
+
+/// The batch step for `ctx`'s replica (local worker or remote node alike):
+/// fail what expired (counted as dropped late), and say what to run.
+pub(crate) fn next_step(ctx: &ReplicaCtx) -> Next {
+    let rest = ctx.pipe.rest_ns(ctx.stage);
+    let step = ctx.me.take_batch(rest);
+    let dropped = !step.expired.is_empty();
+    if dropped {
+        let stage = ctx.stage();
+        stage.metrics.dropped_late.fetch_add(step.expired.len() as u64, Relaxed);
+        for w in step.expired {
+            w.req.fail(NodeError::DeadlineExceeded { stage: stage.name.clone() });
+        }
+    }
+    if let Some((head, _)) = step.batch.first() {
+        let now = ctx.pipe.now_ns();
+        ctx.stage().metrics.slack_us.record(head.saturating_sub(now) / 1_000);
+        let budget_ns = head.saturating_sub(now + rest);
+        return Next::Run(step.batch.into_iter().map(|(_, w)| w).collect(), budget_ns);
+    }
+    if dropped {
+        return Next::Again; // more may be queued behind the expired ones
+    }
+    Next::Wait(step.wait_until.map(|at| ctx.pipe.epoch + Duration::from_nanos(at)))
+}
+
+/// Whether a replica that is stopping or draining has finished its queue.
+pub(crate) fn done_serving(ctx: &ReplicaCtx) -> bool {
+    (ctx.stopping() || ctx.me.phase() == Phase::Draining) && ctx.me.queue_len() == 0
+}
+
 /// Feed the worker until the node stops, the replica is drained, or the
 /// worker dies.
 async fn serve(ctx: &mut ReplicaCtx, w: &mut Worker) -> Ended {
     loop {
-        let rest = ctx.pipe.rest_ns(ctx.stage);
-        let step = ctx.me.take_batch(rest);
-        let dropped = !step.expired.is_empty();
-        if dropped {
-            let stage = ctx.stage();
-            stage.metrics.dropped_late.fetch_add(step.expired.len() as u64, Relaxed);
-            for w in step.expired {
-                w.req.fail(NodeError::DeadlineExceeded { stage: stage.name.clone() });
+        let wake = match next_step(ctx) {
+            Next::Run(batch, budget_ns) => {
+                if let Err(why) = dispatch(ctx, w, batch, budget_ns).await {
+                    return Ended::Died(why);
+                }
+                continue;
             }
-        }
-        if let Some((head, _)) = step.batch.first() {
-            let now = ctx.pipe.now_ns();
-            ctx.stage().metrics.slack_us.record(head.saturating_sub(now) / 1_000);
-            let budget_ns = head.saturating_sub(now + rest);
-            let batch = step.batch.into_iter().map(|(_, w)| w).collect();
-            if let Err(why) = dispatch(ctx, w, batch, budget_ns).await {
-                return Ended::Died(why);
-            }
-            continue;
-        }
-        if dropped {
-            continue; // more may be queued behind the expired ones
-        }
-        if (ctx.stopping() || ctx.me.phase() == Phase::Draining) && ctx.me.queue_len() == 0 {
+            Next::Again => continue,
+            Next::Wait(wake) => wake,
+        };
+        if done_serving(ctx) {
             return Ended::Stopped;
         }
-        let wake = step.wait_until.map(|at| ctx.pipe.epoch + Duration::from_nanos(at));
         tokio::select! {
             _ = ctx.me.woken() => {}
             _ = ctx.stop.changed() => {}
@@ -203,7 +229,7 @@ async fn serve(ctx: &mut ReplicaCtx, w: &mut Worker) -> Ended {
     }
 }
 
-async fn sleep_until_opt(at: Option<Instant>) {
+pub(crate) async fn sleep_until_opt(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at.into()).await,
         None => std::future::pending().await,
@@ -275,13 +301,12 @@ pub(crate) fn signature(inputs: &Tensors) -> Vec<(&str, slipstream_types::DType,
     inputs.iter().map(|(n, t)| (n.as_str(), t.dtype, &t.shape[1..])).collect()
 }
 
-/// Run one batch on the worker. Err means the worker is gone.
-async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>, budget_ns: u64) -> Result<(), String> {
+/// Each request's inputs to this stage, for the batch taken; requests
+/// whose inputs do not match the first one's shapes go back to the queue
+/// for the next batch. Also returns the batch's mean queue wait (ns).
+pub(crate) fn members_of(ctx: &ReplicaCtx, batch: Vec<Work>) -> (Vec<(Arc<Request>, Tensors)>, u64) {
     let stage = ctx.stage();
-    let me = &ctx.me;
     let now = Instant::now();
-    // Gather each request's inputs; requests whose inputs do not match the
-    // first one's shapes go back to the queue for the next batch.
     let mut members: Vec<(Arc<Request>, Tensors)> = Vec::with_capacity(batch.len());
     let mut deferred = Vec::new();
     let waits: u64 = batch.iter().map(|w| now.duration_since(w.enqueued).as_nanos() as u64).sum();
@@ -301,7 +326,15 @@ async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>, budget_ns:
             Err(e) => work.req.fail(e),
         }
     }
-    me.requeue(deferred);
+    ctx.me.requeue(deferred);
+    (members, mean_wait)
+}
+
+/// Run one batch on the worker. Err means the worker is gone.
+async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>, budget_ns: u64) -> Result<(), String> {
+    let stage = ctx.stage();
+    let me = &ctx.me;
+    let (members, mean_wait) = members_of(ctx, batch);
     if members.is_empty() {
         return Ok(());
     }
