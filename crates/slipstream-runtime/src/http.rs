@@ -357,7 +357,7 @@ fn v2_metadata(p: &PipelineRt) -> Value {
 fn not_ready(node: &Node) -> Vec<String> {
     node.pipelines
         .values()
-        .flat_map(|p| p.stages.iter().filter(|s| !s.is_ready()).map(move |s| format!("{}/{}", p.name(), s.name)))
+        .flat_map(|p| p.stages.iter().filter(|s| !s.is_ready()).map(move |s| p.stage_key(s.index)))
         .collect()
 }
 

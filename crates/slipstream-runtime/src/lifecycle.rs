@@ -370,7 +370,7 @@ pub async fn run(
         for s in &p.stages {
             for r in s.replicas().iter() {
                 let (tx, rx) = oneshot::channel();
-                first_starts.push((format!("{}/{}", p.name(), s.name), rx));
+                first_starts.push((p.stage_key(s.index), rx));
                 node.spawn_replica(p, s.index, r.clone(), Some(tx));
             }
         }

@@ -87,6 +87,12 @@ impl Default for NodeOptions {
     }
 }
 
+/// Which replicas of a stage go first when it shrinks: those not serving,
+/// then the least loaded, then the newest.
+fn removal_order(live: &mut [Arc<Replica>]) {
+    live.sort_by_key(|r| (r.phase() == Phase::Ready, r.load().outstanding, std::cmp::Reverse(r.id)));
+}
+
 /// Starts and tracks replica tasks (at start-up and when a stage is scaled).
 pub struct Supervisor {
     pub launch: Arc<Launch>,
@@ -378,8 +384,7 @@ impl Node {
         if n > from {
             added = self.add_replicas(&pipe, st, n - from, false);
         } else if n < from {
-            // Not serving first, then the least loaded, then the newest.
-            live.sort_by_key(|r| (r.phase() == Phase::Ready, r.load().outstanding, std::cmp::Reverse(r.id)));
+            removal_order(&mut live);
             for r in live.iter().take(from - n) {
                 if r.drain() {
                     draining.push(r.id);
@@ -412,7 +417,7 @@ impl Node {
         if n > from {
             self.add_replicas(pipe, st, n - from, false);
         } else if n < from {
-            live.sort_by_key(|r| (r.phase() == Phase::Ready, r.load().outstanding, std::cmp::Reverse(r.id)));
+            removal_order(&mut live);
             for r in live.into_iter().take(from - n) {
                 r.mark_leaving();
                 self.events.record(pipe.name(), &st.name, Some(r.id), "leaving", "placed elsewhere".into());

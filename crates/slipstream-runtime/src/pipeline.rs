@@ -237,39 +237,47 @@ impl StageRt {
 
     /// Join-shortest-queue among accepting replicas, except `not`.
     pub fn choose(&self, tiebreak: u64, not: Option<&Replica>) -> Option<Arc<Replica>> {
-        let set = self.replicas();
+        self.choose_among(&self.replicas(), tiebreak, &|r| !is(not, r))
+    }
+
+    /// Join-shortest-queue among the accepting replicas of `set` that are `eligible`.
+    fn choose_among(
+        &self,
+        set: &ReplicaSet,
+        tiebreak: u64,
+        eligible: &dyn Fn(&Replica) -> bool,
+    ) -> Option<Arc<Replica>> {
         let loads: Vec<ReplicaLoad> = set
             .iter()
             .map(|r| {
                 let mut l = r.load();
-                l.accepting &= !is(not, r);
+                l.accepting &= eligible(r);
                 l
             })
             .collect();
         choose_replica(&loads, tiebreak).map(|i| set[i].clone())
     }
 
-    /// Where new work for this stage goes, except to `not`: the shortest
-    /// accepting queue, else (no replica accepts) one that will serve it once
-    /// its worker is (re)started; `None` if no replica ever will.
-    fn target(&self, tiebreak: u64, not: Option<&Replica>) -> Option<Arc<Replica>> {
-        self.choose(tiebreak, not).or_else(|| {
-            let set = self.replicas();
-            let waiting: Vec<&Arc<Replica>> = set.iter().filter(|r| r.phase().will_serve() && !is(not, r)).collect();
+    /// Where new work for this stage goes, among the `eligible` replicas:
+    /// the shortest accepting queue, else (none accepts) one that will
+    /// serve it once its worker is (re)started; `None` if none ever will.
+    fn target_among(&self, tiebreak: u64, eligible: &dyn Fn(&Replica) -> bool) -> Option<Arc<Replica>> {
+        let set = self.replicas();
+        self.choose_among(&set, tiebreak, eligible).or_else(|| {
+            let waiting: Vec<&Arc<Replica>> = set.iter().filter(|r| r.phase().will_serve() && eligible(r)).collect();
             (!waiting.is_empty()).then(|| waiting[(tiebreak as usize) % waiting.len()].clone())
         })
     }
 
-    /// Where work another node sent goes: the shortest accepting queue among
-    /// this node's own replicas, else one of them that will serve.
+    /// Where new work for this stage goes, except to `not` (see [`StageRt::target_among`]).
+    fn target(&self, tiebreak: u64, not: Option<&Replica>) -> Option<Arc<Replica>> {
+        self.target_among(tiebreak, &|r| !is(not, r))
+    }
+
+    /// Where work another node sent goes: among this node's own replicas
+    /// (see [`StageRt::target_among`]).
     pub fn local_target(&self, tiebreak: u64) -> Option<Arc<Replica>> {
-        let set = self.replicas();
-        let local: Vec<&Arc<Replica>> = set.iter().filter(|r| r.is_local()).collect();
-        let loads: Vec<ReplicaLoad> = local.iter().map(|r| r.load()).collect();
-        choose_replica(&loads, tiebreak).map(|i| local[i].clone()).or_else(|| {
-            let waiting: Vec<&&Arc<Replica>> = local.iter().filter(|r| r.phase().will_serve()).collect();
-            (!waiting.is_empty()).then(|| (*waiting[(tiebreak as usize) % waiting.len()]).clone())
-        })
+        self.target_among(tiebreak, &Replica::is_local)
     }
 
     /// Put `req` on this stage: on `first` if it takes it, else on the
@@ -349,6 +357,11 @@ impl PipelineRt {
     /// `t` in ns since the epoch.
     pub fn ns_at(&self, t: Instant) -> u64 {
         t.saturating_duration_since(self.epoch).as_nanos() as u64
+    }
+
+    /// How a stage is named across the node and the cluster: "pipeline/stage".
+    pub fn stage_key(&self, stage: usize) -> String {
+        format!("{}/{}", self.name(), self.stages[stage].name)
     }
 
     pub fn stage(&self, name: &str) -> Result<&StageRt, NodeError> {

@@ -39,7 +39,7 @@ pub fn my_record(node: &Node, cluster: &Cluster) -> Member {
         for s in &p.stages {
             let n = s.replicas().iter().filter(|r| r.is_local() && r.phase() == crate::replica::Phase::Ready).count();
             if n > 0 {
-                ready.insert(format!("{}/{}", p.name(), s.name), n as u32);
+                ready.insert(p.stage_key(s.index), n as u32);
             }
         }
     }
@@ -289,11 +289,7 @@ async fn reconcile(etcd: &Etcd, node: &Arc<Node>, cluster: &Arc<Cluster>, keys: 
         let want: BTreeMap<String, u32> = node
             .pipelines
             .values()
-            .flat_map(|p| {
-                p.stages
-                    .iter()
-                    .map(move |s| (format!("{}/{}", p.name(), s.name), p.spec.stages[s.index].replicas as u32))
-            })
+            .flat_map(|p| p.stages.iter().map(move |s| (p.stage_key(s.index), p.spec.stages[s.index].replicas as u32)))
             .collect();
         let names: Vec<String> = members.keys().cloned().collect();
         let prev = current.as_ref().filter(|(p, _)| &p.deploy == deploy).map(|(p, _)| &p.stages);
@@ -332,7 +328,7 @@ async fn reconcile(etcd: &Etcd, node: &Arc<Node>, cluster: &Arc<Cluster>, keys: 
 fn apply(node: &Arc<Node>, cluster: &Cluster, p: &Placement, members: &BTreeMap<String, Member>) {
     for pipe in node.pipelines.values() {
         for st in &pipe.stages {
-            let key = format!("{}/{}", pipe.name(), st.name);
+            let key = pipe.stage_key(st.index);
             node.set_local_replicas(pipe, st, p.count(&key, cluster.me()) as usize);
             let mut remote: BTreeMap<String, (std::net::SocketAddr, usize)> = BTreeMap::new();
             for (name, m) in members.iter().filter(|(n, _)| n.as_str() != cluster.me()) {

@@ -25,13 +25,13 @@
 //! (else they fail with 503), queued ones move to serving siblings, and the
 //! replica comes back when the node reports ready again.
 
-use super::Cluster;
+use super::{Cluster, View};
 use crate::arena::{Arena, TensorRef, Tensors};
 use crate::error::NodeError;
 use crate::node::Node;
 use crate::pipeline::Ticket;
 use crate::replica::task::{
-    done_serving, fail_all, members_of, move_queue_elsewhere, next_step, retry_or_fail, sleep_until_opt, Next,
+    done_serving, fail_all, leave, members_of, move_queue_elsewhere, next_step, retry_or_fail, sleep_until_opt, Next,
     ReplicaCtx,
 };
 use crate::replica::{Phase, Work};
@@ -43,6 +43,7 @@ use slipstream_shm::{Block, BlockMut};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio::sync::watch;
 
 /// Receive buffers are blocks of the node's arena (ingress pool).
 pub struct ArenaAlloc(pub Arc<Arena>);
@@ -225,8 +226,10 @@ pub async fn serve_call(node: Arc<Node>, from: String, inc: Incoming<ArenaBuf>) 
             Err(e) => results.push(ReqResult::Err { kind: e.kind().to_string(), message: e.to_string() }),
         }
     }
-    let live = stage.replicas().iter().filter(|r| r.is_local() && r.phase() == Phase::Ready).count().max(1);
-    let outstanding: u32 = stage.replicas().iter().filter(|r| r.is_local()).map(|r| r.load().outstanding).sum();
+    let set = stage.replicas();
+    let local = set.iter().filter(|r| r.is_local());
+    let live = local.clone().filter(|r| r.phase() == Phase::Ready).count().max(1);
+    let outstanding: u32 = local.map(|r| r.load().outstanding).sum();
     let meta = ReplyMeta { results, outstanding: outstanding / live as u32 };
     Outgoing::reply(serde_json::to_vec(&meta).expect("serialises"), tensors)
 }
@@ -248,7 +251,7 @@ async fn probe(cluster: &Cluster, at: &crate::replica::RemoteAt, pipeline: &str,
 /// node stops (see the module docs).
 pub async fn run_remote(mut ctx: ReplicaCtx, cluster: Arc<Cluster>) {
     let at = ctx.me.remote.clone().expect("a remote replica");
-    let key = format!("{}/{}", ctx.pipe.name(), ctx.stage().name);
+    let key = ctx.pipe.stage_key(ctx.stage);
     let mut view = cluster.view.subscribe();
     let mut backoff = Duration::from_millis(100);
     loop {
@@ -274,7 +277,7 @@ pub async fn run_remote(mut ctx: ReplicaCtx, cluster: Arc<Cluster>) {
         if ctx.me.worker_ready(0) == Some(Phase::Ready) {
             ctx.event("ready", format!("on node {} ({})", at.node, at.addr));
         }
-        match serve_remote(&mut ctx, &cluster).await {
+        match serve_remote(&mut ctx, &cluster, &mut view, &key).await {
             Ok(()) => break,
             Err(why) => {
                 ctx.me.worker_died();
@@ -288,24 +291,18 @@ pub async fn run_remote(mut ctx: ReplicaCtx, cluster: Arc<Cluster>) {
             }
         }
     }
-    // Leave: what is still queued goes to siblings (or fails).
-    let stage = ctx.stage();
-    for w in ctx.me.stop() {
-        if let Err(req) = stage.place(w.req, None, Some(&ctx.me)) {
-            req.fail(NodeError::Unavailable { stage: stage.name.clone(), reason: "its replica left".into() });
-        }
-    }
-    if !ctx.stopping() {
-        stage.remove_replica(ctx.me.id);
-        ctx.event("removed", format!("node {}", at.node));
-    }
+    leave(&ctx);
 }
 
-/// Send batches until drained (Ok) or the remote node fails (Err).
-async fn serve_remote(ctx: &mut ReplicaCtx, cluster: &Cluster) -> Result<(), String> {
+/// Send batches until drained (Ok) or the remote node fails (Err), or
+/// stops reporting stage `key` ready in the cluster's `view`.
+async fn serve_remote(
+    ctx: &mut ReplicaCtx,
+    cluster: &Cluster,
+    view: &mut watch::Receiver<Arc<View>>,
+    key: &str,
+) -> Result<(), String> {
     let at = ctx.me.remote.clone().expect("remote");
-    let key = format!("{}/{}", ctx.pipe.name(), ctx.stage().name);
-    let mut view = cluster.view.subscribe();
     loop {
         let wake = match next_step(ctx) {
             Next::Run(batch, budget_ns) => {
@@ -326,7 +323,7 @@ async fn serve_remote(ctx: &mut ReplicaCtx, cluster: &Cluster) -> Result<(), Str
             _ = ctx.stop.changed() => {}
             _ = sleep_until_opt(wake) => {}
             _ = view.changed() => {
-                if !view.borrow().serves(&at.node, &key) && ctx.me.phase() == Phase::Ready {
+                if !view.borrow().serves(&at.node, key) && ctx.me.phase() == Phase::Ready {
                     return Err("its node no longer reports the stage ready".into());
                 }
             }

@@ -129,8 +129,9 @@ pub async fn run(mut ctx: ReplicaCtx, mut first_start: Option<oneshot::Sender<Re
 }
 
 /// The replica stops for good: what is still queued goes to its siblings
-/// (or fails), and it leaves its stage; its pool is free for the next one.
-fn leave(ctx: &ReplicaCtx) {
+/// (or fails), and it leaves its stage; a local replica's pool is free for
+/// the next one (a remote one's replies land in the ingress pool, which stays).
+pub(crate) fn leave(ctx: &ReplicaCtx) {
     let stage = ctx.stage();
     for w in ctx.me.stop() {
         if let Err(req) = stage.place(w.req, None, Some(&ctx.me)) {
@@ -139,8 +140,13 @@ fn leave(ctx: &ReplicaCtx) {
     }
     if !ctx.stopping() {
         stage.remove_replica(ctx.me.id);
-        ctx.arena.release_pool(ctx.me.pool.clone());
-        ctx.event("removed", String::new());
+        match &ctx.me.remote {
+            None => {
+                ctx.arena.release_pool(ctx.me.pool.clone());
+                ctx.event("removed", String::new());
+            }
+            Some(at) => ctx.event("removed", format!("node {}", at.node)),
+        }
     }
 }
 
