@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import slipstream as ss
-from slipstream._internal import cli
+from slipstream._internal import cli, config
 from slipstream._internal.app import app_spec
 from slipstream._internal.groups import GroupCache
 from slipstream._internal.keys import key_problem, prefix_problem
@@ -658,10 +658,13 @@ def test_cli_argument_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path)
 def test_cli_serve_store_options(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SLIPSTREAM_STORE", raising=False)
     a = cli.build_parser().parse_args(["serve", "app.py"])
-    assert (a.store, a.store_max_value_mb) == (None, 0)
+    cfg = config.resolve(a)
+    assert (cfg["store"], cfg["store_max_value_mb"]) == (None, 1024)
     monkeypatch.setenv("SLIPSTREAM_STORE", "/var/lib/ss")
     a = cli.build_parser().parse_args(["serve", "app.py", "--store-max-value-mb", "64"])
-    assert (a.store, a.store_max_value_mb) == ("/var/lib/ss", 64)
+    cfg = config.resolve(a)
+    assert (cfg["store"], cfg["store_max_value_mb"]) == ("/var/lib/ss", 64)
+    assert cfg.sources["store"] == "env SLIPSTREAM_STORE"
 
 
 def test_cli_put_get_ls_versions_rm(capsys: pytest.CaptureFixture[str], fake: FakeStore, tmp_path: Path,

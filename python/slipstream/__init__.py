@@ -20,6 +20,14 @@ Models, indices and documents live in the node's versioned object store
 (``ss.store``): a component declares the objects it needs
 (``@ss.component(needs={"model": "/models/m"})``) and is rebuilt when a new
 version is put, or is invoked by puts under a prefix (``watch="/docs/"``).
+
+From Python, ``ss.launch(app)`` starts a node in the background (``app``: a
+file, or Pipeline objects) and ``ss.Client(url)`` / ``ss.AsyncClient(url)``
+query one; errors are the ``ss.Error`` tree (``ss.Overloaded``,
+``ss.DeadlineExceeded``, ...)::
+
+    with ss.launch(app) as node, node.client() as client:
+        out = client.infer("demo", {"x": np.ones((1, 2), np.float32)}, deadline_ms=50)
 """
 
 from slipstream import store
@@ -34,11 +42,28 @@ from slipstream._internal.api import (
     component,
     worker_threads,
 )
+from slipstream._internal.client import AsyncClient, Client, Outputs
 from slipstream._internal.errors import (
+    ArenaFull,
+    BadInput,
+    BadRequest,
+    Cancelled,
+    ClientTimeout,
     ComponentError,
+    ComponentFailed,
     ConfigError,
+    DeadlineExceeded,
     Error,
+    Forbidden,
+    InternalError,
+    MethodNotAllowed,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    RequestError,
+    RequestTimeout,
     ServeError,
+    ShuttingDown,
     StoreBadRequest,
     StoreConflict,
     StoreError,
@@ -47,8 +72,13 @@ from slipstream._internal.errors import (
     StoreUnauthorized,
     StoreUnavailable,
     TensorFormatError,
+    Unauthorized,
+    Unavailable,
+    UnknownPipeline,
+    UnknownStage,
+    Unreachable,
 )
-from slipstream._internal.launch import Server, launch
+from slipstream._internal.launch import Server, launch, serve
 from slipstream._internal.needs import loaded_versions
 from slipstream._internal.store import Object
 
@@ -56,17 +86,36 @@ __version__ = "0.1.0"
 
 __all__ = [
     "SLO",
+    "ArenaFull",
+    "AsyncClient",
+    "BadInput",
+    "BadRequest",
     "Batch",
+    "Cancelled",
+    "Client",
+    "ClientTimeout",
     "Component",
     "ComponentError",
+    "ComponentFailed",
     "ConfigError",
+    "DeadlineExceeded",
     "Error",
+    "Forbidden",
     "Graph",
+    "InternalError",
+    "MethodNotAllowed",
+    "NotFound",
     "Object",
+    "Outputs",
+    "Overloaded",
+    "PayloadTooLarge",
     "Pipeline",
     "Pool",
+    "RequestError",
+    "RequestTimeout",
     "ServeError",
     "Server",
+    "ShuttingDown",
     "StoreBadRequest",
     "StoreConflict",
     "StoreError",
@@ -76,10 +125,16 @@ __all__ = [
     "StoreUnavailable",
     "Tensor",
     "TensorFormatError",
+    "Unauthorized",
+    "Unavailable",
+    "UnknownPipeline",
+    "UnknownStage",
+    "Unreachable",
     "__version__",
     "component",
     "launch",
     "loaded_versions",
+    "serve",
     "store",
     "worker_threads",
 ]

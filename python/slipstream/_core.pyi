@@ -2,7 +2,7 @@
 
 from typing import final
 
-__all__ = ["serve", "bench", "simulate", "Pool", "CoreError", "__version__"]
+__all__ = ["serve", "node_settings", "check_config", "bench", "simulate", "Pool", "CoreError", "__version__"]
 
 class CoreError(RuntimeError):
     """args: (kind, message)"""
@@ -23,22 +23,9 @@ class Pool:
     @property
     def used_bytes(self) -> int: ...
 
-def serve(
-    spec_json: str,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    threads: int = 0,
-    max_body_bytes: int = 0,
-    request_timeout_s: float = 0.0,
-    drain_timeout_s: float = 0.0,
-    worker_start_timeout_s: float = 0.0,
-    pool_mb: int = 0,
-    admin_token: str | None = None,
-    log: bool = True,
-    store_dir: str | None = None,
-    store_max_value_mb: int = 0,
-    cluster_json: str | None = None,
-) -> None: ...
+def serve(spec_json: str, config_json: str = "{}", log: bool = True, cluster_json: str | None = None) -> None: ...
+def node_settings() -> str: ...
+def check_config(config_json: str) -> None: ...
 def bench(config_json: str, quiet: bool = False) -> str: ...
 def simulate(config_json: str) -> str: ...
 

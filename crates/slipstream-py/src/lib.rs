@@ -1,8 +1,10 @@
 //! `slipstream._core`: the compiled core, as a thin PyO3 boundary.
 //!
-//! Three things cross it: `serve` (run a node until SIGINT/SIGTERM, with the
-//! GIL released), `bench` (the open-loop load generator), and `Pool` (a
-//! worker's handle on its shared-memory pool, for allocating output blocks).
+//! What crosses it: `serve` (run a node until SIGINT/SIGTERM, with the GIL
+//! released), `node_settings`/`check_config` (the node's settings table and
+//! its checks, so the front end declares no setting of its own), `bench`
+//! (the open-loop load generator), and `Pool` (a worker's handle on its
+//! shared-memory pool, for allocating output blocks).
 //! Arguments arrive as JSON strings or plain scalars so that the Python side
 //! owns all user-facing validation and messages; errors come back as
 //! `CoreError(kind, message)`.
@@ -10,10 +12,9 @@
 use pyo3::create_exception;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
-use slipstream_runtime::{AppSpec, NodeOptions};
+use slipstream_runtime::{AppSpec, NodeConfig, NodeOptions};
 use slipstream_shm::Pool as ShmPool;
 use std::path::PathBuf;
-use std::time::Duration;
 
 create_exception!(_core, CoreError, PyRuntimeError, "An error from the compiled core: args are (kind, message).");
 
@@ -21,59 +22,38 @@ fn core_err(kind: &str, message: impl ToString) -> PyErr {
     CoreError::new_err((kind.to_string(), message.to_string()))
 }
 
-/// Serve the app described by `spec_json` until SIGINT/SIGTERM.
+/// Serve the app described by `spec_json` until SIGINT/SIGTERM, with the
+/// node configured by `config_json` (a `NodeConfig`: the front end's
+/// resolved settings; absent keys take their defaults).
 #[pyfunction]
-#[pyo3(signature = (spec_json, host="127.0.0.1", port=8000, threads=0, max_body_bytes=0, request_timeout_s=0.0, drain_timeout_s=0.0, worker_start_timeout_s=0.0, pool_mb=0, admin_token=None, log=true, store_dir=None, store_max_value_mb=0, cluster_json=None))]
-#[allow(clippy::too_many_arguments)]
-fn serve(
-    py: Python<'_>,
-    spec_json: &str,
-    host: &str,
-    port: u16,
-    threads: usize,
-    max_body_bytes: usize,
-    request_timeout_s: f64,
-    drain_timeout_s: f64,
-    worker_start_timeout_s: f64,
-    pool_mb: usize,
-    admin_token: Option<String>,
-    log: bool,
-    store_dir: Option<String>,
-    store_max_value_mb: u64,
-    cluster_json: Option<String>,
-) -> PyResult<()> {
+#[pyo3(signature = (spec_json, config_json="{}", log=true, cluster_json=None))]
+fn serve(py: Python<'_>, spec_json: &str, config_json: &str, log: bool, cluster_json: Option<String>) -> PyResult<()> {
     let spec: AppSpec = serde_json::from_str(spec_json).map_err(|e| core_err("invalid_spec", e))?;
-    let admin_token = admin_token.filter(|t| !t.is_empty());
-    let mut opts = NodeOptions { host: host.to_string(), port, log, admin_token, ..NodeOptions::default() };
-    if threads > 0 {
-        opts.threads = threads;
-    }
-    if max_body_bytes > 0 {
-        opts.max_body_bytes = max_body_bytes;
-    }
-    if request_timeout_s > 0.0 {
-        opts.request_timeout = Duration::from_secs_f64(request_timeout_s);
-    }
-    if drain_timeout_s > 0.0 {
-        opts.drain_timeout = Duration::from_secs_f64(drain_timeout_s);
-    }
-    if worker_start_timeout_s > 0.0 {
-        opts.worker_start_timeout = Duration::from_secs_f64(worker_start_timeout_s);
-    }
-    opts.store_dir = store_dir.filter(|d| !d.is_empty()).map(std::path::PathBuf::from);
-    if store_max_value_mb > 0 {
-        opts.store_max_value = store_max_value_mb
-            .checked_mul(1 << 20)
-            .ok_or_else(|| core_err("invalid_option", "store_max_value_mb is too large"))?;
-    }
+    let mut opts = node_options(config_json)?;
+    opts.log = log;
     if let Some(c) = cluster_json.filter(|c| !c.is_empty()) {
         opts.cluster = Some(serde_json::from_str(&c).map_err(|e| core_err("invalid_option", format!("cluster: {e}")))?);
     }
-    if pool_mb > 0 {
-        opts.replica_pool_bytes = pool_mb << 20;
-        opts.ingress_pool_bytes = (pool_mb << 20).max(opts.ingress_pool_bytes);
-    }
     py.detach(|| slipstream_runtime::run_blocking(spec, opts, |_| {})).map_err(|e| core_err(e.kind(), e))
+}
+
+fn node_options(config_json: &str) -> PyResult<NodeOptions> {
+    NodeConfig::from_json(config_json)
+        .and_then(|c| c.node_options())
+        .map_err(|e| core_err("invalid_option", e))
+}
+
+/// The node's settings table as JSON: `[{name, kind, optional, choices,
+/// default, help, flag}]` (see `slipstream_runtime::config`).
+#[pyfunction]
+fn node_settings() -> PyResult<String> {
+    serde_json::to_string(&slipstream_runtime::config::settings()).map_err(|e| core_err("internal", e))
+}
+
+/// Check a configuration without serving: Ok, or `CoreError("invalid_option", why)`.
+#[pyfunction]
+fn check_config(config_json: &str) -> PyResult<()> {
+    node_options(config_json).map(|_| ())
 }
 
 /// Run the open-loop load generator; `config_json` is a `BenchConfig`.
@@ -257,6 +237,8 @@ impl Pool {
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(serve, m)?)?;
+    m.add_function(wrap_pyfunction!(node_settings, m)?)?;
+    m.add_function(wrap_pyfunction!(check_config, m)?)?;
     m.add_function(wrap_pyfunction!(run_bench, m)?)?;
     m.add_function(wrap_pyfunction!(simulate, m)?)?;
     m.add_class::<Pool>()?;

@@ -19,6 +19,8 @@
 //! - object store: `/v1/store/...` (see [`crate::store_http`])
 //! - operations: `GET /healthz`, `GET /readyz` (ready while every stage of
 //!   every pipeline has a serving replica), `GET /metrics` (Prometheus)
+//! - the dashboard: `GET /dashboard` (one HTML page) and the history it
+//!   polls, `GET /v1/history?since=SEQ` (see [`crate::history`])
 
 use crate::codec::{self, BodyParts};
 use crate::error::NodeError;
@@ -225,6 +227,15 @@ async fn route(node: &Arc<Node>, admin_open: bool, req: hyper::Request<Incoming>
         }
         ["v1", "pipelines", name] => Ok(json_resp(200, &describe(node.pipeline(name)?.as_ref()))),
         ["v1", "status"] => Ok(json_resp(200, &report::status(node))),
+        ["v1", "history"] => {
+            let since = crate::history::since_param(req.uri().query())?;
+            Ok(json_resp(200, &node.history.since(node, since)))
+        }
+        ["dashboard"] => Ok(respond(
+            200,
+            "text/html; charset=utf-8",
+            vec![Bytes::from_static(crate::history::DASHBOARD_HTML.as_bytes())],
+        )),
         ["metrics"] => Ok(respond(200, "text/plain; version=0.0.4", vec![Bytes::from(report::prometheus(node))])),
         ["v2"] => Ok(json_resp(
             200,
@@ -254,6 +265,8 @@ fn known_get_route(parts: &[&str]) -> bool {
             | ["v1", "pipelines"]
             | ["v1", "pipelines", _]
             | ["v1", "status"]
+            | ["v1", "history"]
+            | ["dashboard"]
             | ["v2", ..]
     )
 }
@@ -296,19 +309,21 @@ pub(crate) async fn read_chunks(req: hyper::Request<Incoming>, limit: usize) -> 
 pub const DEADLINE_HEADER: &str = "x-slipstream-deadline-ms";
 
 fn arrival_of(req: &hyper::Request<Incoming>) -> Result<Arrival, NodeError> {
-    let budget = match req.headers().get(DEADLINE_HEADER) {
-        None => None,
-        Some(v) => {
-            let ms =
-                v.to_str().ok().and_then(|s| s.trim().parse::<f64>().ok()).filter(|ms| *ms > 0.0 && ms.is_finite());
-            Some(std::time::Duration::from_secs_f64(
-                ms.ok_or_else(|| {
-                    NodeError::BadRequest(format!("{DEADLINE_HEADER} must be a positive number of milliseconds"))
-                })? / 1e3,
-            ))
-        }
-    };
+    let budget = deadline_budget(req.headers().get(DEADLINE_HEADER).map(|v| v.as_bytes()))?;
     Ok(Arrival { at: Instant::now(), budget })
+}
+
+/// The budget a request asks for in [`DEADLINE_HEADER`] (an HTTP header, or
+/// gRPC metadata of the same name), if it gave one. A budget too large to
+/// represent saturates (the SLO bounds it anyway).
+pub(crate) fn deadline_budget(value: Option<&[u8]>) -> Result<Option<std::time::Duration>, NodeError> {
+    let Some(v) = value else { return Ok(None) };
+    let ms = std::str::from_utf8(v)
+        .ok()
+        .and_then(|s| s.trim().parse::<f64>().ok())
+        .filter(|ms| *ms > 0.0 && ms.is_finite())
+        .ok_or_else(|| NodeError::BadRequest(format!("{DEADLINE_HEADER} must be a positive number of milliseconds")))?;
+    Ok(Some(std::time::Duration::try_from_secs_f64(ms / 1e3).unwrap_or(std::time::Duration::MAX)))
 }
 
 fn mark_fallback(r: &mut Resp, why: Option<&'static str>) {

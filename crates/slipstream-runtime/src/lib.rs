@@ -1,6 +1,7 @@
 //! The Slipstream node: one process per machine that serves pipelines.
 //!
 //! - [`spec`]: the application description handed over by the Python front end;
+//! - [`config`]: the node's settings, each declared once (defaults, help, checks);
 //! - [`codec`]: tensors in and out of HTTP bodies (pipeline API and KServe v2);
 //! - [`arena`]: shared-memory pools, tensor references, copy accounting;
 //! - [`pipeline`]: stages and their replica sets, routing, admission;
@@ -13,17 +14,24 @@
 //! - [`autoscale`]: replica counts that follow the load trend, with warm standbys;
 //! - [`lifecycle`]: start-up, serving and graceful shutdown;
 //! - [`http`]: routes, admin authorisation and the error-to-status mapping;
+//! - [`grpc`]: the Open Inference Protocol over gRPC (its own port), and errors as gRPC codes;
 //! - [`metrics`], [`report`]: counters and histograms; status and Prometheus text;
 //! - [`events`]: recent replica lifecycle events;
+//! - [`history`]: the last ten minutes, second by second, and the dashboard page;
 //! - [`store_http`]: the object store's routes; [`triggers`]: puts that invoke pipelines;
 //! - [`cluster`]: membership and placement on etcd, and the data plane between nodes.
+//! - [`gpu`]: this machine's GPUs (`nvidia-smi -L`) and the one each replica of a GPU stage gets.
 
 pub mod arena;
 pub mod autoscale;
 pub mod cluster;
 pub mod codec;
+pub mod config;
 pub mod error;
 pub mod events;
+pub mod history;
+pub mod gpu;
+pub mod grpc;
 pub mod http;
 pub mod lifecycle;
 pub mod metrics;
@@ -38,5 +46,6 @@ pub mod triggers;
 
 pub use error::NodeError;
 pub use lifecycle::{run, run_blocking, RunError};
+pub use config::NodeConfig;
 pub use node::NodeOptions;
 pub use spec::AppSpec;

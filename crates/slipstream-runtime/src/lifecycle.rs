@@ -147,6 +147,8 @@ fn build_pipelines(
 ) -> Result<BTreeMap<String, Arc<PipelineRt>>, RunError> {
     let mut out = BTreeMap::new();
     let epoch = Instant::now();
+    // Every pipeline's latency buckets include every SLO target (see metrics.rs).
+    let slo_targets: Vec<f64> = spec.pipelines.iter().filter_map(|p| p.slo.map(|s| s.p99_ms)).collect();
     for p in &spec.pipelines {
         p.validate()?;
         if out.contains_key(&p.name) {
@@ -170,7 +172,7 @@ fn build_pipelines(
                 spec: p.clone(),
                 stages,
                 dag,
-                metrics: PipelineMetrics::default(),
+                metrics: PipelineMetrics::new(&slo_targets),
                 timeout: opts.request_timeout,
                 epoch,
                 gate: parking_lot::Mutex::new(slipstream_sched::AdmissionGate::new(
@@ -360,6 +362,9 @@ pub async fn run(
     ));
 
     node.set_listen_port(local.port());
+    // The dashboard's history, from the start: replicas starting and
+    // models loading show on it too.
+    tokio::spawn(crate::history::run(node.clone(), node.supervisor.stop.clone()));
     let mut joined = match opts.cluster.clone() {
         Some(c) => Some(crate::cluster::start(&node, c).await.map_err(RunError::Cluster)?),
         None => None,

@@ -38,6 +38,9 @@ const PLACEMENT_GRACE: Duration = Duration::from_secs(2);
 pub struct NodeOptions {
     pub host: String,
     pub port: u16,
+    /// The Open Inference Protocol over gRPC on this port (0: any free
+    /// port); None: no gRPC listener.
+    pub grpc_port: Option<u16>,
     /// Tokio worker threads for the node.
     pub threads: usize,
     pub max_body_bytes: usize,
@@ -65,25 +68,9 @@ pub struct NodeOptions {
 }
 
 impl Default for NodeOptions {
+    /// The defaults of [`crate::config::NodeConfig`], where each is declared.
     fn default() -> Self {
-        NodeOptions {
-            host: "127.0.0.1".into(),
-            port: 8000,
-            threads: std::thread::available_parallelism().map(|n| n.get().min(4)).unwrap_or(2),
-            max_body_bytes: 64 << 20,
-            request_timeout: Duration::from_secs(30),
-            drain_timeout: Duration::from_secs(30),
-            worker_start_timeout: Duration::from_secs(300),
-            ingress_pool_bytes: 1 << 30,
-            replica_pool_bytes: 256 << 20,
-            shm_dir: slipstream_shm::default_dir(),
-            admin_token: None,
-            log: true,
-            autoscale: Default::default(),
-            store_dir: None,
-            store_max_value: 1 << 30,
-            cluster: None,
-        }
+        crate::config::NodeConfig::default().node_options().expect("the default configuration is valid")
     }
 }
 
@@ -105,6 +92,8 @@ pub struct Node {
     pub arena: Arc<Arena>,
     pub opts: NodeOptions,
     pub events: Arc<Events>,
+    /// The last ten minutes, second by second (the dashboard's data).
+    pub history: crate::history::History,
     pub started: Instant,
     /// Refuse requests predicted to miss their deadline (429).
     pub admission: bool,
@@ -165,6 +154,7 @@ impl Node {
             pipelines,
             arena,
             events: Arc::new(Events::new(opts.log)),
+            history: Default::default(),
             autoscaler: Autoscaler::new(opts.autoscale.clone()),
             opts,
             started: Instant::now(),

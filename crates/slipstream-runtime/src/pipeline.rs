@@ -95,6 +95,8 @@ pub struct StageRt {
     pub bounds: (usize, usize),
     /// Its workers' own environment (see [`crate::spec::StageSpec::env`]).
     pub env: BTreeMap<String, String>,
+    /// The device its replicas run on (a GPU each, for a GPU stage).
+    pub device: crate::gpu::Want,
     /// How long a worker took from spawn to warm (moving average, ms; 0
     /// until one has started): the lead time a standby needs.
     start_ms: AtomicU32,
@@ -122,6 +124,7 @@ impl StageRt {
             threads: spec.threads,
             bounds: spec.bounds(),
             env: spec.env.clone(),
+            device: crate::gpu::Want::parse(spec.device.as_deref()).unwrap_or_default(), // checked by validate
             start_ms: AtomicU32::new(0),
             replicas: RwLock::new(Arc::new(Vec::new())),
             next_id: AtomicU32::new(0),
@@ -155,6 +158,27 @@ impl StageRt {
     /// The current replicas (a snapshot).
     pub fn replicas(&self) -> ReplicaSet {
         self.replicas.read().clone()
+    }
+
+    /// The environment of replica `replica`'s worker: the stage's, and for a
+    /// GPU stage `CUDA_VISIBLE_DEVICES` naming its one device. Err: it wants
+    /// a GPU this machine does not have.
+    pub fn worker_env(&self, replica: u32) -> Result<BTreeMap<String, String>, String> {
+        let mut env = self.env.clone();
+        if let Some(gpu) = crate::gpu::assign(self.device, replica, crate::gpu::devices())? {
+            env.insert("CUDA_VISIBLE_DEVICES".into(), gpu.uuid.clone());
+        }
+        Ok(env)
+    }
+
+    /// Where replica `replica` runs, for the status: `"cpu"`, or `"cuda:N"`
+    /// (N: its place in this machine's list) with the GPU's UUID and name.
+    pub fn device_of(&self, replica: u32) -> (String, Option<serde_json::Value>) {
+        match crate::gpu::assign(self.device, replica, crate::gpu::devices()) {
+            Ok(None) => ("cpu".into(), None),
+            Ok(Some(g)) => (format!("cuda:{}", g.index), Some(serde_json::json!({"uuid": g.uuid, "name": g.name}))),
+            Err(_) => (self.device.label(), None), // it never started
+        }
     }
 
     /// A worker of this stage took `d` from spawn to warm.

@@ -2,9 +2,14 @@
 //! `slipstream status` prints) and the Prometheus text on `/metrics`.
 //!
 //! Read-only: everything here is a snapshot of counters, histograms,
-//! published replica loads and the event ring.
+//! published replica loads and the event ring. `/v1/status` shows the
+//! counts since the last `reset-metrics`; `/metrics` shows them since the
+//! process started and exports latencies as Prometheus histograms (why, and
+//! the bucket boundaries: [`crate::metrics`]). Every family is declared even
+//! before it has samples, so the exported names do not depend on traffic
+//! (the Grafana dashboard in `deploy/grafana/` is checked against them).
 
-use crate::metrics::PromText;
+use crate::metrics::{le_label, slo_bound_us, PromText};
 use crate::node::Node;
 use crate::replica::Phase;
 use serde_json::{json, Value};
@@ -32,6 +37,8 @@ pub fn status(node: &Node) -> Value {
                         "autoscale": node.autoscaler.stage_status(p.name(), s),
                         "replicas": set.iter().map(|r| {
                             let l = r.load();
+                            // A remote replica's device is its own node's business.
+                            let (device, gpu) = if r.is_local() { s.device_of(r.id) } else { (String::new(), None) };
                             json!({
                                 "id": r.id,
                                 "state": r.phase().name(),
@@ -42,6 +49,8 @@ pub fn status(node: &Node) -> Value {
                                 "batch_limit": r.batch_limit(),
                                 "node": r.remote.as_ref().map(|at| at.node.as_str()),
                                 "leaving": r.leaving(),
+                                "device": (!device.is_empty()).then_some(device),
+                                "gpu": gpu,
                             })
                         }).collect::<Vec<_>>(),
                         "batches": m.batches.load(Relaxed),
@@ -50,6 +59,7 @@ pub fn status(node: &Node) -> Value {
                         "retries": m.retries.load(Relaxed),
                         "dropped_late": m.dropped_late.load(Relaxed),
                         "slack_ms": m.slack_us.summary(ms),
+                        "late_dispatch_ms": m.late_us.summary(ms),
                         "batch_limit": set.iter().map(|r| r.batch_limit()).max().unwrap_or(0),
                         "restarts": m.restarts.load(Relaxed),
                         "batch_size": m.batch_size.summary(1.0),
@@ -77,7 +87,7 @@ pub fn status(node: &Node) -> Value {
                 "slo_met": p.metrics.slo_met.load(Relaxed),
                 "slo_missed": p.metrics.slo_missed.load(Relaxed),
                 "fallback": p.metrics.fallback.load(Relaxed),
-                "errors": *p.metrics.errors.lock(),
+                "errors": p.metrics.errors.since_reset(),
                 "latency_ms": p.metrics.latency_us.summary(ms),
                 "stages": stages,
             })
@@ -113,6 +123,20 @@ pub fn status(node: &Node) -> Value {
 /// `GET /metrics` in Prometheus text format.
 pub fn prometheus(node: &Node) -> String {
     let mut t = PromText::default();
+    let failed = ("slipstream_requests_failed_total", "Requests answered with an error (or refused), by kind.");
+    t.declare(failed.0, "counter", failed.1);
+    let decisions = (
+        "slipstream_autoscale_decisions_total",
+        "Autoscaler decisions by action (standby, promote, scale_up, to_standby, scale_down, retire_standby).",
+    );
+    t.declare(decisions.0, "counter", decisions.1);
+    let slo_target = (
+        "slipstream_pipeline_slo_seconds",
+        "The pipeline's SLO latency target; `bucket` names its le in slipstream_request_latency_seconds.",
+    );
+    t.declare(slo_target.0, "gauge", slo_target.1);
+    let slo_miss = ("slipstream_pipeline_slo_max_miss_rate", "Share of requests the SLO allows to miss the target.");
+    t.declare(slo_miss.0, "gauge", slo_miss.1);
     for p in node.pipelines.values() {
         let pl = [("pipeline", p.name())];
         let m = &p.metrics;
@@ -133,17 +157,18 @@ pub fn prometheus(node: &Node) -> String {
             ("slipstream_slo_missed_total", "Requests answered after their deadline.", &m.slo_missed),
             ("slipstream_fallback_total", "Requests answered with the declared fallback.", &m.fallback),
         ] {
-            t.counter(name, help, &pl, v.load(Relaxed));
+            t.counter(name, help, &pl, v.total());
         }
-        for (kind, n) in m.errors.lock().iter() {
-            t.counter(
-                "slipstream_requests_failed_total",
-                "Requests answered with an error, by kind.",
-                &[pl[0], ("kind", kind)],
-                *n,
-            );
+        for (kind, n) in m.errors.totals() {
+            t.counter(failed.0, failed.1, &[pl[0], ("kind", kind)], n);
         }
-        t.summary("slipstream_request_latency_seconds", "Latency inside the node.", &pl, &m.latency_us);
+        t.histogram(
+            "slipstream_request_latency_seconds",
+            "Latency of answered requests inside the node (body read to answer ready); every pipeline's SLO target is a bucket boundary.",
+            &pl,
+            &m.latency_us,
+            1e6,
+        );
         let (headroom, inflight) = {
             let g = p.gate.lock();
             (g.headroom(), g.inflight())
@@ -155,6 +180,14 @@ pub fn prometheus(node: &Node) -> String {
             headroom,
         );
         t.gauge("slipstream_admission_inflight", "Admitted requests not finished yet.", &pl, inflight as f64);
+        if let Some(slo) = p.spec.slo {
+            // `bucket` is the target's `le` in the latency histogram, so that
+            // `... _bucket and on (pipeline, le) label_replace(this, "le", "$1", "bucket", "(.*)")`
+            // selects the bucket of answers within the target (exact SLO attainment).
+            let le = le_label(slo_bound_us(slo.p99_ms), 1e6);
+            t.gauge(slo_target.0, slo_target.1, &[pl[0], ("bucket", &le)], slo.p99_ms / 1e3);
+            t.gauge(slo_miss.0, slo_miss.1, &pl, slo.max_miss_rate);
+        }
         t.gauge(
             "slipstream_pipeline_ready",
             "1 while every stage has a serving replica.",
@@ -176,7 +209,7 @@ pub fn prometheus(node: &Node) -> String {
                     &m.dropped_late,
                 ),
             ] {
-                t.counter(name, help, &l, v.load(Relaxed));
+                t.counter(name, help, &l, v.total());
             }
             let set = s.replicas();
             let depth: u64 = set.iter().map(|r| r.load().queued as u64).sum();
@@ -190,28 +223,34 @@ pub fn prometheus(node: &Node) -> String {
                     n as f64,
                 );
             }
-            t.gauge("slipstream_stage_batch_size_mean", "Mean requests per batch.", &l, m.batch_size.summary(1.0).mean);
+            t.gauge(
+                "slipstream_stage_batch_size_mean",
+                "Mean requests per batch since the last metrics reset.",
+                &l,
+                m.batch_size.summary(1.0).mean,
+            );
+            t.histogram("slipstream_stage_batch_size", "Requests per batch.", &l, &m.batch_size, 1.0);
             for (name, help, h) in [
                 ("slipstream_stage_queue_wait_seconds", "Time from enqueue to dispatch.", &m.queue_wait_us),
                 ("slipstream_stage_compute_seconds", "Component time per batch.", &m.compute_us),
                 ("slipstream_stage_hop_seconds", "Node-worker-node overhead per batch.", &m.hop_us),
                 (
                     "slipstream_stage_slack_seconds",
-                    "Deadline slack of the most urgent request at dispatch.",
+                    "Deadline slack of the most urgent request at dispatch, when it was not late.",
                     &m.slack_us,
                 ),
+                (
+                    "slipstream_stage_dispatch_lateness_seconds",
+                    "How late the most urgent request was at dispatch, when it was late (drop_late=False).",
+                    &m.late_us,
+                ),
             ] {
-                t.summary(name, help, &l, h);
+                t.histogram(name, help, &l, h, 1e6);
             }
         }
     }
     for (p, s, action, n) in node.autoscaler.decision_counts() {
-        t.counter(
-            "slipstream_autoscale_decisions_total",
-            "Autoscaler decisions by action (standby, promote, scale_up, to_standby, scale_down, retire_standby).",
-            &[("pipeline", &p), ("stage", &s), ("action", action)],
-            n,
-        );
+        t.counter(decisions.0, decisions.1, &[("pipeline", &p), ("stage", &s), ("action", action)], n);
     }
     let tm = &node.triggers.metrics;
     for (outcome, n) in [("fired", &tm.fired), ("retried", &tm.retried), ("failed", &tm.failed)] {

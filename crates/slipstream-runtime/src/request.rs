@@ -300,7 +300,8 @@ impl Admitted {
         let met = match result {
             Ok(_) => {
                 m.ok.fetch_add(1, Relaxed);
-                m.latency_us.record(done.duration_since(req.arrival).as_micros() as u64);
+                m.latency_us.record_duration(done.duration_since(req.arrival));
+                m.latency_window.record(done.duration_since(req.arrival).as_micros() as u64);
                 if done <= req.deadline {
                     m.slo_met.fetch_add(1, Relaxed);
                 } else {

@@ -267,6 +267,10 @@ pub struct StageSpec {
     /// request goes to the replica that holds the object's affinity group.
     #[serde(default)]
     pub affinity: Option<String>,
+    /// `"cpu"` (default), `"cuda"` (each replica on one GPU, round-robin)
+    /// or `"cuda:N"`: see [`crate::gpu`].
+    #[serde(default)]
+    pub device: Option<String>,
 }
 
 impl StageSpec {
@@ -374,6 +378,7 @@ impl PipelineSpec {
         }
         for s in &self.stages {
             self.check_store_fields(s).map_err(err)?;
+            crate::gpu::Want::parse(s.device.as_deref()).map_err(|e| err(format!("stage '{}': {e}", s.name)))?;
         }
         let mut indegree = vec![0usize; self.stages.len()];
         for (i, s) in self.stages.iter().enumerate() {
@@ -448,6 +453,8 @@ mod tests {
         assert!(zero.validate().is_err());
         let outside = pipe(r#"[{"name":"a","component":"A","replicas":5,"min_replicas":1,"max_replicas":4}]"#);
         assert!(outside.validate().unwrap_err().reason.contains("bounds"));
+        let gpu = pipe(r#"[{"name":"a","component":"A","device":"gpu0"}]"#);
+        assert!(gpu.validate().unwrap_err().reason.contains("\"cuda:N\""));
         let ok = pipe(r#"[{"name":"a","component":"A","replicas":1,"min_replicas":1,"max_replicas":4}]"#);
         assert_eq!(ok.stages[0].bounds(), (1, 4));
         assert!(ok.validate().is_ok());

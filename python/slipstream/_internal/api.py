@@ -222,7 +222,8 @@ class Batch(Mapping[str, np.ndarray]):
 
     ``batch[name]`` is a read-only numpy array whose first dimension is the
     total number of rows of the batch; it is a view over shared memory, not
-    a copy. ``batch.sizes[i]`` is how many of those rows request ``i`` owns,
+    a copy (a ``torch.Tensor`` over the same memory for a component declared
+    with ``tensors="torch"``). ``batch.sizes[i]`` is how many of those rows request ``i`` owns,
     in order. A component returns a dict of arrays whose first dimension is
     ``batch.rows``; row ``j`` of an output belongs to the request that owns
     row ``j`` of the inputs.
@@ -285,6 +286,12 @@ class Component:
     #: A string input naming a store key per request: requests are routed to
     #: the replica that holds that key's affinity group (see ``ss.Pool``).
     affinity: str | None = None
+    #: What ``batch[name]`` holds: ``"numpy"`` arrays, or ``"torch"``
+    #: tensors (views over the same shared memory; see ``tensors.py``).
+    tensors: str = "numpy"
+    #: ``"cpu"``, ``"cuda"`` (each replica bound to one GPU, round-robin)
+    #: or ``"cuda:N"`` (the node's Nth GPU or MIG slice).
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -297,6 +304,15 @@ class Component:
         if "__call__" not in dir(self.cls):
             raise ConfigError(f"{self.name}: a component class needs a __call__(self, batch) method")
         self._check_store_options()
+        self._check_device()
+
+    def _check_device(self) -> None:
+        if self.tensors not in ("numpy", "torch"):
+            raise ConfigError(f"{self.name}: tensors is \"numpy\" or \"torch\", got {self.tensors!r}")
+        d = self.device
+        index = d[5:] if isinstance(d, str) and d.startswith("cuda:") else "0"
+        if not isinstance(d, str) or not (d in ("cpu", "cuda") or (d.startswith("cuda:") and index.isdigit())):
+            raise ConfigError(f"{self.name}: device is \"cpu\", \"cuda\" or \"cuda:N\", got {d!r}")
 
     def _check_store_options(self) -> None:
         """``needs``, ``watch`` and ``affinity``; a watching component without
@@ -363,7 +379,7 @@ class Component:
         """A copy with other options, e.g. ``Encoder.options(name="enc2", replicas=4)``
         or ``replicas=(1, 4)``, ``threads=2``."""
         unknown = set(changes) - {"name", "max_batch_size", "replicas", "threads", "inputs", "outputs", "needs",
-                                  "watch", "affinity"}
+                                  "watch", "affinity", "tensors", "device"}
         if unknown:
             raise ConfigError(f"unknown component option(s): {', '.join(sorted(unknown))}")
         c = copy.copy(self)
@@ -418,6 +434,8 @@ def component(
     needs: Mapping[str, str] | None = None,
     watch: str | None = None,
     affinity: str | None = None,
+    tensors: str = "numpy",
+    device: str = "cpu",
 ) -> Any:
     """Declare a component: a class whose ``__call__(self, batch)`` takes a
     :class:`Batch` and returns a dict of arrays. The class is constructed once
@@ -440,7 +458,26 @@ def component(
       ``version``, ``op`` and ``value`` (all four when none are declared).
     - ``affinity="doc"``: the string input ``doc`` names a store key; the
       node sends requests for one affinity group (``ss.Pool(affinity=...)``)
-      to the same replica, whose ``ss.store.group(key)`` then hits its cache."""
+      to the same replica, whose ``ss.store.group(key)`` then hits its cache.
+
+    Tensors and devices:
+
+    - ``tensors="torch"``: ``batch[name]`` is a ``torch.Tensor`` instead of a
+      numpy array, a view over the same shared memory (no copy; string and
+      bytes inputs stay numpy object arrays). Like the numpy views, inputs
+      must not be written: other stages and requests read the same bytes
+      (torch has no read-only tensors, so this is not enforced). Outputs may
+      be torch tensors in either mode: CPU ones are passed on without a
+      copy (a slice of an input by reference), GPU ones are copied once
+      into shared memory. torch is imported only by workers of components
+      that use it (``pip install slipstream[torch]``).
+    - ``device="cuda"``: the node binds each replica to one GPU (or MIG
+      slice) of its machine, round-robin, by starting its worker with
+      ``CUDA_VISIBLE_DEVICES`` set to that device's UUID; ``"cuda:N"`` binds
+      every replica to the Nth device ``nvidia-smi -L`` lists. Inside the
+      worker the device is ``cuda`` (``cuda:0``); with ``tensors="torch"``
+      the inputs are moved there once per batch. A GPU stage on a machine
+      without a GPU fails at start-up."""
 
     def wrap(c: type) -> Component:
         if not isinstance(c, type):
@@ -456,6 +493,8 @@ def component(
             needs=dict(needs or {}),
             watch=watch,
             affinity=affinity,
+            tensors=tensors,
+            device=device,
         )
 
     return wrap(cls) if cls is not None else wrap
@@ -760,6 +799,7 @@ class Pipeline:
                     "needs": dict(c.needs),
                     "watch": c.watch,
                     "affinity": c.affinity,
+                    "device": c.device,
                 }
                 for n, c in self.graph.nodes.items()
             ],

@@ -3,7 +3,9 @@
 ``slipstream serve examples/echo.py`` imports the file, collects the
 ``Pipeline`` objects defined at its top level (or the one named after a
 colon: ``examples/echo.py:app``), and builds the JSON spec the node reads.
-Each worker imports the same file again to construct its component.
+Each worker imports the same file again to construct its component. An app
+ending in ``.pkl`` is a bundle of Pipeline objects (``bundle.py``), which is
+how ``ss.launch(pipeline)`` reaches the workers.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from slipstream._internal import bundle
 from slipstream._internal.api import Pipeline, Pool, Seed
 from slipstream._internal.errors import ConfigError
 
@@ -48,6 +51,13 @@ def load_module(path: Path) -> ModuleType:
 
 def load_pipelines(target: str) -> tuple[Path, list[Pipeline]]:
     path, attr = split_target(target)
+    if path.suffix == bundle.SUFFIX:  # Pipeline objects from ss.launch / ss.serve (see bundle.py)
+        pipelines = bundle.load(path)
+        if attr is not None:
+            pipelines = [p for p in pipelines if p.name == attr]
+            if not pipelines:
+                raise ConfigError(f"{path.name} has no pipeline named {attr!r}")
+        return path, pipelines
     module = load_module(path)
     if attr is not None:
         obj = getattr(module, attr, None)

@@ -18,8 +18,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from slipstream._internal import config
 from slipstream._internal.cluster_cli import add_cluster_commands
-from slipstream._internal.errors import Error, ServeError
+from slipstream._internal.errors import Error, from_core
 from slipstream._internal.store_cli import add_store_commands
 from slipstream._internal.store_cli import fail as _fail
 
@@ -38,12 +39,10 @@ def build_spec(a: argparse.Namespace) -> dict[str, Any]:
         profile_paths = [default_profile_path(a.app)]
     for path in profile_paths:
         print(f"slipstream: latency profile {path}", file=sys.stderr)
-    batching = {"policy": a.batching, "fixed_wait_ms": a.fixed_wait_ms, "max_wait_ms": a.max_wait_ms,
-                "admission": not a.no_admission}
-    autoscale = {"policy": a.autoscale, "down_after_s": a.scale_down_after,
-                 **({"cores": a.cores} if a.cores else {})}
+    sections = config.resolve(a).spec_sections()
     profiles = _thread_profiles(load_profiles(profile_paths), profile_paths, pipelines)
-    spec = app_spec(a.app, pipelines, batching=batching, profiles=profiles, autoscale=autoscale)
+    spec = app_spec(a.app, pipelines, batching=sections["batching"], profiles=profiles,
+                    autoscale=sections["autoscale"])
     for p in pipelines:
         stages = ", ".join(
             s["name"] + (f" <- {' + '.join(s['parents'])}" if s["parents"] else " <- inputs")
@@ -53,21 +52,9 @@ def build_spec(a: argparse.Namespace) -> dict[str, Any]:
     return spec
 
 
-def node_options(a: argparse.Namespace) -> dict[str, Any]:
-    """`_core.serve`'s node settings from the node flags (serve and node share them)."""
-    return {
-        "host": a.host,
-        "port": a.port,
-        "threads": a.threads,
-        "max_body_bytes": int(a.max_body_mb * (1 << 20)),
-        "request_timeout_s": a.request_timeout,
-        "drain_timeout_s": a.drain_timeout,
-        "worker_start_timeout_s": a.worker_start_timeout,
-        "pool_mb": a.pool_mb,
-        "admin_token": a.admin_token,
-        "store_dir": a.store or None,
-        "store_max_value_mb": a.store_max_value_mb,
-    }
+def node_options(a: argparse.Namespace) -> str:
+    """`_core.serve`'s node configuration (JSON) from the file, environment and flags (serve and node)."""
+    return config.resolve(a).node_json()
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -75,10 +62,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     spec = build_spec(a)
     try:
-        _core.serve(json.dumps(spec), **node_options(a))
+        _core.serve(json.dumps(spec), node_options(a))
     except _core.CoreError as e:
-        kind, message = e.args
-        raise ServeError(kind, message) from None
+        raise from_core(e) from None
     except KeyboardInterrupt:
         # The node already drained and stopped on this SIGINT; Python only
         # sees it once the node has returned.
@@ -324,7 +310,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
             urllib.request.urlopen(urllib.request.Request(base + "/v1/admin/reset-metrics", method="POST"), timeout=5)
         except (urllib.error.URLError, OSError):
             is_node = False
-    reports = json.loads(_core.bench(json.dumps(cfg), quiet=a.quiet))
+    try:
+        reports = json.loads(_core.bench(json.dumps(cfg), quiet=a.quiet))
+    except _core.CoreError as e:
+        raise from_core(e) from None
     node_status = None
     if is_node:
         try:
@@ -581,40 +570,12 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="latency profile from `slipstream profile` (default: APP.profile.json beside the app, if any)")
     p.add_argument("--plan", metavar="FILE",
                    help="run with a plan from `slipstream plan` (its replicas, threads and batch limits per stage)")
-    p.add_argument("--batching", choices=["deadline", "fixed"], default="deadline",
-                   help="deadline-aware batch former (default), or fixed max-batch + wait (the Triton/Ray policy)")
-    p.add_argument("--fixed-wait-ms", type=float, default=2.0, help="the fixed policy's wait for a full batch")
-    p.add_argument("--max-wait-ms", type=float, default=2.0, help="the deadline policy's longest delayed-batching wait")
-    p.add_argument("--no-admission", action="store_true", help="do not refuse requests predicted to miss the SLO")
-    p.add_argument("--autoscale", choices=["anticipatory", "reactive", "off"],
-                   default=os.environ.get("SLIPSTREAM_AUTOSCALE", "anticipatory"),
-                   help="how stages declared with replicas=(lo, hi) follow the load: warm standbys started on the "
-                        "load trend and promoted when the forecast needs them (default), a replica started only "
-                        "once requests miss, or no change")
-    p.add_argument("--cores", type=float, default=None,
-                   help="cores the replicas may use, for the autoscaler (default: the machine's)")
-    p.add_argument("--scale-down-after", type=float, default=10.0, metavar="SECONDS",
-                   help="the autoscaler retires a replica only after the load needed fewer for this long")
+    config.add_flags(p, "spec")
 
 
 def add_node_args(p: argparse.ArgumentParser) -> None:
-    """The flags of a node (serve and node)."""
-    p.add_argument("--host", default=os.environ.get("SLIPSTREAM_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(os.environ.get("SLIPSTREAM_PORT", "8000")))
-    p.add_argument("--threads", type=int, default=0, help="node threads (default: min(cores, 4))")
-    p.add_argument("--max-body-mb", type=float, default=64.0)
-    p.add_argument("--request-timeout", type=float, default=30.0, help="seconds before a request is answered 504")
-    p.add_argument("--drain-timeout", type=float, default=30.0)
-    p.add_argument("--worker-start-timeout", type=float, default=300.0)
-    p.add_argument("--pool-mb", type=int, default=0, help="shared-memory pool size per replica (MiB)")
-    p.add_argument("--admin-token", default=os.environ.get("SLIPSTREAM_ADMIN_TOKEN"),
-                   help="bearer token for the admin routes (scale, reset-metrics); required to use them when "
-                        "--host is not a loopback address (default: $SLIPSTREAM_ADMIN_TOKEN)")
-    p.add_argument("--store", metavar="DIR", default=os.environ.get("SLIPSTREAM_STORE") or None,
-                   help="the object store's directory, kept across restarts (default: $SLIPSTREAM_STORE, else "
-                        "an ephemeral store in a temporary directory, deleted when the node exits)")
-    p.add_argument("--store-max-value-mb", type=int, default=0, metavar="N",
-                   help="largest value the store takes, MiB (default 0: the node's, 1024)")
+    """The flags of a node (serve and node): one per node setting (see config.py)."""
+    config.add_flags(p, "node")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -626,6 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_node_args(s)
     s.set_defaults(fn=cmd_serve)
     add_cluster_commands(sub, add_spec_args, add_node_args, build_spec, node_options)
+    config.add_command(sub)
 
     st = sub.add_parser("status", help="stages, replicas, queue depths, batch sizes of a running node")
     st.add_argument("--url", default=DEFAULT_URL)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from slipstream._internal.errors import ServeError
+from slipstream._internal.errors import from_core
 from slipstream._internal.store_cli import fail
 
 
@@ -171,7 +171,7 @@ def _wait_ready(etcd: Etcd, a: argparse.Namespace, token: str, deploy_id: str, s
     return fail(f"not ready after {a.wait:.0f} s: {last}")
 
 
-def cmd_node(a: argparse.Namespace, node_options: Callable[[argparse.Namespace], dict[str, Any]]) -> int:
+def cmd_node(a: argparse.Namespace, node_options: Callable[[argparse.Namespace], str]) -> int:
     from slipstream import _core
 
     try:
@@ -179,7 +179,7 @@ def cmd_node(a: argparse.Namespace, node_options: Callable[[argparse.Namespace],
         etcd = Etcd(a.cluster)
     except EtcdError as e:
         return fail(str(e))
-    name = a.name or f"{os.uname().nodename}-{a.port}"
+    name = a.name or f"{os.uname().nodename}-{json.loads(node_options(a))['port']}"
     waiting_said = False
     while True:
         try:
@@ -208,14 +208,14 @@ def cmd_node(a: argparse.Namespace, node_options: Callable[[argparse.Namespace],
                    **({"advertise": a.advertise} if a.advertise else {})}
         print(f"slipstream: node {name}: running deployment {d['id']} ({app})", file=sys.stderr)
         try:
-            _core.serve(json.dumps(spec), cluster_json=json.dumps(cluster), **node_options(a))
+            _core.serve(json.dumps(spec), node_options(a), cluster_json=json.dumps(cluster))
         except _core.CoreError as e:
             kind, message = e.args
             if kind == "redeploy":
                 print(f"slipstream: node {name}: {message}", file=sys.stderr)
                 waiting_said = False
                 continue
-            raise ServeError(kind, message) from None
+            raise from_core(e) from None
         except KeyboardInterrupt:
             pass
         return 0
@@ -234,7 +234,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
 def add_cluster_commands(sub: Any, add_spec_args: Callable[[argparse.ArgumentParser], None],
                          add_node_args: Callable[[argparse.ArgumentParser], None],
                          build_spec: Callable[[argparse.Namespace], dict[str, Any]],
-                         node_options: Callable[[argparse.Namespace], dict[str, Any]]) -> None:
+                         node_options: Callable[[argparse.Namespace], str]) -> None:
     d = sub.add_parser("deploy", help="put an app's pipelines into a cluster (nodes place and run them)")
     add_spec_args(d)
     add_cluster_args(d)

@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
+from slipstream._internal import tensors
 from slipstream._internal.api import Batch, Pipeline
-from slipstream._internal.errors import ConfigError
+from slipstream._internal.errors import ConfigError, from_core
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -66,6 +67,7 @@ def profile_pipeline(pipe: Pipeline, batches: list[int], iters: int, budget_s: f
     environment this process was started with (see `cmd_profile`)."""
     order = pipe.graph.topological_order()
     instances = {}
+    as_torch = {n: tensors.for_component(pipe.stage(n).tensors, pipe.stage(n).device) for n in order}
     for name in order:
         t0 = time.perf_counter()
         instances[name] = pipe.stage(name).instantiate()
@@ -81,10 +83,11 @@ def profile_pipeline(pipe: Pipeline, batches: list[int], iters: int, budget_s: f
         for name in order:
             comp = pipe.stage(name)
             inputs = _merge_inputs(pipe, name, outputs, roots)
-            batch = Batch(inputs, [1] * b)
+            convert = as_torch[name]
+            batch = Batch(inputs if convert is None else convert(inputs), [1] * b)
             # Run once for the outputs the children need (and as warm-up).
             result = instances[name](batch)
-            outputs[name] = {k: np.asarray(v) for k, v in result.items()}
+            outputs[name] = {k: np.asarray(tensors.as_numpy(v)) for k, v in result.items()}
             if b > comp.max_batch_size:
                 continue
             times: list[float] = []
@@ -240,7 +243,11 @@ def predict(pipe: Pipeline, prof: dict[str, Any], rates: list[float], *, duratio
     out = []
     for r in rates:
         secs = max(duration_s, MIN_SIMULATED / max(r, 1e-9))
-        res: dict[str, Any] = json.loads(_core.simulate(json.dumps(model_config(pipe, prof, r, duration_s=secs, **kw))))
+        try:
+            res: dict[str, Any] = json.loads(_core.simulate(json.dumps(model_config(pipe, prof, r, duration_s=secs,
+                                                                                    **kw))))
+        except _core.CoreError as e:
+            raise from_core(e) from None
         out.append(res)
     return out
 
@@ -313,7 +320,10 @@ def calibrate(url: str, pipe: Pipeline, prof: dict[str, Any], body: bytes, rates
                "content_type": "application/json", "headers": [], "rates": [rate], "duration_s": duration_s,
                "warmup_s": 0.0, "arrival": {"kind": "poisson"}, "max_connections": 256, "timeout_s": 10.0,
                "threads": 1, "seed": 5}
-        rep = json.loads(_core.bench(json.dumps(cfg), quiet=True))[0]
+        try:
+            rep = json.loads(_core.bench(json.dumps(cfg), quiet=True))[0]
+        except _core.CoreError as e:
+            raise from_core(e) from None
         cpu = sum(_proc_cpu_s(p) for p in pids) + sum(os.times()[:2]) - before
         pst = next(p for p in _get(url + "/v1/status")["pipelines"] if p["name"] == pipe.name)
         stages = pst["stages"]

@@ -5,7 +5,8 @@ Started by the node as ``python -m slipstream._internal.worker --app FILE
 component (models load here, before the worker reports ready; store
 objects the component ``needs`` are fetched first, see ``needs.py``),
 connects to the node's socket, and then loops: read a batch descriptor,
-build numpy views over shared memory (no copy), call the component, put the
+build numpy views over shared memory (no copy; torch tensors over the same
+memory for a ``tensors="torch"`` component, see ``tensors.py``), call the component, put the
 outputs into this replica's own pool, reply with their descriptors. Between
 batches it switches to an instance rebuilt for new versions of its needs.
 
@@ -32,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from slipstream import _core
-from slipstream._internal import groups, protocol
+from slipstream._internal import groups, protocol, tensors
 from slipstream._internal.api import DTYPES, VAR_DTYPES, Batch
 from slipstream._internal.app import load_pipelines, store_pools
 from slipstream._internal.needs import Replica
@@ -58,14 +59,16 @@ class Pools:
             self._maps[pool] = m
         return m
 
-    def array(self, desc: Mapping[str, Any]) -> np.ndarray:
+    def array(self, desc: Mapping[str, Any], writable: bool = False) -> np.ndarray:
+        """A view of a descriptor's bytes; read-only unless `writable` (the
+        torch path, which has no read-only tensors: see tensors.py)."""
         _, mv, _ = self._map(desc["pool"])
         shape = desc["shape"]
         if desc["dtype"] in VAR_DTYPES:
             return decode_var(mv[desc["offset"]:desc["offset"] + desc["nbytes"]], shape, desc["dtype"] == "string")
         count = int(np.prod(shape)) if shape else 1
         a = np.frombuffer(mv, dtype=desc["dtype"], count=count, offset=desc["offset"]).reshape(shape)
-        a.flags.writeable = False
+        a.flags.writeable = writable
         return a
 
     def locate(self, a: np.ndarray) -> tuple[int, int] | None:
@@ -84,12 +87,17 @@ class Pools:
         mv[off:off + len(data)] = data
         return off, len(data)
 
-    def put(self, a: np.ndarray) -> tuple[int, int]:
-        """Copy `a` into a new block of this replica's pool: (offset, nbytes)."""
-        nbytes = a.nbytes
+    def own_array(self, dtype: np.dtype[Any], shape: tuple[int, ...]) -> tuple[np.ndarray, int, int]:
+        """A new block of this replica's pool as a writable array: (array, offset, nbytes)."""
+        count = int(np.prod(shape)) if shape else 1
+        nbytes = count * dtype.itemsize
         off = self.own.alloc(nbytes)
         _, mv, _ = self._map(self.own_id)
-        dst = np.frombuffer(mv, dtype=a.dtype, count=a.size, offset=off).reshape(a.shape)
+        return np.frombuffer(mv, dtype=dtype, count=count, offset=off).reshape(shape), off, nbytes
+
+    def put(self, a: np.ndarray) -> tuple[int, int]:
+        """Copy `a` into a new block of this replica's pool: (offset, nbytes)."""
+        dst, off, nbytes = self.own_array(a.dtype, a.shape)
         np.copyto(dst, a, casting="no")
         return off, nbytes
 
@@ -148,10 +156,12 @@ def _as_output(name: str, value: Any, rows: int) -> np.ndarray:
     return a
 
 
-def run_batch(instance: Any, pools: Pools, msg: Mapping[str, Any]) -> dict[str, Any]:
+def run_batch(instance: Any, pools: Pools, msg: Mapping[str, Any],
+              as_torch: tensors.TorchInputs | None = None) -> dict[str, Any]:
     sizes = msg["rows"]
     rows = int(sum(sizes))
-    batch = Batch({k: pools.array(d) for k, d in msg["inputs"].items()}, sizes)
+    arrays = {k: pools.array(d, writable=as_torch is not None) for k, d in msg["inputs"].items()}
+    batch = Batch(arrays if as_torch is None else as_torch(arrays), sizes)
     t0 = time.perf_counter()
     result = instance(batch)
     compute_us = int((time.perf_counter() - t0) * 1e6)
@@ -161,6 +171,11 @@ def run_batch(instance: Any, pools: Pools, msg: Mapping[str, Any]) -> dict[str, 
     written: list[tuple[int, int]] = []
     try:
         for name, value in result.items():
+            placed = None  # a GPU tensor is copied into our pool on its way to numpy
+            if tensors.is_torch(value):
+                value, placed = tensors.host_output(str(name), value, pools)
+                if placed is not None:
+                    written.append(placed)
             a = _as_output(str(name), value, rows)
             kind = _var_kind(a)
             if kind is not None:
@@ -171,7 +186,9 @@ def run_batch(instance: Any, pools: Pools, msg: Mapping[str, Any]) -> dict[str, 
                 continue
             where = pools.locate(a)
             desc: dict[str, Any] = {"dtype": a.dtype.name, "shape": list(a.shape), "nbytes": a.nbytes}
-            if where is not None:
+            if placed is not None:
+                desc.update(pool=pools.own_id, offset=placed[0], origin="copied")
+            elif where is not None:
                 desc.update(pool=where[0], offset=where[1], origin="borrowed")
             else:
                 off, n = pools.put(np.ascontiguousarray(a))
@@ -231,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             raise LookupError(f"the app no longer defines pipeline {args.pipeline!r}")
         groups.configure(store_pools(pipelines))  # ss.store.group's affinity groups
         replica = Replica(pipe.stage(args.stage), label)
+        comp = pipe.stage(args.stage)
+        as_torch = tensors.for_component(comp.tensors, comp.device)  # imports torch only if asked
         pools = Pools(args.pool_prefix, args.pool)
     except BaseException as e:  # report why we cannot start, then exit
         tb = traceback.format_exc()
@@ -246,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         if msg["op"] != "batch":
             continue
         try:
-            reply = run_batch(replica.current(), pools, msg)
+            reply = run_batch(replica.current(), pools, msg, as_torch)
         except Exception as e:
             sys.stderr.write(f"slipstream worker {label}: batch {msg['id']} failed:\n{traceback.format_exc()}")
             reply = {"op": "error", "id": msg["id"], "kind": "component_error", "message": f"{type(e).__name__}: {e}"}

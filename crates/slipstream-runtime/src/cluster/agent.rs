@@ -49,7 +49,7 @@ pub fn my_record(node: &Node, cluster: &Cluster) -> Member {
         data: cluster.data_addr,
         cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
         memory_bytes: memory_bytes(),
-        gpus: gpus(),
+        gpus: crate::gpu::inventory().to_vec(), // `nvidia-smi -L`, read once
         store_keys: node.store.totals().map_or(0, |t| t.0),
         ready,
         deploy: cluster.opts.deploy.clone(),
@@ -63,17 +63,6 @@ fn memory_bytes() -> u64 {
         .find_map(|l| l.strip_prefix("MemTotal:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         .map_or(0, |kb| kb * 1024)
-}
-
-/// GPUs as `nvidia-smi -L` lists them (none when it is absent).
-fn gpus() -> Vec<String> {
-    std::process::Command::new("nvidia-smi")
-        .arg("-L")
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).lines().map(|l| l.trim().to_string()).collect())
-        .unwrap_or_default()
 }
 
 /// Join: a lease and this node's record under it. Err: etcd cannot be reached.

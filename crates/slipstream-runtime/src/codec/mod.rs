@@ -7,7 +7,9 @@
 //!   `{"outputs": {"y": [[0.6, 0.8]]}}`;
 //! - the Open Inference Protocol ([`v2`], KServe v2), JSON and its
 //!   binary-tensor extension (`Inference-Header-Content-Length`), so that
-//!   existing clients (tritonclient, KServe SDK) work unchanged.
+//!   existing clients (tritonclient, KServe SDK) work unchanged;
+//! - the same protocol over gRPC ([`grpc`]: `ModelInferRequest` with typed
+//!   or raw contents), sharing v2's per-input checks and the validator below.
 //!
 //! Decoding validates against the pipeline's declared inputs (missing,
 //! extra, duplicate, dtype, shape, rows) and writes each request's tensors
@@ -22,10 +24,12 @@
 //! its shape. Every failure is a 4xx [`NodeError`]; the fuzz test
 //! (`tests/fuzz_codec.rs`) holds both decoders to that.
 
+mod grpc;
 mod json;
 mod v1;
 mod v2;
 
+pub use grpc::{decode_grpc, encode_grpc, GrpcRequest};
 pub use v1::{decode_v1, encode_v1};
 pub use v2::{decode_v2, encode_v2, v2_tensor_meta, V2Request, V2Response};
 

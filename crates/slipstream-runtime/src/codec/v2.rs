@@ -31,6 +31,62 @@ fn param_bool(v: &Value, key: &str) -> bool {
     v.get("parameters").and_then(|p| p.get(key)).and_then(Value::as_bool).unwrap_or(false)
 }
 
+/// What every v2 input must satisfy, whichever wire form carries it (JSON
+/// over HTTP, protobuf over gRPC): a name not given before, a datatype the
+/// protocol knows, a shape whose element count does not overflow. Returns
+/// the dtype and the element count.
+pub(super) fn check_input(
+    name: &str,
+    datatype: &str,
+    shape: &[u64],
+    earlier: &[Parsed<'_>],
+) -> Result<(DType, u64), NodeError> {
+    if earlier.iter().any(|p| p.name == name) {
+        return Err(bad(format!("input '{name}' is given more than once")));
+    }
+    let dtype =
+        DType::from_v2(datatype).ok_or_else(|| bad(format!("input '{name}': unsupported datatype '{datatype}'")))?;
+    let n = checked_numel(shape).ok_or_else(|| too_large(name, shape))?;
+    Ok((dtype, n))
+}
+
+/// A fixed-size input sent as raw bytes must be exactly its shape's size
+/// (`field` names where the client stated the size, for the message).
+/// Variable-size inputs are checked element by element when stored.
+pub(super) fn check_raw_len(name: &str, dtype: DType, shape: &[u64], len: u64, field: &str) -> Result<(), NodeError> {
+    if dtype.is_variable() {
+        return Ok(());
+    }
+    let want = checked_nbytes(dtype, shape).ok_or_else(|| too_large(name, shape))?;
+    if len != want {
+        return Err(bad(format!(
+            "input '{name}': {field} {len} does not match shape {shape:?} of {} ({want} bytes)",
+            dtype.v2_name()
+        )));
+    }
+    Ok(())
+}
+
+/// The outputs a v2 request asked for (`requested`, in its order; all when
+/// empty), each of which must exist.
+pub(super) fn select_outputs<'a>(
+    requested: &[String],
+    outputs: &'a Tensors,
+) -> Result<Vec<&'a (String, TensorRef)>, NodeError> {
+    if requested.is_empty() {
+        return Ok(outputs.iter().collect());
+    }
+    requested
+        .iter()
+        .map(|n| {
+            outputs.iter().find(|(k, _)| k == n).ok_or_else(|| {
+                let known: Vec<&str> = outputs.iter().map(|(k, _)| k.as_str()).collect();
+                bad(format!("unknown output '{n}' requested (outputs: {})", known.join(", ")))
+            })
+        })
+        .collect()
+}
+
 /// Decode an Open Inference Protocol request (JSON, or JSON header plus
 /// binary tensors when `header_len` is given).
 pub fn decode_v2(
@@ -60,20 +116,16 @@ pub fn decode_v2(
     let mut parsed: Vec<Parsed<'_>> = Vec::with_capacity(inputs.len());
     for inp in inputs {
         let name = inp.get("name").and_then(Value::as_str).ok_or_else(|| bad("every input needs a \"name\""))?;
-        if parsed.iter().any(|p| p.name == name) {
-            return Err(bad(format!("input '{name}' is given more than once")));
-        }
         let dt = inp
             .get("datatype")
             .and_then(Value::as_str)
             .ok_or_else(|| bad(format!("input '{name}' needs a \"datatype\"")))?;
-        let dtype = DType::from_v2(dt).ok_or_else(|| bad(format!("input '{name}': unsupported datatype '{dt}'")))?;
         let shape: Vec<u64> = inp
             .get("shape")
             .and_then(Value::as_array)
             .and_then(|a| a.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
             .ok_or_else(|| bad(format!("input '{name}' needs a \"shape\" of non-negative integers")))?;
-        let n = checked_numel(&shape).ok_or_else(|| too_large(name, &shape))?;
+        let (dtype, n) = check_input(name, dt, &shape, &parsed)?;
         let binary_size = match inp.get("parameters").and_then(|p| p.get("binary_data_size")) {
             None => None,
             Some(v) => Some(v.as_u64().ok_or_else(|| {
@@ -82,14 +134,7 @@ pub fn decode_v2(
         };
         let source = if let Some(size) = binary_size {
             let left = body.len() - binary_at;
-            if !dtype.is_variable() {
-                let want = checked_nbytes(dtype, &shape).ok_or_else(|| too_large(name, &shape))?;
-                if size != want {
-                    return Err(bad(format!(
-                        "input '{name}': binary_data_size {size} does not match shape {shape:?} of {dt} ({want} bytes)"
-                    )));
-                }
-            }
+            check_raw_len(name, dtype, &shape, size, "binary_data_size")?;
             let len = usize::try_from(size).ok().filter(|&s| s <= left).ok_or_else(|| {
                 bad(format!(
                     "input '{name}': binary data is shorter than binary_data_size ({size} bytes stated, {left} left)"
@@ -134,7 +179,7 @@ pub fn decode_v2(
 
 /// An arena slice that outlives the request: lets egress hand tensor bytes
 /// to the socket without copying them.
-struct ArenaBytes(TensorRef);
+pub(super) struct ArenaBytes(pub(super) TensorRef);
 
 impl AsRef<[u8]> for ArenaBytes {
     fn as_ref(&self) -> &[u8] {
@@ -150,19 +195,7 @@ pub struct V2Response {
 }
 
 pub fn encode_v2(model: &str, req: &V2Request, outputs: &Tensors) -> Result<V2Response, NodeError> {
-    let selected: Vec<&(String, TensorRef)> = if req.outputs.is_empty() {
-        outputs.iter().collect()
-    } else {
-        req.outputs
-            .iter()
-            .map(|n| {
-                outputs.iter().find(|(k, _)| k == n).ok_or_else(|| {
-                    let known: Vec<&str> = outputs.iter().map(|(k, _)| k.as_str()).collect();
-                    bad(format!("unknown output '{n}' requested (outputs: {})", known.join(", ")))
-                })
-            })
-            .collect::<Result<_, _>>()?
-    };
+    let selected = select_outputs(&req.outputs, outputs)?;
     let mut head = Map::new();
     head.insert("model_name".into(), Value::String(model.into()));
     head.insert("model_version".into(), Value::String("1".into()));

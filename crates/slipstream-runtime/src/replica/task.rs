@@ -73,7 +73,20 @@ impl ReplicaCtx {
 pub async fn run(mut ctx: ReplicaCtx, mut first_start: Option<oneshot::Sender<Result<(), String>>>) {
     let mut backoff = Duration::from_millis(100);
     let (pipeline, stage) = (ctx.pipe.name().to_string(), ctx.stage().name.clone());
-    let env = ctx.stage().env.clone();
+    // The stage's environment, and a GPU stage's device for this replica.
+    let env = match ctx.stage().worker_env(ctx.me.id) {
+        Ok(env) => env,
+        Err(e) => {
+            ctx.event("start_failed", e.clone());
+            if let Some(tx) = first_start.take() {
+                let _ = tx.send(Err(e));
+                ctx.me.stop();
+                return;
+            }
+            leave(&ctx);
+            return;
+        }
+    };
     let at = Coordinates { pipeline: &pipeline, stage: &stage, replica: ctx.me.id, env: &env };
     while ctx.me.phase().will_serve() && !ctx.stopping() {
         let started = Instant::now();
@@ -194,7 +207,7 @@ pub(crate) fn next_step(ctx: &ReplicaCtx) -> Next {
     }
     if let Some((head, _)) = step.batch.first() {
         let now = ctx.pipe.now_ns();
-        ctx.stage().metrics.slack_us.record(head.saturating_sub(now) / 1_000);
+        ctx.stage().metrics.record_dispatch(*head, now);
         let budget_ns = head.saturating_sub(now + rest);
         return Next::Run(step.batch.into_iter().map(|(_, w)| w).collect(), budget_ns);
     }

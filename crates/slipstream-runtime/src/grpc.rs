@@ -1,0 +1,390 @@
+//! The gRPC edge: the Open Inference Protocol (KServe v2) over HTTP/2 on its
+//! own port, so that `tritonclient.grpc` and the KServe SDK's
+//! `InferenceGRPCClient` work unchanged. The protocol's messages and service
+//! trait come from `slipstream-kserve`; this module answers them with the
+//! same [`Node`] calls as the HTTP edge's v2 routes ([`crate::http`]):
+//! `pipeline` → `admit` (before decoding, so a refusal is cheap) →
+//! [`codec::decode_grpc`] → `answer` → [`codec::encode_grpc`].
+//!
+//! Connections are served by hyper's HTTP/2 server directly rather than
+//! tonic's transport, for two reasons: they join the HTTP listener's
+//! graceful shutdown (one drain for both), and the call's deadline is the
+//! node's to enforce. tonic's transport would cancel a call whose
+//! `grpc-timeout` passed on its own; here the timeout becomes the request's
+//! deadline budget like HTTP's `x-slipstream-deadline-ms` (the tighter of
+//! the two wins, and the SLO bounds both), so a late request is dropped by
+//! the scheduler and answered `DEADLINE_EXCEEDED` with its kind, and its
+//! work is released wherever it waits.
+//!
+//! Errors: [`code_of`] maps each [`NodeError`] to a gRPC status code (the
+//! gRPC counterpart of [`NodeError::http_status`]); every error status
+//! carries the stable kind in the `x-slipstream-error-kind` trailer, and
+//! `retry-after` where HTTP sends it. In `ModelStreamInfer` an error answers
+//! that one request (`error_message`, with its id and kind in the
+//! `infer_response` beside it) and the stream goes on. An answer that is a
+//! pipeline's declared fallback says so in the response parameter
+//! `x-slipstream-fallback` (and, for unary calls, in the response metadata).
+//!
+//! Requests larger than the node's `max_body_bytes` are refused by the
+//! decoder (`RESOURCE_EXHAUSTED`) before they are buffered whole.
+
+use crate::arena::Tensors;
+use crate::codec;
+use crate::error::NodeError;
+use crate::http::{deadline_budget, DEADLINE_HEADER, ERROR_KIND_HEADER};
+use crate::node::{Arrival, Node};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use slipstream_kserve::inference::infer_parameter::ParameterChoice;
+use slipstream_kserve::inference::model_metadata_response::TensorMetadata;
+use slipstream_kserve::inference::*;
+use slipstream_kserve::{GrpcInferenceService, GrpcInferenceServiceServer};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::metadata::{MetadataMap, MetadataValue};
+use tonic::{Code, Request, Response, Status, Streaming};
+
+/// The response parameter (and unary response metadata) naming why an
+/// answer is the pipeline's declared fallback.
+pub const FALLBACK_KEY: &str = "x-slipstream-fallback";
+
+/// Requests of one `ModelStreamInfer` call in the node at once; the stream
+/// is read no further until one finishes (HTTP/2 flow control then holds
+/// the client back).
+const STREAM_INFLIGHT: usize = 1024;
+
+/// HTTP/2 streams (concurrent calls) one connection may open. Load
+/// generators and clients multiplex many calls on one connection.
+const MAX_STREAMS: u32 = 4096;
+
+/// The gRPC status code of a node error (see the module docs).
+pub fn code_of(e: &NodeError) -> Code {
+    use slipstream_shm::ShmError;
+    match e {
+        NodeError::BadRequest(_) | NodeError::BadInput(_) => Code::InvalidArgument,
+        NodeError::UnknownPipeline(_) | NodeError::NotFound(_) | NodeError::UnknownStage { .. } => Code::NotFound,
+        NodeError::MethodNotAllowed(_) => Code::Unimplemented,
+        NodeError::PayloadTooLarge { .. } => Code::ResourceExhausted,
+        // Refused at admission: the pipeline is at capacity for this deadline.
+        NodeError::Overloaded { .. } => Code::ResourceExhausted,
+        NodeError::Timeout { .. } | NodeError::DeadlineExceeded { .. } => Code::DeadlineExceeded,
+        NodeError::Unavailable { .. } | NodeError::ShuttingDown => Code::Unavailable,
+        // The shared-memory pools are full for now: retry, as with HTTP's 503.
+        NodeError::Arena(ShmError::Full { .. }) => Code::Unavailable,
+        NodeError::Component { .. } | NodeError::Internal(_) | NodeError::Arena(_) => Code::Internal,
+        NodeError::Cancelled => Code::Cancelled,
+        NodeError::Unauthorized(_) => Code::Unauthenticated,
+        NodeError::Forbidden(_) => Code::PermissionDenied,
+        // Not reached by inference, but the mapping stays total.
+        NodeError::Store(_) => match e.http_status() {
+            400 => Code::InvalidArgument,
+            404 | 410 => Code::NotFound,
+            409 => Code::Aborted,
+            413 => Code::ResourceExhausted,
+            503 => Code::Unavailable,
+            _ => Code::Internal,
+        },
+    }
+}
+
+/// The status a node error is answered with: its code, its message, and
+/// its kind (and `retry-after`) as trailers.
+pub fn status_of(e: &NodeError) -> Status {
+    let mut md = MetadataMap::new();
+    md.insert(ERROR_KIND_HEADER, MetadataValue::from_static(e.kind()));
+    if let Some(s) = e.retry_after_s() {
+        md.insert("retry-after", MetadataValue::from(s));
+    }
+    Status::with_metadata(code_of(e), e.to_string(), md)
+}
+
+/// When the call arrived and the budget it asked for: the tighter of its
+/// `grpc-timeout` (the client's deadline) and `x-slipstream-deadline-ms`.
+fn arrival_of(md: &MetadataMap) -> Result<Arrival, NodeError> {
+    let at = Instant::now();
+    let timeout = call_timeout(md)?;
+    let asked = deadline_budget(md.get(DEADLINE_HEADER).map(|v| v.as_encoded_bytes()))?;
+    let budget = match (timeout, asked) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    Ok(Arrival { at, budget })
+}
+
+fn call_timeout(md: &MetadataMap) -> Result<Option<Duration>, NodeError> {
+    let Some(v) = md.get(slipstream_kserve::TIMEOUT_HEADER) else { return Ok(None) };
+    let parsed = v.to_str().ok().and_then(slipstream_kserve::parse_timeout);
+    parsed.map(Some).ok_or_else(|| {
+        NodeError::BadRequest(format!(
+            "{} must be up to 8 digits and a unit (H, M, S, m, u, n), got {v:?}",
+            slipstream_kserve::TIMEOUT_HEADER
+        ))
+    })
+}
+
+fn string_param(s: &str) -> InferParameter {
+    InferParameter { parameter_choice: Some(ParameterChoice::StringParam(s.to_string())) }
+}
+
+fn tensor_meta(m: &std::collections::BTreeMap<String, slipstream_types::TensorSpec>) -> Vec<TensorMetadata> {
+    // The same fields as HTTP's `codec::v2_tensor_meta`.
+    m.iter()
+        .map(|(n, s)| TensorMetadata { name: n.clone(), datatype: s.dtype.v2_name().into(), shape: s.shape.clone() })
+        .collect()
+}
+
+/// One inference, as both `ModelInfer` and each message of
+/// `ModelStreamInfer` run it. Returns the response and why it is a
+/// fallback, if it is.
+async fn infer(
+    node: &Node,
+    req: ModelInferRequest,
+    arrival: Arrival,
+) -> Result<(ModelInferResponse, Option<&'static str>), NodeError> {
+    let pipe = node.pipeline(&req.model_name)?;
+    let ticket = node.admit(&pipe, arrival)?;
+    let (tensors, asked): (Tensors, _) = codec::decode_grpc(req, &pipe.spec.inputs, &node.arena)?;
+    let ans = node.answer(&pipe, tensors, ticket).await?;
+    let mut resp = codec::encode_grpc(pipe.name(), &asked, &ans.outputs)?;
+    if let Some(why) = ans.fallback {
+        resp.parameters.insert(FALLBACK_KEY.into(), string_param(why));
+    }
+    Ok((resp, ans.fallback))
+}
+
+/// One message of a `ModelStreamInfer` response.
+async fn stream_answer(node: &Node, req: ModelInferRequest, arrival: Arrival) -> ModelStreamInferResponse {
+    let (model_name, id) = (req.model_name.clone(), req.id.clone());
+    match infer(node, req, arrival).await {
+        Ok((resp, _)) => ModelStreamInferResponse { error_message: String::new(), infer_response: Some(resp) },
+        Err(e) => {
+            let mut resp = ModelInferResponse { model_name, id, ..Default::default() };
+            resp.parameters.insert(ERROR_KIND_HEADER.into(), string_param(e.kind()));
+            ModelStreamInferResponse { error_message: e.to_string(), infer_response: Some(resp) }
+        }
+    }
+}
+
+/// The service, answering from one node.
+pub struct InferenceService {
+    node: Arc<Node>,
+}
+
+/// The service as a tower service over HTTP/2 requests, with the node's
+/// body limit as its largest message.
+pub fn service(node: Arc<Node>) -> GrpcInferenceServiceServer<InferenceService> {
+    let limit = node.opts.max_body_bytes;
+    GrpcInferenceServiceServer::new(InferenceService { node }).max_decoding_message_size(limit)
+}
+
+/// Bind the gRPC listener on the node's host (`port` 0: any free port).
+pub async fn bind(host: &str, port: u16) -> std::io::Result<TcpListener> {
+    TcpListener::bind((host, port)).await
+}
+
+/// Accept on the gRPC listener, or never when there is none.
+pub async fn accept(listener: Option<&TcpListener>) -> std::io::Result<(TcpStream, SocketAddr)> {
+    match listener {
+        Some(l) => l.accept().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Serve one accepted connection (HTTP/2 with prior knowledge, as gRPC
+/// clients speak it) until it closes or `graceful` shuts it down.
+pub fn spawn_connection(node: &Arc<Node>, stream: TcpStream, graceful: &GracefulShutdown) {
+    let _ = stream.set_nodelay(true);
+    let svc = TowerToHyperService::new(service(node.clone()));
+    let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(MAX_STREAMS)
+        .adaptive_window(true)
+        .serve_connection(TokioIo::new(stream), svc);
+    let watched = graceful.watch(conn);
+    tokio::spawn(async move {
+        let _ = watched.await;
+    });
+}
+
+#[tonic::async_trait]
+impl GrpcInferenceService for InferenceService {
+    async fn server_live(&self, _: Request<ServerLiveRequest>) -> Result<Response<ServerLiveResponse>, Status> {
+        Ok(Response::new(ServerLiveResponse { live: true }))
+    }
+
+    async fn server_ready(&self, _: Request<ServerReadyRequest>) -> Result<Response<ServerReadyResponse>, Status> {
+        Ok(Response::new(ServerReadyResponse { ready: self.node.is_ready() }))
+    }
+
+    async fn model_ready(&self, req: Request<ModelReadyRequest>) -> Result<Response<ModelReadyResponse>, Status> {
+        let pipe = self.node.pipeline(&req.get_ref().name).map_err(|e| status_of(&e))?;
+        Ok(Response::new(ModelReadyResponse { ready: self.node.pipeline_ready(&pipe) }))
+    }
+
+    async fn server_metadata(
+        &self,
+        _: Request<ServerMetadataRequest>,
+    ) -> Result<Response<ServerMetadataResponse>, Status> {
+        Ok(Response::new(ServerMetadataResponse {
+            name: "slipstream".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            extensions: vec![],
+        }))
+    }
+
+    async fn model_metadata(
+        &self,
+        req: Request<ModelMetadataRequest>,
+    ) -> Result<Response<ModelMetadataResponse>, Status> {
+        let p = self.node.pipeline(&req.get_ref().name).map_err(|e| status_of(&e))?;
+        Ok(Response::new(ModelMetadataResponse {
+            name: p.name().to_string(),
+            versions: vec!["1".into()],
+            platform: "slipstream".into(),
+            inputs: tensor_meta(&p.spec.inputs),
+            outputs: p.outputs().map_or(vec![], tensor_meta),
+        }))
+    }
+
+    async fn model_infer(&self, req: Request<ModelInferRequest>) -> Result<Response<ModelInferResponse>, Status> {
+        let arrival = arrival_of(req.metadata()).map_err(|e| status_of(&e))?;
+        let (resp, fallback) = infer(&self.node, req.into_inner(), arrival).await.map_err(|e| status_of(&e))?;
+        let mut r = Response::new(resp);
+        if let Some(why) = fallback {
+            r.metadata_mut().insert(FALLBACK_KEY, MetadataValue::from_static(why));
+        }
+        Ok(r)
+    }
+
+    type ModelStreamInferStream = ReceiverStream<Result<ModelStreamInferResponse, Status>>;
+
+    /// Each request of the stream runs as it arrives (up to
+    /// [`STREAM_INFLIGHT`] at once) and is answered when it finishes, so
+    /// answers come in completion order: clients match them by `id`. The
+    /// call's `grpc-timeout` bounds every request in it; a request's
+    /// `x-slipstream-deadline-ms` (call metadata) is a budget for each.
+    /// When the client goes away, what is still running is cancelled.
+    async fn model_stream_infer(
+        &self,
+        req: Request<Streaming<ModelInferRequest>>,
+    ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
+        let call_deadline = call_timeout(req.metadata()).map_err(|e| status_of(&e))?.map(|t| Instant::now() + t);
+        let each = deadline_budget(req.metadata().get(DEADLINE_HEADER).map(|v| v.as_encoded_bytes()))
+            .map_err(|e| status_of(&e))?;
+        let mut inbound = req.into_inner();
+        let (tx, rx) = mpsc::channel(64);
+        let node = self.node.clone();
+        tokio::spawn(async move {
+            // Dropping the set (client gone, or done) aborts what still runs.
+            let mut running: JoinSet<ModelStreamInferResponse> = JoinSet::new();
+            let mut open = true;
+            let mut broken: Option<Status> = None;
+            while open || !running.is_empty() {
+                tokio::select! {
+                    msg = inbound.message(), if open && running.len() < STREAM_INFLIGHT => match msg {
+                        Ok(Some(r)) => {
+                            let at = Instant::now();
+                            let left = call_deadline.map(|d| d.saturating_duration_since(at));
+                            let budget = match (left, each) {
+                                (Some(a), Some(b)) => Some(a.min(b)),
+                                (a, b) => a.or(b),
+                            };
+                            let node = node.clone();
+                            running.spawn(async move { stream_answer(&node, r, Arrival { at, budget }).await });
+                        }
+                        Ok(None) => open = false,
+                        // A message that could not be decoded (too large,
+                        // malformed): nothing more can be read.
+                        Err(s) => {
+                            open = false;
+                            broken = Some(s);
+                        }
+                    },
+                    Some(done) = running.join_next(), if !running.is_empty() => {
+                        let msg = done.unwrap_or_else(|e| ModelStreamInferResponse {
+                            error_message: format!("internal error: {e}"),
+                            infer_response: None,
+                        });
+                        if tx.send(Ok(msg)).await.is_err() {
+                            return;
+                        }
+                    }
+                    _ = tx.closed() => return,
+                }
+            }
+            if let Some(s) = broken {
+                let _ = tx.send(Err(s)).await;
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use slipstream_shm::ShmError;
+
+    #[test]
+    fn every_error_kind_has_a_fitting_code() {
+        let cases: Vec<(NodeError, Code)> = vec![
+            (NodeError::BadRequest("x".into()), Code::InvalidArgument),
+            (NodeError::BadInput("x".into()), Code::InvalidArgument),
+            (NodeError::UnknownPipeline("p".into()), Code::NotFound),
+            (NodeError::PayloadTooLarge { limit: 1 }, Code::ResourceExhausted),
+            (NodeError::Overloaded { budget_ms: 10, over_ms: 5 }, Code::ResourceExhausted),
+            (NodeError::DeadlineExceeded { stage: "s".into() }, Code::DeadlineExceeded),
+            (NodeError::Timeout { ms: 5 }, Code::DeadlineExceeded),
+            (NodeError::ShuttingDown, Code::Unavailable),
+            (NodeError::Unavailable { stage: "s".into(), reason: "r".into() }, Code::Unavailable),
+            (NodeError::Arena(ShmError::Full { requested: 1, capacity: 0 }), Code::Unavailable),
+            (NodeError::Component { stage: "s".into(), message: "m".into() }, Code::Internal),
+            (NodeError::Internal("x".into()), Code::Internal),
+            (NodeError::Cancelled, Code::Cancelled),
+            (NodeError::Unauthorized("x".into()), Code::Unauthenticated),
+            (NodeError::Forbidden("x".into()), Code::PermissionDenied),
+            (NodeError::Store(slipstream_store::StoreError::NotFound("k".into())), Code::NotFound),
+        ];
+        for (e, code) in cases {
+            let s = status_of(&e);
+            assert_eq!(s.code(), code, "{e}");
+            assert_eq!(s.message(), e.to_string());
+            let kind = s.metadata().get(ERROR_KIND_HEADER).and_then(|v| v.to_str().ok());
+            assert_eq!(kind, Some(e.kind()), "{e}");
+        }
+        let s = status_of(&NodeError::Overloaded { budget_ms: 10, over_ms: 2500 });
+        assert_eq!(s.metadata().get("retry-after").and_then(|v| v.to_str().ok()), Some("3"));
+    }
+
+    fn md(pairs: &[(&'static str, &'static str)]) -> MetadataMap {
+        let mut m = MetadataMap::new();
+        for (k, v) in pairs {
+            m.insert(*k, MetadataValue::from_static(v));
+        }
+        m
+    }
+
+    #[test]
+    fn the_tighter_of_grpc_timeout_and_the_deadline_header_is_the_budget() {
+        assert_eq!(arrival_of(&md(&[])).unwrap().budget, None);
+        assert_eq!(arrival_of(&md(&[("grpc-timeout", "250m")])).unwrap().budget, Some(Duration::from_millis(250)));
+        let both = md(&[("grpc-timeout", "2S"), (DEADLINE_HEADER, "40")]);
+        assert_eq!(arrival_of(&both).unwrap().budget, Some(Duration::from_millis(40)));
+        let both = md(&[("grpc-timeout", "10000u"), (DEADLINE_HEADER, "40")]);
+        assert_eq!(arrival_of(&both).unwrap().budget, Some(Duration::from_millis(10)));
+        let e = arrival_of(&md(&[("grpc-timeout", "soon")])).err().expect("refused");
+        assert_eq!(code_of(&e), Code::InvalidArgument);
+        assert!(e.to_string().contains("grpc-timeout"), "{e}");
+        let e = arrival_of(&md(&[(DEADLINE_HEADER, "-3")])).err().expect("refused");
+        assert_eq!(code_of(&e), Code::InvalidArgument);
+        // A budget too large for a Duration saturates instead of panicking.
+        let huge = md(&[(DEADLINE_HEADER, "1e300")]);
+        assert_eq!(arrival_of(&huge).unwrap().budget, Some(Duration::MAX));
+    }
+}
