@@ -89,6 +89,8 @@ pub struct StageRt {
     pub name: String,
     pub component: String,
     pub max_batch: usize,
+    /// Batches a replica's worker may run at once (async components).
+    pub concurrency: usize,
     /// Threads each replica may use.
     pub threads: usize,
     /// Autoscaling bounds (equal when not autoscaled).
@@ -121,6 +123,7 @@ impl StageRt {
             name: spec.name.clone(),
             component: spec.component.clone(),
             max_batch: spec.max_batch_size,
+            concurrency: spec.concurrency,
             threads: spec.threads,
             bounds: spec.bounds(),
             env: spec.env.clone(),

@@ -32,6 +32,7 @@ pub fn status(node: &Node) -> Value {
                         "name": s.name,
                         "component": s.component,
                         "max_batch_size": s.max_batch,
+                        "concurrency": s.concurrency,
                         "threads": s.threads,
                         "ready": s.is_ready(),
                         "autoscale": node.autoscaler.stage_status(p.name(), s),

@@ -253,6 +253,10 @@ pub struct StageSpec {
     pub threads: usize,
     #[serde(default = "one")]
     pub max_batch_size: usize,
+    /// Batches a replica's worker may run at once: 1 for a plain
+    /// component; more for an `async def __call__` that waits on I/O.
+    #[serde(default = "one")]
+    pub concurrency: usize,
     /// Environment of this stage's workers, over the node-wide one.
     #[serde(default)]
     pub env: BTreeMap<String, String>,
@@ -284,6 +288,9 @@ impl StageSpec {
 fn one() -> usize {
     1
 }
+
+/// The most batches one worker may have in flight.
+pub const MAX_CONCURRENCY: usize = 1024;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("invalid pipeline '{pipeline}': {reason}")]
@@ -359,6 +366,9 @@ impl PipelineSpec {
         for (i, s) in self.stages.iter().enumerate() {
             if index.insert(s.name.as_str(), i).is_some() {
                 return Err(err(format!("stage name '{}' is used twice", s.name)));
+            }
+            if s.concurrency == 0 || s.concurrency > MAX_CONCURRENCY {
+                return Err(err(format!("stage '{}' needs 1 <= concurrency <= {MAX_CONCURRENCY}", s.name)));
             }
             if s.replicas == 0 || s.max_batch_size == 0 || s.threads == 0 {
                 return Err(err(format!(

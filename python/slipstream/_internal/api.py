@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import inspect
 import keyword
 import os
 import re
@@ -21,6 +22,9 @@ import numpy as np
 
 from slipstream._internal.errors import ConfigError
 from slipstream._internal.keys import RESERVED_PREFIX, key_problem, prefix_problem
+
+#: Batches an async component's replica runs at once unless it says otherwise.
+DEFAULT_ASYNC_CONCURRENCY = 16
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
@@ -292,6 +296,10 @@ class Component:
     #: ``"cpu"``, ``"cuda"`` (each replica bound to one GPU, round-robin)
     #: or ``"cuda:N"`` (the node's Nth GPU or MIG slice).
     device: str = "cpu"
+    #: Batches one replica runs at once. Only an ``async def __call__`` may
+    #: run more than one (requests that wait on I/O overlap on the worker's
+    #: event loop); None: 1, or ``DEFAULT_ASYNC_CONCURRENCY`` for async.
+    concurrency: int | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -305,6 +313,23 @@ class Component:
             raise ConfigError(f"{self.name}: a component class needs a __call__(self, batch) method")
         self._check_store_options()
         self._check_device()
+        self._check_concurrency()
+
+    @property
+    def is_async(self) -> bool:
+        """``__call__`` is a coroutine function: the worker awaits it on an event loop."""
+        return inspect.iscoroutinefunction(getattr(self.cls, "__call__", None))
+
+    def _check_concurrency(self) -> None:
+        c = self.concurrency
+        if c is None:
+            self.concurrency = DEFAULT_ASYNC_CONCURRENCY if self.is_async else 1
+            return
+        if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= 1024:
+            raise ConfigError(f"{self.name}: concurrency must be an integer from 1 to 1024, got {c!r}")
+        if c > 1 and not self.is_async:
+            raise ConfigError(f"{self.name}: concurrency={c} needs an `async def __call__` "
+                              "(a plain __call__ runs one batch at a time)")
 
     def _check_device(self) -> None:
         if self.tensors not in ("numpy", "torch"):
@@ -436,6 +461,7 @@ def component(
     affinity: str | None = None,
     tensors: str = "numpy",
     device: str = "cpu",
+    concurrency: int | None = None,
 ) -> Any:
     """Declare a component: a class whose ``__call__(self, batch)`` takes a
     :class:`Batch` and returns a dict of arrays. The class is constructed once
@@ -477,7 +503,14 @@ def component(
       every replica to the Nth device ``nvidia-smi -L`` lists. Inside the
       worker the device is ``cuda`` (``cuda:0``); with ``tensors="torch"``
       the inputs are moved there once per batch. A GPU stage on a machine
-      without a GPU fails at start-up."""
+      without a GPU fails at start-up.
+
+    Async components: a class with ``async def __call__(self, batch)`` (a
+    stage that waits on I/O: a remote API, a database) runs on an event loop
+    in its worker, with up to ``concurrency`` batches in flight per replica
+    (default 16); the node keeps that many batches out and matches answers
+    to batches as they finish, in any order. A plain ``__call__`` runs one
+    batch at a time."""
 
     def wrap(c: type) -> Component:
         if not isinstance(c, type):
@@ -495,6 +528,7 @@ def component(
             affinity=affinity,
             tensors=tensors,
             device=device,
+            concurrency=concurrency,
         )
 
     return wrap(cls) if cls is not None else wrap
@@ -800,6 +834,7 @@ class Pipeline:
                     "watch": c.watch,
                     "affinity": c.affinity,
                     "device": c.device,
+                    "concurrency": int(c.concurrency or 1),
                 }
                 for n, c in self.graph.nodes.items()
             ],

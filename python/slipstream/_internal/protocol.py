@@ -7,6 +7,7 @@ Frames carry descriptors only; tensor bytes stay in shared memory.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import struct
 from typing import Any, BinaryIO
@@ -30,6 +31,20 @@ def read(stream: BinaryIO) -> dict[str, Any] | None:
         raise ValueError(f"frame of {n} bytes exceeds the limit")
     data = stream.read(n)
     if len(data) < n:
+        return None
+    msg: dict[str, Any] = json.loads(data)
+    return msg
+
+
+async def read_async(stream: asyncio.StreamReader) -> dict[str, Any] | None:
+    """`read` for an asyncio stream (async components' workers)."""
+    try:
+        head = await stream.readexactly(4)
+        (n,) = _LEN.unpack(head)
+        if n > MAX_FRAME:
+            raise ValueError(f"frame of {n} bytes exceeds the limit")
+        data = await stream.readexactly(n)
+    except asyncio.IncompleteReadError:
         return None
     msg: dict[str, Any] = json.loads(data)
     return msg

@@ -19,6 +19,7 @@ closes the connection, and dies with the node (PR_SET_PDEATHSIG).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import mmap
 import os
 import signal
@@ -156,15 +157,31 @@ def _as_output(name: str, value: Any, rows: int) -> np.ndarray:
     return a
 
 
+def batch_of(pools: Pools, msg: Mapping[str, Any], as_torch: tensors.TorchInputs | None = None) -> Batch:
+    """The component's view of a batch message: arrays (or tensors) over shared memory."""
+    arrays = {k: pools.array(d, writable=as_torch is not None) for k, d in msg["inputs"].items()}
+    return Batch(arrays if as_torch is None else as_torch(arrays), msg["rows"])
+
+
 def run_batch(instance: Any, pools: Pools, msg: Mapping[str, Any],
               as_torch: tensors.TorchInputs | None = None) -> dict[str, Any]:
-    sizes = msg["rows"]
-    rows = int(sum(sizes))
-    arrays = {k: pools.array(d, writable=as_torch is not None) for k, d in msg["inputs"].items()}
-    batch = Batch(arrays if as_torch is None else as_torch(arrays), sizes)
+    batch = batch_of(pools, msg, as_torch)
     t0 = time.perf_counter()
     result = instance(batch)
-    compute_us = int((time.perf_counter() - t0) * 1e6)
+    return result_message(pools, msg, result, int((time.perf_counter() - t0) * 1e6))
+
+
+async def run_batch_async(instance: Any, pools: Pools, msg: Mapping[str, Any],
+                          as_torch: tensors.TorchInputs | None = None) -> dict[str, Any]:
+    batch = batch_of(pools, msg, as_torch)
+    t0 = time.perf_counter()
+    result = await instance(batch)
+    return result_message(pools, msg, result, int((time.perf_counter() - t0) * 1e6))
+
+
+def result_message(pools: Pools, msg: Mapping[str, Any], result: Any, compute_us: int) -> dict[str, Any]:
+    """Place a component's outputs (in our pool, or by reference into an input) and describe them."""
+    rows = int(sum(msg["rows"]))
     if not isinstance(result, Mapping):
         raise TypeError(f"a component returns a dict of arrays, got {type(result).__name__}")
     outputs: dict[str, Any] = {}
@@ -258,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     send({"op": "ready", "pid": os.getpid()})
+    if comp.is_async:
+        return asyncio.run(serve_async(sock, replica, pools, as_torch, label))
     while True:
         msg = protocol.read(reader)
         if msg is None or msg["op"] == "shutdown":
@@ -267,9 +286,45 @@ def main(argv: list[str] | None = None) -> int:
         try:
             reply = run_batch(replica.current(), pools, msg, as_torch)
         except Exception as e:
-            sys.stderr.write(f"slipstream worker {label}: batch {msg['id']} failed:\n{traceback.format_exc()}")
-            reply = {"op": "error", "id": msg["id"], "kind": "component_error", "message": f"{type(e).__name__}: {e}"}
+            reply = _failed(label, msg, e)
         send(reply)
+
+
+def _failed(label: str, msg: Mapping[str, Any], e: Exception) -> dict[str, Any]:
+    """A batch's error reply (the worker keeps serving)."""
+    sys.stderr.write(f"slipstream worker {label}: batch {msg['id']} failed:\n{traceback.format_exc()}")
+    return {"op": "error", "id": msg["id"], "kind": "component_error", "message": f"{type(e).__name__}: {e}"}
+
+
+async def serve_async(sock: socket.socket, replica: Replica, pools: Pools,
+                      as_torch: tensors.TorchInputs | None, label: str) -> int:
+    """An async component's loop: every batch the node sends becomes a task
+    on this event loop, so batches that wait on I/O overlap (the node keeps
+    at most the stage's ``concurrency`` in flight); each answer goes back as
+    soon as its batch finishes, tagged with its id."""
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    running: set[asyncio.Task[None]] = set()
+
+    async def one(msg: dict[str, Any]) -> None:
+        try:
+            reply = await run_batch_async(replica.current(), pools, msg, as_torch)
+        except Exception as e:
+            reply = _failed(label, msg, e)
+        writer.write(protocol.encode(reply))
+        await writer.drain()
+
+    while True:
+        msg = await protocol.read_async(reader)
+        if msg is None or msg["op"] == "shutdown":
+            break
+        if msg["op"] == "batch":
+            task = asyncio.create_task(one(msg))
+            running.add(task)
+            task.add_done_callback(running.discard)
+    if running:
+        await asyncio.wait(running, timeout=5.0)
+    writer.close()
+    return 0
 
 
 if __name__ == "__main__":

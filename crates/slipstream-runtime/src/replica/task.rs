@@ -6,7 +6,11 @@
 //! from the replica's queue (the batch step: most urgent first, sized by the
 //! batch former), sends one frame of descriptors, reads one frame back, and
 //! hands each request its outputs. While the worker computes, new requests
-//! pile up in the queue and form the next batch.
+//! pile up in the queue and form the next batch. The one exception is a
+//! stage whose component is `async` (`concurrency` > 1): its worker runs
+//! several batches at once on an event loop, so the task keeps up to that
+//! many in flight and matches answers to batches by id
+//! ([`serve_concurrent`]).
 //!
 //! Supervision lives here too: a worker is warmed up with a sample request
 //! before the replica is marked ready; if the worker dies, the requests of
@@ -24,7 +28,7 @@ use crate::events::Events;
 use crate::pipeline::{PipelineRt, Sample, StageRt};
 use crate::request::{request_rows, Request};
 use slipstream_shm::Block;
-use slipstream_transport::{FromWorker, OutputOrigin, ToWorker};
+use slipstream_transport::{read_frame, write_frame, FromWorker, OutputOrigin, ToWorker};
 use slipstream_types::{checked_nbytes, TensorDesc};
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering::Relaxed;
@@ -225,6 +229,10 @@ pub(crate) fn done_serving(ctx: &ReplicaCtx) -> bool {
 /// Feed the worker until the node stops, the replica is drained, or the
 /// worker dies.
 async fn serve(ctx: &mut ReplicaCtx, w: &mut Worker) -> Ended {
+    let limit = ctx.stage().concurrency;
+    if limit > 1 {
+        return serve_concurrent(ctx, w, limit).await;
+    }
     loop {
         let wake = match next_step(ctx) {
             Next::Run(batch, budget_ns) => {
@@ -349,15 +357,25 @@ pub(crate) fn members_of(ctx: &ReplicaCtx, batch: Vec<Work>) -> (Vec<(Arc<Reques
     (members, mean_wait)
 }
 
-/// Run one batch on the worker. Err means the worker is gone.
-async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>, budget_ns: u64) -> Result<(), String> {
+/// A batch sent to the worker and not yet answered.
+struct InFlight {
+    id: u64,
+    members: Vec<(Arc<Request>, Tensors)>,
+    /// Gathered input copies, alive until the worker has answered.
+    keep: Vec<Arc<Block>>,
+    total_rows: u64,
+    sent: Instant,
+    budget_ns: u64,
+}
+
+/// Turn a batch taken from the queue into a frame for the worker; None if
+/// no request is left to run (all failed or deferred).
+fn prepare(ctx: &ReplicaCtx, batch: Vec<Work>, budget_ns: u64) -> Option<(ToWorker, InFlight)> {
     let stage = ctx.stage();
-    let me = &ctx.me;
     let (members, mean_wait) = members_of(ctx, batch);
     if members.is_empty() {
-        return Ok(());
+        return None;
     }
-    let n = members.len();
     let rows: Vec<u32> = members.iter().map(|(_, i)| request_rows(i) as u32).collect();
     let total_rows: u64 = rows.iter().map(|&r| r as u64).sum();
     let mut keep = Vec::new();
@@ -372,62 +390,170 @@ async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>, budget_ns:
             Err(e) => {
                 let msg = e.to_string();
                 fail_all(members, |_| NodeError::Unavailable { stage: stage.name.clone(), reason: msg.clone() });
-                return Ok(());
+                return None;
             }
         }
     }
     let id = next_batch_id();
-    let sent = Instant::now();
-    me.begin_batch(n, mean_wait);
-    let reply = w.run(&ToWorker::Batch { id, rows: rows.clone(), inputs }).await;
-    let rtt = sent.elapsed();
-    me.end_batch(n, rtt.as_nanos() as u64, budget_ns);
+    ctx.me.begin_batch(members.len(), mean_wait);
+    let msg = ToWorker::Batch { id, rows, inputs };
+    Some((msg, InFlight { id, members, keep, total_rows, sent: Instant::now(), budget_ns }))
+}
+
+/// Account a batch's round trip and hand each request its outputs (or its
+/// error). A reply that is not this batch's answer is a protocol violation:
+/// Err, and the caller treats the worker as gone.
+fn settle(ctx: &ReplicaCtx, b: InFlight, reply: FromWorker) -> Result<(), String> {
+    let stage = ctx.stage();
+    let n = b.members.len();
+    let rtt = b.sent.elapsed();
+    ctx.me.end_batch(n, rtt.as_nanos() as u64, b.budget_ns);
     stage.metrics.batches.fetch_add(1, Relaxed);
     stage.metrics.requests.fetch_add(n as u64, Relaxed);
     stage.metrics.busy_us.fetch_add(rtt.as_micros() as u64, Relaxed);
     stage.metrics.batch_size.record(n as u64);
     match reply {
-        Ok(FromWorker::Result { id: rid, outputs, compute_us }) if rid == id => {
+        FromWorker::Result { id: rid, outputs, compute_us } if rid == b.id => {
             stage.metrics.compute_us.record(compute_us);
             stage.metrics.hop_us.record((rtt.as_micros() as u64).saturating_sub(compute_us));
             let worker_copies: Vec<u64> =
                 outputs.values().filter(|o| o.origin == OutputOrigin::Copied).map(|o| o.desc.nbytes).collect();
-            match split_outputs(ctx, &members, &keep, outputs, total_rows) {
+            match split_outputs(ctx, &b.members, &b.keep, outputs, b.total_rows) {
                 Ok(per_request) => {
-                    for b in worker_copies {
-                        CopyCounters::add(&ctx.arena.copies.worker, &ctx.arena.copies.worker_bytes, b);
+                    for bytes in worker_copies {
+                        CopyCounters::add(&ctx.arena.copies.worker, &ctx.arena.copies.worker_bytes, bytes);
                     }
-                    maybe_sample(ctx, &members[0].1);
-                    for ((req, _), outs) in members.into_iter().zip(per_request) {
+                    maybe_sample(ctx, &b.members[0].1);
+                    for ((req, _), outs) in b.members.into_iter().zip(per_request) {
                         req.finish_stage(ctx.stage, outs);
                     }
                 }
                 Err(e) => {
                     stage.metrics.errors.fetch_add(n as u64, Relaxed);
                     let msg = e.to_string();
-                    fail_all(members, |_| NodeError::Component { stage: stage.name.clone(), message: msg.clone() });
+                    fail_all(b.members, |_| NodeError::Component { stage: stage.name.clone(), message: msg.clone() });
                 }
             }
             Ok(())
         }
-        Ok(FromWorker::Error { id: rid, message, .. }) if rid == id => {
+        FromWorker::Error { id: rid, message, .. } if rid == b.id => {
             stage.metrics.errors.fetch_add(n as u64, Relaxed);
-            fail_all(members, |_| NodeError::Component { stage: stage.name.clone(), message: message.clone() });
+            fail_all(b.members, |_| NodeError::Component { stage: stage.name.clone(), message: message.clone() });
             Ok(())
         }
-        Ok(other) => {
+        other => {
             let why = format!("protocol violation: unexpected {other:?}");
-            retry_or_fail(ctx, members, &why);
+            retry_or_fail(ctx, b.members, &why);
             Err(why)
         }
+    }
+}
+
+/// Why the worker is gone, from a failed read or write and its exit status.
+async fn gone(child: &mut tokio::process::Child, e: impl std::fmt::Display) -> String {
+    match tokio::time::timeout(Duration::from_secs(1), child.wait()).await {
+        Ok(s) => format!("{} ({e})", describe_exit(s)),
+        Err(_) => e.to_string(),
+    }
+}
+
+/// Run one batch on the worker. Err means the worker is gone.
+async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>, budget_ns: u64) -> Result<(), String> {
+    let Some((msg, b)) = prepare(ctx, batch, budget_ns) else {
+        return Ok(());
+    };
+    match w.run(&msg).await {
+        Ok(reply) => settle(ctx, b, reply),
         Err(e) => {
-            let status = tokio::time::timeout(Duration::from_secs(1), w.child.wait()).await;
-            let why = match status {
-                Ok(s) => format!("{} ({e})", describe_exit(s)),
-                Err(_) => e.to_string(),
-            };
-            retry_or_fail(ctx, members, &why);
+            let why = gone(&mut w.child, e).await;
+            retry_or_fail(ctx, b.members, &why);
             Err(why)
+        }
+    }
+}
+
+/// Feed a worker that runs up to `limit` batches at once (an async
+/// component): batches are written as soon as the batch step forms them
+/// and there is room, and answers are matched to them by id, in whatever
+/// order they come. Reading stays in one future for the whole loop, so a
+/// half-read frame is never abandoned.
+async fn serve_concurrent(ctx: &mut ReplicaCtx, w: &mut Worker, limit: usize) -> Ended {
+    use std::collections::HashMap;
+    let Worker { child, conn, buf } = w;
+    let (mut rd, mut wr) = tokio::io::split(conn);
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let reader = async move {
+        loop {
+            let frame = read_frame::<_, FromWorker>(&mut rd, buf).await;
+            let failed = frame.is_err();
+            if tx.send(frame).is_err() || failed {
+                return;
+            }
+        }
+    };
+    tokio::pin!(reader);
+    let mut reader_done = false;
+    let mut pending: HashMap<u64, InFlight> = HashMap::new();
+    let died = |ctx: &ReplicaCtx, pending: &mut HashMap<u64, InFlight>, why: String| {
+        for (_, b) in pending.drain() {
+            retry_or_fail(ctx, b.members, &why);
+        }
+        Ended::Died(why)
+    };
+    loop {
+        let mut wake = None;
+        while pending.len() < limit {
+            match next_step(ctx) {
+                Next::Run(batch, budget_ns) => {
+                    let Some((msg, b)) = prepare(ctx, batch, budget_ns) else { continue };
+                    if let Err(e) = write_frame(&mut wr, &msg).await {
+                        let why = gone(child, e).await;
+                        retry_or_fail(ctx, b.members, &why);
+                        return died(ctx, &mut pending, why);
+                    }
+                    pending.insert(b.id, b);
+                }
+                Next::Again => continue,
+                Next::Wait(at) => {
+                    wake = at;
+                    break;
+                }
+            }
+        }
+        if pending.is_empty() && done_serving(ctx) {
+            return Ended::Stopped;
+        }
+        let room = pending.len() < limit;
+        tokio::select! {
+            reply = rx.recv() => match reply {
+                Some(Ok(reply)) => {
+                    let id = match &reply {
+                        FromWorker::Result { id, .. } | FromWorker::Error { id, .. } => Some(*id),
+                        _ => None,
+                    };
+                    match id.and_then(|id| pending.remove(&id)) {
+                        Some(b) => {
+                            if let Err(why) = settle(ctx, b, reply) {
+                                return died(ctx, &mut pending, why);
+                            }
+                        }
+                        None => return died(ctx, &mut pending, format!("protocol violation: unexpected {reply:?}")),
+                    }
+                }
+                Some(Err(e)) => {
+                    let why = gone(child, e).await;
+                    return died(ctx, &mut pending, why);
+                }
+                None => return died(ctx, &mut pending, "the worker's connection closed".into()),
+            },
+            _ = &mut reader, if !reader_done => reader_done = true,
+            _ = ctx.me.woken(), if room => {}
+            _ = ctx.stop.changed() => {}
+            _ = sleep_until_opt(wake), if room => {}
+            status = child.wait() => {
+                let why = describe_exit(status);
+                return died(ctx, &mut pending, why);
+            }
         }
     }
 }
