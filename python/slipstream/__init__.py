@@ -42,7 +42,7 @@ from slipstream._internal.api import (
     component,
     worker_threads,
 )
-from slipstream._internal.client import AsyncClient, Client, Outputs
+from slipstream._internal.client import AsyncClient, AsyncStream, Client, Outputs, Stream
 from slipstream._internal.errors import (
     ArenaFull,
     BadInput,
@@ -88,6 +88,7 @@ __all__ = [
     "SLO",
     "ArenaFull",
     "AsyncClient",
+    "AsyncStream",
     "BadInput",
     "BadRequest",
     "Batch",
@@ -123,6 +124,7 @@ __all__ = [
     "StoreNotFound",
     "StoreUnauthorized",
     "StoreUnavailable",
+    "Stream",
     "Tensor",
     "TensorFormatError",
     "Unauthorized",

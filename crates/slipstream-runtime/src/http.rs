@@ -8,7 +8,10 @@
 //! [`NodeError::http_status`].
 //!
 //! Routes:
-//! - pipeline API: `POST /v1/pipelines/{name}/infer`, `GET /v1/pipelines`,
+//! - pipeline API: `POST /v1/pipelines/{name}/infer`, `POST
+//!   /v1/pipelines/{name}/stream` (server-sent events: a streaming
+//!   component's chunks as they come, see [`crate::stream`]; v2 bodies at
+//!   `POST /v2/models/{name}/infer_stream`), `GET /v1/pipelines`,
 //!   `GET /v1/pipelines/{name}`, `GET /v1/status`
 //! - admin (a bearer token is required unless the node listens on loopback
 //!   only and has no token set): `POST /v1/admin/reset-metrics`,
@@ -46,12 +49,20 @@ use std::time::Instant;
 pub struct Chunks {
     chunks: VecDeque<Bytes>,
     len: u64,
+    /// A body whose parts are not ready yet (a streamed answer, see
+    /// [`crate::stream`]); sent chunked, after `chunks`.
+    live: Option<Pin<Box<dyn Body<Data = Bytes, Error = Infallible> + Send>>>,
 }
 
 impl Chunks {
     pub fn new(chunks: Vec<Bytes>) -> Chunks {
         let len = chunks.iter().map(|c| c.len() as u64).sum();
-        Chunks { chunks: chunks.into(), len }
+        Chunks { chunks: chunks.into(), len, live: None }
+    }
+
+    /// A body produced as it goes (no Content-Length).
+    pub fn live(body: impl Body<Data = Bytes, Error = Infallible> + Send + 'static) -> Chunks {
+        Chunks { chunks: VecDeque::new(), len: 0, live: Some(Box::pin(body)) }
     }
 }
 
@@ -59,20 +70,30 @@ impl Body for Chunks {
     type Data = Bytes;
     type Error = Infallible;
 
-    fn poll_frame(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        let next = self.chunks.pop_front();
-        if let Some(c) = &next {
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if let Some(c) = self.chunks.pop_front() {
             self.len -= c.len() as u64;
+            return Poll::Ready(Some(Ok(Frame::data(c))));
         }
-        Poll::Ready(next.map(|c| Ok(Frame::data(c))))
+        match self.live.as_mut() {
+            Some(live) => live.as_mut().poll_frame(cx),
+            None => Poll::Ready(None),
+        }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.chunks.is_empty()
+        self.chunks.is_empty() && self.live.as_ref().is_none_or(|l| l.is_end_stream())
     }
 
     fn size_hint(&self) -> SizeHint {
-        SizeHint::with_exact(self.len)
+        match &self.live {
+            None => SizeHint::with_exact(self.len),
+            Some(l) => {
+                let mut h = SizeHint::new();
+                h.set_lower(self.len + l.size_hint().lower());
+                h
+            }
+        }
     }
 }
 
@@ -167,17 +188,41 @@ async fn route(node: &Arc<Node>, admin_open: bool, req: hyper::Request<Incoming>
             mark_fallback(&mut r, ans.fallback);
             Ok(r)
         }
+        ["v1", "pipelines", name, "stream"] => {
+            if !post {
+                return Err(wrong_method());
+            }
+            let pipe = node.pipeline(name)?;
+            let body = read_body(node, req).await?;
+            // A refusal is an error response, not a stream (unless the
+            // pipeline answers refusals with its fallback).
+            let ticket = match node.admit(&pipe, arrival)? {
+                Err(e) if pipe.spec.fallback.is_none() => return Err(e),
+                t => t,
+            };
+            let tensors = codec::decode_v1(&body, &pipe.spec.inputs, &node.arena)?;
+            Ok(crate::stream::respond(node.clone(), pipe, tensors, ticket))
+        }
+        ["v2", "models", name, "infer_stream"] | ["v2", "models", name, "versions", _, "infer_stream"] => {
+            if !post {
+                return Err(wrong_method());
+            }
+            let pipe = node.pipeline(name)?;
+            let header_len = inference_header_len(&req)?;
+            let body = read_body(node, req).await?;
+            let ticket = match node.admit(&pipe, arrival)? {
+                Err(e) if pipe.spec.fallback.is_none() => return Err(e),
+                t => t,
+            };
+            let (tensors, _) = codec::decode_v2(&body, header_len, &pipe.spec.inputs, &node.arena)?;
+            Ok(crate::stream::respond(node.clone(), pipe, tensors, ticket))
+        }
         ["v2", "models", name, "infer"] | ["v2", "models", name, "versions", _, "infer"] => {
             if !post {
                 return Err(wrong_method());
             }
             let pipe = node.pipeline(name)?;
-            let header_len = match req.headers().get("inference-header-content-length") {
-                None => None,
-                Some(v) => Some(v.to_str().ok().and_then(|s| s.trim().parse::<usize>().ok()).ok_or_else(|| {
-                    NodeError::BadRequest("Inference-Header-Content-Length must be an integer".into())
-                })?),
-            };
+            let header_len = inference_header_len(&req)?;
             let body = read_body(node, req).await?;
             let ticket = node.admit(&pipe, arrival)?;
             let (tensors, v2req) = codec::decode_v2(&body, header_len, &pipe.spec.inputs, &node.arena)?;
@@ -253,6 +298,19 @@ async fn route(node: &Arc<Node>, admin_open: bool, req: hyper::Request<Incoming>
             })
         }
         _ => Err(NodeError::NotFound(format!("{method} {path}"))),
+    }
+}
+
+/// The binary extension's `Inference-Header-Content-Length`, if given.
+fn inference_header_len(req: &hyper::Request<Incoming>) -> Result<Option<usize>, NodeError> {
+    match req.headers().get("inference-header-content-length") {
+        None => Ok(None),
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|s| s.trim().parse::<usize>().ok())
+            .map(Some)
+            .ok_or_else(|| NodeError::BadRequest("Inference-Header-Content-Length must be an integer".into())),
     }
 }
 

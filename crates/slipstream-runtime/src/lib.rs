@@ -14,6 +14,7 @@
 //! - [`autoscale`]: replica counts that follow the load trend, with warm standbys;
 //! - [`lifecycle`]: start-up, serving and graceful shutdown;
 //! - [`http`]: routes, admin authorisation and the error-to-status mapping;
+//!   [`stream`]: streamed answers (server-sent events);
 //! - [`grpc`]: the Open Inference Protocol over gRPC (its own port), and errors as gRPC codes;
 //! - [`metrics`], [`report`]: counters and histograms; status and Prometheus text;
 //! - [`events`]: recent replica lifecycle events;
@@ -29,9 +30,9 @@ pub mod codec;
 pub mod config;
 pub mod error;
 pub mod events;
-pub mod history;
 pub mod gpu;
 pub mod grpc;
+pub mod history;
 pub mod http;
 pub mod lifecycle;
 pub mod metrics;
@@ -42,6 +43,7 @@ pub mod report;
 pub mod request;
 pub mod spec;
 pub mod store_http;
+pub mod stream;
 pub mod triggers;
 
 pub use error::NodeError;

@@ -316,9 +316,21 @@ impl Node {
         tensors: Tensors,
         ticket: Result<Ticket, NodeError>,
     ) -> Result<Answer, NodeError> {
+        self.answer_streaming(pipe, tensors, ticket, None).await
+    }
+
+    /// [`Node::answer`], and a streaming component's chunks from the
+    /// pipeline's sinks go to `chunks` as they come (before the answer).
+    pub async fn answer_streaming(
+        &self,
+        pipe: &Arc<PipelineRt>,
+        tensors: Tensors,
+        ticket: Result<Ticket, NodeError>,
+        chunks: Option<crate::request::Chunks>,
+    ) -> Result<Answer, NodeError> {
         let rows = request_rows(&tensors);
         let result = match ticket {
-            Ok(t) => self.infer(pipe, tensors, t).await,
+            Ok(t) => self.infer(pipe, tensors, t, chunks).await,
             Err(e) => Err(e),
         };
         match result {
@@ -342,11 +354,17 @@ impl Node {
     /// Run one admitted request through its pipeline's DAG. If this future
     /// is dropped first (the client went away), the guards settle the
     /// request as cancelled and take it off the drain count.
-    async fn infer(&self, pipe: &Arc<PipelineRt>, tensors: Tensors, mut ticket: Ticket) -> Result<Tensors, NodeError> {
+    async fn infer(
+        &self,
+        pipe: &Arc<PipelineRt>,
+        tensors: Tensors,
+        mut ticket: Ticket,
+        chunks: Option<crate::request::Chunks>,
+    ) -> Result<Tensors, NodeError> {
         pipe.route_by_affinity(&mut ticket, &tensors, &self.store.options().pools);
         self.inflight.fetch_add(1, Relaxed);
         let _inflight = InFlight(self);
-        let result = Admitted::enter(pipe, tensors, ticket).outcome().await;
+        let result = Admitted::enter(pipe, tensors, ticket, chunks).outcome().await;
         if let Ok(outputs) = &result {
             pipe.learn_outputs(outputs);
         }

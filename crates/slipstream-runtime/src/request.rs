@@ -28,7 +28,7 @@ use slipstream_sched::AdmissionGate;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Instant;
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 
 pub type Reply = Result<Tensors, NodeError>;
 
@@ -38,7 +38,13 @@ struct State {
     pending_parents: Vec<usize>,
     sinks_left: usize,
     reply: Option<oneshot::Sender<Reply>>,
+    /// Where a streaming request's chunks go (its sink stages' partial
+    /// outputs, as they come); dropped with the request's other state.
+    chunks: Option<Chunks>,
 }
+
+/// The sending end of a streaming request's chunks.
+pub type Chunks = mpsc::UnboundedSender<Tensors>;
 
 pub struct Request {
     pub id: u64,
@@ -60,8 +66,13 @@ pub struct Request {
 
 impl Request {
     /// A new request with the deadline and route of its ticket.
-    fn new(pipe: Arc<PipelineRt>, inputs: Tensors, ticket: Ticket) -> (Arc<Request>, oneshot::Receiver<Reply>) {
-        Self::build(pipe, inputs, ticket, None)
+    fn new(
+        pipe: Arc<PipelineRt>,
+        inputs: Tensors,
+        ticket: Ticket,
+        chunks: Option<Chunks>,
+    ) -> (Arc<Request>, oneshot::Receiver<Reply>) {
+        Self::build(pipe, inputs, ticket, None, chunks)
     }
 
     /// One stage's work for a request that entered the cluster at another
@@ -74,7 +85,7 @@ impl Request {
         inputs: Tensors,
         ticket: Ticket,
     ) -> (Arc<Request>, oneshot::Receiver<Reply>) {
-        let (req, rx) = Self::build(pipe, inputs, ticket, Some(stage));
+        let (req, rx) = Self::build(pipe, inputs, ticket, Some(stage), None);
         req.pipe.enqueue(req.clone(), stage);
         (req, rx)
     }
@@ -84,6 +95,7 @@ impl Request {
         inputs: Tensors,
         ticket: Ticket,
         only: Option<usize>,
+        chunks: Option<Chunks>,
     ) -> (Arc<Request>, oneshot::Receiver<Reply>) {
         let (tx, rx) = oneshot::channel();
         let Ticket { id, arrival, deadline, route } = ticket;
@@ -94,6 +106,7 @@ impl Request {
             pending_parents: pipe.dag.parents.iter().map(|p| p.len()).collect(),
             sinks_left: pipe.dag.sinks.len(),
             reply: Some(tx),
+            chunks,
         };
         let deadline_ns = pipe.ns_at(deadline);
         let req = Arc::new(Request {
@@ -205,6 +218,19 @@ impl Request {
         }
     }
 
+    /// A chunk of stage `stage`'s outputs from a streaming component: passed
+    /// on to a streaming request's client if `stage` is a sink (other
+    /// stages' chunks stay inside the pipeline: their children get the
+    /// stage's final output).
+    pub fn push_chunk(&self, stage: usize, outputs: Tensors) {
+        if self.only.is_some() || !self.pipe.dag.sinks.contains(&stage) {
+            return;
+        }
+        if let Some(tx) = &self.state.lock().chunks {
+            let _ = tx.send(outputs);
+        }
+    }
+
     /// The stage the request waits at or runs in now (the first whose
     /// parents are all done and whose own output is not in yet).
     pub fn stage_now(&self) -> String {
@@ -231,6 +257,7 @@ impl Request {
 
     fn release(&self, st: &mut State) {
         self.done.store(true, Relaxed);
+        st.chunks = None;
         st.inputs.clear();
         st.outputs.iter_mut().for_each(|o| *o = None);
     }
@@ -252,8 +279,9 @@ pub struct Admitted {
 impl Admitted {
     /// Enter the pipeline: count the request in the gate and send it to its
     /// root stages.
-    pub fn enter(pipe: &Arc<PipelineRt>, inputs: Tensors, ticket: Ticket) -> Admitted {
-        let (req, rx) = Request::new(pipe.clone(), inputs, ticket);
+    /// `chunks`: a streaming request's chunk channel.
+    pub fn enter(pipe: &Arc<PipelineRt>, inputs: Tensors, ticket: Ticket, chunks: Option<Chunks>) -> Admitted {
+        let (req, rx) = Request::new(pipe.clone(), inputs, ticket, chunks);
         pipe.metrics.admitted.fetch_add(1, Relaxed);
         pipe.gate.lock().on_admit(pipe.now_ns());
         let admitted = Admitted { req: req.clone(), rx: Some(rx), settled: false };

@@ -59,6 +59,9 @@ pub enum FromWorker {
     /// A batch finished. `compute_us` is the time spent in the component
     /// itself, so the node can tell its own overhead from the model's.
     Result { id: u64, outputs: BTreeMap<String, OutputDesc>, compute_us: u64 },
+    /// A streaming component yielded a chunk of this batch's outputs (each
+    /// output with the batch's rows); its `Result` follows the last chunk.
+    Chunk { id: u64, outputs: BTreeMap<String, OutputDesc> },
     /// The component raised on this batch; the worker keeps serving.
     Error { id: u64, kind: String, message: String },
     /// The worker cannot start (import error, constructor raised, bad config).

@@ -318,7 +318,8 @@ class Component:
     @property
     def is_async(self) -> bool:
         """``__call__`` is a coroutine function: the worker awaits it on an event loop."""
-        return inspect.iscoroutinefunction(getattr(self.cls, "__call__", None))
+        call = getattr(self.cls, "__call__", None)
+        return inspect.iscoroutinefunction(call) or inspect.isasyncgenfunction(call)
 
     def _check_concurrency(self) -> None:
         c = self.concurrency

@@ -46,6 +46,7 @@ Why it looks the way it does:
 from __future__ import annotations
 
 import asyncio
+import base64
 import http.client
 import json
 import math
@@ -54,6 +55,7 @@ import select
 import ssl
 import struct
 import threading
+import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from types import TracebackType
@@ -284,8 +286,9 @@ def decode_outputs(head: Mapping[str, Any], tail: memoryview, text: Mapping[str,
                     dt = np.dtype(_FROM_V2[datatype]).newbyteorder("<")
                     out[name] = np.frombuffer(buf, dtype=dt, count=math.prod(shape)).reshape(shape)
             elif datatype == "BYTES":
+                # JSON carries bytes in base64 (codec/json.rs), text as strings.
                 a = np.empty(math.prod(shape), dtype=object)
-                a[:] = [x if text.get(name, True) else x.encode() for x in np.ravel(o["data"])]
+                a[:] = [x if text.get(name, True) else base64.b64decode(x) for x in np.ravel(o["data"])]
                 out[name] = a.reshape(shape)
             else:
                 out[name] = np.asarray(o["data"], dtype=_FROM_V2[datatype]).reshape(shape)
@@ -386,6 +389,184 @@ def _json(raw: bytes | memoryview) -> Any:
         raise RequestError("the node answered with something that is not JSON", kind="bad_response") from None
 
 
+# --- streamed answers ----------------------------------------------------------
+
+
+class _Events:
+    """Server-sent events from the node's streamed answers (stream.rs): each
+    ``event:``/``data:`` pair, dispatched at the blank line after it."""
+
+    def __init__(self) -> None:
+        self.name = ""
+        self.data: list[str] = []
+
+    def line(self, raw: bytes) -> tuple[str, str] | None:
+        text = raw.decode("utf-8").rstrip("\r\n")
+        if not text:
+            if not self.data:
+                return None
+            ev = (self.name or "message", "\n".join(self.data))
+            self.name, self.data = "", []
+            return ev
+        field, _, value = text.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if field == "event":
+            self.name = value
+        elif field == "data":
+            self.data.append(value)
+        return None
+
+
+class _StreamState:
+    """What a stream has seen: chunk count, time to the first, the final answer."""
+
+    def __init__(self, text: Mapping[str, bool], as_torch: bool):
+        self._text = text
+        self._as_torch = as_torch
+        self._t0 = time.perf_counter()
+        #: Seconds from the request to the first chunk (None before it).
+        self.first_chunk_s: float | None = None
+        #: Chunks received so far.
+        self.chunks = 0
+        #: The final answer (the stage's output), once the stream ended.
+        self.final: Outputs | None = None
+
+    def event(self, name: str, data: str) -> Outputs | None:
+        """A chunk's outputs; None for the end (``final`` is set then)."""
+        doc = _json(data.encode())
+        if name == "error":
+            err = doc.get("error") or {}
+            raise request_error(None, err.get("kind"), str(err.get("message", "the stream failed")), None)
+        out = decode_outputs(doc, memoryview(b""), self._text)
+        out = _to_torch(out) if self._as_torch else out
+        if name == "done":
+            self.final = out
+            return None
+        if self.first_chunk_s is None:
+            self.first_chunk_s = time.perf_counter() - self._t0
+        self.chunks += 1
+        return out
+
+
+class Stream(_StreamState):
+    """A streamed answer (``Client.stream``): iterate for the chunks as they
+    come; afterwards ``final`` holds the final answer, ``chunks`` the count
+    and ``first_chunk_s`` the time to the first chunk."""
+
+    def __init__(self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse,
+                 text: Mapping[str, bool], as_torch: bool, t0: float):
+        super().__init__(text, as_torch)
+        self._t0 = t0
+        self._conn, self._resp = conn, resp
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> Outputs:
+        events = _Events()
+        while self.final is None:
+            raw = self._resp.readline()
+            if not raw:
+                self.close()
+                raise Unreachable("the node closed the stream before its end", status=None)
+            ev = events.line(raw)
+            if ev is not None:
+                try:
+                    out = self.event(*ev)
+                except BaseException:
+                    self.close()
+                    raise
+                if out is not None:
+                    return out
+        self.close()
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stop reading (the node cancels the request if it still runs)."""
+        self._conn.close()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncStream(_StreamState):
+    """``AsyncClient.stream``'s answer: ``async for chunk in stream``; then
+    ``final``, ``chunks`` and ``first_chunk_s`` as ``Stream``'s."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, text: Mapping[str, bool],
+                 as_torch: bool, t0: float, wait: float):
+        super().__init__(text, as_torch)
+        self._t0 = t0
+        self._reader, self._writer, self._wait = reader, writer, wait
+        self._pending = b""  # chunk-encoded data not yet split into lines
+        self._left = 0  # bytes left in the current HTTP chunk
+        self._eof = False
+
+    async def head(self) -> tuple[int, dict[str, str]]:
+        """The status and headers (lower-case names)."""
+        raw = await asyncio.wait_for(self._reader.readuntil(b"\r\n\r\n"), self._wait)
+        lines = raw.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {}
+        for line in lines[1:]:
+            k, _, v = line.partition(":")
+            if k:
+                headers[k.strip().lower()] = v.strip()
+        if headers.get("transfer-encoding", "").lower() != "chunked" and status == 200:
+            raise RequestError("the node's stream is not chunked", kind="bad_response")
+        return status, headers
+
+    async def _line(self) -> bytes:
+        """One line of the event stream, decoded from HTTP/1.1 chunked transfer."""
+        while b"\n" not in self._pending:
+            if self._eof:
+                line, self._pending = self._pending, b""
+                return line
+            if self._left == 0:
+                size = await asyncio.wait_for(self._reader.readline(), self._wait)
+                self._left = int(size.split(b";")[0].strip() or b"0", 16)
+                if self._left == 0:
+                    self._eof = True
+                    continue
+            data = await asyncio.wait_for(self._reader.read(self._left), self._wait)
+            if not data:
+                self._eof = True
+                continue
+            self._left -= len(data)
+            self._pending += data
+            if self._left == 0:
+                await self._reader.readexactly(2)  # the chunk's CRLF
+        line, _, self._pending = self._pending.partition(b"\n")
+        return line + b"\n"
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __anext__(self) -> Outputs:
+        events = _Events()
+        try:
+            while self.final is None:
+                raw = await self._line()
+                if not raw:
+                    raise Unreachable("the node closed the stream before its end", status=None)
+                ev = events.line(raw)
+                if ev is not None:
+                    out = self.event(*ev)
+                    if out is not None:
+                        return out
+        except BaseException:
+            self.close()
+            raise
+        self.close()
+        raise StopAsyncIteration
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 # --- the synchronous client ------------------------------------------------------
 
 _DROPPED = (http.client.RemoteDisconnected, http.client.CannotSendRequest, ConnectionResetError,
@@ -449,6 +630,41 @@ class Client(_Base):
         out = decode_outputs(head, tail, _text_outputs(self._desc.get(pipeline)))
         out.fallback = rheaders.get(FALLBACK_HEADER)
         return _to_torch(out) if as_torch else out
+
+    def stream(self, pipeline: str, inputs: Mapping[str, Any], *, deadline_ms: float | None = None,
+               timeout: float | None = None, as_torch: bool = False) -> Stream:
+        """Run ``inputs`` through ``pipeline`` and receive a streaming
+        component's chunks as they come (server-sent events from
+        ``/v2/models/{name}/infer_stream``): ``for chunk in c.stream(...)``.
+        A pipeline that does not stream sends no chunks, only its final
+        answer (``Stream.final``). Errors before the stream begins raise
+        here; errors during it raise from the iteration. Each stream uses a
+        connection of its own."""
+        t0 = time.perf_counter()
+        if pipeline not in self._desc:
+            self.metadata(pipeline)  # which BYTES outputs are text, dtypes of list inputs
+        path, headers, parts, wait = self._infer_parts(pipeline, inputs, None, deadline_ms, timeout)
+        path = path[: -len("/infer")] + "/infer_stream"
+        cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+        conn = cls(self._host, self._port, timeout=wait)
+        self.connections_opened += 1
+        try:
+            conn.putrequest("POST", self._base + path, skip_accept_encoding=True)
+            for k, v in {**headers, "Content-Length": str(sum(len(p) for p in parts)),
+                         "Accept": "text/event-stream"}.items():
+                conn.putheader(k, v)
+            conn.endheaders()
+            for part in parts:
+                conn.send(part)
+            resp = conn.getresponse()
+        except (OSError, http.client.HTTPException) as e:
+            conn.close()
+            raise Unreachable(f"no answer from {self.url}: {e}", status=None) from None
+        if resp.status != 200:
+            body = resp.read()
+            conn.close()
+            raise _error(resp.status, {k.lower(): v for k, v in resp.getheaders()}, body)
+        return Stream(conn, resp, _text_outputs(self._desc.get(pipeline)), as_torch, t0)
 
     def ready(self, pipeline: str | None = None) -> bool:
         """Whether the node (or one pipeline of it) serves: every stage has a
@@ -663,6 +879,40 @@ class AsyncClient(_Base):
         out = decode_outputs(head, tail, _text_outputs(self._desc.get(pipeline)))
         out.fallback = rheaders.get(FALLBACK_HEADER)
         return _to_torch(out) if as_torch else out
+
+    async def stream(self, pipeline: str, inputs: Mapping[str, Any], *, deadline_ms: float | None = None,
+                     timeout: float | None = None, as_torch: bool = False) -> AsyncStream:
+        """As ``Client.stream``: ``async for chunk in await c.stream(...)``."""
+        t0 = time.perf_counter()
+        if pipeline not in self._desc:
+            await self.metadata(pipeline)
+        path, headers, parts, wait = self._infer_parts(pipeline, inputs, None, deadline_ms, timeout)
+        path = path[: -len("/infer")] + "/infer_stream"
+        lines = [f"POST {self._base + path} HTTP/1.1", f"Host: {self._hostport}", "Accept: text/event-stream",
+                 f"Content-Length: {sum(len(p) for p in parts)}", *(f"{k}: {v}" for k, v in headers.items())]
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(self._host, self._port, ssl=True if self._https else None), wait)
+        except (OSError, asyncio.TimeoutError) as e:
+            raise Unreachable(f"no answer from {self.url}: {e}", status=None) from None
+        self.connections_opened += 1
+        st = AsyncStream(reader, writer, _text_outputs(self._desc.get(pipeline)), as_torch, t0, wait)
+        try:
+            writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+            for part in parts:
+                writer.write(part)
+            await writer.drain()
+            status, rheaders = await st.head()
+            if status != 200:
+                n = int(rheaders.get("content-length", "0"))
+                body = await asyncio.wait_for(reader.readexactly(n), wait)
+                raise _error(status, rheaders, body)
+        except BaseException as e:
+            st.close()
+            if isinstance(e, (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError)):
+                raise Unreachable(f"no answer from {self.url}: {e!r}", status=None) from None
+            raise
+        return st
 
     async def ready(self, pipeline: str | None = None) -> bool:
         """As ``Client.ready``."""

@@ -10,6 +10,11 @@ memory for a ``tensors="torch"`` component, see ``tensors.py``), call the compon
 outputs into this replica's own pool, reply with their descriptors. Between
 batches it switches to an instance rebuilt for new versions of its needs.
 
+A component that yields (a generator) streams: each chunk is placed and
+sent as a ``chunk`` message as soon as it is yielded, before the batch's
+result. An ``async def __call__`` runs on an event loop, several batches at
+once (``serve_async``).
+
 An output that is (a contiguous slice of) an input is passed back by
 reference instead of copied. An exception in the component fails that batch
 only; the worker keeps serving. The worker exits when the node says so or
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import mmap
 import os
 import signal
@@ -28,7 +34,7 @@ import struct
 import sys
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -163,25 +169,58 @@ def batch_of(pools: Pools, msg: Mapping[str, Any], as_torch: tensors.TorchInputs
     return Batch(arrays if as_torch is None else as_torch(arrays), msg["rows"])
 
 
+Emit = Callable[[dict[str, Any]], None]
+
+
 def run_batch(instance: Any, pools: Pools, msg: Mapping[str, Any],
-              as_torch: tensors.TorchInputs | None = None) -> dict[str, Any]:
+              as_torch: tensors.TorchInputs | None = None, emit: Emit | None = None) -> dict[str, Any]:
+    """Run one batch. A component that yields (a generator) streams: each
+    chunk goes to ``emit`` as a ``chunk`` message as soon as it is yielded,
+    and the batch's result is the generator's return value, or its last
+    chunk if it returns nothing."""
     batch = batch_of(pools, msg, as_torch)
     t0 = time.perf_counter()
     result = instance(batch)
+    if inspect.isgenerator(result):
+        last = None
+        while True:
+            try:
+                chunk = next(result)
+            except StopIteration as stop:
+                result = last if stop.value is None else stop.value
+                break
+            _emit_chunk(pools, msg, chunk, emit)
+            last = chunk
     return result_message(pools, msg, result, int((time.perf_counter() - t0) * 1e6))
 
 
 async def run_batch_async(instance: Any, pools: Pools, msg: Mapping[str, Any],
-                          as_torch: tensors.TorchInputs | None = None) -> dict[str, Any]:
+                          as_torch: tensors.TorchInputs | None = None, emit: Emit | None = None) -> dict[str, Any]:
+    """`run_batch` for an async component; an async generator streams (its
+    result is its last chunk: async generators cannot return a value)."""
     batch = batch_of(pools, msg, as_torch)
     t0 = time.perf_counter()
-    result = await instance(batch)
+    call = instance(batch)
+    if inspect.isasyncgen(call):
+        result = None
+        async for chunk in call:
+            _emit_chunk(pools, msg, chunk, emit)
+            result = chunk
+    else:
+        result = await call
     return result_message(pools, msg, result, int((time.perf_counter() - t0) * 1e6))
+
+
+def _emit_chunk(pools: Pools, msg: Mapping[str, Any], chunk: Any, emit: Emit | None) -> None:
+    if emit is not None:
+        emit({**result_message(pools, msg, chunk, 0), "op": "chunk"})
 
 
 def result_message(pools: Pools, msg: Mapping[str, Any], result: Any, compute_us: int) -> dict[str, Any]:
     """Place a component's outputs (in our pool, or by reference into an input) and describe them."""
     rows = int(sum(msg["rows"]))
+    if result is None:
+        raise TypeError("a component returns (or yields) a dict of arrays, got None")
     if not isinstance(result, Mapping):
         raise TypeError(f"a component returns a dict of arrays, got {type(result).__name__}")
     outputs: dict[str, Any] = {}
@@ -284,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         if msg["op"] != "batch":
             continue
         try:
-            reply = run_batch(replica.current(), pools, msg, as_torch)
+            reply = run_batch(replica.current(), pools, msg, as_torch, send)
         except Exception as e:
             reply = _failed(label, msg, e)
         send(reply)
@@ -305,9 +344,12 @@ async def serve_async(sock: socket.socket, replica: Replica, pools: Pools,
     reader, writer = await asyncio.open_unix_connection(sock=sock)
     running: set[asyncio.Task[None]] = set()
 
+    def emit(chunk: dict[str, Any]) -> None:
+        writer.write(protocol.encode(chunk))
+
     async def one(msg: dict[str, Any]) -> None:
         try:
-            reply = await run_batch_async(replica.current(), pools, msg, as_torch)
+            reply = await run_batch_async(replica.current(), pools, msg, as_torch, emit)
         except Exception as e:
             reply = _failed(label, msg, e)
         writer.write(protocol.encode(reply))

@@ -449,6 +449,21 @@ fn settle(ctx: &ReplicaCtx, b: InFlight, reply: FromWorker) -> Result<(), String
     }
 }
 
+/// A streaming component's chunk of a batch in flight: each request gets
+/// its rows (see [`Request::push_chunk`]). A chunk that does not fit the
+/// batch is dropped with its blocks (the batch's final result still
+/// settles each request).
+fn pass_chunk(ctx: &ReplicaCtx, b: &InFlight, outputs: BTreeMap<String, slipstream_transport::OutputDesc>) {
+    match split_outputs(ctx, &b.members, &b.keep, outputs, b.total_rows) {
+        Ok(per_request) => {
+            for ((req, _), outs) in b.members.iter().zip(per_request) {
+                req.push_chunk(ctx.stage, outs);
+            }
+        }
+        Err(e) => ctx.event("bad_chunk", e.to_string()),
+    }
+}
+
 /// Why the worker is gone, from a failed read or write and its exit status.
 async fn gone(child: &mut tokio::process::Child, e: impl std::fmt::Display) -> String {
     match tokio::time::timeout(Duration::from_secs(1), child.wait()).await {
@@ -462,7 +477,7 @@ async fn dispatch(ctx: &ReplicaCtx, w: &mut Worker, batch: Vec<Work>, budget_ns:
     let Some((msg, b)) = prepare(ctx, batch, budget_ns) else {
         return Ok(());
     };
-    match w.run(&msg).await {
+    match w.run(&msg, |outputs| pass_chunk(ctx, &b, outputs)).await {
         Ok(reply) => settle(ctx, b, reply),
         Err(e) => {
             let why = gone(&mut w.child, e).await;
@@ -526,6 +541,10 @@ async fn serve_concurrent(ctx: &mut ReplicaCtx, w: &mut Worker, limit: usize) ->
         let room = pending.len() < limit;
         tokio::select! {
             reply = rx.recv() => match reply {
+                Some(Ok(FromWorker::Chunk { id, outputs })) => match pending.get(&id) {
+                    Some(b) => pass_chunk(ctx, b, outputs),
+                    None => return died(ctx, &mut pending, format!("protocol violation: a chunk of unknown batch {id}")),
+                },
                 Some(Ok(reply)) => {
                     let id = match &reply {
                         FromWorker::Result { id, .. } | FromWorker::Error { id, .. } => Some(*id),

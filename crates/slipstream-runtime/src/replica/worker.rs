@@ -9,7 +9,7 @@
 
 use crate::arena::{Arena, Tensors};
 use slipstream_shm::{Block, Pool};
-use slipstream_transport::{read_frame, write_frame, FrameError, FromWorker, OutputOrigin, ToWorker};
+use slipstream_transport::{read_frame, write_frame, FrameError, FromWorker, OutputDesc, OutputOrigin, ToWorker};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitStatus;
@@ -117,10 +117,20 @@ impl Worker {
         self.child.id().unwrap_or(0)
     }
 
-    /// Send one batch and read its reply.
-    pub async fn run(&mut self, msg: &ToWorker) -> Result<FromWorker, FrameError> {
+    /// Send one batch and read its reply; a streaming component's chunks
+    /// (which come before it) go to `on_chunk`.
+    pub async fn run(
+        &mut self,
+        msg: &ToWorker,
+        mut on_chunk: impl FnMut(BTreeMap<String, OutputDesc>),
+    ) -> Result<FromWorker, FrameError> {
         write_frame(&mut self.conn, msg).await?;
-        read_frame::<_, FromWorker>(&mut self.conn, &mut self.buf).await
+        loop {
+            match read_frame::<_, FromWorker>(&mut self.conn, &mut self.buf).await? {
+                FromWorker::Chunk { outputs, .. } => on_chunk(outputs),
+                other => return Ok(other),
+            }
+        }
     }
 
     /// Run one batch of `sample` (one request's inputs) and throw the
@@ -137,18 +147,21 @@ impl Worker {
         let rows = crate::request::request_rows(sample) as u32;
         let inputs = sample.iter().map(|(n, t)| (n.clone(), t.desc())).collect();
         let msg = ToWorker::Batch { id: next_batch_id(), rows: vec![rows], inputs };
-        match tokio::time::timeout(timeout, self.run(&msg)).await {
+        // Free what the worker wrote (blocks adopted and dropped).
+        let discard = |outputs: BTreeMap<String, OutputDesc>| {
+            for out in outputs.values() {
+                if out.origin == OutputOrigin::Copied && out.desc.pool == pool.id() {
+                    if let Ok(n) = usize::try_from(out.desc.nbytes) {
+                        drop(Block::adopt(pool, out.desc.offset, n));
+                    }
+                }
+            }
+        };
+        match tokio::time::timeout(timeout, self.run(&msg, discard)).await {
             Err(_) => Err(format!("warm-up batch did not finish within {timeout:?}")),
             Ok(Err(e)) => Err(format!("worker failed during warm-up: {e}")),
             Ok(Ok(FromWorker::Result { outputs, .. })) => {
-                // Free what the worker wrote (blocks adopted and dropped).
-                for out in outputs.values() {
-                    if out.origin == OutputOrigin::Copied && out.desc.pool == pool.id() {
-                        if let Ok(n) = usize::try_from(out.desc.nbytes) {
-                            drop(Block::adopt(pool, out.desc.offset, n));
-                        }
-                    }
-                }
+                discard(outputs);
                 Ok(None)
             }
             Ok(Ok(FromWorker::Error { message, .. })) => Ok(Some(message)),
