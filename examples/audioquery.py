@@ -334,16 +334,23 @@ class Filter:
                        "passage_id": ss.Tensor("int64", (-1, 1)), "score": ss.Tensor("float32", (-1, 1)),
                        "error": STR, "transcript": STR})
 class Speak:
-    """Answer text -> a 16 kHz mono WAV file, with espeak-ng (one process per row)."""
+    """Answer text -> a 16 kHz mono WAV file, with espeak-ng (one process per row).
+
+    It streams: the text answer goes out at once as a first chunk (with
+    empty ``speech``), so a client of ``/stream`` can show it while the
+    speech is synthesised; the stage's output (what a plain call returns)
+    is the whole answer with its speech."""
 
     def __init__(self) -> None:
         speech.espeak_path()  # fail at start-up, with how to install it, if missing
         self.voice = VOICE
 
-    def __call__(self, batch: ss.Batch) -> dict:
-        wavs = np.array([speech.synthesize_wav(t, self.voice) for t in batch["answer"]], dtype=object)
+    def __call__(self, batch: ss.Batch):
         passthrough = ("answer", "package", "category", "passage_id", "score", "error", "transcript")
-        return {"speech": wavs, **{k: batch[k] for k in passthrough}}
+        text = {k: batch[k] for k in passthrough}
+        yield {"speech": np.array([b""] * batch.rows, dtype=object), **text}
+        wavs = np.array([speech.synthesize_wav(t, self.voice) for t in batch["answer"]], dtype=object)
+        return {"speech": wavs, **text}
 
 
 if __name__.startswith("slipstream_app_") and os.environ.get("SLIPSTREAM_WORKER") != "1":

@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+
+import slipstream as ss
 import pytest
 
 from tests.conftest import ROOT, Node
@@ -95,6 +97,18 @@ def test_spoken_questions_are_understood_and_answered(node: Node, queries: list[
         samples, rate = speech.read_wav(wav)
         assert rate == 16000 and len(samples) > 8000
         assert wav == speech.synthesize_wav(answer)  # the spoken answer is the answer text (espeak is deterministic)
+
+
+def test_the_answer_text_streams_before_its_speech(node: Node, queries: list[dict], width: int) -> None:
+    audio, length = speech.pad_batch([speech.synthesize(queries[0]["query"])], width)
+    exclude = np.array([""], dtype=object)
+    with ss.Client(node.url) as c, c.stream("audioquery", {"audio": audio, "length": length,
+                                                            "exclude": exclude}) as s:
+        chunks = list(s)
+    assert len(chunks) == 1 and chunks[0]["speech"][0] == b"" and chunks[0]["answer"][0]
+    assert s.final is not None and s.final["answer"][0] == chunks[0]["answer"][0]
+    assert s.final["speech"][0][:4] == b"RIFF"
+    assert s.first_chunk_s is not None
 
 
 def test_several_rows_and_length_is_respected(node: Node, queries: list[dict], width: int) -> None:

@@ -119,3 +119,29 @@ def test_a_client_that_leaves_cancels_its_request(node) -> None:  # type: ignore
     while cancelled() == before and time.time() < deadline:
         time.sleep(0.05)
     assert cancelled() == before + 1
+
+
+def test_grpc_stream_sends_each_chunk_then_the_final_answer(node) -> None:  # type: ignore[no-untyped-def]
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    results: list[tuple[float, object, object]] = []
+    c = grpcclient.InferenceServerClient(node.grpc_url)
+    t0 = time.perf_counter()
+    c.start_stream(callback=lambda result, error: results.append((time.perf_counter() - t0, result, error)))
+    try:
+        inp = grpcclient.InferInput("x", [1, 1], "FP32")
+        inp.set_data_from_numpy(x(1.0))
+        c.async_stream_infer("counting", [inp], request_id="c1")
+        deadline = time.time() + 10
+        while len(results) < 4 and time.time() < deadline:
+            time.sleep(0.02)
+    finally:
+        c.stop_stream()
+        c.close()
+    assert all(e is None for _, _, e in results), results
+    assert len(results) == 4
+    params = [r.get_response().parameters for _, r, _ in results]  # type: ignore[attr-defined]
+    assert [p["triton_final_response"].bool_param for p in params] == [False, False, False, True]
+    assert [p["slipstream_chunk"].bool_param for p in params[:3]] == [True] * 3
+    ys = [r.as_numpy("y").tolist() for _, r, _ in results]  # type: ignore[attr-defined]
+    assert ys == [[[2.0]], [[3.0]], [[4.0]], [[2.0, 3.0, 4.0]]]
+    assert results[0][0] < results[3][0] - 0.15  # the first chunk came before the component finished

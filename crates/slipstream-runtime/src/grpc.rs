@@ -25,8 +25,16 @@
 //! pipeline's declared fallback says so in the response parameter
 //! `x-slipstream-fallback` (and, for unary calls, in the response metadata).
 //!
-//! Requests larger than the node's `max_body_bytes` are refused by the
-//! decoder (`RESOURCE_EXHAUSTED`) before they are buffered whole.
+//! Streaming components (see [`crate::stream`]) answer `ModelStreamInfer`
+//! requests the way Triton's decoupled models do: one response per chunk as
+//! it comes (parameter `slipstream_chunk`), then the final answer; every
+//! response says whether it is the request's last in
+//! `triton_final_response`. `ModelInfer` returns the final answer only.
+//!
+//! A message larger than the node's `max_body_bytes` is refused by tonic's
+//! decoder from its length prefix, before it is buffered whole and before
+//! any handler runs: `OUT_OF_RANGE` ("decoded message length too large"),
+//! without the kind trailer.
 
 use crate::arena::Tensors;
 use crate::codec;
@@ -141,16 +149,17 @@ fn tensor_meta(m: &std::collections::BTreeMap<String, slipstream_types::TensorSp
 
 /// One inference, as both `ModelInfer` and each message of
 /// `ModelStreamInfer` run it. Returns the response and why it is a
-/// fallback, if it is.
+/// fallback, if it is. `chunks`: where a streaming component's chunks go.
 async fn infer(
     node: &Node,
     req: ModelInferRequest,
     arrival: Arrival,
+    chunks: Option<crate::request::Chunks>,
 ) -> Result<(ModelInferResponse, Option<&'static str>), NodeError> {
     let pipe = node.pipeline(&req.model_name)?;
     let ticket = node.admit(&pipe, arrival)?;
     let (tensors, asked): (Tensors, _) = codec::decode_grpc(req, &pipe.spec.inputs, &node.arena)?;
-    let ans = node.answer(&pipe, tensors, ticket).await?;
+    let ans = node.answer_streaming(&pipe, tensors, ticket, chunks).await?;
     let mut resp = codec::encode_grpc(pipe.name(), &asked, &ans.outputs)?;
     if let Some(why) = ans.fallback {
         resp.parameters.insert(FALLBACK_KEY.into(), string_param(why));
@@ -158,14 +167,61 @@ async fn infer(
     Ok((resp, ans.fallback))
 }
 
-/// One message of a `ModelStreamInfer` response.
-async fn stream_answer(node: &Node, req: ModelInferRequest, arrival: Arrival) -> ModelStreamInferResponse {
+/// Marks a streamed chunk's response (a streaming component's partial
+/// outputs); the request's last response carries `triton_final_response`,
+/// as Triton's decoupled models do.
+pub const CHUNK_KEY: &str = "slipstream_chunk";
+const FINAL_KEY: &str = "triton_final_response";
+
+fn bool_param(b: bool) -> InferParameter {
+    InferParameter { parameter_choice: Some(ParameterChoice::BoolParam(b)) }
+}
+
+type Outbox = mpsc::Sender<Result<ModelStreamInferResponse, Status>>;
+
+/// One request of a `ModelStreamInfer` call: each chunk a streaming
+/// component yields goes out as its own response as it comes (marked
+/// [`CHUNK_KEY`]), then the final answer (or error) is returned.
+async fn stream_answer(node: &Node, req: ModelInferRequest, arrival: Arrival, out: Outbox) -> ModelStreamInferResponse {
     let (model_name, id) = (req.model_name.clone(), req.id.clone());
-    match infer(node, req, arrival).await {
-        Ok((resp, _)) => ModelStreamInferResponse { error_message: String::new(), infer_response: Some(resp) },
+    let (chunk_tx, mut chunk_rx) = mpsc::unbounded_channel::<Tensors>();
+    let send_chunk = |t: Tensors| {
+        let out = out.clone();
+        let (model_name, id) = (model_name.clone(), id.clone());
+        async move {
+            let asked = codec::GrpcRequest { id, outputs: Vec::new() };
+            let msg = match codec::encode_grpc(&model_name, &asked, &t) {
+                Ok(mut resp) => {
+                    resp.parameters.insert(CHUNK_KEY.into(), bool_param(true));
+                    resp.parameters.insert(FINAL_KEY.into(), bool_param(false));
+                    ModelStreamInferResponse { error_message: String::new(), infer_response: Some(resp) }
+                }
+                Err(e) => ModelStreamInferResponse { error_message: e.to_string(), infer_response: None },
+            };
+            let _ = out.send(Ok(msg)).await;
+        }
+    };
+    let run = infer(node, req, arrival, Some(chunk_tx));
+    tokio::pin!(run);
+    let result = loop {
+        tokio::select! {
+            biased;
+            Some(t) = chunk_rx.recv() => send_chunk(t).await,
+            r = &mut run => break r,
+        }
+    };
+    while let Ok(t) = chunk_rx.try_recv() {
+        send_chunk(t).await;
+    }
+    match result {
+        Ok((mut resp, _)) => {
+            resp.parameters.insert(FINAL_KEY.into(), bool_param(true));
+            ModelStreamInferResponse { error_message: String::new(), infer_response: Some(resp) }
+        }
         Err(e) => {
             let mut resp = ModelInferResponse { model_name, id, ..Default::default() };
             resp.parameters.insert(ERROR_KIND_HEADER.into(), string_param(e.kind()));
+            resp.parameters.insert(FINAL_KEY.into(), bool_param(true));
             ModelStreamInferResponse { error_message: e.to_string(), infer_response: Some(resp) }
         }
     }
@@ -254,7 +310,7 @@ impl GrpcInferenceService for InferenceService {
 
     async fn model_infer(&self, req: Request<ModelInferRequest>) -> Result<Response<ModelInferResponse>, Status> {
         let arrival = arrival_of(req.metadata()).map_err(|e| status_of(&e))?;
-        let (resp, fallback) = infer(&self.node, req.into_inner(), arrival).await.map_err(|e| status_of(&e))?;
+        let (resp, fallback) = infer(&self.node, req.into_inner(), arrival, None).await.map_err(|e| status_of(&e))?;
         let mut r = Response::new(resp);
         if let Some(why) = fallback {
             r.metadata_mut().insert(FALLBACK_KEY, MetadataValue::from_static(why));
@@ -295,8 +351,8 @@ impl GrpcInferenceService for InferenceService {
                                 (Some(a), Some(b)) => Some(a.min(b)),
                                 (a, b) => a.or(b),
                             };
-                            let node = node.clone();
-                            running.spawn(async move { stream_answer(&node, r, Arrival { at, budget }).await });
+                            let (node, out) = (node.clone(), tx.clone());
+                            running.spawn(async move { stream_answer(&node, r, Arrival { at, budget }, out).await });
                         }
                         Ok(None) => open = false,
                         // A message that could not be decoded (too large,
@@ -378,10 +434,10 @@ mod tests {
         assert_eq!(arrival_of(&both).unwrap().budget, Some(Duration::from_millis(40)));
         let both = md(&[("grpc-timeout", "10000u"), (DEADLINE_HEADER, "40")]);
         assert_eq!(arrival_of(&both).unwrap().budget, Some(Duration::from_millis(10)));
-        let e = arrival_of(&md(&[("grpc-timeout", "soon")])).err().expect("refused");
+        let Err(e) = arrival_of(&md(&[("grpc-timeout", "soon")])) else { panic!("accepted") };
         assert_eq!(code_of(&e), Code::InvalidArgument);
         assert!(e.to_string().contains("grpc-timeout"), "{e}");
-        let e = arrival_of(&md(&[(DEADLINE_HEADER, "-3")])).err().expect("refused");
+        let Err(e) = arrival_of(&md(&[(DEADLINE_HEADER, "-3")])) else { panic!("accepted") };
         assert_eq!(code_of(&e), Code::InvalidArgument);
         // A budget too large for a Duration saturates instead of panicking.
         let huge = md(&[(DEADLINE_HEADER, "1e300")]);

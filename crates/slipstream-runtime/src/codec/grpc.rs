@@ -131,7 +131,9 @@ fn filled(c: &InferTensorContents) -> Vec<&'static str> {
 fn typed_to_raw(name: &str, dtype: DType, shape: &[u64], n: u64, c: InferTensorContents) -> Result<Bytes, NodeError> {
     let v2 = dtype.v2_name();
     let Some(field) = field_of(dtype) else {
-        return Err(bad(format!("input '{name}' is {v2}, which has no typed contents field: send it in raw_input_contents")));
+        return Err(bad(format!(
+            "input '{name}' is {v2}, which has no typed contents field: send it in raw_input_contents"
+        )));
     };
     let stray: Vec<&str> = filled(&c).into_iter().filter(|f| *f != field).collect();
     if !stray.is_empty() {
@@ -228,11 +230,21 @@ mod tests {
     use slipstream_kserve::inference::model_infer_request::{InferInputTensor, InferRequestedOutputTensor};
 
     fn input(name: &str, dt: &str, shape: &[i64], contents: Option<InferTensorContents>) -> InferInputTensor {
-        InferInputTensor { name: name.into(), datatype: dt.into(), shape: shape.to_vec(), contents, ..Default::default() }
+        InferInputTensor {
+            name: name.into(),
+            datatype: dt.into(),
+            shape: shape.to_vec(),
+            contents,
+            ..Default::default()
+        }
     }
 
     fn raw_req(inputs: Vec<InferInputTensor>, raw: Vec<Vec<u8>>) -> ModelInferRequest {
-        ModelInferRequest { inputs, raw_input_contents: raw.into_iter().map(Bytes::from).collect(), ..Default::default() }
+        ModelInferRequest {
+            inputs,
+            raw_input_contents: raw.into_iter().map(Bytes::from).collect(),
+            ..Default::default()
+        }
     }
 
     fn f32s(xs: &[f32]) -> Vec<u8> {
@@ -240,7 +252,7 @@ mod tests {
     }
 
     fn err(r: Result<(Tensors, GrpcRequest), NodeError>) -> String {
-        let e = r.err().expect("refused");
+        let Err(e) = r else { panic!("accepted") };
         assert_eq!(e.kind(), "bad_input", "{e}");
         e.to_string()
     }
@@ -363,7 +375,12 @@ mod tests {
         );
         assert_eq!(err(decode_grpc(twice, &d, &a)), "input 'x' is given more than once");
         let both = raw_req(
-            vec![input("x", "FP32", &[1, 2], Some(InferTensorContents { fp32_contents: vec![1.0, 2.0], ..Default::default() }))],
+            vec![input(
+                "x",
+                "FP32",
+                &[1, 2],
+                Some(InferTensorContents { fp32_contents: vec![1.0, 2.0], ..Default::default() }),
+            )],
             vec![f32s(&[1.0, 2.0])],
         );
         assert!(err(decode_grpc(both, &d, &a)).contains("both contents and raw_input_contents"));
@@ -387,6 +404,76 @@ mod tests {
         assert!(err(decode_grpc(one(vec![1, 0, 0, 0, 0xff]), &d, &a)).contains("invalid UTF-8"));
         // A length prefix near u32::MAX must not wrap the scan.
         assert!(err(decode_grpc(one(vec![0xff, 0xff, 0xff, 0xff, 0]), &d, &a)).contains("malformed BYTES"));
+    }
+
+    /// Random requests, many of them hostile (shapes near 2^63, raw
+    /// lengths off by a little, contents in the wrong field, values out of
+    /// range, names repeated): never a panic, and every refusal a client
+    /// error. Debug builds keep overflow checks on, so unchecked arithmetic
+    /// on a stated size would panic here.
+    #[test]
+    fn random_requests_never_panic() {
+        let (a, _d) = arena();
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            seed ^= seed >> 12;
+            seed ^= seed << 25;
+            seed ^= seed >> 27;
+            seed.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        };
+        let dims = [0i64, 1, 2, 3, -1, 1 << 31, 1 << 62, i64::MAX, 4_611_686_018_427_387_904];
+        let dts = ["FP32", "FP16", "INT8", "INT64", "UINT16", "BOOL", "BYTES", "FP64", "nope", ""];
+        let specs = [
+            declared(DType::Float32, &[-1, 2]),
+            declared(DType::Int8, &[-1]),
+            declared(DType::String, &[-1]),
+            declared(DType::Bool, &[-1, 1]),
+        ];
+        for _ in 0..4000 {
+            let n_inputs = (next() % 3) as usize;
+            let raw_mode = next() % 2 == 0;
+            let mut req = ModelInferRequest::default();
+            for _ in 0..n_inputs {
+                let rank = (next() % 3) as usize;
+                let shape: Vec<i64> = (0..rank).map(|_| dims[(next() % dims.len() as u64) as usize]).collect();
+                let name = if next() % 4 == 0 { "z" } else { "x" };
+                let dt = dts[(next() % dts.len() as u64) as usize];
+                let k = (next() % 6) as usize;
+                let contents = (!raw_mode).then(|| match next() % 4 {
+                    0 => InferTensorContents { fp32_contents: vec![1.5; k], ..Default::default() },
+                    1 => InferTensorContents { int_contents: vec![300; k], ..Default::default() },
+                    2 => InferTensorContents {
+                        bytes_contents: vec![Bytes::from_static(b"\xffab"); k],
+                        ..Default::default()
+                    },
+                    _ => InferTensorContents { bool_contents: vec![true; k], ..Default::default() },
+                });
+                req.inputs.push(input(name, dt, &shape, contents));
+                if raw_mode {
+                    let len = (next() % 24) as usize;
+                    let mut raw: Vec<u8> = (0..len).map(|_| next() as u8).collect();
+                    if next() % 3 == 0 && len >= 4 {
+                        raw[..4].copy_from_slice(&[0xff, 0xff, 0xff, 0xff]);
+                    }
+                    req.raw_input_contents.push(Bytes::from(raw));
+                }
+            }
+            if next() % 10 == 0 {
+                req.raw_input_contents.push(Bytes::from_static(b"extra"));
+            }
+            let spec = &specs[(next() % specs.len() as u64) as usize];
+            match decode_grpc(req, spec, &a) {
+                Ok((t, _)) => {
+                    for (name, tensor) in &t {
+                        assert!(spec.contains_key(name));
+                        if let Some(n) = slipstream_types::checked_nbytes(tensor.dtype, &tensor.shape) {
+                            assert_eq!(n, tensor.nbytes);
+                        }
+                    }
+                }
+                Err(e) => assert!(matches!(e.kind(), "bad_input" | "bad_request" | "arena_full"), "{e}"),
+            }
+        }
     }
 
     #[test]

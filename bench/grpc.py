@@ -1,0 +1,193 @@
+"""`make bench-grpc`: the Open Inference Protocol over gRPC against the same
+protocol over HTTP, on the two-stage no-op chain (examples/noop.py), so the
+difference is the edge: HTTP/2 + protobuf vs HTTP/1.1 + JSON or binary.
+
+Each side is driven closed-loop by a generator written for its protocol,
+at the same load shape (concurrency and duration):
+
+- gRPC: `ghz` (`ModelInfer` with `raw_input_contents`, as tritonclient sends
+  it), one connection per concurrent worker unless --grpc-connections;
+- HTTP: `oha` POSTing to `/v2/models/noop/infer`, once with a JSON body and
+  once with the binary-tensor extension (the same bytes as gRPC's raw
+  contents, after a JSON header).
+
+Both generators share the machine's cores with the node; quote medians of
+repeated runs (--repeat) on a noisy machine. ghz builds its messages
+dynamically from the .proto and costs more CPU per call than oha, which
+on a small machine shows up as gRPC latency: read the two as "the same
+protocol through two stacks, generator included". The pipeline's 10 ms SLO
+stays on, so past saturation the node sheds (RESOURCE_EXHAUSTED / 429,
+answered at once): "answered/s" counts only successful calls, and the
+latency percentiles include the fast refusals (neither generator splits
+them); --no-admission makes the node queue instead of refusing.
+Prints throughput and p50/p99 per side and writes
+bench/results/grpc.{json,md} (or --out).
+
+    GOFLAGS=-mod=mod go install github.com/bojand/ghz/cmd/ghz@v0.120.0   # -> ~/go/bin/ghz
+    cargo install oha --locked                                            # -> ~/.cargo/bin/oha
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import slipstream as ss
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+PROTO = ROOT / "crates" / "slipstream-kserve" / "proto" / "grpc_predict_v2.proto"
+GHZ = shutil.which("ghz") or str(Path.home() / "go" / "bin" / "ghz")
+OHA = shutil.which("oha") or str(Path.home() / ".cargo" / "bin" / "oha")
+SIDES = ("grpc", "http v2 json", "http v2 binary")
+
+
+def log(msg: str) -> None:
+    print(f"[bench-grpc] {msg}", file=sys.stderr, flush=True)
+
+
+def payloads(dim: int, workdir: Path) -> dict[str, Any]:
+    """The same 1 x dim FP32 tensor in each side's wire form."""
+    x = np.arange(dim, dtype=np.float32).reshape(1, dim)
+    grpc_req = {"model_name": "noop", "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, dim]}],
+                "raw_input_contents": [base64.b64encode(x.tobytes()).decode()]}
+    (workdir / "grpc.json").write_text(json.dumps(grpc_req))
+    json_body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, dim],
+                                        "data": x.ravel().tolist()}]}).encode()
+    (workdir / "v2.json").write_bytes(json_body)
+    header = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, dim],
+                                     "parameters": {"binary_data_size": x.nbytes}}],
+                         "outputs": [{"name": "y", "parameters": {"binary_data": True}}]}).encode()
+    (workdir / "v2.bin").write_bytes(header + x.tobytes())
+    return {"grpc": workdir / "grpc.json", "http v2 json": workdir / "v2.json",
+            "http v2 binary": (workdir / "v2.bin", len(header))}
+
+
+def run_ghz(addr: str, data: Path, concurrency: int, connections: int, seconds: float) -> dict[str, Any]:
+    cmd = [GHZ, "--insecure", "--proto", str(PROTO), "--import-paths", str(PROTO.parent),
+           "--call", "inference.GRPCInferenceService/ModelInfer", "--data-file", str(data),
+           "--concurrency", str(concurrency), "--connections", str(connections), "--duration", f"{seconds}s",
+           "--timeout", "10s", "--format", "json", addr]
+    # ghz may exit non-zero when some calls failed; its report says which.
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if not r.stdout.strip():
+        raise RuntimeError(f"ghz failed: {r.stderr.strip()}")
+    d = json.loads(r.stdout)
+    pct = {int(p["percentage"]): p["latency"] / 1e6 for p in d.get("latencyDistribution") or []}
+    codes = d.get("statusCodeDistribution") or {}
+    ok = codes.get("OK", 0)
+    return {"rps": d["rps"], "ok_rps": d["rps"] * ok / max(d["count"], 1), "p50_ms": pct.get(50, float("nan")),
+            "p99_ms": pct.get(99, float("nan")), "requests": d["count"], "ok": ok,
+            "errors": d.get("errorDistribution") or {}}
+
+
+def run_oha(url: str, body: Path, headers: list[str], concurrency: int, seconds: float) -> dict[str, Any]:
+    cmd = [OHA, "-z", f"{seconds}s", "-c", str(concurrency), "--no-tui", "--output-format", "json", "-m", "POST",
+           "-D", str(body), *[a for h in headers for a in ("-H", h)], url]
+    d = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    codes = d.get("statusCodeDistribution") or {}
+    rps, requests, ok = d["summary"]["requestsPerSec"], sum(codes.values()), codes.get("200", 0)
+    return {"rps": rps, "ok_rps": rps * ok / max(requests, 1), "p50_ms": d["latencyPercentiles"]["p50"] * 1e3,
+            "p99_ms": d["latencyPercentiles"]["p99"] * 1e3, "requests": requests,
+            "ok": ok, "errors": {k: v for k, v in codes.items() if k != "200"}
+            | (d.get("errorDistribution") or {})}
+
+
+def one_side(side: str, node: Any, data: Any, a: argparse.Namespace, seconds: float) -> dict[str, Any]:
+    if side == "grpc":
+        return run_ghz(node.grpc_url, data, a.concurrency, a.grpc_connections or a.concurrency, seconds)
+    url = f"{node.url}/v2/models/noop/infer"
+    if side == "http v2 json":
+        return run_oha(url, data, ["Content-Type: application/json"], a.concurrency, seconds)
+    path, header_len = data
+    return run_oha(url, path, ["Content-Type: application/octet-stream",
+                               f"Inference-Header-Content-Length: {header_len}"], a.concurrency, seconds)
+
+
+def markdown(res: dict[str, Any]) -> str:
+    cfg = res["config"]
+    lines = [
+        "# gRPC vs HTTP: the Open Inference Protocol on the two-stage no-op chain", "",
+        f"`bench/grpc.py`: examples/noop.py, a 1x{cfg['dim']} FP32 tensor, {cfg['concurrency']} concurrent "
+        f"clients for {cfg['duration_s']:g} s per side (after {cfg['warmup_s']:g} s of warm-up), median of "
+        f"{cfg['repeat']} interleaved run(s). gRPC: `ghz` with raw contents over {cfg['grpc_connections']} "
+        f"connection(s); HTTP: `oha`, one connection per client. The generators share the machine "
+        f"({res['machine']['cpus']} CPUs) with the node; admission control "
+        f"{'off' if cfg['no_admission'] else 'on (the pipeline sheds past saturation)'}.", "",
+        "| side | answered/s | calls/s | p50 ms | p99 ms | not answered (all runs) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for side, r in res["sides"].items():
+        failed = sum(x["requests"] - x["ok"] for x in r["runs"])
+        lines.append(f"| {side} | {r['ok_rps']:,.0f} | {r['rps']:,.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} "
+                     f"| {failed} |")
+    lines += ["", "Latency percentiles include refused and dropped calls (answered at once); the kinds of "
+              "failure are in grpc.json."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--duration", type=float, default=15.0, help="measured seconds per side and run")
+    ap.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds per side before the first run")
+    ap.add_argument("--repeat", type=int, default=3, help="interleaved runs per side (medians reported)")
+    ap.add_argument("--dim", type=int, default=16, help="the tensor's width (1 x dim FP32)")
+    ap.add_argument("--grpc-connections", type=int, default=0, help="ghz connections (default: one per client)")
+    ap.add_argument("--no-admission", action="store_true", help="the node queues instead of refusing")
+    ap.add_argument("--out", type=Path, default=RESULTS / "grpc.json")
+    a = ap.parse_args()
+    for tool, hint in ((GHZ, "GOFLAGS=-mod=mod go install github.com/bojand/ghz/cmd/ghz@v0.120.0"),
+                       (OHA, "cargo install oha --locked")):
+        if not os.path.exists(tool):
+            log(f"{tool} not found: {hint}")
+            return 2
+    with tempfile.TemporaryDirectory(prefix="bench-grpc-") as tmp, \
+            ss.launch(ROOT / "examples" / "noop.py", autoscale="off", no_admission=a.no_admission) as node:
+        if node.grpc_url is None:
+            log("the node has no gRPC listener")
+            return 1
+        data = payloads(a.dim, Path(tmp))
+        log(f"node {node.url}, gRPC {node.grpc_url}; warming up {a.warmup:g} s per side")
+        for side in SIDES:
+            one_side(side, node, data[side], a, a.warmup)
+        runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SIDES}
+        for rep in range(a.repeat):
+            for side in SIDES:
+                r = one_side(side, node, data[side], a, a.duration)
+                runs[side].append(r)
+                log(f"run {rep + 1}/{a.repeat} {side}: {r['ok_rps']:,.0f} answered/s, {r['rps']:,.0f} calls/s, p50 {r['p50_ms']:.2f} ms, "
+                    f"p99 {r['p99_ms']:.2f} ms, {r['ok']}/{r['requests']} ok")
+    res = {
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "config": {"concurrency": a.concurrency, "duration_s": a.duration, "warmup_s": a.warmup, "repeat": a.repeat,
+                   "dim": a.dim, "grpc_connections": a.grpc_connections or a.concurrency,
+                   "no_admission": a.no_admission},
+        "sides": {s: {m: statistics.median(r[m] for r in rs) for m in ("ok_rps", "rps", "p50_ms", "p99_ms")}
+                  | {"runs": rs}
+                  for s, rs in runs.items()},
+    }
+    md = markdown(res)
+    print(md)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(res, indent=2) + "\n")
+    a.out.with_suffix(".md").write_text(md)
+    log(f"wrote {a.out} and {a.out.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
