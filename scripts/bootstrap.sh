@@ -13,6 +13,10 @@ command -v espeak-ng >/dev/null 2>&1 || need_apt+=(espeak-ng)
 # nodes in network namespaces (ip, tc from iproute2).
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
+# The dashboard's test loads /dashboard in a headless Chromium.
+command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
+# tests/integration/test_prometheus.py scrapes a node with a real Prometheus.
+command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

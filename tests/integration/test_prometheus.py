@@ -24,6 +24,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -71,9 +72,15 @@ class Prometheus:
         self.log_path = workdir / "prometheus.log"
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
-                [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                stdout=log, stderr=subprocess.STDOUT,
+                [
+                    PROMETHEUS,
+                    f"--config.file={config}",
+                    f"--storage.tsdb.path={workdir / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{port}",
+                    "--log.level=warn",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         self.url = f"http://127.0.0.1:{port}"
         self.started = time.time()
@@ -145,8 +152,12 @@ def drive_load(node: Node, seconds: float) -> dict[int, int]:
         while time.monotonic() < stop_at:
             u = rng.random()
             ms = rng.uniform(1, 8) if u < 0.85 else rng.uniform(10, 30) if u < 0.97 else rng.uniform(40, 60)
-            status, _, _ = node.request("POST", f"/v1/pipelines/{PIPE}/infer", {"inputs": {"x": [[seed, ms]]}})
+            status, _, _ = node.request(
+                "POST", f"/v1/pipelines/{PIPE}/infer", {"inputs": {"x": [[seed, ms]]}}
+            )
             seen[status] = seen.get(status, 0) + 1
+            if status == 429:
+                time.sleep(0.005)  # refused at once: do not spin
         return seen
 
     total: dict[int, int] = {}
@@ -172,8 +183,11 @@ def run() -> Iterator[Run]:
             load_end = time.time()
             # Wait until Prometheus holds a scrape taken after the last answer.
             answered = pipeline_status(node)["latency_ms"]["count"]
-            wait_for(lambda: prom.query(f'{LATENCY}_count{{pipeline="{PIPE}"}} == {answered}'), timeout=30,
-                     every=0.5)
+            wait_for(
+                lambda: prom.query(f'{LATENCY}_count{{pipeline="{PIPE}"}} == {answered}'),
+                timeout=30,
+                every=0.5,
+            )
             yield Run(node, prom, load_end, statuses)
         finally:
             if prom is not None:
@@ -207,10 +221,12 @@ def parse_exposition(text: str) -> dict[str, tuple[str, list[tuple[str, dict[str
             m = label_re.match(rest)
             assert m, f"bad labels in {line!r}"
             parsed[m.group(1)] = m.group(2)
-            rest = rest[m.end():]
+            rest = rest[m.end() :]
         assert current is not None, f"sample before any TYPE: {line!r}"
         kind = families[current][0]
-        allowed = {current} | ({current + s for s in ("_bucket", "_sum", "_count")} if kind == "histogram" else set())
+        allowed = {current} | (
+            {current + s for s in ("_bucket", "_sum", "_count")} if kind == "histogram" else set()
+        )
         assert name in allowed, f"{name} inside family {current}: families interleaved"
         families[current][1].append((name, parsed, float(value)))
     return families
@@ -270,9 +286,13 @@ def test_prometheus_p99_agrees_with_the_node_within_a_bucket(run: Run) -> None:
     # The same observations: the node's HdrHistogram and the scraped buckets count alike.
     assert prom.scalar(f'sum({LATENCY}_count{{pipeline="{PIPE}"}})', at) == lat["count"]
     p99 = prom.scalar(
-        f'histogram_quantile(0.99, sum by (le) (increase({LATENCY}_bucket{{pipeline="{PIPE}"}}[{window}])))', at)
-    raw = sorted((float(r["metric"]["le"]), float(r["value"][1]))
-                 for r in prom.query(f'sum by (le) ({LATENCY}_bucket{{pipeline="{PIPE}"}})', at))
+        f'histogram_quantile(0.99, sum by (le) (increase({LATENCY}_bucket{{pipeline="{PIPE}"}}[{window}])))',
+        at,
+    )
+    raw = sorted(
+        (float(r["metric"]["le"]), float(r["value"][1]))
+        for r in prom.query(f'sum by (le) ({LATENCY}_bucket{{pipeline="{PIPE}"}})', at)
+    )
     # The bucket (lo, hi] holding the 99th-percentile rank holds both the
     # node's p99 (the sample at that rank, to HdrHistogram's 3 significant
     # digits: 0.1%, so 0.2% of slack) and Prometheus' estimate (linear
@@ -305,7 +325,9 @@ def test_slo_attainment_from_the_target_bucket_is_exact(run: Run) -> None:
     assert prom.scalar(f'sum({LATENCY}_bucket{{pipeline="{PIPE}"}} and {target})', at) == p["slo_met"]
     attainment = prom.scalar(
         f'sum(increase({LATENCY}_bucket{{pipeline="{PIPE}"}}[{window}]) and {target}) '
-        f'/ sum(increase({LATENCY}_count{{pipeline="{PIPE}"}}[{window}]))', at)
+        f'/ sum(increase({LATENCY}_count{{pipeline="{PIPE}"}}[{window}]))',
+        at,
+    )
     assert attainment == pytest.approx(p["slo_met"] / (p["slo_met"] + p["slo_missed"]), rel=1e-9)
 
 
@@ -330,8 +352,15 @@ def test_the_grafana_dashboard_queries_only_what_the_node_exports(run: Run) -> N
     with_samples = exported_names({f: v for f, v in families.items() if v[1]})
     queries = dashboard_queries()
     titles = {t for t, _ in queries}
-    for needed in ("Latency p50 / p99 vs SLO", "SLO attainment", "Goodput", "Refused and failed", "Queue depth",
-                   "Batch size", "Replicas"):
+    for needed in (
+        "Latency p50 / p99 vs SLO",
+        "SLO attainment",
+        "Goodput",
+        "Refused and failed",
+        "Queue depth",
+        "Batch size",
+        "Replicas",
+    ):
         assert any(t.startswith(needed) for t in titles), f"no panel {needed!r}"
     referenced: set[str] = set()
     for title, expr in queries:
@@ -343,8 +372,12 @@ def test_the_grafana_dashboard_queries_only_what_the_node_exports(run: Run) -> N
             continue  # Grafana's own function, not PromQL
         # Valid PromQL that Prometheus evaluates, with Grafana's variables as
         # Grafana would fill them in, over the window that saw the load.
-        promql = (expr.replace("$__rate_interval", "10s").replace("$pipeline", ".*").replace("$stage", ".*")
-                  .replace("$__range", "60s"))
+        promql = (
+            expr.replace("$__rate_interval", "10s")
+            .replace("$pipeline", ".*")
+            .replace("$stage", ".*")
+            .replace("$__range", "60s")
+        )
         assert "$" not in promql.replace('"$1"', ""), (title, expr)
         result = run.prom.query(promql, at=run.load_end - 1)
         if names <= with_samples:

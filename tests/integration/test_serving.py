@@ -72,7 +72,7 @@ def test_status_and_metrics(chain_node: Node) -> None:
     assert status == 200
     assert 'slipstream_requests_ok_total{pipeline="chain"}' in text
     assert 'slipstream_stage_batches_total{pipeline="chain",stage="Double"}' in text
-    assert "# TYPE slipstream_stage_hop_seconds summary" in text
+    assert "# TYPE slipstream_stage_hop_seconds histogram" in text
 
 
 def test_cli_status_prints_stages(chain_node: Node) -> None:

@@ -38,9 +38,7 @@ fn serve(py: Python<'_>, spec_json: &str, config_json: &str, log: bool, cluster_
 }
 
 fn node_options(config_json: &str) -> PyResult<NodeOptions> {
-    NodeConfig::from_json(config_json)
-        .and_then(|c| c.node_options())
-        .map_err(|e| core_err("invalid_option", e))
+    NodeConfig::from_json(config_json).and_then(|c| c.node_options()).map_err(|e| core_err("invalid_option", e))
 }
 
 /// The node's settings table as JSON: `[{name, kind, optional, choices,

@@ -352,7 +352,8 @@ impl PipelinePrev {
         }
         let q = |h: &Histogram<u64>, p: f64| (!h.is_empty()).then(|| h.value_at_quantile(p) as f64 / 1e3);
         let finished = ok + failed_n;
-        let stages = p.stages.iter().zip(&mut self.stages).map(|(s, prev)| stage_sample(node, p, s, prev, dt)).collect();
+        let stages =
+            p.stages.iter().zip(&mut self.stages).map(|(s, prev)| stage_sample(node, p, s, prev, dt)).collect();
         PipelineSample {
             slo_ms: p.spec.slo.map(|s| s.p99_ms),
             p50_ms: q(&self.merged, 0.5),
@@ -605,7 +606,10 @@ mod tests {
         assert_eq!(all.samples.len(), KEEP);
         assert_eq!((all.samples[0].seq, all.newest, all.events_after, all.reset), (6, KEEP as u64 + 5, 0, true));
         let tail = h.after(KEEP as u64 + 2);
-        assert_eq!(tail.samples.iter().map(|s| s.seq).collect::<Vec<_>>(), [KEEP as u64 + 3, KEEP as u64 + 4, KEEP as u64 + 5]);
+        assert_eq!(
+            tail.samples.iter().map(|s| s.seq).collect::<Vec<_>>(),
+            [KEEP as u64 + 3, KEEP as u64 + 4, KEEP as u64 + 5]
+        );
         assert_eq!((tail.events_after, tail.reset), ((KEEP as u64 + 2) / 10, false));
         assert!(h.after(KEEP as u64 + 5).samples.is_empty());
         // A reader that saw a later seq (another node, or this one before a

@@ -46,8 +46,8 @@ pub mod store_http;
 pub mod stream;
 pub mod triggers;
 
+pub use config::NodeConfig;
 pub use error::NodeError;
 pub use lifecycle::{run, run_blocking, RunError};
-pub use config::NodeConfig;
 pub use node::NodeOptions;
 pub use spec::AppSpec;

@@ -6,9 +6,10 @@
 //! replica's first worker has reported ready. A component that cannot start
 //! (import error, constructor raised) fails start-up with its message.
 //!
-//! Shutdown (SIGINT/SIGTERM, or the `shutdown` future): stop accepting, let
-//! in-flight requests finish (bounded by `drain_timeout`), close idle
-//! connections, tell workers to exit, remove shared-memory files.
+//! Shutdown (SIGINT/SIGTERM, or the `shutdown` future): stop accepting (on
+//! the HTTP and the gRPC listener), let in-flight requests finish (bounded
+//! by `drain_timeout`), close idle connections of both, tell workers to
+//! exit, remove shared-memory files.
 
 use crate::arena::Arena;
 use crate::error::NodeError;
@@ -329,6 +330,14 @@ pub async fn run(
     };
     let local = listener.local_addr()?;
     let admin_open = local.ip().is_loopback();
+    // The Open Inference Protocol over gRPC, on the same host (see grpc.rs).
+    let grpc_listener = match opts.grpc_port {
+        Some(port) => match crate::grpc::bind(&opts.host, port).await {
+            Ok(l) => Some(l),
+            Err(source) => return Err(RunError::Bind { addr: format!("{}:{port} (gRPC)", opts.host), source }),
+        },
+        None => None,
+    };
     let socket_dir = std::env::temp_dir().join(format!("slipstream-{}", std::process::id()));
     std::fs::create_dir_all(&socket_dir)?;
     let mut worker_env = spec.worker_env.clone();
@@ -382,6 +391,9 @@ pub async fn run(
     }
     if opts.log {
         eprintln!("slipstream: listening on http://{local}");
+        if let Some(g) = grpc_listener.as_ref().and_then(|l| l.local_addr().ok()) {
+            eprintln!("slipstream: gRPC listening on {g}");
+        }
         eprintln!(
             "slipstream: object store in {}{}",
             store.store.dir().display(),
@@ -452,6 +464,13 @@ pub async fn run(
                     let _ = watched.await;
                 });
             }
+            conn = crate::grpc::accept(grpc_listener.as_ref()) => match conn {
+                Ok((stream, _)) => crate::grpc::spawn_connection(&node, stream, &graceful),
+                Err(e) => {
+                    eprintln!("slipstream: gRPC accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            },
             _ = &mut shutdown => break,
             _ = redeployed(redeploy.as_mut()) => {
                 outcome = Err(RunError::Redeploy);
@@ -460,6 +479,7 @@ pub async fn run(
         }
     }
     drop(listener);
+    drop(grpc_listener);
     if let Some(j) = &mut joined {
         j.leave().await;
     }

@@ -75,9 +75,8 @@ pub const LATENCY_BOUNDS_US: &[u64] = &[
 ];
 
 /// Hop (node -> worker -> node overhead per batch) bucket boundaries, µs.
-pub const HOP_BOUNDS_US: &[u64] = &[
-    10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 750, 1_000, 2_000, 5_000, 10_000, 25_000, 100_000, 1_000_000,
-];
+pub const HOP_BOUNDS_US: &[u64] =
+    &[10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 750, 1_000, 2_000, 5_000, 10_000, 25_000, 100_000, 1_000_000];
 
 /// Batch size bucket boundaries, requests.
 pub const BATCH_BOUNDS: &[u64] = &[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024];
@@ -415,12 +414,7 @@ impl PromText {
     /// returns its sample buffer.
     pub fn declare(&mut self, name: &str, kind: &'static str, help: &str) -> &mut String {
         let i = *self.index.entry(name.to_string()).or_insert_with(|| {
-            self.families.push(Family {
-                name: name.to_string(),
-                kind,
-                help: help.to_string(),
-                samples: String::new(),
-            });
+            self.families.push(Family { name: name.to_string(), kind, help: help.to_string(), samples: String::new() });
             self.families.len() - 1
         });
         let f = &mut self.families[i];
@@ -570,8 +564,9 @@ pub(crate) mod tests {
     /// cumulative, no `+Inf` bucket, `+Inf` != `_count`, a missing `_sum`.
     pub(crate) fn check_exposition(text: &str) -> BTreeMap<String, Vec<String>> {
         let mut declared: HashSet<String> = HashSet::new();
-        let mut current: Option<(String, String)> = None; // (family, type)
-        // (family, labels without le) -> (buckets [(le, n)], sum, count)
+        // (family, type) of the family being read.
+        let mut current: Option<(String, String)> = None;
+        // (family, labels without le) -> (buckets [(le, n)], sum, count).
         type Series = (Vec<(f64, f64)>, Option<f64>, Option<f64>);
         let mut hist: BTreeMap<(String, String), Series> = BTreeMap::new();
         let mut pending_help: Option<String> = None;
@@ -700,13 +695,17 @@ pub(crate) mod tests {
         assert!(text.contains("latency_seconds_bucket{pipeline=\"p0\",le=\"+Inf\"} 6\n"), "{text}");
         assert!(text.contains("latency_seconds_count{pipeline=\"p1\"} 6\n"), "{text}");
         assert!(text.contains("latency_seconds_sum{pipeline=\"p0\"} 22.074091\n"), "{text}");
-        assert!(text.starts_with("# HELP never_seen_total Declared without samples.\n# TYPE never_seen_total counter\n# HELP ok_total"));
+        assert!(text.starts_with(
+            "# HELP never_seen_total Declared without samples.\n# TYPE never_seen_total counter\n# HELP ok_total"
+        ));
     }
 
     #[test]
     #[should_panic(expected = "declared twice")]
     fn the_checker_rejects_interleaved_families() {
-        check_exposition("# HELP a a\n# TYPE a counter\na 1\n# HELP b b\n# TYPE b gauge\nb 1\n# HELP a a\n# TYPE a counter\na 2\n");
+        check_exposition(
+            "# HELP a a\n# TYPE a counter\na 1\n# HELP b b\n# TYPE b gauge\nb 1\n# HELP a a\n# TYPE a counter\na 2\n",
+        );
     }
 
     #[test]

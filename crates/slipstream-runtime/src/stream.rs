@@ -125,7 +125,9 @@ impl Body for EventStream {
                 data.extend_from_slice(&body[1..]);
                 event("done", &data)
             }
-            Err(e) => event("error", json!({"error": {"kind": e.kind(), "message": e.to_string()}}).to_string().as_bytes()),
+            Err(e) => {
+                event("error", json!({"error": {"kind": e.kind(), "message": e.to_string()}}).to_string().as_bytes())
+            }
         };
         Poll::Ready(Some(Ok(frame)))
     }

@@ -9,6 +9,9 @@ worker is ready (or raises with the node's output if it could not start) and
 the context manager stops it gracefully (SIGINT: drain, then exit). Its
 object store is ephemeral unless `store=DIR` names a directory to keep it
 in (then `ss.store.Store(node.url)` reads what a previous run left).
+Its gRPC endpoint (the Open Inference Protocol, for `tritonclient.grpc`)
+is on a free port too, `node.grpc_url` ("HOST:PORT"; None with
+`--no-grpc`).
 
 `launch` and `serve` (the same in the foreground) take an app file or
 `Pipeline` objects: those are written to a temporary bundle that the node
@@ -42,9 +45,12 @@ if TYPE_CHECKING:
 class Server:
     """A `slipstream serve` child process."""
 
-    def __init__(self, proc: subprocess.Popen[str], url: str, log: list[str], bundle_path: Path | None = None):
+    def __init__(self, proc: subprocess.Popen[str], url: str, log: list[str], bundle_path: Path | None = None,
+                 grpc_url: str | None = None):
         self.proc = proc
         self.url = url
+        #: "HOST:PORT" of the gRPC endpoint (Open Inference Protocol), None when it is off.
+        self.grpc_url = grpc_url
         self.log = log
         #: The temporary app file of a node started for Pipeline objects (None for an app file).
         self.bundle_path = bundle_path
@@ -137,7 +143,8 @@ def serve(app: str | Path | Pipeline | Iterable[Pipeline], *flags: str, **option
 
 def _start(target: str, flags: list[str], cwd: str | Path | None, store: str | Path | None
            ) -> subprocess.Popen[str]:
-    argv = [target, "--port", "0", *flags]
+    # Both listeners on free ports; the caller's flags come after, so they win.
+    argv = [target, "--port", "0", "--grpc-port", "0", *flags]
     if store is not None:
         argv += ["--store", str(store)]
     _serve_args(argv)  # a wrong option is a ConfigError here, not a node that does not start
@@ -162,7 +169,7 @@ def launch(app: str | Path | Pipeline | Iterable[Pipeline], *flags: str, echo: b
             bundle.remove(path)
         raise
     assert proc.stderr is not None
-    url, log, ready = None, [], False
+    url, grpc_url, log, ready = None, None, [], False
     for line in proc.stderr:
         log.append(line)
         if echo:
@@ -170,6 +177,9 @@ def launch(app: str | Path | Pipeline | Iterable[Pipeline], *flags: str, echo: b
         m = re.search(r"listening on (http://[\d.]+:\d+)", line)
         if m:
             url = m.group(1)
+        m = re.search(r"gRPC listening on (\S+:\d+)", line)
+        if m:
+            grpc_url = m.group(1)
         if "ready, serving" in line:
             ready = True
             break
@@ -189,4 +199,4 @@ def launch(app: str | Path | Pipeline | Iterable[Pipeline], *flags: str, echo: b
                 sys.stderr.write("  " + line)
 
     threading.Thread(target=drain, daemon=True).start()
-    return Server(proc, url, log, path)
+    return Server(proc, url, log, path, grpc_url)
