@@ -104,7 +104,7 @@ pub fn parse(text: &str) -> Vec<Gpu> {
 
 /// The device for replica `replica` of a stage that wants `want`, among
 /// `gpus`: `Ok(None)` for a CPU stage; Err says why there is none.
-pub fn assign<'a>(want: Want, replica: u32, gpus: &'a [Gpu]) -> Result<Option<&'a Gpu>, String> {
+pub fn assign(want: Want, replica: u32, gpus: &[Gpu]) -> Result<Option<&Gpu>, String> {
     match want {
         Want::Cpu => Ok(None),
         _ if gpus.is_empty() => Err(format!(
@@ -116,7 +116,11 @@ pub fn assign<'a>(want: Want, replica: u32, gpus: &'a [Gpu]) -> Result<Option<&'
         Want::AnyGpu => Ok(Some(&gpus[replica as usize % gpus.len()])),
         Want::Gpu(n) => gpus.get(n).map(Some).ok_or_else(|| {
             let have: Vec<String> = gpus.iter().map(|g| format!("cuda:{} {} ({})", g.index, g.name, g.uuid)).collect();
-            format!("it asks for device=\"cuda:{n}\", but this machine has {} GPU device(s): {}", gpus.len(), have.join(", "))
+            format!(
+                "it asks for device=\"cuda:{n}\", but this machine has {} GPU device(s): {}",
+                gpus.len(),
+                have.join(", ")
+            )
         }),
     }
 }
