@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 import slipstream as ss
 
 APP = Path(__file__).resolve().parents[1] / "apps" / "asyncapp.py"

@@ -20,9 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-
-import slipstream as ss
 import pytest
+import slipstream as ss
 
 from tests.conftest import ROOT, Node
 

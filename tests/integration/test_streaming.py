@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
-
 import slipstream as ss
 
 APP = Path(__file__).resolve().parents[1] / "apps" / "streaming.py"

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from slipstream import ConfigError, _core
 from slipstream._internal import cli, config
 

@@ -318,7 +318,7 @@ class Component:
     @property
     def is_async(self) -> bool:
         """``__call__`` is a coroutine function: the worker awaits it on an event loop."""
-        call = getattr(self.cls, "__call__", None)
+        call = next((vars(k)["__call__"] for k in self.cls.__mro__ if "__call__" in vars(k)), None)
         return inspect.iscoroutinefunction(call) or inspect.isasyncgenfunction(call)
 
     def _check_concurrency(self) -> None:
