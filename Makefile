@@ -113,7 +113,7 @@ GHZ ?= $(shell command -v ghz 2>/dev/null || echo $$HOME/go/bin/ghz)
 bench-grpc: setup
 	@test -x $(GHZ) || GOFLAGS=-mod=mod go install github.com/bojand/ghz/cmd/ghz@v0.120.0
 	@command -v oha >/dev/null || $(CARGO) install oha --locked
-	PATH=$$HOME/go/bin:$$PATH $(PY) bench/grpc.py
+	PATH=$$HOME/go/bin:$$PATH $(PY) bench/grpc_vs_http.py
 
 # Time to first chunk of a streamed answer vs the whole answer (AudioQuery): bench/results/stream.{json,md}.
 bench-stream: setup

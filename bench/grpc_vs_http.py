@@ -34,6 +34,7 @@ import base64
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -105,7 +106,26 @@ def run_oha(url: str, body: Path, headers: list[str], concurrency: int, seconds:
             | (d.get("errorDistribution") or {})}
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process (the node runs in its `slipstream serve` process)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def one_side(side: str, node: Any, data: Any, a: argparse.Namespace, seconds: float) -> dict[str, Any]:
+    """One measured run, with the CPU the node and the generator spent per
+    answered call: on a 2-core machine the generators compete with the node,
+    and a heavier generator shows up as protocol cost unless it is split out."""
+    node0, gen0 = cpu_s(node.proc.pid), resource.getrusage(resource.RUSAGE_CHILDREN)
+    r = _one_side(side, node, data, a, seconds)
+    gen1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    calls = max(r["requests"], 1)
+    r["node_cpu_us_per_call"] = (cpu_s(node.proc.pid) - node0) / calls * 1e6
+    r["generator_cpu_us_per_call"] = (gen1.ru_utime + gen1.ru_stime - gen0.ru_utime - gen0.ru_stime) / calls * 1e6
+    return r
+
+
+def _one_side(side: str, node: Any, data: Any, a: argparse.Namespace, seconds: float) -> dict[str, Any]:
     if side == "grpc":
         return run_ghz(node.grpc_url, data, a.concurrency, a.grpc_connections or a.concurrency, seconds)
     url = f"{node.url}/v2/models/noop/infer"
@@ -116,37 +136,78 @@ def one_side(side: str, node: Any, data: Any, a: argparse.Namespace, seconds: fl
                                f"Inference-Header-Content-Length: {header_len}"], a.concurrency, seconds)
 
 
+def one_client(node: Any, dim: int, n: int) -> dict[str, Any]:
+    """One client, one call at a time, with Triton's own Python clients for
+    both protocols (tritonclient.grpc over gRPC's C core, tritonclient.http
+    with binary tensors): the protocols' latency through the node without a
+    load generator competing for the cores."""
+    import tritonclient.grpc as tg
+    import tritonclient.http as th
+
+    x = np.arange(dim, dtype=np.float32).reshape(1, dim)
+    out: dict[str, Any] = {"calls": n}
+    for name, mod, client in (("grpc", tg, tg.InferenceServerClient(node.grpc_url)),
+                              ("http", th, th.InferenceServerClient(node.url.removeprefix("http://")))):
+        inp = mod.InferInput("x", [1, dim], "FP32")
+        if name == "http":
+            inp.set_data_from_numpy(x, binary_data=True)
+        else:
+            inp.set_data_from_numpy(x)
+        took = []
+        for i in range(n + 100):
+            t0 = time.perf_counter()
+            client.infer("noop", [inp])
+            if i >= 100:  # the first 100 warm up
+                took.append((time.perf_counter() - t0) * 1e3)
+        took.sort()
+        out[name] = {"p50_ms": took[len(took) // 2], "p99_ms": took[int(len(took) * 0.99)]}
+        client.close()
+        log(f"one client, {n} sequential calls, {name}: p50 {out[name]['p50_ms']:.3f} ms, "
+            f"p99 {out[name]['p99_ms']:.3f} ms")
+    return out
+
+
 def markdown(res: dict[str, Any]) -> str:
     cfg = res["config"]
     lines = [
         "# gRPC vs HTTP: the Open Inference Protocol on the two-stage no-op chain", "",
-        f"`bench/grpc.py`: examples/noop.py, a 1x{cfg['dim']} FP32 tensor, {cfg['concurrency']} concurrent "
+        f"`bench/grpc_vs_http.py`: examples/noop.py, a 1x{cfg['dim']} FP32 tensor, {cfg['concurrency']} concurrent "
         f"clients for {cfg['duration_s']:g} s per side (after {cfg['warmup_s']:g} s of warm-up), median of "
         f"{cfg['repeat']} interleaved run(s). gRPC: `ghz` with raw contents over {cfg['grpc_connections']} "
         f"connection(s); HTTP: `oha`, one connection per client. The generators share the machine "
         f"({res['machine']['cpus']} CPUs) with the node; admission control "
         f"{'off' if cfg['no_admission'] else 'on (the pipeline sheds past saturation)'}.", "",
-        "| side | answered/s | calls/s | p50 ms | p99 ms | not answered (all runs) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| side | answered/s | calls/s | p50 ms | p99 ms | node CPU µs/call | generator CPU µs/call "
+        "| not answered (all runs) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for side, r in res["sides"].items():
         failed = sum(x["requests"] - x["ok"] for x in r["runs"])
         lines.append(f"| {side} | {r['ok_rps']:,.0f} | {r['rps']:,.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} "
-                     f"| {failed} |")
+                     f"| {r['node_cpu_us_per_call']:.0f} | {r['generator_cpu_us_per_call']:.0f} | {failed} |")
     lines += ["", "Latency percentiles include refused and dropped calls (answered at once); the kinds of "
               "failure are in grpc.json."]
+    sq = res.get("sequential")
+    if sq:
+        lines += ["", f"One client, {sq['calls']} sequential calls with Triton's Python clients "
+                  "(`tritonclient.grpc`, `tritonclient.http` with binary tensors):", "",
+                  "| protocol | p50 ms | p99 ms |", "|---|---:|---:|",
+                  f"| gRPC | {sq['grpc']['p50_ms']:.3f} | {sq['grpc']['p99_ms']:.3f} |",
+                  f"| HTTP | {sq['http']['p50_ms']:.3f} | {sq['http']['p99_ms']:.3f} |"]
+    lines += ["", f"Load average before: {' '.join(f'{v:.2f}' for v in res['load_before'])}."]
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--duration", type=float, default=15.0, help="measured seconds per side and run")
     ap.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds per side before the first run")
     ap.add_argument("--repeat", type=int, default=3, help="interleaved runs per side (medians reported)")
     ap.add_argument("--dim", type=int, default=16, help="the tensor's width (1 x dim FP32)")
     ap.add_argument("--grpc-connections", type=int, default=0, help="ghz connections (default: one per client)")
     ap.add_argument("--no-admission", action="store_true", help="the node queues instead of refusing")
+    ap.add_argument("--sequential", type=int, default=2000, help="calls of the one-client comparison")
     ap.add_argument("--out", type=Path, default=RESULTS / "grpc.json")
     a = ap.parse_args()
     for tool, hint in ((GHZ, "GOFLAGS=-mod=mod go install github.com/bojand/ghz/cmd/ghz@v0.120.0"),
@@ -154,6 +215,7 @@ def main() -> int:
         if not os.path.exists(tool):
             log(f"{tool} not found: {hint}")
             return 2
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-grpc-") as tmp, \
             ss.launch(ROOT / "examples" / "noop.py", autoscale="off", no_admission=a.no_admission) as node:
         if node.grpc_url is None:
@@ -163,20 +225,25 @@ def main() -> int:
         log(f"node {node.url}, gRPC {node.grpc_url}; warming up {a.warmup:g} s per side")
         for side in SIDES:
             one_side(side, node, data[side], a, a.warmup)
+        sequential = one_client(node, a.dim, a.sequential)
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SIDES}
         for rep in range(a.repeat):
             for side in SIDES:
                 r = one_side(side, node, data[side], a, a.duration)
                 runs[side].append(r)
                 log(f"run {rep + 1}/{a.repeat} {side}: {r['ok_rps']:,.0f} answered/s, {r['rps']:,.0f} calls/s, p50 {r['p50_ms']:.2f} ms, "
-                    f"p99 {r['p99_ms']:.2f} ms, {r['ok']}/{r['requests']} ok")
+                    f"p99 {r['p99_ms']:.2f} ms, {r['ok']}/{r['requests']} ok, CPU per call: node "
+                    f"{r['node_cpu_us_per_call']:.0f} µs, generator {r['generator_cpu_us_per_call']:.0f} µs")
     res = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "load_before": load_before,
+        "sequential": sequential,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "config": {"concurrency": a.concurrency, "duration_s": a.duration, "warmup_s": a.warmup, "repeat": a.repeat,
                    "dim": a.dim, "grpc_connections": a.grpc_connections or a.concurrency,
                    "no_admission": a.no_admission},
-        "sides": {s: {m: statistics.median(r[m] for r in rs) for m in ("ok_rps", "rps", "p50_ms", "p99_ms")}
+        "sides": {s: {m: statistics.median(r[m] for r in rs) for m in ("ok_rps", "rps", "p50_ms", "p99_ms",
+                                                                  "node_cpu_us_per_call", "generator_cpu_us_per_call")}
                   | {"runs": rs}
                   for s, rs in runs.items()},
     }
