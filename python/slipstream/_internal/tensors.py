@@ -99,12 +99,16 @@ def host_output(name: str, value: Any, pools: OwnPool) -> tuple[np.ndarray, tupl
     """A returned torch tensor as a numpy array, and ``(offset, nbytes)`` of
     the block of the replica's pool it was copied into (a GPU tensor), or
     None when it is a view of the tensor's own memory (a CPU tensor)."""
+    from slipstream._internal.api import DTYPES
+
     t = value.detach()
-    try:
-        dtype = np.dtype(str(t.dtype).removeprefix("torch."))
-    except TypeError:
+    # Only the dtypes the node serves: numpy may know more (ml_dtypes adds
+    # bfloat16 to numpy, but torch's .numpy() still refuses it).
+    name_of = str(t.dtype).removeprefix("torch.")
+    if name_of not in DTYPES:
         raise TypeError(f"output {name!r} is a {t.dtype} tensor, which numpy cannot hold: "
-                        "convert it (e.g. .float())") from None
+                        "convert it (e.g. .float())")
+    dtype = np.dtype(name_of)
     if t.device.type == "cpu":
         return t.resolve_conj().resolve_neg().numpy(), None
     import torch  # loaded: `value` is a tensor
