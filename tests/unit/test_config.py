@@ -84,18 +84,20 @@ def test_bad_values_are_refused_clearly(tmp_path: Path) -> None:
 def test_config_command_prints_values_and_sources(tmp_path: Path) -> None:
     f = tmp_path / "node.toml"
     f.write_text("max_body_mb = 8\n")
-    env = {"SLIPSTREAM_PORT": "9200", "PATH": "/usr/bin:/bin"}
+    # SLIPSTREAM_THREADS is a worker's thread budget, not a node setting.
+    env = {"SLIPSTREAM_PORT": "9200", "SLIPSTREAM_THREADS": "7", "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-m", "slipstream._internal.cli", "config", "--config", str(f),
                           "--threads", "3", "--json"], capture_output=True, text=True, env=env, check=True).stdout
     got = json.loads(out)
     assert got["max_body_mb"] == {"value": 8.0, "source": f"file {f}"}
     assert got["port"] == {"value": 9200, "source": "env SLIPSTREAM_PORT"}
-    assert got["threads"] == {"value": 3, "source": "flag --threads"}
+    assert got["node_threads"] == {"value": 3, "source": "flag --threads"}
     assert got["host"]["source"] == "default"
     text = subprocess.run([sys.executable, "-m", "slipstream._internal.cli", "config"], capture_output=True,
                           text=True, env=env, check=True).stdout
     assert any(line.split()[:2] == ["port", "9200"] and line.endswith("env SLIPSTREAM_PORT")
                for line in text.splitlines())
+    assert any(line.startswith("node_threads") and line.endswith("default") for line in text.splitlines())
     bad = subprocess.run([sys.executable, "-m", "slipstream._internal.cli", "config", "--pool-mb", "0"],
                          capture_output=True, text=True, env=env)
     assert bad.returncode != 0 and "pool_mb must be at least 1" in bad.stderr

@@ -132,8 +132,10 @@ settings! {
     grpc: bool = true;
     /// gRPC port (unset: 8001, or any free port when `port` is 0; 0: any free port).
     grpc_port: Option<u16> = None;
-    /// The node's own threads (HTTP, scheduling); workers run in their own processes.
-    threads: usize = default_threads();
+    /// The node's own threads (HTTP, scheduling); workers run in their own
+    /// processes. (Not `threads`: workers read `SLIPSTREAM_THREADS` as their
+    /// stage's thread budget.)
+    node_threads: usize = default_threads(), flag = "--threads";
     /// Largest request body, MiB.
     max_body_mb: f64 = 64.0;
     /// Seconds before a request still unanswered is answered 504 and its state released.
@@ -197,8 +199,8 @@ impl NodeConfig {
 
     /// Check every value and build the runtime's options.
     pub fn node_options(&self) -> Result<NodeOptions, String> {
-        if self.threads == 0 {
-            return Err("threads must be at least 1".into());
+        if self.node_threads == 0 {
+            return Err("node_threads must be at least 1".into());
         }
         let max_body = positive("max_body_mb", self.max_body_mb)? * (1u64 << 20) as f64;
         if max_body >= usize::MAX as f64 {
@@ -226,7 +228,7 @@ impl NodeConfig {
             host: self.host.clone(),
             port: self.port,
             grpc_port,
-            threads: self.threads,
+            threads: self.node_threads,
             max_body_bytes: max_body as usize,
             request_timeout: seconds("request_timeout_s", self.request_timeout_s)?,
             drain_timeout: seconds("drain_timeout_s", self.drain_timeout_s)?,
@@ -287,7 +289,7 @@ mod tests {
         assert!(bad(|c| c.request_timeout_s = 0.0).contains("request_timeout_s"));
         assert!(bad(|c| c.max_body_mb = f64::NAN).contains("max_body_mb"));
         assert!(bad(|c| c.pool_mb = u64::MAX).contains("too large"));
-        assert!(bad(|c| c.threads = 0).contains("threads"));
+        assert!(bad(|c| c.node_threads = 0).contains("node_threads"));
         assert!(NodeConfig::from_json(r#"{"prot": 1}"#).unwrap_err().contains("unknown field"));
         assert!(NodeConfig::from_json(r#"{"port": "x"}"#).is_err());
     }
