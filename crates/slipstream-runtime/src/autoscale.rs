@@ -31,6 +31,7 @@
 //! stderr and `slipstream status`) and to counters in `/metrics`; each
 //! stage's model (level, slope, capacity, need) is in the status JSON.
 
+use crate::metrics::Delta;
 use crate::node::Node;
 use crate::pipeline::{PipelineRt, StageRt};
 use crate::replica::Phase;
@@ -133,18 +134,6 @@ impl Trend {
     /// extrapolated: scaling down waits for the level itself).
     pub fn forecast(&self, h: f64) -> f64 {
         (self.level + self.slope.max(0.0) * h).max(0.0)
-    }
-}
-
-/// A counter that the metrics reset may zero: deltas survive the reset.
-#[derive(Default)]
-struct Delta(u64);
-
-impl Delta {
-    fn take(&mut self, now: u64) -> u64 {
-        let d = if now >= self.0 { now - self.0 } else { now };
-        self.0 = now;
-        d
     }
 }
 

@@ -23,6 +23,7 @@
 
 use crate::error::NodeError;
 use crate::events::Event;
+use crate::metrics::Delta;
 use crate::node::Node;
 use crate::pipeline::{PipelineRt, StageRt};
 use crate::replica::Phase;
@@ -74,19 +75,6 @@ impl LatencyWindow {
     fn swap(&self, empty: &mut Histogram<u64>) {
         empty.reset();
         std::mem::swap(&mut *self.0.lock(), empty);
-    }
-}
-
-/// A counter's increase since the last look; a counter that went back (a
-/// metrics reset) counts from zero.
-#[derive(Default)]
-struct Delta(u64);
-
-impl Delta {
-    fn take(&mut self, now: u64) -> u64 {
-        let d = if now >= self.0 { now - self.0 } else { now };
-        self.0 = now;
-        d
     }
 }
 

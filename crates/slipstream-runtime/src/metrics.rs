@@ -470,6 +470,20 @@ fn fmt_labels(labels: &[(&str, &str)]) -> String {
     format!("{{{}}}", parts.join(","))
 }
 
+/// A counter's increase since the last look (the autoscaler's and the
+/// history's per-tick rates); a counter that went back (a metrics reset)
+/// counts from zero.
+#[derive(Default)]
+pub(crate) struct Delta(u64);
+
+impl Delta {
+    pub(crate) fn take(&mut self, now: u64) -> u64 {
+        let d = if now >= self.0 { now - self.0 } else { now };
+        self.0 = now;
+        d
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;

@@ -53,7 +53,6 @@ import math
 import os
 import select
 import ssl
-import struct
 import threading
 import time
 import urllib.parse
@@ -71,6 +70,7 @@ from slipstream._internal.errors import (
     Unreachable,
     request_error,
 )
+from slipstream._internal.varlen import decode_var, encode_var, var_kind
 
 DEFAULT_URL = os.environ.get("SLIPSTREAM_URL", "http://127.0.0.1:8000")
 DEADLINE_HEADER = "x-slipstream-deadline-ms"
@@ -88,7 +88,6 @@ _V2: dict[str, str] = {
 }
 _FROM_V2 = {v: k for k, v in _V2.items()}
 _VAR = ("string", "bytes")
-_LEN = struct.Struct("<I")
 
 
 class Outputs(dict[str, Any]):
@@ -105,47 +104,6 @@ class Outputs(dict[str, Any]):
 
 def _is_torch(x: Any) -> bool:
     return type(x).__module__.startswith("torch")
-
-
-def _var_kind(a: np.ndarray) -> str | None:
-    """'string' / 'bytes' for text or byte-string arrays, else None."""
-    if a.dtype.kind == "U":
-        return "string"
-    if a.dtype.kind == "S":
-        return "bytes"
-    if a.dtype.kind == "O":
-        flat = a.ravel()
-        if all(isinstance(x, str) for x in flat):
-            return "string"
-        if all(isinstance(x, (bytes, bytearray, memoryview)) for x in flat):
-            return "bytes"
-    return None
-
-
-def encode_var(a: np.ndarray) -> bytes:
-    """A string or bytes array in v2's binary layout: per element, a
-    little-endian u32 length, then the bytes (text as UTF-8)."""
-    parts: list[bytes] = []
-    for x in a.ravel():
-        b = x.encode() if isinstance(x, str) else bytes(x)
-        parts.append(_LEN.pack(len(b)))
-        parts.append(b)
-    return b"".join(parts)
-
-
-def decode_var(buf: memoryview, shape: Sequence[int], text: bool, name: str) -> np.ndarray:
-    """The inverse of ``encode_var``: an object array of ``str`` or ``bytes``."""
-    n = math.prod(shape)
-    out = np.empty(n, dtype=object)
-    at, end = 0, len(buf)
-    for i in range(n):
-        if at + 4 > end:
-            raise RequestError(f"output {name!r}: its BYTES data ends after {i} of {n} elements", kind="bad_response")
-        (k,) = _LEN.unpack_from(buf, at)
-        piece = bytes(buf[at + 4:at + 4 + k])
-        out[i] = piece.decode() if text else piece
-        at += 4 + k
-    return out.reshape(tuple(shape))
 
 
 def _as_array(name: str, value: Any, declared: str | None) -> np.ndarray:
@@ -187,7 +145,7 @@ def encode_inputs(inputs: Mapping[str, Any], declared: Mapping[str, str] | None 
         if not isinstance(name, str):
             raise BadRequest(f"input names are strings, got {name!r}", status=None)
         a = _as_array(name, value, (declared or {}).get(name))
-        var = _var_kind(a)
+        var = var_kind(a)
         if var is not None:
             data: bytes | memoryview = encode_var(a)
             datatype = "BYTES"
@@ -281,7 +239,11 @@ def decode_outputs(head: Mapping[str, Any], tail: memoryview, text: Mapping[str,
                 buf = tail[at:at + size]
                 at += size
                 if datatype == "BYTES":
-                    out[name] = decode_var(buf, shape, text.get(name, False), name)
+                    try:
+                        out[name] = decode_var(buf, shape, text.get(name, False))
+                    except ValueError as e:
+                        raise RequestError(f"output {name!r}: its BYTES data is malformed: {e}",
+                                           kind="bad_response") from None
                 else:
                     dt = np.dtype(_FROM_V2[datatype]).newbyteorder("<")
                     out[name] = np.frombuffer(buf, dtype=dt, count=math.prod(shape)).reshape(shape)

@@ -30,7 +30,6 @@ import mmap
 import os
 import signal
 import socket
-import struct
 import sys
 import time
 import traceback
@@ -44,6 +43,7 @@ from slipstream._internal import groups, protocol, tensors
 from slipstream._internal.api import DTYPES, VAR_DTYPES, Batch
 from slipstream._internal.app import load_pipelines, store_pools
 from slipstream._internal.needs import Replica
+from slipstream._internal.varlen import decode_var, encode_var, var_kind
 
 
 class Pools:
@@ -109,52 +109,9 @@ class Pools:
         return off, nbytes
 
 
-_LEN = struct.Struct("<I")
-
-
-def decode_var(buf: memoryview, shape: list[int], text: bool) -> np.ndarray:
-    """Elements laid out as u32 length + bytes each -> object array of str/bytes."""
-    out = []
-    at, end = 0, len(buf)
-    raw = bytes(buf)
-    while at < end:
-        (n,) = _LEN.unpack_from(raw, at)
-        piece = raw[at + 4:at + 4 + n]
-        out.append(piece.decode() if text else piece)
-        at += 4 + n
-    a = np.empty(len(out), dtype=object)
-    a[:] = out
-    return a.reshape(shape)
-
-
-def encode_var(a: np.ndarray, text: bool) -> bytes:
-    parts = []
-    for x in a.ravel():
-        b = x.encode() if isinstance(x, str) else bytes(x)
-        parts.append(_LEN.pack(len(b)))
-        parts.append(b)
-    return b"".join(parts)
-
-
-def _var_kind(a: np.ndarray) -> str | None:
-    """'string' or 'bytes' for arrays of text or byte strings, else None."""
-    if a.dtype.kind == "U":
-        return "string"
-    if a.dtype.kind == "S":
-        return "bytes"
-    if a.dtype.kind == "O":
-        flat = a.ravel()
-        if all(isinstance(x, str) for x in flat):
-            return "string"
-        if all(isinstance(x, (bytes, bytearray, memoryview)) for x in flat):
-            return "bytes"
-        raise TypeError("an object array output must hold only str or only bytes")
-    return None
-
-
 def _as_output(name: str, value: Any, rows: int) -> np.ndarray:
     a = np.asarray(value)
-    if a.dtype.name not in DTYPES and _var_kind(a) is None:
+    if a.dtype.name not in DTYPES and var_kind(a, strict=True) is None:
         raise TypeError(f"output {name!r} has dtype {a.dtype}, which cannot be served (use one of {', '.join(DTYPES)})")
     if a.ndim == 0 or a.shape[0] != rows:
         raise ValueError(
@@ -233,9 +190,9 @@ def result_message(pools: Pools, msg: Mapping[str, Any], result: Any, compute_us
                 if placed is not None:
                     written.append(placed)
             a = _as_output(str(name), value, rows)
-            kind = _var_kind(a)
+            kind = var_kind(a, strict=True)
             if kind is not None:
-                off, n = pools.put_bytes(encode_var(a, kind == "string"))
+                off, n = pools.put_bytes(encode_var(a))
                 written.append((off, n))
                 outputs[str(name)] = {"dtype": kind, "shape": list(a.shape), "nbytes": n,
                                       "pool": pools.own_id, "offset": off, "origin": "copied"}
