@@ -194,12 +194,7 @@ async fn route(node: &Arc<Node>, admin_open: bool, req: hyper::Request<Incoming>
             }
             let pipe = node.pipeline(name)?;
             let body = read_body(node, req).await?;
-            // A refusal is an error response, not a stream (unless the
-            // pipeline answers refusals with its fallback).
-            let ticket = match node.admit(&pipe, arrival)? {
-                Err(e) if pipe.spec.fallback.is_none() => return Err(e),
-                t => t,
-            };
+            let ticket = crate::stream::admit(node, &pipe, arrival)?;
             let tensors = codec::decode_v1(&body, &pipe.spec.inputs, &node.arena)?;
             Ok(crate::stream::respond(node.clone(), pipe, tensors, ticket))
         }
@@ -210,10 +205,7 @@ async fn route(node: &Arc<Node>, admin_open: bool, req: hyper::Request<Incoming>
             let pipe = node.pipeline(name)?;
             let header_len = inference_header_len(&req)?;
             let body = read_body(node, req).await?;
-            let ticket = match node.admit(&pipe, arrival)? {
-                Err(e) if pipe.spec.fallback.is_none() => return Err(e),
-                t => t,
-            };
+            let ticket = crate::stream::admit(node, &pipe, arrival)?;
             let (tensors, _) = codec::decode_v2(&body, header_len, &pipe.spec.inputs, &node.arena)?;
             Ok(crate::stream::respond(node.clone(), pipe, tensors, ticket))
         }

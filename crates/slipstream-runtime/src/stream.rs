@@ -31,7 +31,7 @@ use crate::arena::Tensors;
 use crate::codec::{self, V2Request};
 use crate::error::NodeError;
 use crate::http::{Chunks, Resp};
-use crate::node::{Answer, Node};
+use crate::node::{Answer, Arrival, Node};
 use crate::pipeline::{PipelineRt, Ticket};
 use bytes::Bytes;
 use hyper::body::{Body, Frame};
@@ -46,6 +46,16 @@ use std::task::{Context, Poll};
 use tokio::sync::mpsc;
 
 type Outcome = Pin<Box<dyn Future<Output = Result<Answer, NodeError>> + Send>>;
+
+/// Admit a request that is to be answered as a stream. A refusal is an
+/// error response, not a stream, unless the pipeline answers refusals with
+/// its fallback (then the stream carries the fallback as its answer).
+pub fn admit(node: &Node, pipe: &PipelineRt, arrival: Arrival) -> Result<Result<Ticket, NodeError>, NodeError> {
+    match node.admit(pipe, arrival)? {
+        Err(e) if pipe.spec.fallback.is_none() => Err(e),
+        t => Ok(t),
+    }
+}
 
 /// The streamed response of one admitted request.
 pub fn respond(node: Arc<Node>, pipe: Arc<PipelineRt>, tensors: Tensors, ticket: Result<Ticket, NodeError>) -> Resp {
