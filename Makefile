@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CARGO ?= $(shell command -v cargo 2>/dev/null || echo $$HOME/.cargo/bin/cargo)
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup build lint test test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-cluster bench-plan bench-grpc bench-stream data data-small demo clean fmt
+.PHONY: setup build lint test test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-cluster bench-plan bench-grpc bench-stream bench-gpu data data-small demo clean fmt
 
 setup: $(VENV)/.installed
 
@@ -118,6 +118,11 @@ bench-grpc: setup
 # Time to first chunk of a streamed answer vs the whole answer (AudioQuery): bench/results/stream.{json,md}.
 bench-stream: setup
 	$(PY) bench/stream.py
+
+# A torch stage on a CUDA GPU against its offline limit (needs a GPU and oha).
+bench-gpu: setup
+	@command -v oha >/dev/null || $(CARGO) install oha --locked
+	$(PY) bench/gpu.py
 
 # The RAG corpus, embeddings and index (about 35 min on 2 cores; resumable).
 data: setup
