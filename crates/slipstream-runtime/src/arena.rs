@@ -281,3 +281,56 @@ fn rand_suffix() -> u64 {
     let t = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
     (t as u64) ^ ((t >> 64) as u64)
 }
+
+/// Tensors copied off the arena to the heap (name, dtype, shape, bytes):
+/// what outlives the blocks it came from without holding them (a warm-up
+/// sample, a cached result). [`HeapTensors::to_arena`] copies them back
+/// into one new block.
+#[derive(Clone, Debug, Default)]
+pub struct HeapTensors(pub Vec<(String, DType, Vec<u64>, Vec<u8>)>);
+
+impl HeapTensors {
+    pub fn of(tensors: &Tensors) -> HeapTensors {
+        HeapTensors(tensors.iter().map(|(n, t)| (n.clone(), t.dtype, t.shape.clone(), t.bytes().to_vec())).collect())
+    }
+
+    /// Bytes held (the tensors' data).
+    pub fn nbytes(&self) -> usize {
+        self.0.iter().map(|(_, _, _, b)| b.len()).sum()
+    }
+
+    /// The tensors, written into one new block of the arena.
+    pub fn to_arena(&self, arena: &Arena) -> Result<Tensors, NodeError> {
+        let at: Vec<usize> = self
+            .0
+            .iter()
+            .scan(0usize, |next, (_, _, _, b)| {
+                let here = *next;
+                *next += b.len().next_multiple_of(64);
+                Some(here)
+            })
+            .collect();
+        let total = self.0.iter().map(|(_, _, _, b)| b.len().next_multiple_of(64)).sum::<usize>().max(64);
+        let mut block = arena.scratch_block(total)?;
+        let dst = block.as_mut_slice();
+        for ((_, _, _, b), &o) in self.0.iter().zip(&at) {
+            dst[o..o + b.len()].copy_from_slice(b);
+        }
+        let block = Arc::new(block.freeze());
+        Ok(self
+            .0
+            .iter()
+            .zip(at)
+            .map(|((name, dtype, shape, b), o)| {
+                let t = TensorRef {
+                    block: block.clone(),
+                    offset: block.offset() + o as u64,
+                    nbytes: b.len() as u64,
+                    dtype: *dtype,
+                    shape: shape.clone(),
+                };
+                (name.clone(), t)
+            })
+            .collect())
+    }
+}

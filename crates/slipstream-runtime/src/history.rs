@@ -490,6 +490,9 @@ mod tests {
             epoch,
             gate: Mutex::new(AdmissionGate::new(0.01)),
             seen_outputs: std::sync::OnceLock::new(),
+            selects: Vec::new(),
+            select_of: vec![None; 2],
+            arena: Arc::new(crate::arena::Arena::new(dir.0.clone(), 1 << 16).unwrap()),
         }
     }
 

@@ -12,7 +12,11 @@
 //!   /v1/pipelines/{name}/stream` (server-sent events: a streaming
 //!   component's chunks as they come, see [`crate::stream`]; v2 bodies at
 //!   `POST /v2/models/{name}/infer_stream`), `GET /v1/pipelines`,
-//!   `GET /v1/pipelines/{name}`, `GET /v1/status`
+//!   `GET /v1/pipelines/{name}`, `GET /v1/status`; every answer carries
+//!   `x-slipstream-request-id`
+//! - model selection (see [`crate::select`]): `POST
+//!   /v1/pipelines/{name}/feedback` (a request id and its true label or a
+//!   reward; or a batch of them), `GET /v1/pipelines/{name}/select[?context=KEY]`
 //! - admin (a bearer token is required unless the node listens on loopback
 //!   only and has no token set): `POST /v1/admin/reset-metrics`,
 //!   `POST /v1/admin/scale` with `{"pipeline", "stage", "replicas"}`
@@ -185,8 +189,16 @@ async fn route(node: &Arc<Node>, admin_open: bool, req: hyper::Request<Incoming>
             let tensors = codec::decode_v1(&body, &pipe.spec.inputs, &node.arena)?;
             let ans = node.answer(&pipe, tensors, ticket).await?;
             let mut r = respond(200, "application/json", vec![Bytes::from(codec::encode_v1(&ans.outputs))]);
-            mark_fallback(&mut r, ans.fallback);
+            mark_answer(&mut r, &ans);
             Ok(r)
+        }
+        ["v1", "pipelines", name, "feedback"] => {
+            if !post {
+                return Err(wrong_method());
+            }
+            let pipe = node.pipeline(name)?;
+            let body = read_body(node, req).await?;
+            feedback(&pipe, &body.to_vec())
         }
         ["v1", "pipelines", name, "stream"] => {
             if !post {
@@ -225,7 +237,7 @@ async fn route(node: &Arc<Node>, admin_open: bool, req: hyper::Request<Incoming>
             if let Some(n) = enc.header_len {
                 r.headers_mut().insert("inference-header-content-length", HeaderValue::from(n));
             }
-            mark_fallback(&mut r, ans.fallback);
+            mark_answer(&mut r, &ans);
             Ok(r)
         }
         ["v1", "admin", action] => {
@@ -263,6 +275,14 @@ async fn route(node: &Arc<Node>, admin_open: bool, req: hyper::Request<Incoming>
             Ok(json_resp(200, &json!({"pipelines": node.pipelines.values().map(|p| describe(p)).collect::<Vec<_>>()})))
         }
         ["v1", "pipelines", name] => Ok(json_resp(200, &describe(node.pipeline(name)?.as_ref()))),
+        ["v1", "pipelines", name, "select"] => {
+            let pipe = node.pipeline(name)?;
+            let context = crate::select::query_value(req.uri().query(), "context");
+            Ok(json_resp(
+                200,
+                &json!({"selects": pipe.selects.iter().map(|s| s.report(context.as_deref())).collect::<Vec<_>>()}),
+            ))
+        }
         ["v1", "status"] => Ok(json_resp(200, &report::status(node))),
         ["v1", "history"] => {
             let since = crate::history::since_param(req.uri().query())?;
@@ -314,6 +334,7 @@ fn known_get_route(parts: &[&str]) -> bool {
             | ["metrics"]
             | ["v1", "pipelines"]
             | ["v1", "pipelines", _]
+            | ["v1", "pipelines", _, "select"]
             | ["v1", "status"]
             | ["v1", "history"]
             | ["dashboard"]
@@ -376,10 +397,62 @@ pub(crate) fn deadline_budget(value: Option<&[u8]>) -> Result<Option<std::time::
     Ok(Some(std::time::Duration::try_from_secs_f64(ms / 1e3).unwrap_or(std::time::Duration::MAX)))
 }
 
-fn mark_fallback(r: &mut Resp, why: Option<&'static str>) {
-    if let Some(kind) = why {
+/// The answer's headers: its request id (for feedback), and why a
+/// fallback answered, if one did.
+fn mark_answer(r: &mut Resp, ans: &crate::node::Answer) {
+    if let Some(kind) = ans.fallback {
         r.headers_mut().insert("x-slipstream-fallback", HeaderValue::from_static(kind));
     }
+    if let Some(id) = ans.id {
+        r.headers_mut().insert("x-slipstream-request-id", HeaderValue::from(id));
+    }
+}
+
+/// `POST /v1/pipelines/{name}/feedback`: feedback on earlier answers, for
+/// the pipeline's model selections (see [`crate::select`]).
+fn feedback(pipe: &crate::pipeline::PipelineRt, body: &[u8]) -> Result<Resp, NodeError> {
+    use crate::select::FeedbackError;
+    if pipe.selects.is_empty() {
+        return Err(NodeError::BadRequest(format!(
+            "pipeline '{}' has no model selection (ss.Select) to take feedback",
+            pipe.name()
+        )));
+    }
+    let (items, batch) = crate::select::parse_feedback(body).map_err(NodeError::BadRequest)?;
+    if let Some(name) =
+        items.iter().filter_map(|f| f.select.as_deref()).find(|n| !pipe.selects.iter().any(|s| s.spec.name == *n))
+    {
+        return Err(NodeError::BadRequest(format!("pipeline '{}' has no selection '{name}'", pipe.name())));
+    }
+    let (mut applied, mut unknown, mut invalid) = (0u64, 0u64, Vec::new());
+    for f in &items {
+        let mut outcome = Err(FeedbackError::Unknown);
+        for sel in pipe.selects.iter().filter(|s| f.select.as_ref().is_none_or(|n| *n == s.spec.name)) {
+            match sel.feedback(f.request_id, &f.truth) {
+                Err(FeedbackError::Unknown) => {}
+                other => outcome = other,
+            }
+        }
+        match outcome {
+            Ok(()) => applied += 1,
+            Err(FeedbackError::Unknown) => unknown += 1,
+            Err(FeedbackError::Invalid(why)) => invalid.push(format!("request {}: {why}", f.request_id)),
+        }
+    }
+    if !batch {
+        if let Some(why) = invalid.pop() {
+            return Err(NodeError::BadRequest(why));
+        }
+        if unknown > 0 {
+            return Err(NodeError::NotFound(format!(
+                "no prediction of request {} is held: it was never made, already has feedback, or is older than the \
+                 last {} predictions",
+                items[0].request_id,
+                crate::select::MAX_HELD
+            )));
+        }
+    }
+    Ok(json_resp(200, &json!({"applied": applied, "unknown": unknown, "invalid": invalid.len(), "errors": invalid})))
 }
 
 /// `GET /v1/pipelines/{name}`: stages, inputs with dtypes and shapes, SLO.

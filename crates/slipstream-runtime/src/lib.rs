@@ -25,6 +25,7 @@
 
 pub mod arena;
 pub mod autoscale;
+pub mod cache;
 pub mod cluster;
 pub mod codec;
 pub mod config;
@@ -41,6 +42,7 @@ pub mod pipeline;
 pub mod replica;
 pub mod report;
 pub mod request;
+pub mod select;
 pub mod spec;
 pub mod store_http;
 pub mod stream;

@@ -144,7 +144,7 @@ async fn prime(node: &Arc<Node>) {
 fn build_pipelines(
     spec: &AppSpec,
     opts: &NodeOptions,
-    arena: &Arena,
+    arena: &Arc<Arena>,
 ) -> Result<BTreeMap<String, Arc<PipelineRt>>, RunError> {
     let mut out = BTreeMap::new();
     let epoch = Instant::now();
@@ -167,6 +167,7 @@ fn build_pipelines(
             }
             stages.push(stage);
         }
+        let (selects, select_of) = PipelineRt::selections(p);
         out.insert(
             p.name.clone(),
             Arc::new(PipelineRt {
@@ -180,6 +181,9 @@ fn build_pipelines(
                     p.slo.map_or(0.01, |s| s.max_miss_rate),
                 )),
                 seen_outputs: std::sync::OnceLock::new(),
+                selects,
+                select_of,
+                arena: arena.clone(),
             }),
         );
     }
@@ -374,6 +378,7 @@ pub async fn run(
     // The dashboard's history, from the start: replicas starting and
     // models loading show on it too.
     tokio::spawn(crate::history::run(node.clone(), node.supervisor.stop.clone()));
+    tokio::spawn(crate::cache::follow_models(node.clone(), node.supervisor.stop.clone()));
     let mut joined = match opts.cluster.clone() {
         Some(c) => Some(crate::cluster::start(&node, c).await.map_err(RunError::Cluster)?),
         None => None,

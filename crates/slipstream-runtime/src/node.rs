@@ -137,6 +137,8 @@ pub struct Arrival {
 pub struct Answer {
     pub outputs: Tensors,
     pub fallback: Option<&'static str>,
+    /// The request's id (for feedback on it), unless it was refused.
+    pub id: Option<u64>,
 }
 
 impl Node {
@@ -329,12 +331,13 @@ impl Node {
         chunks: Option<crate::request::Chunks>,
     ) -> Result<Answer, NodeError> {
         let rows = request_rows(&tensors);
+        let id = ticket.as_ref().ok().map(|t| t.id);
         let result = match ticket {
             Ok(t) => self.infer(pipe, tensors, t, chunks).await,
             Err(e) => Err(e),
         };
         match result {
-            Ok(outputs) => Ok(Answer { outputs, fallback: None }),
+            Ok(outputs) => Ok(Answer { outputs, fallback: None, id }),
             Err(
                 e @ (NodeError::Overloaded { .. } | NodeError::DeadlineExceeded { .. } | NodeError::Timeout { .. }),
             ) if pipe.spec.fallback.is_some() => {
@@ -345,7 +348,7 @@ impl Node {
                     &self.arena,
                 )?;
                 pipe.metrics.fallback.fetch_add(1, Relaxed);
-                Ok(Answer { outputs, fallback: Some(e.kind()) })
+                Ok(Answer { outputs, fallback: Some(e.kind()), id })
             }
             Err(e) => Err(e),
         }

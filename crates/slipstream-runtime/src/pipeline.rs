@@ -13,11 +13,13 @@
 //! Routing and admission read each replica's published load only; the
 //! predictions are [`slipstream_sched`]'s, shared with the simulator.
 
-use crate::arena::Tensors;
+use crate::arena::{Arena, HeapTensors, Tensors};
+use crate::cache::PredictionCache;
 use crate::error::NodeError;
 use crate::metrics::{PipelineMetrics, StageMetrics};
 use crate::replica::{Phase, Replica};
 use crate::request::Request;
+use crate::select::Selector;
 use crate::spec::{PipelineSpec, StageSpec};
 use parking_lot::{Mutex, RwLock};
 use slipstream_sched::{choose_replica, AdmissionGate, BatchFormer, Dag, ReplicaLoad};
@@ -35,52 +37,18 @@ pub type ReplicaSet = Arc<Vec<Arc<Replica>>>;
 /// replica's worker before it takes traffic. Kept off the arena so that an
 /// idle node's arena is empty; copied in only for the warm-up batch.
 pub struct Sample {
-    /// (name, dtype, shape, bytes) per input.
-    pub inputs: Vec<(String, DType, Vec<u64>, Vec<u8>)>,
+    pub inputs: HeapTensors,
     pub taken: Instant,
 }
 
 impl Sample {
     pub fn of(inputs: &Tensors) -> Sample {
-        Sample {
-            inputs: inputs.iter().map(|(n, t)| (n.clone(), t.dtype, t.shape.clone(), t.bytes().to_vec())).collect(),
-            taken: Instant::now(),
-        }
+        Sample { inputs: HeapTensors::of(inputs), taken: Instant::now() }
     }
 
     /// The sample's tensors, written into one new block of the arena.
     pub fn to_arena(&self, arena: &crate::arena::Arena) -> Result<Tensors, NodeError> {
-        let at: Vec<usize> = self
-            .inputs
-            .iter()
-            .scan(0usize, |next, (_, _, _, b)| {
-                let here = *next;
-                *next += b.len().next_multiple_of(64);
-                Some(here)
-            })
-            .collect();
-        let total = self.inputs.iter().map(|(_, _, _, b)| b.len().next_multiple_of(64)).sum();
-        let mut block = arena.scratch_block(total)?;
-        let dst = block.as_mut_slice();
-        for ((_, _, _, b), &o) in self.inputs.iter().zip(&at) {
-            dst[o..o + b.len()].copy_from_slice(b);
-        }
-        let block = Arc::new(block.freeze());
-        Ok(self
-            .inputs
-            .iter()
-            .zip(at)
-            .map(|((name, dtype, shape, b), o)| {
-                let t = crate::arena::TensorRef {
-                    block: block.clone(),
-                    offset: block.offset() + o as u64,
-                    nbytes: b.len() as u64,
-                    dtype: *dtype,
-                    shape: shape.clone(),
-                };
-                (name.clone(), t)
-            })
-            .collect())
+        self.inputs.to_arena(arena)
     }
 }
 
@@ -114,6 +82,8 @@ pub struct StageRt {
     pub affinity: Option<String>,
     /// Affinity group -> the replica that was given it (it holds the group).
     sticky: Mutex<std::collections::HashMap<String, u32>>,
+    /// Results kept by input, when the component asks for it.
+    pub cache: Option<PredictionCache>,
 }
 
 impl StageRt {
@@ -136,6 +106,7 @@ impl StageRt {
             metrics: StageMetrics::default(),
             affinity: spec.affinity.clone(),
             sticky: Mutex::new(std::collections::HashMap::new()),
+            cache: spec.cache.as_ref().map(|c| PredictionCache::new(c, &spec.needs)),
         }
     }
 
@@ -356,6 +327,12 @@ pub struct PipelineRt {
     /// The outputs of the first answer (names, dtypes, trailing shapes),
     /// for model metadata when the app does not declare them.
     pub seen_outputs: std::sync::OnceLock<BTreeMap<String, TensorSpec>>,
+    /// The pipeline's model selections, and which one each stage is a
+    /// candidate of.
+    pub selects: Vec<Selector>,
+    pub select_of: Vec<Option<usize>>,
+    /// Where cache hits and combined selections are written.
+    pub arena: Arc<Arena>,
 }
 
 /// What ingress decides about a request before its body is decoded: its id,
@@ -473,11 +450,35 @@ impl PipelineRt {
         }
     }
 
+    /// The selections of `spec`, and for each stage the one it is a candidate of.
+    pub fn selections(spec: &PipelineSpec) -> (Vec<Selector>, Vec<Option<usize>>) {
+        let index = |name: &str| spec.stages.iter().position(|s| s.name == name).expect("validated");
+        let selects: Vec<Selector> = spec
+            .selects
+            .iter()
+            .map(|sel| Selector::new(sel, sel.candidates.iter().map(|c| index(c)).collect()))
+            .collect();
+        let mut select_of = vec![None; spec.stages.len()];
+        for (k, sel) in selects.iter().enumerate() {
+            for &c in &sel.candidates {
+                select_of[c] = Some(k);
+            }
+        }
+        (selects, select_of)
+    }
+
     /// Put `req` on stage `stage`: its routed replica, or another one if
     /// that one no longer takes work. Fails the request (503) when no
-    /// replica of the stage will serve it.
+    /// replica of the stage will serve it. A cached result skips the queue.
     pub fn enqueue(&self, req: Arc<Request>, stage: usize) {
         let s = &self.stages[stage];
+        if let Some(cache) = &s.cache {
+            let hit = req.stage_inputs(stage).ok().and_then(|inputs| cache.lookup(&inputs));
+            if let Some(outs) = hit.and_then(|h| h.to_arena(&self.arena).ok()) {
+                req.finish_stage(stage, outs);
+                return;
+            }
+        }
         let routed = req.route[stage].clone();
         if req.is_stage_only() {
             // Another node's work stays on this node's replicas.
@@ -498,7 +499,7 @@ impl PipelineRt {
 }
 
 /// The first element of a string tensor.
-fn first_string(t: &crate::arena::TensorRef) -> Option<String> {
+pub(crate) fn first_string(t: &crate::arena::TensorRef) -> Option<String> {
     if t.dtype != DType::String {
         return None;
     }

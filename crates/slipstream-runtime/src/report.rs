@@ -67,6 +67,7 @@ pub fn status(node: &Node) -> Value {
                         "queue_wait_ms": m.queue_wait_us.summary(ms),
                         "compute_ms": m.compute_us.summary(ms),
                         "hop_ms": m.hop_us.summary(ms),
+                        "cache": s.cache.as_ref().map(|c| c.stats()),
                     })
                 })
                 .collect();
@@ -91,6 +92,7 @@ pub fn status(node: &Node) -> Value {
                 "errors": p.metrics.errors.since_reset(),
                 "latency_ms": p.metrics.latency_us.summary(ms),
                 "stages": stages,
+                "selects": p.selects.iter().map(|s| s.report(None)).collect::<Vec<_>>(),
             })
         })
         .collect();
@@ -247,6 +249,59 @@ pub fn prometheus(node: &Node) -> String {
                 ),
             ] {
                 t.histogram(name, help, &l, h, 1e6);
+            }
+            if let Some(c) = s.cache.as_ref().map(|c| c.stats()) {
+                for (name, help, v) in [
+                    ("slipstream_cache_hits_total", "Requests answered from the stage's prediction cache.", c.hits),
+                    ("slipstream_cache_misses_total", "Cache lookups that found nothing (the request ran).", c.misses),
+                    (
+                        "slipstream_cache_evictions_total",
+                        "Entries evicted (CLOCK) to stay within max_bytes.",
+                        c.evictions,
+                    ),
+                    (
+                        "slipstream_cache_invalidations_total",
+                        "Times a newer model version emptied the cache.",
+                        c.invalidations,
+                    ),
+                ] {
+                    t.counter(name, help, &l, v);
+                }
+                t.gauge("slipstream_cache_bytes", "Bytes held by the prediction cache.", &l, c.bytes as f64);
+                t.gauge("slipstream_cache_entries", "Entries held by the prediction cache.", &l, c.entries as f64);
+            }
+        }
+        for sel in &p.selects {
+            let l = [("pipeline", p.name()), ("select", sel.spec.name.as_str())];
+            for (name, help, v) in [
+                ("slipstream_select_feedback_total", "Feedback applied to the selection's policy.", &sel.feedback),
+                (
+                    "slipstream_select_unknown_feedback_total",
+                    "Feedback on requests whose predictions are not held.",
+                    &sel.unknown_feedback,
+                ),
+                (
+                    "slipstream_select_cut_short_total",
+                    "Ensembles answered at their straggler cutoff with some candidates missing.",
+                    &sel.cut_short,
+                ),
+                (
+                    "slipstream_select_late_total",
+                    "Candidate answers that came after their ensemble answered.",
+                    &sel.late,
+                ),
+            ] {
+                t.counter(name, help, &l, v.load(Relaxed));
+            }
+            for ((cand, w), picks) in sel.spec.candidates.iter().zip(sel.weights()).zip(&sel.picks) {
+                let lc = [l[0], l[1], ("candidate", cand.as_str())];
+                t.gauge("slipstream_select_weight", "The policy's weight of each candidate (default context).", &lc, w);
+                t.counter(
+                    "slipstream_select_picks_total",
+                    "Requests each candidate ran for.",
+                    &lc,
+                    picks.load(Relaxed),
+                );
             }
         }
     }

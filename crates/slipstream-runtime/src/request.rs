@@ -23,11 +23,12 @@ use crate::arena::{TensorRef, Tensors};
 use crate::error::NodeError;
 use crate::pipeline::{PipelineRt, Ticket};
 use crate::replica::Replica;
+use crate::select::Plan;
 use parking_lot::Mutex;
 use slipstream_sched::AdmissionGate;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
 pub type Reply = Result<Tensors, NodeError>;
@@ -41,6 +42,23 @@ struct State {
     /// Where a streaming request's chunks go (its sink stages' partial
     /// outputs, as they come); dropped with the request's other state.
     chunks: Option<Chunks>,
+    /// Per model selection of the pipeline: its plan and what has arrived.
+    selects: Vec<SelectRun>,
+}
+
+/// One request's progress through one model selection (see [`crate::select`]).
+#[derive(Default)]
+struct SelectRun {
+    plan: Option<Plan>,
+    arrived: Vec<Option<Tensors>>,
+    /// Chosen candidates that have not answered yet.
+    waiting: usize,
+    /// The straggler cutoff passed before any answer: the first answers.
+    cut: bool,
+    /// The combined answer has gone on; later answers are only logged.
+    done: bool,
+    /// The request's rows (its inputs are released when it answers).
+    rows: u64,
 }
 
 /// The sending end of a streaming request's chunks.
@@ -61,6 +79,8 @@ pub struct Request {
     /// [`Request::for_stage`]): only that stage runs, and its outputs are the answer.
     only: Option<usize>,
     done: AtomicBool,
+    /// Bit k: selection k has answered (its stragglers' queued work is skipped).
+    selects_done: AtomicU64,
     state: Mutex<State>,
 }
 
@@ -107,6 +127,7 @@ impl Request {
             sinks_left: pipe.dag.sinks.len(),
             reply: Some(tx),
             chunks,
+            selects: pipe.selects.iter().map(|_| SelectRun::default()).collect(),
         };
         let deadline_ns = pipe.ns_at(deadline);
         let req = Arc::new(Request {
@@ -119,6 +140,7 @@ impl Request {
             retried: AtomicBool::new(false),
             only,
             done: AtomicBool::new(false),
+            selects_done: AtomicU64::new(0),
             state: Mutex::new(state),
         });
         (req, rx)
@@ -126,9 +148,135 @@ impl Request {
 
     /// Send the request into the pipeline's root stages.
     fn start(self: &Arc<Self>) {
-        for &s in &self.pipe.dag.roots {
-            self.pipe.enqueue(self.clone(), s);
+        self.dispatch(&self.pipe.dag.roots);
+    }
+
+    /// Send stages whose parents have all finished on their way: onto a
+    /// replica's queue, or for a selection's candidates, as its plan says.
+    fn dispatch(self: &Arc<Self>, stages: &[usize]) {
+        for &s in stages {
+            match self.pipe.select_of[s] {
+                Some(k) if !self.plan_runs(k, s) => {}
+                _ => self.pipe.enqueue(self.clone(), s),
+            }
         }
+    }
+
+    /// Whether selection `k`'s plan runs candidate `stage`. The plan is made
+    /// when the first candidate is ready (they share their parents, so all
+    /// are ready together), with a timer for an ensemble's straggler cutoff.
+    fn plan_runs(self: &Arc<Self>, k: usize, stage: usize) -> bool {
+        let sel = &self.pipe.selects[k];
+        let pos = sel.position(stage).expect("a candidate of its selection");
+        let mut st = self.state.lock();
+        if st.reply.is_none() {
+            return false;
+        }
+        if let Some(plan) = &st.selects[k].plan {
+            return plan.chosen[pos];
+        }
+        let context = sel.spec.context.as_ref().and_then(|name| {
+            st.inputs.iter().find(|(n, _)| n == name).and_then(|(_, t)| crate::pipeline::first_string(t))
+        });
+        let plan = sel.plan(context);
+        let rows = request_rows(&st.inputs);
+        let run = &mut st.selects[k];
+        run.rows = rows;
+        run.waiting = plan.chosen.iter().filter(|c| **c).count();
+        run.arrived = vec![None; plan.chosen.len()];
+        let runs = plan.chosen[pos];
+        let ensemble = run.waiting > 1;
+        run.plan = Some(plan);
+        drop(st);
+        if ensemble {
+            let rest = Duration::from_nanos(self.pipe.rest_ns(stage));
+            let at = sel.cutoff(Instant::now(), self.deadline, rest);
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                let me = Arc::downgrade(self);
+                rt.spawn(async move {
+                    tokio::time::sleep_until(at.into()).await;
+                    if let Some(req) = me.upgrade() {
+                        req.cut_select(k);
+                    }
+                });
+            }
+        }
+        runs
+    }
+
+    /// Selection `k`'s straggler cutoff: answer with what has arrived, or
+    /// with the first answer if none has yet.
+    fn cut_select(self: &Arc<Self>, k: usize) {
+        let mut st = self.state.lock();
+        if st.reply.is_none() || st.selects[k].done {
+            return;
+        }
+        let run = &mut st.selects[k];
+        if run.arrived.iter().all(Option::is_none) {
+            run.cut = true;
+            return;
+        }
+        self.answer_select(st, k);
+    }
+
+    /// A candidate of selection `k` answered.
+    fn candidate_done(self: &Arc<Self>, k: usize, stage: usize, outputs: Tensors) {
+        let sel = &self.pipe.selects[k];
+        let pos = sel.position(stage).expect("a candidate of its selection");
+        let mut st = self.state.lock();
+        let run = &mut st.selects[k];
+        if run.done {
+            // A straggler: its answer only counts for feedback.
+            let rows = run.rows;
+            drop(st);
+            sel.late(self.id, pos, &outputs, rows);
+            return;
+        }
+        if st.reply.is_none() {
+            return;
+        }
+        let run = &mut st.selects[k];
+        run.arrived[pos] = Some(outputs);
+        run.waiting = run.waiting.saturating_sub(1);
+        if run.waiting == 0 || run.cut {
+            self.answer_select(st, k);
+        }
+    }
+
+    /// Combine selection `k`'s answers and move the request on, as if every
+    /// candidate had finished: the first carries the combined outputs, the
+    /// others none, so the stages after them see one answer.
+    fn answer_select(self: &Arc<Self>, mut st: parking_lot::MutexGuard<'_, State>, k: usize) {
+        let pipe = &self.pipe;
+        let sel = &pipe.selects[k];
+        let run = &mut st.selects[k];
+        run.done = true;
+        self.selects_done.fetch_or(1 << k, Relaxed);
+        let plan = run.plan.take().expect("planned before any answer");
+        let arrived = std::mem::take(&mut run.arrived);
+        let rows = run.rows;
+        let combined = sel
+            .combine(self.id, &plan, &arrived, rows)
+            .and_then(|h| h.to_arena(&pipe.arena).map_err(|e| e.to_string()));
+        let outs = match combined {
+            Ok(outs) => outs,
+            Err(message) => {
+                drop(st);
+                self.fail(NodeError::Component { stage: sel.spec.name.clone(), message });
+                return;
+            }
+        };
+        let mut ready = Vec::new();
+        let mut answer = None;
+        let mut carried = Some(outs);
+        for &c in &sel.candidates {
+            let outputs = carried.take().unwrap_or_default();
+            if let Some(a) = self.settle_stage(&mut st, c, outputs, &mut ready) {
+                answer = Some(a);
+            }
+        }
+        drop(st);
+        self.go_on(answer, &ready);
     }
 
     /// One stage's work run for another node ([`Request::for_stage`]): it
@@ -139,6 +287,15 @@ impl Request {
 
     pub fn is_done(&self) -> bool {
         self.done.load(Relaxed)
+    }
+
+    /// Whether stage `stage`'s queued work for this request is no longer
+    /// needed: the request is done, or the stage is a candidate of a
+    /// selection that has answered without it (a straggler).
+    pub fn skips(&self, stage: usize) -> bool {
+        self.is_done()
+            || (self.only.is_none()
+                && self.pipe.select_of[stage].is_some_and(|k| self.selects_done.load(Relaxed) & (1 << k) != 0))
     }
 
     /// The tensors stage `stage` consumes: the pipeline inputs for a root
@@ -169,10 +326,13 @@ impl Request {
     /// children whose parents are now all done, and answer when every sink
     /// has finished.
     pub fn finish_stage(self: &Arc<Self>, stage: usize, outputs: Tensors) {
-        let pipe = &self.pipe;
+        if self.only.is_none() {
+            if let Some(k) = self.pipe.select_of[stage] {
+                return self.candidate_done(k, stage, outputs);
+            }
+        }
         let mut ready = Vec::new();
-        let mut answer = None;
-        {
+        let answer = {
             let mut st = self.state.lock();
             if st.reply.is_none() {
                 return;
@@ -186,36 +346,56 @@ impl Request {
                 }
                 return;
             }
-            st.outputs[stage] = Some(outputs);
-            for &c in &pipe.dag.children[stage] {
-                st.pending_parents[c] -= 1;
-                if st.pending_parents[c] == 0 {
-                    ready.push(c);
-                }
+            self.settle_stage(&mut st, stage, outputs, &mut ready)
+        };
+        self.go_on(answer, &ready);
+    }
+
+    /// Record `stage`'s outputs in the request's state: children whose
+    /// parents are now all done go to `ready`; the answer (its channel and
+    /// the sinks' merged outputs) when this was the last sink.
+    fn settle_stage(
+        &self,
+        st: &mut State,
+        stage: usize,
+        outputs: Tensors,
+        ready: &mut Vec<usize>,
+    ) -> Option<(oneshot::Sender<Reply>, Tensors)> {
+        let pipe = &self.pipe;
+        st.outputs[stage] = Some(outputs);
+        for &c in &pipe.dag.children[stage] {
+            st.pending_parents[c] -= 1;
+            if st.pending_parents[c] == 0 {
+                ready.push(c);
             }
-            if pipe.dag.sinks.contains(&stage) {
-                st.sinks_left -= 1;
-                if st.sinks_left == 0 {
-                    let mut merged: Tensors = Vec::new();
-                    for &s in &pipe.dag.sinks {
-                        for (name, t) in st.outputs[s].take().unwrap_or_default() {
-                            if !merged.iter().any(|(n, _)| *n == name) {
-                                merged.push((name, t));
-                            }
-                        }
-                    }
-                    answer = st.reply.take().map(|tx| (tx, merged));
-                    self.release(&mut st);
+        }
+        if !pipe.dag.sinks.contains(&stage) {
+            return None;
+        }
+        st.sinks_left -= 1;
+        if st.sinks_left > 0 {
+            return None;
+        }
+        let mut merged: Tensors = Vec::new();
+        for &s in &pipe.dag.sinks {
+            for (name, t) in st.outputs[s].take().unwrap_or_default() {
+                if !merged.iter().any(|(n, _)| *n == name) {
+                    merged.push((name, t));
                 }
             }
         }
+        let answer = st.reply.take().map(|tx| (tx, merged));
+        self.release(st);
+        answer
+    }
+
+    /// After the state is unlocked: answer, or send the ready stages on.
+    fn go_on(self: &Arc<Self>, answer: Option<(oneshot::Sender<Reply>, Tensors)>, ready: &[usize]) {
         if let Some((tx, merged)) = answer {
             let _ = tx.send(Ok(merged));
             return;
         }
-        for c in ready {
-            pipe.enqueue(self.clone(), c);
-        }
+        self.dispatch(ready);
     }
 
     /// A chunk of stage `stage`'s outputs from a streaming component: passed

@@ -216,6 +216,58 @@ pub struct PipelineSpec {
     /// In any order; `parents` name other stages of this pipeline. Stages
     /// without parents receive the pipeline's inputs.
     pub stages: Vec<StageSpec>,
+    /// Model selection over candidate stages (see [`crate::select`]).
+    #[serde(default)]
+    pub selects: Vec<SelectSpec>,
+}
+
+/// How a selection stage chooses among its candidates.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Policy {
+    /// One candidate per request, by Exp3 (a bandit: feedback on the one chosen).
+    Exp3,
+    /// All candidates, combined with learned weights (Exp4-style experts).
+    Exp4,
+}
+
+/// Clipper's model selection: the candidates are ordinary stages sharing
+/// their parents; the stages after the selection take all of them as
+/// parents and see one combined answer.
+#[derive(Clone, Debug, Deserialize)]
+pub struct SelectSpec {
+    pub name: String,
+    pub candidates: Vec<String>,
+    pub policy: Policy,
+    /// A string input of the pipeline whose first element keys the policy
+    /// state (a user or session: Clipper's contextualization).
+    #[serde(default)]
+    pub context: Option<String>,
+    /// The straggler bound: an ensemble answers this long after its
+    /// candidates were dispatched with what has arrived (capped by the
+    /// request's deadline less the rest of the pipeline).
+    #[serde(default)]
+    pub wait_ms: Option<f64>,
+    /// Learning rate (default 0.1 for exp3, 0.2 for exp4).
+    #[serde(default)]
+    pub eta: Option<f64>,
+    /// Exp3's share of uniform exploration (default 0.05).
+    #[serde(default)]
+    pub gamma: Option<f64>,
+}
+
+/// A stage's prediction cache (see [`crate::cache`]).
+#[derive(Clone, Debug, Deserialize)]
+pub struct CacheSpec {
+    /// The inputs that make the key (all of the stage's inputs when absent).
+    #[serde(default)]
+    pub key: Option<Vec<String>>,
+    #[serde(default = "default_cache_bytes")]
+    pub max_bytes: u64,
+}
+
+fn default_cache_bytes() -> u64 {
+    64 << 20
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
@@ -275,6 +327,9 @@ pub struct StageSpec {
     /// or `"cuda:N"`: see [`crate::gpu`].
     #[serde(default)]
     pub device: Option<String>,
+    /// Cache this stage's results by a hash of its inputs.
+    #[serde(default)]
+    pub cache: Option<CacheSpec>,
 }
 
 impl StageSpec {
@@ -288,6 +343,9 @@ impl StageSpec {
 fn one() -> usize {
     1
 }
+
+/// The most model selections one pipeline may have (see [`crate::select`]).
+pub const MAX_SELECTS: usize = 64;
 
 /// The most batches one worker may have in flight.
 pub const MAX_CONCURRENCY: usize = 1024;
@@ -421,7 +479,101 @@ impl PipelineSpec {
         if order.len() != self.stages.len() {
             return Err(err("its stages form a cycle".into()));
         }
+        self.check_selects(&index).map_err(err)?;
+        for s in &self.stages {
+            self.check_cache(s).map_err(err)?;
+        }
         Ok(order)
+    }
+
+    fn check_cache(&self, s: &StageSpec) -> Result<(), String> {
+        let Some(c) = &s.cache else { return Ok(()) };
+        if s.watch.is_some() {
+            return Err(format!("stage '{}' watches the store, so its results cannot be cached", s.name));
+        }
+        if c.max_bytes == 0 {
+            return Err(format!("stage '{}': the cache needs max_bytes >= 1", s.name));
+        }
+        if let Some(key) = &c.key {
+            if key.is_empty() {
+                return Err(format!("stage '{}': a cache key names at least one input", s.name));
+            }
+            if s.parents.is_empty() {
+                if let Some(k) = key.iter().find(|k| !self.inputs.contains_key(k.as_str())) {
+                    return Err(format!("stage '{}': cache key input '{k}' is not an input of the pipeline", s.name));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Each selection's candidates are distinct stages of this pipeline,
+    /// in no other selection, with the same parents; a stage after a
+    /// candidate comes after all of them (it sees the one combined answer).
+    fn check_selects(&self, index: &HashMap<&str, usize>) -> Result<(), String> {
+        let mut taken: HashMap<&str, &str> = HashMap::new();
+        if self.selects.len() > MAX_SELECTS {
+            return Err(format!("a pipeline has at most {MAX_SELECTS} selections"));
+        }
+        for sel in &self.selects {
+            let name = &sel.name;
+            if index.contains_key(name.as_str()) || self.selects.iter().filter(|o| &o.name == name).count() > 1 {
+                return Err(format!("selection name '{name}' is used twice"));
+            }
+            if sel.candidates.len() < 2 {
+                return Err(format!("selection '{name}' needs at least two candidates"));
+            }
+            let mut parents: Option<Vec<&str>> = None;
+            for c in &sel.candidates {
+                let Some(&i) = index.get(c.as_str()) else {
+                    return Err(format!("selection '{name}' names unknown candidate '{c}'"));
+                };
+                if let Some(other) = taken.insert(c.as_str(), name.as_str()) {
+                    return Err(format!("stage '{c}' is a candidate of both '{other}' and '{name}'"));
+                }
+                let st = &self.stages[i];
+                if st.watch.is_some() {
+                    return Err(format!("selection '{name}': candidate '{c}' watches the store"));
+                }
+                let mut ps: Vec<&str> = st.parents.iter().map(String::as_str).collect();
+                ps.sort_unstable();
+                match &parents {
+                    None => parents = Some(ps),
+                    Some(first) if *first != ps => {
+                        return Err(format!("selection '{name}': its candidates must have the same parents"));
+                    }
+                    _ => {}
+                }
+            }
+            for s in &self.stages {
+                let after = s.parents.iter().filter(|p| sel.candidates.contains(p)).count();
+                if after > 0 && after < sel.candidates.len() {
+                    return Err(format!(
+                        "stage '{}' follows some candidates of selection '{name}' but not all: it must take the \
+                         selection's one answer",
+                        s.name
+                    ));
+                }
+            }
+            if let Some(ctx) = &sel.context {
+                match self.inputs.get(ctx) {
+                    Some(t) if t.dtype == slipstream_types::DType::String => {}
+                    _ => {
+                        return Err(format!(
+                            "selection '{name}': context '{ctx}' must be a string input of the pipeline"
+                        ))
+                    }
+                }
+            }
+            let positive = |v: Option<f64>| v.is_none_or(|v| v.is_finite() && v > 0.0);
+            if !positive(sel.wait_ms) || !positive(sel.eta) {
+                return Err(format!("selection '{name}': wait_ms and eta must be positive numbers"));
+            }
+            if !sel.gamma.is_none_or(|g| g.is_finite() && g > 0.0 && g <= 1.0) {
+                return Err(format!("selection '{name}': gamma must lie in (0, 1]"));
+            }
+        }
+        Ok(())
     }
 }
 

@@ -266,7 +266,7 @@ async fn inputs(node: &Arc<Node>, pipe: &PipelineRt, item: &Item) -> Result<Tens
             .map_err(|e| NodeError::Internal(format!("store read: {e}")))??
         }
     };
-    let mut sample = Sample { inputs: Vec::new(), taken: Instant::now() };
+    let mut sample = Sample { inputs: crate::arena::HeapTensors::default(), taken: Instant::now() };
     for (name, dtype) in TRIGGER_INPUTS {
         if !wants(name) {
             continue;
@@ -277,7 +277,7 @@ async fn inputs(node: &Arc<Node>, pipe: &PipelineRt, item: &Item) -> Result<Tens
             "op" => one_element(item.op.as_bytes()),
             _ => one_element(&value),
         };
-        sample.inputs.push((name.to_string(), dtype, vec![1], bytes));
+        sample.inputs.0.push((name.to_string(), dtype, vec![1], bytes));
     }
     sample.to_arena(&node.arena)
 }

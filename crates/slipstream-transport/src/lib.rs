@@ -58,7 +58,16 @@ pub enum FromWorker {
     Ready { pid: u32 },
     /// A batch finished. `compute_us` is the time spent in the component
     /// itself, so the node can tell its own overhead from the model's.
-    Result { id: u64, outputs: BTreeMap<String, OutputDesc>, compute_us: u64 },
+    Result {
+        id: u64,
+        outputs: BTreeMap<String, OutputDesc>,
+        compute_us: u64,
+        /// The store versions the serving instance was built from, by
+        /// argument name, for a component with `needs` (the prediction
+        /// cache keeps only the newest model's results).
+        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+        versions: BTreeMap<String, u64>,
+    },
     /// A streaming component yielded a chunk of this batch's outputs (each
     /// output with the batch's rows); its `Result` follows the last chunk.
     Chunk { id: u64, outputs: BTreeMap<String, OutputDesc> },

@@ -260,6 +260,43 @@ class Batch(Mapping[str, np.ndarray]):
         return f"Batch(requests={len(self.sizes)}, rows={self.rows}, {shapes})"
 
 
+@dataclass(frozen=True)
+class Cache:
+    """A component's prediction cache (Clipper's): results kept per request
+    by a hash of its inputs (``key``: the names of the inputs that make the
+    key; all of them when None), at most ``max_bytes`` of tensor data,
+    evicted by CLOCK. A cached request skips the queue and the worker.
+    Results are kept per model version: putting a new version of an object
+    the component ``needs`` empties the cache once the new model serves.
+    ``@ss.component(cache=True)`` is ``cache=ss.Cache()``."""
+
+    key: tuple[str, ...] | None = None
+    max_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        if self.key is not None:
+            if isinstance(self.key, str) or not all(isinstance(k, str) and k for k in self.key) or not self.key:
+                raise ConfigError(f"Cache(key=...) takes a list of input names, got {self.key!r}")
+            object.__setattr__(self, "key", tuple(self.key))
+        if isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int) or self.max_bytes < 1:
+            raise ConfigError(f"Cache(max_bytes=...) takes a positive integer, got {self.max_bytes!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": None if self.key is None else list(self.key), "max_bytes": self.max_bytes}
+
+
+def _cache_option(cache: Any, where: str) -> Cache | None:
+    if cache is None or cache is False:
+        return None
+    if cache is True:
+        return Cache()
+    if isinstance(cache, Cache):
+        return cache
+    if isinstance(cache, (list, tuple)):
+        return Cache(key=tuple(cache))
+    raise ConfigError(f"{where}: cache is True, a list of input names or ss.Cache(...), got {cache!r}")
+
+
 @dataclass
 class Component:
     """A component class with its serving options. Made by ``@component``."""
@@ -300,6 +337,8 @@ class Component:
     #: run more than one (requests that wait on I/O overlap on the worker's
     #: event loop); None: 1, or ``DEFAULT_ASYNC_CONCURRENCY`` for async.
     concurrency: int | None = None
+    #: Results kept by input (``ss.Cache``), or None.
+    cache: Cache | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -314,6 +353,7 @@ class Component:
         self._check_store_options()
         self._check_device()
         self._check_concurrency()
+        self._check_cache()
 
     @property
     def is_async(self) -> bool:
@@ -331,6 +371,22 @@ class Component:
         if c > 1 and not self.is_async:
             raise ConfigError(f"{self.name}: concurrency={c} needs an `async def __call__` "
                               "(a plain __call__ runs one batch at a time)")
+
+    def _check_cache(self) -> None:
+        self.cache = _cache_option(self.cache, self.name)
+        if self.cache is None:
+            return
+        if self.watch is not None:
+            raise ConfigError(f"{self.name}: a component that watches the store cannot cache its results")
+        call = next((vars(k)["__call__"] for k in self.cls.__mro__ if "__call__" in vars(k)), None)
+        if inspect.isgeneratorfunction(call) or inspect.isasyncgenfunction(call):
+            raise ConfigError(f"{self.name}: a streaming component cannot cache its results "
+                              "(a cached answer has no chunks)")
+        if self.cache.key is not None and self.inputs:
+            missing = [k for k in self.cache.key if k not in self.inputs]
+            if missing:
+                raise ConfigError(f"{self.name}: cache key input(s) {missing} are not among its inputs "
+                                  f"{sorted(self.inputs)}")
 
     def _check_device(self) -> None:
         if self.tensors not in ("numpy", "torch"):
@@ -405,7 +461,7 @@ class Component:
         """A copy with other options, e.g. ``Encoder.options(name="enc2", replicas=4)``
         or ``replicas=(1, 4)``, ``threads=2``."""
         unknown = set(changes) - {"name", "max_batch_size", "replicas", "threads", "inputs", "outputs", "needs",
-                                  "watch", "affinity", "tensors", "device"}
+                                  "watch", "affinity", "tensors", "device", "cache"}
         if unknown:
             raise ConfigError(f"unknown component option(s): {', '.join(sorted(unknown))}")
         c = copy.copy(self)
@@ -463,6 +519,7 @@ def component(
     tensors: str = "numpy",
     device: str = "cpu",
     concurrency: int | None = None,
+    cache: bool | Sequence[str] | Cache | None = None,
 ) -> Any:
     """Declare a component: a class whose ``__call__(self, batch)`` takes a
     :class:`Batch` and returns a dict of arrays. The class is constructed once
@@ -511,7 +568,12 @@ def component(
     in its worker, with up to ``concurrency`` batches in flight per replica
     (default 16); the node keeps that many batches out and matches answers
     to batches as they finish, in any order. A plain ``__call__`` runs one
-    batch at a time."""
+    batch at a time.
+
+    ``cache=True`` (or a list of input names, or ``ss.Cache(...)``) keeps
+    results by a hash of the request's inputs: a repeated request is
+    answered by the node without queueing or running the component (see
+    :class:`Cache`)."""
 
     def wrap(c: type) -> Component:
         if not isinstance(c, type):
@@ -530,25 +592,114 @@ def component(
             tensors=tensors,
             device=device,
             concurrency=concurrency,
+            cache=cache,  # type: ignore[arg-type]  # resolved to a Cache in __post_init__
         )
 
     return wrap(cls) if cls is not None else wrap
 
 
+#: What a selection answers with, per row.
+SELECT_OUTPUTS = {
+    "label": Tensor("int64", (-1,)),
+    "confidence": Tensor("float32", (-1,)),
+    "contributors": Tensor("int32", (-1,)),
+    "model": Tensor("string", (-1,)),
+}
+
+SELECT_POLICIES = ("exp3", "exp4")
+
+
+class Select:
+    """Model selection over candidate components (Clipper's selection
+    layer), run by the node. Each candidate answers the same question: it
+    outputs ``label`` (int64, one per row) and optionally ``proba`` (float32,
+    rows x classes).
+
+    - ``policy="exp3"``: one candidate per request, chosen by Exp3 (a
+      bandit); feedback on the chosen one moves the choice toward the best.
+    - ``policy="exp4"``: every candidate runs; their answers are combined
+      by a vote weighted by learned weights; feedback judges each one. The
+      ensemble answers at its straggler cutoff with what has arrived:
+      ``wait_ms`` after the candidates were dispatched, and never later than
+      the request's deadline less the rest of the pipeline.
+    - ``context="user"``: the first string of that pipeline input keys its
+      own policy state (a user, a session).
+
+    Outputs: ``label``, ``confidence`` (exp4: the weighted share of the
+    ensemble that agrees, lower when models are missing; exp3: the chosen
+    model's probability for its label, or the policy's for the choice),
+    ``contributors`` (models combined) and ``model`` (the chosen candidate,
+    or ``"ensemble"``). Feedback: ``POST /v1/pipelines/{name}/feedback`` with
+    the answer's ``x-slipstream-request-id`` and the true ``label`` (or a
+    ``reward`` in [0, 1], exp3 only); ``ss.Client.feedback``. ``eta`` is the
+    learning rate (exp3 0.1, exp4 0.2), ``gamma`` exp3's exploration share
+    (0.05)."""
+
+    def __init__(self, candidates: Iterable[Component], *, policy: str = "exp3", name: str = "select",
+                 context: str | None = None, wait_ms: float | None = None, eta: float | None = None,
+                 gamma: float | None = None):
+        self.candidates = list(candidates)
+        if len(self.candidates) < 2 or not all(isinstance(c, Component) for c in self.candidates):
+            raise ConfigError(f"ss.Select takes two or more components, got {self.candidates!r}")
+        names = [c.name for c in self.candidates]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"ss.Select: candidates share a name ({names}); use .options(name=...)")
+        if policy not in SELECT_POLICIES:
+            raise ConfigError(f"ss.Select: policy is one of {SELECT_POLICIES}, got {policy!r}")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ConfigError(f"ss.Select: name {name!r} may use letters, digits, '_', '-' and '.' only")
+        if context is not None and not isinstance(context, str):
+            raise ConfigError(f"ss.Select: context names a string input, got {context!r}")
+        for arg, v in (("wait_ms", wait_ms), ("eta", eta)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")):
+                raise ConfigError(f"ss.Select: {arg} must be a positive number, got {v!r}")
+        if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 < gamma <= 1):
+            raise ConfigError(f"ss.Select: gamma must lie in (0, 1], got {gamma!r}")
+        if policy == "exp3" and wait_ms is not None:
+            raise ConfigError("ss.Select: wait_ms bounds an ensemble's stragglers; exp3 runs one model")
+        for c in self.candidates:
+            extra = set(c.outputs) - {"label", "proba"}
+            if c.outputs and ("label" not in c.outputs or extra):
+                raise ConfigError(f"ss.Select: candidate {c.name} must output 'label' (and optionally 'proba'), "
+                                  f"not {sorted(c.outputs)}")
+        self.policy, self.name, self.context = policy, name, context
+        self.wait_ms, self.eta, self.gamma = wait_ms, eta, gamma
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "candidates": [c.name for c in self.candidates], "policy": self.policy,
+                "context": self.context, "wait_ms": self.wait_ms, "eta": self.eta, "gamma": self.gamma}
+
+    def __rshift__(self, other: Any) -> Graph:
+        return Graph.of(self) >> other
+
+    def __rrshift__(self, other: Any) -> Graph:
+        return Graph.of(other) >> self
+
+    def __repr__(self) -> str:
+        return f"Select({[c.name for c in self.candidates]}, policy={self.policy!r})"
+
+
 class Graph:
     """A DAG of components. ``A >> B`` chains; ``A >> [B, C] >> D`` fans out
-    to B and C in parallel and joins their outputs in D (fan-in)."""
+    to B and C in parallel and joins their outputs in D (fan-in). A
+    :class:`Select` is its candidates side by side, whose one combined
+    answer goes on."""
 
     def __init__(self) -> None:
         self.nodes: dict[str, Component] = {}
         self.edges: list[tuple[str, str]] = []
         self.sources: list[str] = []
         self.sinks: list[str] = []
+        self.selects: list[Select] = []
 
     @staticmethod
     def of(x: Any) -> Graph:
         if isinstance(x, Graph):
             return x
+        if isinstance(x, Select):
+            g = Graph.of(list(x.candidates))
+            g.selects.append(x)
+            return g
         if isinstance(x, Component):
             g = Graph()
             g._add(x)
@@ -580,6 +731,16 @@ class Graph:
         for e in other.edges:
             if e not in self.edges:
                 self.edges.append(e)
+        for sel in other.selects:
+            if any(s is sel for s in self.selects):
+                continue
+            if any(s.name == sel.name for s in self.selects):
+                raise ConfigError(f"two selections are named {sel.name!r}; pass name=... to tell them apart")
+            self.selects.append(sel)
+
+    def select_of(self, name: str) -> Select | None:
+        """The selection whose candidate stage ``name`` is, if any."""
+        return next((s for s in self.selects if any(c.name == name for c in s.candidates)), None)
 
     def __rshift__(self, other: Any) -> Graph:
         right = Graph.of(other)
@@ -659,7 +820,7 @@ class Pipeline:
             outs: dict[str, Tensor] = {}
             for n in self.graph.nodes:
                 if not any(a == n for a, _ in self.graph.edges):
-                    outs.update(self.graph.nodes[n].outputs)
+                    outs.update(SELECT_OUTPUTS if self.graph.select_of(n) else self.graph.nodes[n].outputs)
             outputs = outs
         self.outputs = dict(outputs)
         if slo is not None and not isinstance(slo, SLO):
@@ -669,6 +830,12 @@ class Pipeline:
         self.fallback = self._check_fallback(fallback)
         self._check_acyclic()
         self._check_store_stages(roots)
+        for sel in self.graph.selects:
+            if sel.context is not None and (sel.context not in self.inputs
+                                            or self.inputs[sel.context].dtype != "string"):
+                raise ConfigError(f"pipeline {name!r}: selection {sel.name!r} keys its state on input "
+                                  f"{sel.context!r}, which must be a string input: pass inputs={{..., "
+                                  f"{sel.context!r}: ss.Tensor('string', (-1,))}}")
         self.pools = list(pools)
         for pool in self.pools:
             if not isinstance(pool, Pool):
@@ -836,9 +1003,11 @@ class Pipeline:
                     "affinity": c.affinity,
                     "device": c.device,
                     "concurrency": int(c.concurrency or 1),
+                    "cache": None if c.cache is None else c.cache.to_json(),
                 }
                 for n, c in self.graph.nodes.items()
             ],
+            "selects": [sel.to_json() for sel in self.graph.selects],
         }
 
     def __repr__(self) -> str:

@@ -76,6 +76,7 @@ DEFAULT_URL = os.environ.get("SLIPSTREAM_URL", "http://127.0.0.1:8000")
 DEADLINE_HEADER = "x-slipstream-deadline-ms"
 ERROR_KIND_HEADER = "x-slipstream-error-kind"
 FALLBACK_HEADER = "x-slipstream-fallback"
+REQUEST_ID_HEADER = "x-slipstream-request-id"
 ALIGN = 64
 # Bodies up to this size go out in one write with the request line and
 # headers (one packet); larger ones are sent from the arrays' own memory.
@@ -94,9 +95,11 @@ class Outputs(dict[str, Any]):
     """A pipeline's answer: output name -> array (numpy, or torch with
     ``as_torch=True``). ``fallback`` names why the pipeline's declared
     fallback answered instead of its stages (``"overloaded"``,
-    ``"deadline_exceeded"``, ``"timeout"``), else None."""
+    ``"deadline_exceeded"``, ``"timeout"``), else None. ``request_id`` is
+    the node's id of the request, for feedback on it (``Client.feedback``)."""
 
     fallback: str | None = None
+    request_id: int | None = None
 
 
 # --- encoding ------------------------------------------------------------------
@@ -264,7 +267,7 @@ def _to_torch(out: Outputs) -> Outputs:
     import torch
 
     res = Outputs()
-    res.fallback = out.fallback
+    res.fallback, res.request_id = out.fallback, out.request_id
     for k, a in out.items():
         if a.dtype == object:
             res[k] = a  # torch has no string tensors
@@ -273,6 +276,38 @@ def _to_torch(out: Outputs) -> Outputs:
             a = a.copy()
         res[k] = torch.from_numpy(a)
     return res
+
+
+def _request_id(headers: Mapping[str, str]) -> int | None:
+    v = headers.get(REQUEST_ID_HEADER)
+    return int(v) if v is not None and v.isdigit() else None
+
+
+def feedback_body(request_id: int | None, label: Any, reward: float | None,
+                  items: Sequence[Mapping[str, Any]] | None, select: str | None) -> bytes:
+    """The JSON of a feedback call: one item, or ``{"feedback": items}``."""
+    def one(rid: Any, label: Any, reward: Any, select: Any) -> dict[str, Any]:
+        if (label is None) == (reward is None):
+            raise ValueError("feedback gives one of label= and reward=")
+        item: dict[str, Any] = {"request_id": int(rid)}
+        if label is not None:
+            item["label"] = np.asarray(label).tolist()
+        else:
+            item["reward"] = float(reward)
+        if select is not None:
+            item["select"] = select
+        return item
+
+    if items is not None:
+        if request_id is not None or label is not None or reward is not None:
+            raise ValueError("feedback takes items= or one request_id with label= or reward=, not both")
+        body: Any = {"feedback": [one(i["request_id"], i.get("label"), i.get("reward"), i.get("select", select))
+                                  for i in items]}
+    elif request_id is None:
+        raise ValueError("feedback needs the request's id (Outputs.request_id) or items=")
+    else:
+        body = one(request_id, label, reward, select)
+    return json.dumps(body).encode()
 
 
 def _needs_declared(inputs: Mapping[str, Any]) -> bool:
@@ -591,6 +626,7 @@ class Client(_Base):
             self.metadata(pipeline)
         out = decode_outputs(head, tail, _text_outputs(self._desc.get(pipeline)))
         out.fallback = rheaders.get(FALLBACK_HEADER)
+        out.request_id = _request_id(rheaders)
         return _to_torch(out) if as_torch else out
 
     def stream(self, pipeline: str, inputs: Mapping[str, Any], *, deadline_ms: float | None = None,
@@ -627,6 +663,23 @@ class Client(_Base):
             conn.close()
             raise _error(resp.status, {k.lower(): v for k, v in resp.getheaders()}, body)
         return Stream(conn, resp, _text_outputs(self._desc.get(pipeline)), as_torch, t0)
+
+    def feedback(self, pipeline: str, request_id: int | None = None, *, label: Any = None,
+                 reward: float | None = None, items: Sequence[Mapping[str, Any]] | None = None,
+                 select: str | None = None) -> dict[str, Any]:
+        """Tell ``pipeline``'s model selection how an answer did: the true
+        ``label`` (one per row) or a ``reward`` in [0, 1] (exp3), for the
+        request ``request_id`` (``Outputs.request_id``); or many at once,
+        ``items=[{"request_id": ..., "label": ...}, ...]``. Returns
+        ``{"applied", "unknown", "invalid", "errors"}``; one unknown id raises
+        ``NotFound``."""
+        body = feedback_body(request_id, label, reward, items, select)
+        path = f"/v1/pipelines/{urllib.parse.quote(pipeline, safe='')}/feedback"
+        status, headers, resp = self._exchange("POST", path, {"Content-Type": "application/json"}, [body],
+                                               self.timeout)
+        if status != 200:
+            raise _error(status, headers, bytes(resp))
+        return _json(resp)
 
     def ready(self, pipeline: str | None = None) -> bool:
         """Whether the node (or one pipeline of it) serves: every stage has a
@@ -840,6 +893,7 @@ class AsyncClient(_Base):
             await self.metadata(pipeline)
         out = decode_outputs(head, tail, _text_outputs(self._desc.get(pipeline)))
         out.fallback = rheaders.get(FALLBACK_HEADER)
+        out.request_id = _request_id(rheaders)
         return _to_torch(out) if as_torch else out
 
     async def stream(self, pipeline: str, inputs: Mapping[str, Any], *, deadline_ms: float | None = None,
@@ -875,6 +929,18 @@ class AsyncClient(_Base):
                 raise Unreachable(f"no answer from {self.url}: {e!r}", status=None) from None
             raise
         return st
+
+    async def feedback(self, pipeline: str, request_id: int | None = None, *, label: Any = None,
+                       reward: float | None = None, items: Sequence[Mapping[str, Any]] | None = None,
+                       select: str | None = None) -> dict[str, Any]:
+        """:meth:`Client.feedback`, awaited."""
+        body = feedback_body(request_id, label, reward, items, select)
+        path = f"/v1/pipelines/{urllib.parse.quote(pipeline, safe='')}/feedback"
+        status, headers, resp = await self._exchange("POST", path, {"Content-Type": "application/json"}, [body],
+                                                     self.timeout)
+        if status != 200:
+            raise _error(status, headers, resp)
+        return _json(resp)
 
     async def ready(self, pipeline: str | None = None) -> bool:
         """As ``Client.ready``."""

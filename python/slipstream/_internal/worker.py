@@ -42,7 +42,7 @@ from slipstream import _core
 from slipstream._internal import groups, protocol, tensors
 from slipstream._internal.api import DTYPES, VAR_DTYPES, Batch
 from slipstream._internal.app import load_pipelines, store_pools
-from slipstream._internal.needs import Replica
+from slipstream._internal.needs import Replica, loaded_versions
 from slipstream._internal.varlen import decode_var, encode_var, var_kind
 
 
@@ -212,7 +212,12 @@ def result_message(pools: Pools, msg: Mapping[str, Any], result: Any, compute_us
         for off, n in written:
             pools.own.free(off, n)
         raise
-    return {"op": "result", "id": msg["id"], "outputs": outputs, "compute_us": compute_us}
+    reply: dict[str, Any] = {"op": "result", "id": msg["id"], "outputs": outputs, "compute_us": compute_us}
+    versions = loaded_versions()
+    if versions:
+        # Which model computed this (the prediction cache keeps the newest's).
+        reply["versions"] = versions
+    return reply
 
 
 def _die_with_parent() -> None:

@@ -343,8 +343,9 @@ impl Replica {
     }
 
     /// The batch step: what to run now, what expired, when to look again.
-    /// `rest_ns` is the predicted rest of the critical path after this stage.
-    pub fn take_batch(&self, rest_ns: u64) -> Step {
+    /// `rest_ns` is the predicted rest of the critical path after this
+    /// stage (`stage`; work its request no longer needs is skipped).
+    pub fn take_batch(&self, stage: usize, rest_ns: u64) -> Step {
         let now = self.now_ns();
         let epoch = self.epoch;
         let mut st = self.state.lock();
@@ -354,7 +355,7 @@ impl Replica {
             former,
             now,
             rest_ns,
-            |w| w.req.is_done(),
+            |w| w.req.skips(stage),
             |w| w.enqueued.saturating_duration_since(epoch).as_nanos() as u64,
         );
         if taken.skipped > 0 || !taken.expired.is_empty() || !taken.batch.is_empty() {

@@ -200,7 +200,7 @@ pub(crate) enum Next {
 /// fail what expired (counted as dropped late), and say what to run.
 pub(crate) fn next_step(ctx: &ReplicaCtx) -> Next {
     let rest = ctx.pipe.rest_ns(ctx.stage);
-    let step = ctx.me.take_batch(rest);
+    let step = ctx.me.take_batch(ctx.stage, rest);
     let dropped = !step.expired.is_empty();
     if dropped {
         let stage = ctx.stage();
@@ -413,7 +413,7 @@ fn settle(ctx: &ReplicaCtx, b: InFlight, reply: FromWorker) -> Result<(), String
     stage.metrics.busy_us.fetch_add(rtt.as_micros() as u64, Relaxed);
     stage.metrics.batch_size.record(n as u64);
     match reply {
-        FromWorker::Result { id: rid, outputs, compute_us } if rid == b.id => {
+        FromWorker::Result { id: rid, outputs, compute_us, versions } if rid == b.id => {
             stage.metrics.compute_us.record(compute_us);
             stage.metrics.hop_us.record((rtt.as_micros() as u64).saturating_sub(compute_us));
             let worker_copies: Vec<u64> =
@@ -424,7 +424,10 @@ fn settle(ctx: &ReplicaCtx, b: InFlight, reply: FromWorker) -> Result<(), String
                         CopyCounters::add(&ctx.arena.copies.worker, &ctx.arena.copies.worker_bytes, bytes);
                     }
                     maybe_sample(ctx, &b.members[0].1);
-                    for ((req, _), outs) in b.members.into_iter().zip(per_request) {
+                    for ((req, inputs), outs) in b.members.into_iter().zip(per_request) {
+                        if let Some(key) = stage.cache.as_ref().and_then(|c| c.key_of(&inputs)) {
+                            stage.cache.as_ref().expect("checked").put(key, &outs, &versions);
+                        }
                         req.finish_stage(ctx.stage, outs);
                     }
                 }
