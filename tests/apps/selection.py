@@ -9,6 +9,7 @@ The question every candidate answers: is ``x[0] > 0`` (label 1) or not (0)?
 - ``vote``: an Exp4 ensemble of Right, Right2, Wrong and Slow that waits at
   most 80 ms for stragglers.
 - ``per_user``: an Exp4 ensemble of Right and Wrong with one state per ``user``.
+- ``sturdy``: an Exp4 ensemble of Right, Right2 and ``Broken`` (which raises).
 - ``cached``: ``Scale`` (x * the number in ``/models/scale``) with a cache;
   it reports its worker's pid and how many batches it has run.
 """
@@ -65,9 +66,16 @@ class Slow:
         return answer((x[:, 0] > 0).astype(np.int64))
 
 
+@ss.component(max_batch_size=8, inputs=X, outputs=LABEL)
+class Broken:
+    def __call__(self, batch: ss.Batch) -> dict:
+        raise RuntimeError("this model is broken")
+
+
 pick = ss.Pipeline("pick", ss.Select([Right, Wrong, Coin], policy="exp3", eta=0.5))
 vote = ss.Pipeline("vote", ss.Select([Right, Right2, Wrong, Slow], policy="exp4", wait_ms=80),
                    slo=ss.SLO(p99_ms=2000))
+sturdy = ss.Pipeline("sturdy", ss.Select([Right, Right2, Broken], policy="exp4"))
 per_user = ss.Pipeline("per_user", ss.Select([Right, Wrong], policy="exp4", context="user", eta=0.5),
                        inputs={**X, "user": ss.Tensor("string", (-1,))})
 

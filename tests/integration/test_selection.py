@@ -87,6 +87,15 @@ def test_exp4_feedback_moves_weight_off_the_wrong_model(node: Node) -> None:
     assert w["Wrong"] < 0.01 and w["Right"] > 0.3, w
 
 
+def test_an_ensemble_answers_without_a_failing_model(node: Node) -> None:
+    with ss.Client(node.url) as c:
+        for _ in range(3):
+            out = c.infer("sturdy", {"x": np.array([[-1.0, 0.0]], np.float32)})
+            assert out["label"].tolist() == [0] and out["contributors"].tolist() == [2]
+        # Feedback still judges the models that answered.
+        assert c.feedback("sturdy", out.request_id, label=[0])["applied"] == 1
+
+
 def test_contexts_learn_apart(node: Node) -> None:
     rng = np.random.default_rng(2)
     with ss.Client(node.url) as c:

@@ -243,6 +243,36 @@ impl Request {
         }
     }
 
+    /// Stage `stage` failed for this request. A selection's candidate that
+    /// fails counts as one that did not answer: the others still can (an
+    /// ensemble does not fail with one of its models); the request fails
+    /// when none of the chosen answered.
+    pub fn fail_stage(self: &Arc<Self>, stage: usize, err: NodeError) {
+        let Some(k) = self.pipe.select_of[stage].filter(|_| self.only.is_none()) else {
+            return self.fail(err);
+        };
+        let mut st = self.state.lock();
+        let run = &mut st.selects[k];
+        if run.done {
+            return; // a straggler failed after its selection answered
+        }
+        if run.plan.is_none() {
+            drop(st);
+            return self.fail(err);
+        }
+        run.waiting = run.waiting.saturating_sub(1);
+        let any = run.arrived.iter().any(Option::is_some);
+        match (run.waiting, any) {
+            (0, false) => {
+                drop(st);
+                self.fail(err);
+            }
+            (0, true) => self.answer_select(st, k),
+            _ if run.cut && any => self.answer_select(st, k),
+            _ => {}
+        }
+    }
+
     /// Combine selection `k`'s answers and move the request on, as if every
     /// candidate had finished: the first carries the combined outputs, the
     /// others none, so the stages after them see one answer.
@@ -403,7 +433,8 @@ impl Request {
     /// stages' chunks stay inside the pipeline: their children get the
     /// stage's final output).
     pub fn push_chunk(&self, stage: usize, outputs: Tensors) {
-        if self.only.is_some() || !self.pipe.dag.sinks.contains(&stage) {
+        // A selection's candidates answer through the selection, never in chunks.
+        if self.only.is_some() || !self.pipe.dag.sinks.contains(&stage) || self.pipe.select_of[stage].is_some() {
             return;
         }
         if let Some(tx) = &self.state.lock().chunks {

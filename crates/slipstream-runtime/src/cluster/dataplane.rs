@@ -382,7 +382,7 @@ async fn send_batch(ctx: &ReplicaCtx, cluster: &Cluster, batch: Vec<Work>, budge
             return Err(why);
         }
         Err(PeerError::Alloc(why)) => {
-            fail_all(members, |_| NodeError::Unavailable { stage: stage.name.clone(), reason: why.clone() });
+            fail_all(ctx.stage, members, |_| NodeError::Unavailable { stage: stage.name.clone(), reason: why.clone() });
             return Ok(());
         }
         Err(e) => {
@@ -398,14 +398,14 @@ async fn send_batch(ctx: &ReplicaCtx, cluster: &Cluster, batch: Vec<Work>, budge
         Ok(m) => m,
         Err(e) => {
             let why = format!("node {} sent a malformed reply: {e}", at.node);
-            fail_all(members, |_| NodeError::Internal(why.clone()));
+            fail_all(ctx.stage, members, |_| NodeError::Internal(why.clone()));
             return Ok(());
         }
     };
     ctx.me.set_backlog(meta.outstanding);
     if meta.results.len() != n {
         let why = format!("node {} answered {} of {n} requests", at.node, meta.results.len());
-        fail_all(members, |_| NodeError::Internal(why.clone()));
+        fail_all(ctx.stage, members, |_| NodeError::Internal(why.clone()));
         return Ok(());
     }
     let counts = meta.results.iter().map(|r| match r {
@@ -416,7 +416,7 @@ async fn send_batch(ctx: &ReplicaCtx, cluster: &Cluster, batch: Vec<Work>, budge
     let outs = match split_incoming(block, inc.tensors, counts) {
         Ok(o) => o,
         Err(e) => {
-            fail_all(members, |_| NodeError::Internal(e.clone()));
+            fail_all(ctx.stage, members, |_| NodeError::Internal(e.clone()));
             return Ok(());
         }
     };

@@ -389,7 +389,10 @@ fn prepare(ctx: &ReplicaCtx, batch: Vec<Work>, budget_ns: u64) -> Option<(ToWork
             }
             Err(e) => {
                 let msg = e.to_string();
-                fail_all(members, |_| NodeError::Unavailable { stage: stage.name.clone(), reason: msg.clone() });
+                fail_all(ctx.stage, members, |_| NodeError::Unavailable {
+                    stage: stage.name.clone(),
+                    reason: msg.clone(),
+                });
                 return None;
             }
         }
@@ -434,14 +437,20 @@ fn settle(ctx: &ReplicaCtx, b: InFlight, reply: FromWorker) -> Result<(), String
                 Err(e) => {
                     stage.metrics.errors.fetch_add(n as u64, Relaxed);
                     let msg = e.to_string();
-                    fail_all(b.members, |_| NodeError::Component { stage: stage.name.clone(), message: msg.clone() });
+                    fail_all(ctx.stage, b.members, |_| NodeError::Component {
+                        stage: stage.name.clone(),
+                        message: msg.clone(),
+                    });
                 }
             }
             Ok(())
         }
         FromWorker::Error { id: rid, message, .. } if rid == b.id => {
             stage.metrics.errors.fetch_add(n as u64, Relaxed);
-            fail_all(b.members, |_| NodeError::Component { stage: stage.name.clone(), message: message.clone() });
+            fail_all(ctx.stage, b.members, |_| NodeError::Component {
+                stage: stage.name.clone(),
+                message: message.clone(),
+            });
             Ok(())
         }
         other => {
@@ -580,10 +589,11 @@ async fn serve_concurrent(ctx: &mut ReplicaCtx, w: &mut Worker, limit: usize) ->
     }
 }
 
-pub(crate) fn fail_all(members: Vec<(Arc<Request>, Tensors)>, err: impl Fn(&Request) -> NodeError) {
+/// Fail this stage's work for each member (see [`Request::fail_stage`]).
+pub(crate) fn fail_all(stage: usize, members: Vec<(Arc<Request>, Tensors)>, err: impl Fn(&Request) -> NodeError) {
     for (req, _) in members {
         let e = err(&req);
-        req.fail(e);
+        req.fail_stage(stage, e);
     }
 }
 
@@ -593,10 +603,13 @@ pub(crate) fn retry_or_fail(ctx: &ReplicaCtx, members: Vec<(Arc<Request>, Tensor
     let stage = ctx.stage();
     ctx.me.worker_died();
     let fail = |req: Arc<Request>| {
-        req.fail(NodeError::Unavailable {
-            stage: stage.name.clone(),
-            reason: format!("its worker died while running the request ({why})"),
-        })
+        req.fail_stage(
+            ctx.stage,
+            NodeError::Unavailable {
+                stage: stage.name.clone(),
+                reason: format!("its worker died while running the request ({why})"),
+            },
+        )
     };
     for (req, _) in members {
         if req.retried.swap(true, Relaxed) {
