@@ -101,6 +101,10 @@ def test_infer_with_numpy_inputs_returns_raw_outputs(client: Any) -> None:
     assert resp.id == "r7" and resp.model_name == "chain" and resp.model_version == "1"
     assert [o.name for o in resp.outputs] == ["y"]
     assert len(resp.raw_output_contents) == 1 and len(resp.raw_output_contents[0]) == x.nbytes
+    # The node's id of the request, for feedback on it (as HTTP's x-slipstream-request-id).
+    first = resp.parameters["slipstream_request_id"].int64_param
+    later = client.infer("chain", [fp32_input(x)]).get_response().parameters["slipstream_request_id"].int64_param
+    assert later > first > 0
     # No outputs named: all of them, each with its own datatype.
     res = client.infer("chain", [fp32_input(x)])
     assert {o.name for o in res.get_response().outputs} == {"y", "pid"}

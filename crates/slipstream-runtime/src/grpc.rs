@@ -61,6 +61,8 @@ use tonic::{Code, Request, Response, Status, Streaming};
 /// The response parameter (and unary response metadata) naming why an
 /// answer is the pipeline's declared fallback.
 pub const FALLBACK_KEY: &str = "x-slipstream-fallback";
+/// The response parameter naming the node's id of the request.
+pub const REQUEST_ID_KEY: &str = "slipstream_request_id";
 
 /// Requests of one `ModelStreamInfer` call in the node at once; the stream
 /// is read no further until one finishes (HTTP/2 flow control then holds
@@ -163,6 +165,11 @@ async fn infer(
     let mut resp = codec::encode_grpc(pipe.name(), &asked, &ans.outputs)?;
     if let Some(why) = ans.fallback {
         resp.parameters.insert(FALLBACK_KEY.into(), string_param(why));
+    }
+    if let Some(id) = ans.id {
+        // For feedback on this answer (POST /v1/pipelines/{name}/feedback).
+        let id = InferParameter { parameter_choice: Some(ParameterChoice::Int64Param(id as i64)) };
+        resp.parameters.insert(REQUEST_ID_KEY.into(), id);
     }
     Ok((resp, ans.fallback))
 }
