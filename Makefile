@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CARGO ?= $(shell command -v cargo 2>/dev/null || echo $$HOME/.cargo/bin/cargo)
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup build lint test test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-cluster bench-plan bench-grpc bench-stream bench-gpu data data-small demo clean fmt
+.PHONY: setup build lint test test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-cluster bench-plan bench-grpc bench-stream bench-gpu bench-clipper data data-small demo clean fmt
 
 setup: $(VENV)/.installed
 
@@ -123,6 +123,12 @@ bench-stream: setup
 bench-gpu: setup
 	@command -v oha >/dev/null || $(CARGO) install oha --locked
 	$(PY) bench/gpu.py
+
+# Clipper's selection layer on four scikit-learn digit classifiers: accuracy under
+# feedback (Exp3, Exp4), a model degraded mid-run, the straggler bound, the prediction
+# cache on a Zipf stream: bench/results/clipper.{json,md} and clipper_accuracy.png.
+bench-clipper: setup
+	$(PY) bench/clipper.py
 
 # The RAG corpus, embeddings and index (about 35 min on 2 cores; resumable).
 data: setup

@@ -109,6 +109,9 @@ pub struct Node {
     /// Start-up finished: every first worker reported ready.
     serving: AtomicBool,
     draining: AtomicBool,
+    /// Wakes long waits (store watches) when draining starts, so that they
+    /// answer at once instead of holding the graceful shutdown.
+    drain_signal: tokio::sync::watch::Sender<bool>,
     inflight: AtomicUsize,
     idle: Notify,
     next_id: AtomicU64,
@@ -166,6 +169,7 @@ impl Node {
             port: std::sync::atomic::AtomicU16::new(0),
             serving: AtomicBool::new(false),
             draining: AtomicBool::new(false),
+            drain_signal: tokio::sync::watch::channel(false).0,
             inflight: AtomicUsize::new(0),
             idle: Notify::new(),
             next_id: AtomicU64::new(1),
@@ -230,7 +234,13 @@ impl Node {
     /// Refuse new work from now on; returns the requests still in flight.
     pub fn start_draining(&self) -> usize {
         self.draining.store(true, Relaxed);
+        self.drain_signal.send_replace(true);
         self.inflight()
+    }
+
+    /// Changes when draining starts.
+    pub fn on_drain(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.drain_signal.subscribe()
     }
 
     /// Wait until no request is in flight.

@@ -431,7 +431,18 @@ impl PipelineRt {
     /// the predicted overshoot.
     pub fn admit(&self, t: &Ticket) -> Result<(), Duration> {
         let now = self.now_ns();
-        let loads: Vec<ReplicaLoad> = t.route.iter().map(|r| r.load()).collect();
+        let mut loads: Vec<ReplicaLoad> = t.route.iter().map(|r| r.load()).collect();
+        for sel in self.selects.iter().filter(|s| s.spec.policy == crate::spec::Policy::Exp4) {
+            // An ensemble answers once its first candidates are in, at its
+            // straggler cutoff at the latest (which leaves the rest of the
+            // pipeline its time): its candidates take as long as the
+            // fastest one. A straggler's backlog is skipped, not waited on.
+            let eta = |c: usize| loads[c].backlog_ns(now) + loads[c].single_ns;
+            if let Some(fast) = sel.candidates.iter().copied().min_by_key(|&c| eta(c)) {
+                let l = loads[fast];
+                sel.candidates.iter().for_each(|&c| loads[c] = l);
+            }
+        }
         let prediction = self.dag.predict(&loads, now);
         let budget = self.ns_at(t.deadline).saturating_sub(now);
         self.gate.lock().decide(prediction, budget).map_err(Duration::from_nanos)

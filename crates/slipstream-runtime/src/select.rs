@@ -24,8 +24,9 @@
 //!   cache); a straggler's late prediction still lands in the log, so a slow
 //!   model is still judged.
 //! - **Contexts:** with `context`, each value of that string input (a user,
-//!   a session) has its own weights (Clipper's contextualization); at most
-//!   [`MAX_CONTEXTS`], the oldest forgotten first.
+//!   a session) has its own weights (Clipper's contextualization), uniform
+//!   until its first feedback; at most [`MAX_CONTEXTS`] are kept (counted
+//!   once they have had feedback), the oldest forgotten first.
 //!
 //! The request's side (which candidates run, when the answer is combined)
 //! is in [`crate::request`].
@@ -147,13 +148,20 @@ impl Selector {
         }
     }
 
+    /// The log-weights a request in `context` is planned with: the
+    /// context's own, uniform for a context that has had no feedback yet
+    /// (as its state will start), the default context's without one.
+    fn log_weights(&self, context: Option<&str>) -> Vec<f64> {
+        let w = self.weights.lock();
+        match context {
+            None => w.global.clone(),
+            Some(c) => w.contexts.get(c).cloned().unwrap_or_else(|| vec![0.0; w.global.len()]),
+        }
+    }
+
     /// Decide which candidates run for one request (in `context`).
     pub fn plan(&self, context: Option<String>) -> Plan {
-        let probs = {
-            let w = self.weights.lock();
-            let lw = context.as_ref().and_then(|c| w.contexts.get(c)).unwrap_or(&w.global);
-            self.probabilities(lw)
-        };
+        let probs = self.probabilities(&self.log_weights(context.as_deref()));
         let chosen = match self.spec.policy {
             Policy::Exp4 => vec![true; probs.len()],
             Policy::Exp3 => {
@@ -343,11 +351,8 @@ impl Selector {
 
     /// The policy's state, for `/v1/status` (the default context, or `context`'s).
     pub fn report(&self, context: Option<&str>) -> Value {
-        let (weights, contexts) = {
-            let w = self.weights.lock();
-            let lw = context.and_then(|c| w.contexts.get(c)).unwrap_or(&w.global);
-            (lw.clone(), w.contexts.len())
-        };
+        let weights = self.log_weights(context);
+        let contexts = self.weights.lock().contexts.len();
         json!({
             "name": self.spec.name,
             "policy": self.spec.policy,

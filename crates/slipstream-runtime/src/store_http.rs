@@ -187,6 +187,7 @@ async fn watch(node: &Arc<Node>, query: &HashMap<String, String>) -> Result<Resp
     let until = tokio::time::Instant::now() + Duration::from_millis(timeout);
     let mut changed = node.store.subscribe();
     let mut stop = node.supervisor.stop.clone();
+    let mut draining = node.on_drain();
     let mut since = since;
     loop {
         changed.mark_unchanged();
@@ -199,6 +200,7 @@ async fn watch(node: &Arc<Node>, query: &HashMap<String, String>) -> Result<Resp
             _ = changed.changed() => {}
             _ = tokio::time::sleep_until(until) => {}
             _ = stop.changed() => {}
+            _ = draining.changed() => {}
         }
     }
 }
