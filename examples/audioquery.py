@@ -136,20 +136,13 @@ LABELS: dict[str, tuple[str, ...]] = {
 
 def index_dir() -> Path:
     """The index this app serves, per ``AQ_INDEX``."""
-    full = vindex.rag_index_dir(None)
-    built = (full / vindex.META_FILE).is_file() and (full / vindex.IDS_FILE).is_file()
-    if MODE == "full" or (MODE == "auto" and built):
-        if not built:
-            raise FileNotFoundError(f"AQ_INDEX=full but {full} holds no index: run "
-                                    "`nice -n 15 .venv/bin/python scripts/prepare_rag.py` first")
-        return full
-    return vindex.rag_index_dir(SLICE)
+    return vindex.served_index_dir(MODE, SLICE, "AQ_INDEX")
 
 
 def ensure_index() -> Path:
     """The index directory, building the slice if it is the one chosen and missing."""
     d = index_dir()
-    if not (d / vindex.META_FILE).is_file() or not (d / vindex.IDS_FILE).is_file():
+    if not vindex.is_built(d):
         try:
             vindex.prepare(small=SLICE, threads=2)
         except (corpus.CorpusError, ModelNotInstalled) as e:

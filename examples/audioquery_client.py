@@ -116,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             import audioquery  # the server's choice of index, from the same environment
 
             args.index_dir = audioquery.index_dir()
-        held = set(vindex.indexed_ids(args.index_dir).tolist())
-        queries = [q for q in corpus.load_queries() if q["passage_id"] in held][: args.n]
+        queries = vindex.held_queries(args.index_dir)[: args.n]
         width = max_samples(args.url, args.pipeline)
     except (FileNotFoundError, corpus.CorpusError, RuntimeError, OSError) as e:
         print(f"audioquery_client: {e}", file=sys.stderr)

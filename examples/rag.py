@@ -110,21 +110,17 @@ if MODE not in ("auto", "full", "small"):
 
 def index_dir() -> Path:
     """The index this app serves, per ``RAG_INDEX`` (see the module doc)."""
-    full = vindex.rag_index_dir(None)
-    built = (full / vindex.META_FILE).is_file() and (full / vindex.IDS_FILE).is_file()
-    if MODE == "full" or (MODE == "auto" and built):
-        if not built:
-            raise ss.ConfigError(f"RAG_INDEX=full but {full} holds no index: run "
-                                    "`nice -n 15 .venv/bin/python scripts/prepare_rag.py` first")
-        return full
-    return vindex.rag_index_dir(SLICE)
+    try:
+        return vindex.served_index_dir(MODE, SLICE, "RAG_INDEX")
+    except FileNotFoundError as e:
+        raise ss.ConfigError(str(e)) from None
 
 
 def ensure_index() -> Path:
     """The index directory, building the slice (corpus, ONNX graph,
     embeddings, index) if it is the one chosen and is missing."""
     d = index_dir()
-    if not (d / vindex.META_FILE).is_file() or not (d / vindex.IDS_FILE).is_file():
+    if not vindex.is_built(d):
         try:
             vindex.prepare(small=SLICE, threads=max(THREADS, 2))
         except (corpus.CorpusError, ModelNotInstalled) as e:

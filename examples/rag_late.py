@@ -129,14 +129,10 @@ except ValueError as e:
 def index_dir() -> Path:
     """The index served, per ``RAG_INDEX``: the full one if built (or
     required), else the slice of ``RAG_SLICE`` passages."""
-    full = vindex.rag_index_dir(None)
-    built = (full / vindex.META_FILE).is_file() and (full / vindex.IDS_FILE).is_file()
-    if MODE == "full" or (MODE == "auto" and built):
-        if not built:
-            raise ss.ConfigError(f"RAG_INDEX=full but {full} holds no index: run "
-                                 "`nice -n 15 .venv/bin/python scripts/prepare_rag.py` first")
-        return full
-    return vindex.rag_index_dir(SLICE)
+    try:
+        return vindex.served_index_dir(MODE, SLICE, "RAG_INDEX")
+    except FileNotFoundError as e:
+        raise ss.ConfigError(str(e)) from None
 
 
 def ensure_data() -> Path:
@@ -144,7 +140,7 @@ def ensure_data() -> Path:
     (the slice's index, the token graph, the token embeddings)."""
     d = index_dir()
     try:
-        if not (d / vindex.META_FILE).is_file() or not (d / vindex.IDS_FILE).is_file():
+        if not vindex.is_built(d):
             vindex.prepare(small=SLICE, threads=max(THREADS, 2))
         build_onnx(tokens=True)
         late.ensure_tokens(d, threads=max(THREADS, 2))

@@ -307,9 +307,37 @@ def rag_index_dir(small: int | None = None) -> Path:
     return data_dir("rag", create=False) / ("index" if not small else f"slice-{int(small)}")
 
 
+def is_built(directory: Path) -> bool:
+    """Whether ``directory`` holds a built RAG index (its metadata and ids)."""
+    return (Path(directory) / META_FILE).is_file() and (Path(directory) / IDS_FILE).is_file()
+
+
+def served_index_dir(mode: str, small: int, setting: str) -> Path:
+    """The index an app serves: the full one when ``mode`` is ``full``, or
+    ``auto`` and it is built; else the slice of ``small`` passages.
+    FileNotFoundError (naming ``setting``, the app's variable) when
+    ``full`` is required and not built."""
+    full = rag_index_dir(None)
+    built = is_built(full)
+    if mode == "full" or (mode == "auto" and built):
+        if not built:
+            raise FileNotFoundError(f"{setting}=full but {full} holds no index: run "
+                                    "`nice -n 15 .venv/bin/python scripts/prepare_rag.py` first")
+        return full
+    return rag_index_dir(small)
+
+
 def indexed_ids(directory: Path) -> np.ndarray:
     """The sorted passage ids a RAG index directory holds."""
     return np.load(Path(directory) / IDS_FILE)
+
+
+def held_queries(directory: Path) -> list[dict]:
+    """The benchmark queries whose right passage the index in ``directory`` holds."""
+    from . import corpus
+
+    held = set(indexed_ids(directory).tolist())
+    return [q for q in corpus.load_queries() if q["passage_id"] in held]
 
 
 def slice_ids(n: int, n_passages: int, queries: Sequence[dict], seed: int = 1234) -> np.ndarray:
@@ -342,7 +370,7 @@ def prepare(small: int | None = None, threads: int = 2, batch_size: int = 8, for
     passages = corpus.load_passages()
     queries = corpus.load_queries()
     out_dir = rag_index_dir(small)
-    if (out_dir / META_FILE).is_file() and (out_dir / IDS_FILE).is_file() and not force:
+    if is_built(out_dir) and not force:
         meta = json.loads((out_dir / META_FILE).read_text())
         if meta.get("corpus") == corpus_key(passages):
             log(f"rag: index ready in {out_dir} ({meta['n']} passages, nprobe {meta['nprobe']})")

@@ -27,7 +27,7 @@ from tests.conftest import ROOT, Node
 
 sys.path.insert(0, str(ROOT / "examples"))
 
-from models import corpus, speech, vindex  # noqa: E402
+from models import speech, vindex  # noqa: E402
 
 SLICE = 300  # the same slice as test_rag.py, so it is built once
 ENV = {"AQ_INDEX": "small", "AQ_SLICE": str(SLICE), "AQ_SLO_MS": "20000"}
@@ -57,8 +57,7 @@ def node(slice_dir: Path) -> Iterator[Node]:
 
 @pytest.fixture(scope="module")
 def queries(slice_dir: Path) -> list[dict]:
-    held = set(vindex.indexed_ids(slice_dir).tolist())
-    return [q for q in corpus.load_queries() if q["passage_id"] in held]
+    return vindex.held_queries(slice_dir)
 
 
 @pytest.fixture(scope="module")

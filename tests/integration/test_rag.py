@@ -175,8 +175,7 @@ def rag_node(slice_dir: Path) -> Iterator[Node]:
 
 
 def slice_queries(slice_dir: Path) -> list[dict]:
-    held = set(vindex.indexed_ids(slice_dir).tolist())
-    qs = [q for q in corpus.load_queries() if q["passage_id"] in held]
+    qs = vindex.held_queries(slice_dir)
     assert len(qs) >= RAG_SLICE_TEST // 2
     return qs
 

@@ -21,7 +21,7 @@ from tests.conftest import ROOT, Node
 
 sys.path.insert(0, str(ROOT / "examples"))
 
-from models import corpus, late, minilm, vindex  # noqa: E402
+from models import late, minilm, vindex  # noqa: E402
 
 minilm.model_dir()  # `make setup` installs the model; without it these tests fail with its message
 
@@ -48,8 +48,7 @@ def late_node(slice_dir: Path) -> Iterator[Node]:
 
 
 def slice_queries(slice_dir: Path) -> list[dict]:
-    held = set(vindex.indexed_ids(slice_dir).tolist())
-    return [q for q in corpus.load_queries() if q["passage_id"] in held]
+    return vindex.held_queries(slice_dir)
 
 
 def test_known_queries_find_their_passages_reranked(late_node: Node, slice_dir: Path) -> None:
