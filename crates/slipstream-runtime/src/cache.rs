@@ -103,9 +103,17 @@ impl PredictionCache {
         }
     }
 
-    /// The key of a request's inputs to the stage; None when one of the
-    /// key's inputs is missing.
-    pub fn key_of(&self, inputs: &Tensors) -> Option<u128> {
+    /// The key of a request's inputs to the stage; None (counted as
+    /// uncacheable) when one of the key's inputs is missing.
+    pub fn key(&self, inputs: &Tensors) -> Option<u128> {
+        let key = self.key_of(inputs);
+        if key.is_none() {
+            self.uncacheable.fetch_add(1, Relaxed);
+        }
+        key
+    }
+
+    fn key_of(&self, inputs: &Tensors) -> Option<u128> {
         let mut h = Xxh3::new();
         let mut add = |name: &str, t: &crate::arena::TensorRef| {
             h.update(&(name.len() as u64).to_le_bytes());
@@ -132,16 +140,6 @@ impl PredictionCache {
             }
         }
         Some(h.digest128())
-    }
-
-    /// The cached outputs of a request with these inputs, if any (counted
-    /// as a hit, a miss, or uncacheable without a key).
-    pub fn lookup(&self, inputs: &Tensors) -> Option<Arc<HeapTensors>> {
-        let Some(key) = self.key_of(inputs) else {
-            self.uncacheable.fetch_add(1, Relaxed);
-            return None;
-        };
-        self.get(key)
     }
 
     /// The cached outputs for `key`, if any (counted as a hit or a miss).
@@ -385,7 +383,7 @@ mod tests {
         let mut t2 = tensors(&a, "x", &[1.0]);
         t2.extend(tensors(&a, "noise", &[6.0]));
         assert_eq!(c.key_of(&t1), c.key_of(&t2));
-        assert!(c.lookup(&tensors(&a, "other", &[1.0])).is_none());
+        assert!(c.key(&tensors(&a, "other", &[1.0])).is_none());
         assert_eq!(c.stats().uncacheable, 1);
     }
 

@@ -484,10 +484,12 @@ impl PipelineRt {
     pub fn enqueue(&self, req: Arc<Request>, stage: usize) {
         let s = &self.stages[stage];
         if let Some(cache) = &s.cache {
-            let hit = req.stage_inputs(stage).ok().and_then(|inputs| cache.lookup(&inputs));
-            if let Some(outs) = hit.and_then(|h| h.to_arena(&self.arena).ok()) {
-                req.finish_stage(stage, outs);
-                return;
+            if let Some(key) = req.stage_inputs(stage).ok().and_then(|inputs| cache.key(&inputs)) {
+                if let Some(outs) = cache.get(key).and_then(|h| h.to_arena(&self.arena).ok()) {
+                    req.finish_stage(stage, outs);
+                    return;
+                }
+                req.set_cache_key(stage, key);
             }
         }
         let routed = req.route[stage].clone();

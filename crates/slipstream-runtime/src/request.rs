@@ -44,6 +44,10 @@ struct State {
     chunks: Option<Chunks>,
     /// Per model selection of the pipeline: its plan and what has arrived.
     selects: Vec<SelectRun>,
+    /// Per stage, the prediction-cache key of a request that missed (so the
+    /// result is kept under it without hashing the inputs again); empty
+    /// when the pipeline caches nothing.
+    cache_keys: Vec<Option<u128>>,
 }
 
 /// One request's progress through one model selection (see [`crate::select`]).
@@ -128,6 +132,7 @@ impl Request {
             reply: Some(tx),
             chunks,
             selects: pipe.selects.iter().map(|_| SelectRun::default()).collect(),
+            cache_keys: if pipe.stages.iter().any(|s| s.cache.is_some()) { vec![None; n] } else { Vec::new() },
         };
         let deadline_ns = pipe.ns_at(deadline);
         let req = Arc::new(Request {
@@ -326,6 +331,18 @@ impl Request {
         self.is_done()
             || (self.only.is_none()
                 && self.pipe.select_of[stage].is_some_and(|k| self.selects_done.load(Relaxed) & (1 << k) != 0))
+    }
+
+    /// Remember the cache key under which stage `stage`'s result is kept.
+    pub fn set_cache_key(&self, stage: usize, key: u128) {
+        if let Some(k) = self.state.lock().cache_keys.get_mut(stage) {
+            *k = Some(key);
+        }
+    }
+
+    /// The cache key of stage `stage`'s result, if its lookup missed.
+    pub fn cache_key(&self, stage: usize) -> Option<u128> {
+        self.state.lock().cache_keys.get(stage).copied().flatten()
     }
 
     /// The tensors stage `stage` consumes: the pipeline inputs for a root

@@ -127,7 +127,7 @@ impl Selector {
             unknown_feedback: AtomicU64::new(0),
             cut_short: AtomicU64::new(0),
             late: AtomicU64::new(0),
-            rng: AtomicU64::new(0x9e37_79b9_7f4a_7c15 ^ Instant::now().elapsed().as_nanos() as u64),
+            rng: AtomicU64::new(clock_seed()),
             candidates,
         }
     }
@@ -206,10 +206,10 @@ impl Selector {
             labels[i] = Some(read_labels(out, rows).map_err(|e| format!("candidate '{}': {e}", names[i]))?);
             probas[i] = read_proba(out, rows).map_err(|e| format!("candidate '{}': {e}", names[i]))?;
         }
-        let contributors = labels.iter().filter(|l| l.is_some()).count();
-        if contributors == 0 {
+        let Some(first) = labels.iter().position(Option::is_some) else {
             return Err("no candidate answered".into());
-        }
+        };
+        let contributors = labels.iter().flatten().count();
         if contributors < plan.chosen.iter().filter(|c| **c).count() {
             self.cut_short.fetch_add(1, Relaxed);
         }
@@ -238,30 +238,25 @@ impl Selector {
                     None => scores[l[r] as usize] += w,
                 }
             }
-            let best = argmax(&scores);
-            let conf = match self.spec.policy {
-                Policy::Exp4 => scores[best],
-                // One model's answer: its own probability if it gives one,
-                // else how sure the policy was in choosing it.
-                Policy::Exp3 => {
-                    let i = labels.iter().position(|l| l.is_some()).expect("one answered");
-                    if probas[i].is_some() {
-                        scores[best]
-                    } else {
-                        plan.probs[i]
-                    }
+            let (label, conf) = match self.spec.policy {
+                Policy::Exp4 => {
+                    let best = argmax(&scores);
+                    (best as i64, scores[best])
                 }
-            };
-            let label = match self.spec.policy {
-                Policy::Exp4 => best as i64,
-                Policy::Exp3 => labels.iter().flatten().next().expect("one answered")[r],
+                // One model's answer: its own probability for its label if
+                // it gives probabilities, else how sure the policy was in
+                // choosing it.
+                Policy::Exp3 => {
+                    let label = labels[first].as_ref().expect("answered")[r];
+                    (label, if probas[first].is_some() { scores[label as usize] } else { plan.probs[first] })
+                }
             };
             out_label.push(label);
             out_conf.push(conf as f32);
         }
         let model = match self.spec.policy {
             Policy::Exp4 => "ensemble",
-            Policy::Exp3 => names[labels.iter().position(|l| l.is_some()).expect("one answered")],
+            Policy::Exp3 => names[first],
         };
         let mut model_bytes = Vec::new();
         for _ in 0..rows_n {
@@ -478,6 +473,12 @@ fn argmax(v: &[f64]) -> usize {
         }
     }
     best
+}
+
+/// A seed from the wall clock, so that each node start draws differently.
+fn clock_seed() -> u64 {
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    splitmix((t as u64) ^ ((t >> 64) as u64))
 }
 
 fn splitmix(mut z: u64) -> u64 {

@@ -427,9 +427,9 @@ fn settle(ctx: &ReplicaCtx, b: InFlight, reply: FromWorker) -> Result<(), String
                         CopyCounters::add(&ctx.arena.copies.worker, &ctx.arena.copies.worker_bytes, bytes);
                     }
                     maybe_sample(ctx, &b.members[0].1);
-                    for ((req, inputs), outs) in b.members.into_iter().zip(per_request) {
-                        if let Some(key) = stage.cache.as_ref().and_then(|c| c.key_of(&inputs)) {
-                            stage.cache.as_ref().expect("checked").put(key, &outs, &versions);
+                    for ((req, _), outs) in b.members.into_iter().zip(per_request) {
+                        if let (Some(cache), Some(key)) = (&stage.cache, req.cache_key(ctx.stage)) {
+                            cache.put(key, &outs, &versions);
                         }
                         req.finish_stage(ctx.stage, outs);
                     }
