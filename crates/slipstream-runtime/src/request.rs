@@ -59,8 +59,6 @@ struct SelectRun {
     waiting: usize,
     /// The straggler cutoff passed before any answer: the first answers.
     cut: bool,
-    /// The combined answer has gone on; later answers are only logged.
-    done: bool,
     /// The request's rows (its inputs are released when it answers).
     rows: u64,
 }
@@ -83,7 +81,8 @@ pub struct Request {
     /// [`Request::for_stage`]): only that stage runs, and its outputs are the answer.
     only: Option<usize>,
     done: AtomicBool,
-    /// Bit k: selection k has answered (its stragglers' queued work is skipped).
+    /// Bit k: selection k has answered (later answers are only logged, and
+    /// its stragglers' queued work is skipped).
     selects_done: AtomicU64,
     state: Mutex<State>,
 }
@@ -213,7 +212,7 @@ impl Request {
     /// with the first answer if none has yet.
     fn cut_select(self: &Arc<Self>, k: usize) {
         let mut st = self.state.lock();
-        if st.reply.is_none() || st.selects[k].done {
+        if st.reply.is_none() || self.select_answered(k) {
             return;
         }
         let run = &mut st.selects[k];
@@ -224,58 +223,57 @@ impl Request {
         self.answer_select(st, k);
     }
 
-    /// A candidate of selection `k` answered.
-    fn candidate_done(self: &Arc<Self>, k: usize, stage: usize, outputs: Tensors) {
+    /// A candidate of selection `k` answered (`Ok`) or failed (`Err`). A
+    /// failed candidate counts as one that did not answer: the others still
+    /// can (an ensemble does not fail with one of its models); the request
+    /// fails when none of the chosen answered. After the selection has
+    /// answered, a straggler's answer only counts for feedback.
+    fn candidate_settled(self: &Arc<Self>, k: usize, stage: usize, result: Result<Tensors, NodeError>) {
         let sel = &self.pipe.selects[k];
         let pos = sel.position(stage).expect("a candidate of its selection");
         let mut st = self.state.lock();
-        let run = &mut st.selects[k];
-        if run.done {
-            // A straggler: its answer only counts for feedback.
-            let rows = run.rows;
-            drop(st);
-            sel.late(self.id, pos, &outputs, rows);
+        if self.select_answered(k) {
+            if let Ok(outputs) = result {
+                let rows = st.selects[k].rows;
+                drop(st);
+                sel.late(self.id, pos, &outputs, rows);
+            }
             return;
         }
         if st.reply.is_none() {
             return;
         }
         let run = &mut st.selects[k];
-        run.arrived[pos] = Some(outputs);
+        let failed = match result {
+            Ok(outputs) => {
+                run.arrived[pos] = Some(outputs);
+                None
+            }
+            Err(e) => Some(e),
+        };
         run.waiting = run.waiting.saturating_sub(1);
-        if run.waiting == 0 || run.cut {
+        let any = run.arrived.iter().any(Option::is_some);
+        if any && (run.waiting == 0 || run.cut) {
             self.answer_select(st, k);
+        } else if let (0, Some(e)) = (run.waiting, failed) {
+            drop(st);
+            self.fail(e);
         }
     }
 
-    /// Stage `stage` failed for this request. A selection's candidate that
-    /// fails counts as one that did not answer: the others still can (an
-    /// ensemble does not fail with one of its models); the request fails
-    /// when none of the chosen answered.
+    /// Stage `stage` failed for this request (see [`Request::candidate_settled`]
+    /// for a selection's candidates).
     pub fn fail_stage(self: &Arc<Self>, stage: usize, err: NodeError) {
-        let Some(k) = self.pipe.select_of[stage].filter(|_| self.only.is_none()) else {
-            return self.fail(err);
-        };
-        let mut st = self.state.lock();
-        let run = &mut st.selects[k];
-        if run.done {
-            return; // a straggler failed after its selection answered
+        match self.pipe.select_of[stage].filter(|_| self.only.is_none()) {
+            Some(k) => self.candidate_settled(k, stage, Err(err)),
+            None => self.fail(err),
         }
-        if run.plan.is_none() {
-            drop(st);
-            return self.fail(err);
-        }
-        run.waiting = run.waiting.saturating_sub(1);
-        let any = run.arrived.iter().any(Option::is_some);
-        match (run.waiting, any) {
-            (0, false) => {
-                drop(st);
-                self.fail(err);
-            }
-            (0, true) => self.answer_select(st, k),
-            _ if run.cut && any => self.answer_select(st, k),
-            _ => {}
-        }
+    }
+
+    /// Whether selection `k` has answered (set under the state lock, read
+    /// without it by [`Request::skips`]).
+    fn select_answered(&self, k: usize) -> bool {
+        self.selects_done.load(Relaxed) & (1 << k) != 0
     }
 
     /// Combine selection `k`'s answers and move the request on, as if every
@@ -284,9 +282,8 @@ impl Request {
     fn answer_select(self: &Arc<Self>, mut st: parking_lot::MutexGuard<'_, State>, k: usize) {
         let pipe = &self.pipe;
         let sel = &pipe.selects[k];
-        let run = &mut st.selects[k];
-        run.done = true;
         self.selects_done.fetch_or(1 << k, Relaxed);
+        let run = &mut st.selects[k];
         let plan = run.plan.take().expect("planned before any answer");
         let arrived = std::mem::take(&mut run.arrived);
         let rows = run.rows;
@@ -328,9 +325,7 @@ impl Request {
     /// needed: the request is done, or the stage is a candidate of a
     /// selection that has answered without it (a straggler).
     pub fn skips(&self, stage: usize) -> bool {
-        self.is_done()
-            || (self.only.is_none()
-                && self.pipe.select_of[stage].is_some_and(|k| self.selects_done.load(Relaxed) & (1 << k) != 0))
+        self.is_done() || (self.only.is_none() && self.pipe.select_of[stage].is_some_and(|k| self.select_answered(k)))
     }
 
     /// Remember the cache key under which stage `stage`'s result is kept.
@@ -375,7 +370,7 @@ impl Request {
     pub fn finish_stage(self: &Arc<Self>, stage: usize, outputs: Tensors) {
         if self.only.is_none() {
             if let Some(k) = self.pipe.select_of[stage] {
-                return self.candidate_done(k, stage, outputs);
+                return self.candidate_settled(k, stage, Ok(outputs));
             }
         }
         let mut ready = Vec::new();
