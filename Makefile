@@ -26,6 +26,7 @@ lint: setup
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 	$(VENV)/bin/ruff check python tests examples bench scripts
+	$(PY) scripts/check_imports.py python python/slipstream
 	$(VENV)/bin/mypy
 	$(PY) -m mypy.stubtest slipstream._core
 
