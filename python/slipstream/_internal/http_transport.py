@@ -162,10 +162,6 @@ class Transport:
         #: TCP connections opened so far (a measure of reuse).
         self.connections_opened = 0
 
-    @property
-    def url(self) -> str:
-        return self._server.url
-
     def request(self, method: str, path: str, *, timeout: float, query: Mapping[str, Any] | None = None,
                 headers: Mapping[str, str] | None = None, body: Body = (), aligned: bool = False) -> Response:
         """Send a request and read its whole answer. ``timeout``: seconds for
@@ -358,10 +354,6 @@ class AsyncTransport:
         self._slots: asyncio.Semaphore | None = None
         #: TCP connections opened so far (a measure of reuse).
         self.connections_opened = 0
-
-    @property
-    def url(self) -> str:
-        return self._server.url
 
     async def request(self, method: str, path: str, *, timeout: float, headers: Mapping[str, str] | None = None,
                       body: Body = ()) -> Response:
