@@ -398,7 +398,7 @@ def main() -> int:
     t_all = time.monotonic()
     result: dict[str, Any] = {
         "mode": "quick" if a.quick else "full", "mode_settings": asdict(mode),
-        "generator": "slipstream bench (open loop, Poisson arrivals, latency from scheduled send)",
+        "generator": "the project's (bench.harness.loadgen: open loop, Poisson arrivals, latency from scheduled send)",
         "ray": ray_settings(a.ray_opt),
         "pipelines": [],
     }
