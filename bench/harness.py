@@ -54,9 +54,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 EXAMPLES = ROOT / "examples"
 
-__all__ = ["EXAMPLES", "RESULTS", "ROOT", "cpu_seconds", "describe_machine", "example_module", "free_port",
-           "ghz", "loadgen", "machine", "node", "oha", "parse_ghz", "parse_nvidia_smi", "parse_oha",
-           "parse_redis_benchmark", "percentile", "redis_benchmark", "tool", "write_results"]
+__all__ = ["EXAMPLES", "GHZ", "OHA", "REDIS_BENCHMARK", "RESULTS", "ROOT", "cpu_seconds", "describe_machine",
+           "example_module", "free_port", "ghz", "loadgen", "machine", "node", "oha", "parse_ghz", "parse_nvidia_smi",
+           "parse_oha", "parse_redis_benchmark", "percentile", "redis_benchmark", "tool", "write_results"]
 
 
 # --------------------------------------------------------------------------
