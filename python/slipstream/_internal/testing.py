@@ -100,14 +100,19 @@ class Node:
             if pipelines is not None:
                 self.bundle_path = bundle.write(pipelines)
             argv.append(str(self.bundle_path or app))
-        self.proc = subprocess.Popen(
-            [*(wrap or []), *CLI, *argv, "--port", "0", *args],
-            cwd=cwd,
-            env={**os.environ, **(env or {})},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        try:
+            self.proc = subprocess.Popen(
+                [*(wrap or []), *CLI, *argv, "--port", "0", *args],
+                cwd=cwd,
+                env={**os.environ, **(env or {})},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        except BaseException:
+            if self.bundle_path is not None:
+                bundle.remove(self.bundle_path)
+            raise
         #: Every line the node printed so far (stdout and stderr together).
         self.lines: list[str] = []
         #: "HOST:PORT" of its gRPC endpoint, None when it has none.
