@@ -43,6 +43,25 @@ def all_ready(n: Node) -> bool:
     return n.request("GET", "/readyz")[0] == 200
 
 
+def placement_settled(ns: dict[str, Node]) -> bool:
+    """Every node applies the same placement, and it places replicas on
+    every node (a member joins the member list before the placement)."""
+    views = [cluster_of(n) for n in ns.values()]
+    if not all(v["placement"] for v in views) or len({v["placement"]["epoch"] for v in views}) != 1:
+        return False
+    return {name for counts in views[0]["placement"]["stages"].values() for name in counts} == set(ns)
+
+
+def stop_all(ns: list[Node]) -> None:
+    """SIGTERM every node at once and wait for all (each drains, or is
+    killed after 30 s, on its own clock)."""
+    stops = [threading.Thread(target=n.stop) for n in ns]
+    for t in stops:
+        t.start()
+    for t in stops:
+        t.join()
+
+
 @pytest.fixture(scope="module")
 def etcd() -> Iterator[Etcd]:
     e = Etcd(3)  # three members: the failure tests kill one
@@ -59,10 +78,10 @@ def nodes(etcd: Etcd) -> Iterator[dict[str, Node]]:
     try:
         for n in ns.values():
             wait_for(lambda n=n: all_ready(n) and len(cluster_of(n)["members"]) == 3, timeout=60)
+        wait_for(lambda: placement_settled(ns), timeout=60)
         yield ns
     finally:
-        for n in ns.values():
-            n.stop()
+        stop_all(list(ns.values()))
 
 
 def ask(n: Node, i: int, timeout: float = 10.0) -> tuple[int, Any]:
