@@ -121,11 +121,21 @@ def test_requests_cross_nodes_and_meet_at_the_fan_in(nodes: dict[str, Node]) -> 
     crossed = sum(c for r, c in routes.items() if any(p not in ("", r.split(":")[0])
                                                        for p in r.split(":")[1].replace("|", ">").split(">")))
     assert crossed > 0, routes
-    for n in nodes.values():
-        c = cluster_of(n)["counters"]
-        assert c["sent_batches"] > 0 and c["served_batches"] > 0, c
-        dp = cluster_of(n)["data_plane"]
-        assert dp["frames_sent"] > 0, dp
+    # A node lacking one of the stages sent batches to nodes holding it, and
+    # every batch sent was served by another node. Which holder serves is
+    # the router's choice (by load), so a node need not serve any: one that
+    # holds only stages every node holds is never sent a batch.
+    placement = placed(nodes["n1"])
+    views = {name: cluster_of(n) for name, n in nodes.items()}
+    for name, v in views.items():
+        c, dp = v["counters"], v["data_plane"]
+        if any(name not in placement[key] for key in STAGES):
+            assert c["sent_batches"] > 0, (name, c, placement)
+        if c["sent_batches"] or c["served_batches"]:
+            assert dp["frames_sent"] > 0, (name, dp)
+    sent = sum(v["counters"]["sent_batches"] for v in views.values())
+    served = sum(v["counters"]["served_batches"] for v in views.values())
+    assert sent == served > 0, {name: v["counters"] for name, v in views.items()}
 
 
 def test_a_tensor_crosses_nodes_with_one_copy_per_receive(nodes: dict[str, Node]) -> None:
