@@ -23,8 +23,10 @@ import numpy as np
 import slipstream as ss
 
 SEED = Path(tempfile.gettempdir()) / f"slipstream-test-select-scale-{os.getuid()}.txt"
-if not SEED.exists():
-    SEED.write_text("2")
+if not SEED.exists():  # written whole: the node and its workers load this file at once
+    tmp = SEED.with_name(f"{SEED.name}.{os.getpid()}")
+    tmp.write_text("2")
+    os.replace(tmp, SEED)
 
 X = {"x": ss.Tensor("float32", (-1, 2))}
 LABEL = {"label": ss.Tensor("int64", (-1,)), "proba": ss.Tensor("float32", (-1, 2))}

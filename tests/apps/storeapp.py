@@ -20,8 +20,10 @@ import numpy as np
 import slipstream as ss
 
 SEED = Path(tempfile.gettempdir()) / f"slipstream-test-scale-{os.getuid()}.txt"
-if not SEED.exists():
-    SEED.write_text("2")
+if not SEED.exists():  # written whole: the node and its workers load this file at once
+    tmp = SEED.with_name(f"{SEED.name}.{os.getpid()}")
+    tmp.write_text("2")
+    os.replace(tmp, SEED)
 
 
 @ss.component(max_batch_size=8, watch="/jobs/", outputs={"seen": ss.Tensor("int64", (-1,))})
