@@ -4,13 +4,18 @@ processes on a free port (``slipstream.testing.Node``), talked to over HTTP.
 
 Parallel runs: `make test` runs pytest-xdist workers with ``--dist
 loadscope``: a module's tests run one after another on one worker, so its
-module-scoped nodes start once, while other modules run beside it. Any
-test may share the machine with any other: every node and service takes a
-free port, and data built on first use is built under a lock
-(``examples/models``)."""
+module-scoped nodes start once, while other modules run beside it. Tests
+share the machine: every node and service takes a free port, and data built
+on first use is built under a lock (``examples/models``). A test marked
+``alone`` (a load test whose rates are set against one replica's capacity)
+runs with no other test beside it: every test holds a shared lock of the
+run while it runs (setup and teardown included), an ``alone`` one an
+exclusive lock, taken through a turnstile so that a stream of shared
+holders cannot starve it."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +26,22 @@ from slipstream.testing import CLI, Node, wait_for  # noqa: F401 (wait_for: re-e
 ROOT = Path(__file__).resolve().parent.parent
 APPS = Path(__file__).resolve().parent / "apps"
 SLIPSTREAM = CLI  # `slipstream ...` in this interpreter
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """Run the test under the run's lock (see the module doc); a serial run has none."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        yield
+        return
+    alone = item.get_closest_marker("alone") is not None
+    run = Path(item.config.option.basetemp).parent  # a worker's basetemp is <the run's>/popen-gwN
+    with open(run / "turnstile", "a") as turnstile, open(run / "lock", "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        yield
 
 
 @pytest.fixture(scope="module")

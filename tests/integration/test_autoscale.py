@@ -18,6 +18,9 @@ import pytest
 from tests.conftest import APPS, Node, wait_for
 
 APP = str(APPS / "elastic.py")
+# The rates are set against one replica's capacity: misses must come from
+# the load, not from tests beside these.
+pytestmark = pytest.mark.alone
 
 
 def load(node: Node, rate: float, seconds: float) -> threading.Thread:

@@ -8,7 +8,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from tests.conftest import Node, wait_for
+
+# A 150 ms SLO, and refusals timed to the millisecond: no other test beside these.
+pytestmark = pytest.mark.alone
 
 
 def pipeline_status(node: Node, name: str) -> dict:
