@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CARGO ?= $(shell command -v cargo 2>/dev/null || echo $$HOME/.cargo/bin/cargo)
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup build lint test test-services test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-cluster bench-plan bench-grpc bench-stream bench-gpu bench-clipper bench-espn data data-small demo clean fmt
+.PHONY: setup build lint test test-services test-beside-py test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-cluster bench-plan bench-grpc bench-stream bench-gpu bench-clipper bench-espn data data-small demo clean fmt
 
 setup: $(VENV)/.installed
 
@@ -30,24 +30,30 @@ lint: setup
 	$(VENV)/bin/mypy
 	$(PY) -m mypy.stubtest slipstream._core
 
-# Every test: the Rust tests (the fuzz test among them for FUZZ_SECS, on a
-# new seed each run) beside the Python tests.
-FUZZ_SEED ?= $(shell date +%s)
+# Every test: the Python tests with the Rust build and the fuzz test beside
+# them, then the other Rust tests alone (some of them time sleeps).
 test: setup test-services
-	@SLIPSTREAM_FUZZ_SECS=$(FUZZ_SECS) SLIPSTREAM_FUZZ_SEED=$(FUZZ_SEED) $(MAKE) --no-print-directory \
-		-j2 --output-sync=target -o $(VENV)/.installed test-rust test-py
+	@$(MAKE) --no-print-directory -j2 --output-sync=target -o $(VENV)/.installed test-py test-beside-py
+	@$(MAKE) --no-print-directory -o $(VENV)/.installed test-rust
+
+# Beside the Python tests, at the lowest CPU priority (so on the CPU that
+# they, mostly waiting, leave idle): the Rust test binaries are built, then
+# the fuzz test runs for FUZZ_SECS on a new seed each run.
+FUZZ_SEED ?= $(shell date +%s)
+test-beside-py:
+	MAKEFLAGS= nice -n 19 $(CARGO) test --workspace --exclude slipstream-py --locked --quiet --no-run
+	SLIPSTREAM_FUZZ_SEED=$(FUZZ_SEED) nice -n 19 $(MAKE) --no-print-directory test-fuzz
+
+# Cargo gets no MAKEFLAGS: under `make -j` it names a jobserver that only
+# recursive makes are handed.
+test-rust test-fuzz: MAKEFLAGS =
 
 # The programs the tests start: etcd, Prometheus, headless Chromium, espeak-ng, ip.
 test-services:
 	@scripts/bootstrap.sh test
 
-# The test binaries are built at the lowest CPU priority: beside the Python
-# tests (which mostly wait) the build takes the CPU they leave idle. Cargo
-# gets no MAKEFLAGS: under `make -j` it names a jobserver that only
-# recursive makes are handed.
 test-rust: test-services
-	MAKEFLAGS= nice -n 19 $(CARGO) test --workspace --exclude slipstream-py --locked --quiet --no-run
-	MAKEFLAGS= $(CARGO) test --workspace --exclude slipstream-py --locked --quiet
+	$(CARGO) test --workspace --exclude slipstream-py --locked --quiet
 
 # The request decoders against a minute of mutated requests (corpus in
 # crates/slipstream-runtime/fuzz/corpus; the test's docs say how to grow it).
