@@ -35,10 +35,10 @@ test-rust:
 	$(CARGO) test --workspace --exclude slipstream-py --locked --quiet
 
 # The request decoders against a minute of mutated requests (corpus in
-# crates/slipstream-runtime/fuzz/corpus; the test's docs say how to grow it).
+# crates/slipstream-core/fuzz/corpus; the test's docs say how to grow it).
 FUZZ_SECS ?= 60
 test-fuzz:
-	SLIPSTREAM_FUZZ_SECS=$(FUZZ_SECS) $(CARGO) test -p slipstream-runtime --test fuzz_codec --locked -- --nocapture
+	SLIPSTREAM_FUZZ_SECS=$(FUZZ_SECS) $(CARGO) test -p slipstream-core --test fuzz_codec --locked -- --nocapture
 
 test-py: setup
 	$(VENV)/bin/pytest -q tests

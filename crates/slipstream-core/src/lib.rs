@@ -1,0 +1,59 @@
+//! The Slipstream node's core: the request path, and the extension points
+//! features plug into. It knows no feature.
+//!
+//! A request's life: an entry point (HTTP, gRPC, a store trigger, another
+//! node) calls [`Node::accept`] (admission before decoding, then the
+//! body's tensors written once into shared memory) and [`Node::answer`]: the
+//! request walks its pipeline's DAG ([`request`]), queued by deadline on
+//! one replica per stage chosen at ingress ([`pipeline`]); each replica's
+//! task ([`replica::drive`]) forms batches and runs them on its
+//! [`replica::Backend`] (a worker process here, or another node); the
+//! answer is encoded straight from shared memory ([`codec`]).
+//!
+//! - [`spec`], [`config`]: the app as the front end describes it; the
+//!   node's settings, each declared once;
+//! - [`arena`], [`codec`]: shared-memory pools and tensors; request and
+//!   response bodies;
+//! - [`pipeline`], [`request`], [`join`], [`replica`]: stages and replica
+//!   sets, routing and admission; a request's walk and its one guard;
+//!   joins over candidate stages; a replica's state and its task;
+//! - [`node`], [`scaling`]: the facade every entry point calls; the one
+//!   owner of replica sets;
+//! - [`error`], [`events`], [`metrics`], [`prom`], [`report`]: error
+//!   kinds; the event log; counters and histograms; status and Prometheus;
+//! - [`ext`]: the extension points (stage hooks, joins, services,
+//!   launchers); [`gpu`]: this machine's GPUs and which replica gets which.
+//!
+//! Dependencies inside the crate point one way, from the facade down:
+//! `node`/`scaling`/`report` use `pipeline`, `request`, `join` and
+//! `replica`, which use `arena`, `metrics`, `events`, `spec` and `error`.
+#![warn(unreachable_pub, missing_docs)]
+
+pub mod arena;
+pub mod codec;
+pub mod config;
+pub mod error;
+pub mod events;
+pub mod ext;
+pub mod gpu;
+pub mod join;
+pub mod metrics;
+pub mod node;
+pub mod pipeline;
+pub mod prom;
+mod report;
+pub mod replica;
+mod request;
+#[cfg(test)]
+mod request_tests;
+pub mod scaling;
+pub mod spec;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
+
+pub use config::{NodeConfig, NodeOptions};
+pub use error::NodeError;
+pub use node::{Accepted, Answer, Arrival, Node, NodeParts};
+pub use pipeline::{PipelineRt, StageRt};
+pub use request::{Chunks, Request};
+pub use spec::AppSpec;
