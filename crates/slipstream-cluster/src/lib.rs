@@ -7,7 +7,7 @@
 //!   [`slipstream_sched::placement`]), and applying it to this node through
 //!   the node's one owner of replica sets;
 //! - `remote`: replicas on other nodes, driven from here (a
-//!   [`slipstream_core::ext::Launcher`] and its backend);
+//!   [`slipstream_core::drive::Launcher`] and its backend);
 //! - `serve`: running another node's batches here; `wire`: the frames.
 //!
 //! It plugs into the node as a launcher (remote replicas) and a service

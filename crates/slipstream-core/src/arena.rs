@@ -117,6 +117,11 @@ impl TensorRef {
     }
 }
 
+/// Rows a request contributes to a batch: the first dimension of its inputs.
+pub fn request_rows(inputs: &[(String, TensorRef)]) -> u64 {
+    inputs.first().map(|(_, t)| t.rows()).unwrap_or(1)
+}
+
 /// Payload copies made on the request path, by where they happen.
 #[derive(Default)]
 pub struct CopyCounters {

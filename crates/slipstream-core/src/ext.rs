@@ -11,10 +11,10 @@
 //!   metrics (the autoscaler, store triggers, the model follower, the
 //!   cluster agent, the dashboard's sampler); each runs its own task, with
 //!   the node's public API as its only handle;
-//! - [`Launcher`]: what drives a replica: the core's own for a worker
-//!   process on this machine ([`crate::replica::WorkerLauncher`]), the
-//!   cluster's for a replica on another node; both run the same loop
-//!   ([`crate::replica::drive`]) over their own [`crate::replica::Backend`].
+//! - [`crate::drive::Launcher`]: what drives a replica: the core's own for
+//!   a worker process on this machine ([`crate::worker::WorkerLauncher`]),
+//!   the cluster's for a replica on another node; both run the same loop
+//!   ([`crate::drive::drive`]) over their own [`crate::drive::Backend`].
 //!
 //! A feature depends on the core only, never on another feature; the
 //! composition root (`slipstream-runtime`) is the one place that names
@@ -22,13 +22,9 @@
 
 use crate::arena::{HeapTensors, Tensors};
 use crate::prom::PromText;
-use crate::replica::ReplicaCtx;
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
-use tokio::sync::oneshot;
 
 /// Versions of the store objects a component's instance was built from,
 /// by argument name (reported by its worker with every batch).
@@ -69,19 +65,6 @@ pub trait Service: Send + Sync {
     fn status(&self, doc: &mut StatusDoc);
     /// Add its samples to `/metrics`.
     fn metrics(&self, t: &mut PromText);
-}
-
-/// The future that drives one replica until it leaves its stage.
-pub type ReplicaTask = Pin<Box<dyn Future<Output = ()> + Send>>;
-
-/// Tells the node whether a replica it starts with came up (Err: why not).
-pub type FirstStart = oneshot::Sender<Result<(), String>>;
-
-/// What drives replicas (see the module docs).
-pub trait Launcher: Send + Sync {
-    /// The task of the replica `ctx` names; `first_start` (a replica the
-    /// node starts with) learns whether it came up.
-    fn launch(&self, ctx: ReplicaCtx, first_start: Option<FirstStart>) -> ReplicaTask;
 }
 
 /// The node's status document (`GET /v1/status`) while it is assembled:

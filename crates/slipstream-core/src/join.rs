@@ -2,9 +2,11 @@
 //! same parents whose answers are combined into one before the stages
 //! after them run. Which candidates run for a request, when to stop
 //! waiting for stragglers and how answers combine is a [`JoinPolicy`]'s
-//! (model selection, in `slipstream-select`); the request's side of it
-//! (which candidates ran, what has arrived, answering at the cutoff) is
-//! here, in the request's state, like every other join of the DAG.
+//! (model selection, in `slipstream-select`); one request's progress
+//! through a join (which candidates ran, what has arrived, whether its
+//! cutoff passed) is a [`JoinRun`], plain data kept in the request's state
+//! and driven by the request (`request.rs`), like every other join of the
+//! DAG.
 //!
 //! A request's join plan is made when its first candidate is ready (they
 //! share their parents, so all are ready together). The join answers when
@@ -18,8 +20,6 @@
 
 use crate::arena::{HeapTensors, Tensors};
 use crate::error::NodeError;
-use crate::request::{request_rows, Request, State};
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -76,7 +76,7 @@ pub(crate) struct Join {
 
 impl Join {
     /// Position of stage `stage` among the candidates.
-    fn position(&self, stage: usize) -> Option<usize> {
+    pub(crate) fn position(&self, stage: usize) -> Option<usize> {
         self.candidates.iter().position(|&c| c == stage)
     }
 }
@@ -94,136 +94,100 @@ pub(crate) struct JoinRun {
     rows: u64,
 }
 
-impl Request {
-    /// Whether join `k`'s plan runs candidate `stage`; plans on the first
-    /// call, with a timer for an ensemble's cutoff.
-    pub(crate) fn plan_runs(self: &Arc<Self>, k: usize, stage: usize) -> bool {
-        let join = &self.pipe.joins[k];
-        let pos = join.position(stage).expect("a candidate of its join");
-        let mut st = self.state.lock();
-        if st.reply.is_none() {
-            return false;
-        }
-        if let Some(plan) = &st.joins[k].plan {
-            return plan.chosen[pos];
-        }
-        let context = join.policy.context_input().and_then(|name| {
-            st.inputs.iter().find(|(n, _)| n == name).and_then(|(_, t)| t.first_string())
-        });
-        let plan = join.policy.plan(context);
-        let rows = request_rows(&st.inputs);
-        let run = &mut st.joins[k];
-        run.rows = rows;
-        run.waiting = plan.chosen.iter().filter(|c| **c).count();
-        run.arrived = vec![None; plan.chosen.len()];
-        let runs = plan.chosen[pos];
-        let ensemble = run.waiting > 1;
-        run.plan = Some(plan);
-        drop(st);
-        if ensemble {
-            let rest = Duration::from_nanos(self.pipe.rest_ns(stage));
-            let at = join.policy.cutoff(Instant::now(), self.deadline, rest);
-            if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                let me = Arc::downgrade(self);
-                rt.spawn(async move {
-                    tokio::time::sleep_until(at.into()).await;
-                    if let Some(req) = me.upgrade() {
-                        req.cut_join(k);
-                    }
-                });
-            }
-        }
-        runs
+/// What a candidate's answer (or failure) means for its join.
+#[derive(Debug)]
+pub(crate) enum Settled {
+    /// Keep waiting.
+    Wait,
+    /// Combine what arrived and answer.
+    Answer,
+    /// None of the chosen answered: the request fails with this.
+    Fail(NodeError),
+}
+
+impl JoinRun {
+    /// The plan, once made.
+    pub(crate) fn plan(&self) -> Option<&JoinPlan> {
+        self.plan.as_ref()
     }
 
-    /// Join `k`'s cutoff: answer with what has arrived, or with the first
-    /// answer if none has yet.
-    fn cut_join(self: &Arc<Self>, k: usize) {
-        let mut st = self.state.lock();
-        if st.reply.is_none() || self.join_answered(k) {
-            return;
-        }
-        let run = &mut st.joins[k];
-        if run.arrived.iter().all(Option::is_none) {
-            run.cut = true;
-            return;
-        }
-        self.answer_join(st, k);
+    /// The request's rows.
+    pub(crate) fn rows(&self) -> u64 {
+        self.rows
     }
 
-    /// A candidate of join `k` answered (`Ok`) or failed (`Err`); after the
-    /// join has answered, a straggler's answer only goes to the policy.
-    pub(crate) fn candidate_settled(self: &Arc<Self>, k: usize, stage: usize, result: Result<Tensors, NodeError>) {
-        let join = &self.pipe.joins[k];
-        let pos = join.position(stage).expect("a candidate of its join");
-        let mut st = self.state.lock();
-        if self.join_answered(k) {
-            if let Ok(outputs) = result {
-                let rows = st.joins[k].rows;
-                drop(st);
-                join.policy.late(self.id, pos, &outputs, rows);
-            }
-            return;
-        }
-        if st.reply.is_none() {
-            return;
-        }
-        let run = &mut st.joins[k];
+    /// Start with `plan` for a request of `rows` rows; true when more than
+    /// one candidate runs (an ensemble: its cutoff needs a timer).
+    pub(crate) fn start(&mut self, plan: JoinPlan, rows: u64) -> bool {
+        self.rows = rows;
+        self.waiting = plan.chosen.iter().filter(|c| **c).count();
+        self.arrived = vec![None; plan.chosen.len()];
+        self.plan = Some(plan);
+        self.waiting > 1
+    }
+
+    /// The cutoff passed: true to answer now (something arrived); else the
+    /// first answer to come will answer.
+    pub(crate) fn cut(&mut self) -> bool {
+        self.cut = true;
+        self.arrived.iter().any(Option::is_some)
+    }
+
+    /// Candidate `pos` answered (`Ok`) or failed. A failed candidate counts
+    /// as one that did not answer: the others still can.
+    pub(crate) fn settle(&mut self, pos: usize, result: Result<Tensors, NodeError>) -> Settled {
         let failed = match result {
             Ok(outputs) => {
-                run.arrived[pos] = Some(outputs);
+                self.arrived[pos] = Some(outputs);
                 None
             }
             Err(e) => Some(e),
         };
-        run.waiting = run.waiting.saturating_sub(1);
-        let any = run.arrived.iter().any(Option::is_some);
-        if any && (run.waiting == 0 || run.cut) {
-            self.answer_join(st, k);
-        } else if let (0, Some(e)) = (run.waiting, failed) {
-            drop(st);
-            self.fail(e);
+        self.waiting = self.waiting.saturating_sub(1);
+        let any = self.arrived.iter().any(Option::is_some);
+        match (any && (self.waiting == 0 || self.cut), self.waiting, failed) {
+            (true, _, _) => Settled::Answer,
+            (false, 0, Some(e)) => Settled::Fail(e),
+            _ => Settled::Wait,
         }
     }
 
-    /// Whether join `k` has answered (set under the state lock, read
-    /// without it by [`Request::skips`]).
-    pub(crate) fn join_answered(&self, k: usize) -> bool {
-        self.joins_done.load(Relaxed) & (1 << k) != 0
+    /// The plan and what arrived, for the policy to combine (once).
+    pub(crate) fn take(&mut self) -> (JoinPlan, Vec<Option<Tensors>>) {
+        (self.plan.take().expect("planned before any answer"), std::mem::take(&mut self.arrived))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(chosen: &[bool]) -> JoinPlan {
+        JoinPlan { chosen: chosen.to_vec(), weights: vec![1.0; chosen.len()], context: None }
     }
 
-    /// Combine join `k`'s answers and move the request on, as if every
-    /// candidate had finished.
-    fn answer_join(self: &Arc<Self>, mut st: parking_lot::MutexGuard<'_, State>, k: usize) {
-        let pipe = &self.pipe;
-        let join = &pipe.joins[k];
-        self.joins_done.fetch_or(1 << k, Relaxed);
-        let run = &mut st.joins[k];
-        let plan = run.plan.take().expect("planned before any answer");
-        let arrived = std::mem::take(&mut run.arrived);
-        let rows = run.rows;
-        let combined = join
-            .policy
-            .combine(self.id, &plan, &arrived, rows)
-            .and_then(|h| h.to_arena(&pipe.arena).map_err(|e| e.to_string()));
-        let outs = match combined {
-            Ok(outs) => outs,
-            Err(message) => {
-                drop(st);
-                self.fail(NodeError::Component { stage: join.policy.name().to_string(), message });
-                return;
-            }
-        };
-        let mut ready = Vec::new();
-        let mut answer = None;
-        let mut carried = Some(outs);
-        for &c in &join.candidates {
-            let outputs = carried.take().unwrap_or_default();
-            if let Some(a) = self.settle_stage(&mut st, c, outputs, &mut ready) {
-                answer = Some(a);
-            }
-        }
-        drop(st);
-        self.go_on(answer, &ready);
+    #[test]
+    fn an_ensemble_answers_when_all_arrived_or_at_its_cutoff() {
+        let mut r = JoinRun::default();
+        assert!(r.start(plan(&[true, true, true]), 2), "an ensemble");
+        assert!(matches!(r.settle(0, Ok(Vec::new())), Settled::Wait));
+        assert!(r.cut(), "something arrived: answer at the cutoff");
+        let mut r = JoinRun::default();
+        r.start(plan(&[true, true]), 1);
+        assert!(!r.cut(), "nothing yet: the first to come answers");
+        assert!(matches!(r.settle(1, Ok(Vec::new())), Settled::Answer));
+        let (p, arrived) = r.take();
+        assert_eq!((p.chosen.len(), arrived.iter().flatten().count()), (2, 1));
+    }
+
+    #[test]
+    fn a_failed_candidate_counts_as_one_that_did_not_answer() {
+        let mut r = JoinRun::default();
+        r.start(plan(&[true, true]), 1);
+        assert!(matches!(r.settle(0, Err(NodeError::Cancelled)), Settled::Wait), "the other still can");
+        assert!(matches!(r.settle(1, Ok(Vec::new())), Settled::Answer));
+        let mut r = JoinRun::default();
+        assert!(!r.start(plan(&[false, true]), 1), "one chosen: no cutoff");
+        assert!(matches!(r.settle(1, Err(NodeError::Cancelled)), Settled::Fail(NodeError::Cancelled)));
     }
 }

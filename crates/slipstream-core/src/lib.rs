@@ -6,27 +6,35 @@
 //! body's tensors written once into shared memory) and [`Node::answer`]: the
 //! request walks its pipeline's DAG ([`request`]), queued by deadline on
 //! one replica per stage chosen at ingress ([`pipeline`]); each replica's
-//! task ([`replica::drive`]) forms batches and runs them on its
-//! [`replica::Backend`] (a worker process here, or another node); the
-//! answer is encoded straight from shared memory ([`codec`]).
+//! task ([`drive`]) forms batches and runs them on its [`drive::Backend`]
+//! (a worker process here, [`worker`], or another node); the answer is
+//! encoded straight from shared memory ([`codec`]).
 //!
 //! - [`spec`], [`config`]: the app as the front end describes it; the
 //!   node's settings, each declared once;
 //! - [`arena`], [`codec`]: shared-memory pools and tensors; request and
 //!   response bodies;
-//! - [`pipeline`], [`request`], [`join`], [`replica`]: stages and replica
-//!   sets, routing and admission; a request's walk and its one guard;
-//!   joins over candidate stages; a replica's state and its task;
+//! - [`pipeline`], [`replica`]: stages and replica sets, routing and
+//!   admission; a replica's state, with one owner, and its queue of
+//!   [`replica::Job`]s;
+//! - `request`, [`join`]: a request's walk through its DAG and the guard
+//!   that settles it once; joins over candidate stages;
+//! - [`drive`], [`worker`]: the task that drives a replica over its
+//!   backend; the worker process, the backend of a local replica;
 //! - [`node`], [`scaling`]: the facade every entry point calls; the one
 //!   owner of replica sets;
 //! - [`error`], [`events`], [`metrics`], [`prom`], [`report`]: error
 //!   kinds; the event log; counters and histograms; status and Prometheus;
-//! - [`ext`]: the extension points (stage hooks, joins, services,
-//!   launchers); [`gpu`]: this machine's GPUs and which replica gets which.
+//! - [`ext`]: the extension points (stage hooks, services; joins are
+//!   [`join`]'s, launchers [`drive`]'s); [`gpu`]: this machine's GPUs and
+//!   which replica gets which.
 //!
-//! Dependencies inside the crate point one way, from the facade down:
-//! `node`/`scaling`/`report` use `pipeline`, `request`, `join` and
-//! `replica`, which use `arena`, `metrics`, `events`, `spec` and `error`.
+//! Dependencies inside the crate point one way (`make lint` checks it),
+//! from the facade down: `node` (with `scaling` and `report`) uses
+//! `request`, `worker` and `drive`; `request` and `drive` use `pipeline`;
+//! `pipeline` uses `replica`, `join` and `ext`; all of them use the leaves
+//! (`arena`, `codec`, `metrics`, `prom`, `events`, `spec`, `config`,
+//! `error`, `gpu`).
 #![warn(unreachable_pub, missing_docs)]
 
 pub mod arena;
@@ -41,6 +49,7 @@ pub mod metrics;
 pub mod node;
 pub mod pipeline;
 pub mod prom;
+pub mod drive;
 mod report;
 pub mod replica;
 mod request;
@@ -48,6 +57,7 @@ mod request;
 mod request_tests;
 pub mod scaling;
 pub mod spec;
+pub mod worker;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 

@@ -518,7 +518,7 @@ impl StageMetrics {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use std::collections::{BTreeMap, HashSet};
+    use std::collections::BTreeMap;
 
     #[test]
     fn histogram_summary_in_ms() {

@@ -9,15 +9,16 @@
 //! [`Node::change`] (`scaling.rs`). Start-up and shutdown are the
 //! composition root's; status and Prometheus text are `report.rs`'s.
 
-use crate::arena::{Arena, Tensors};
+use crate::arena::{request_rows, Arena, Tensors};
 use crate::codec;
+use crate::config::NodeOptions;
+use crate::drive::{FirstStart, Launcher, ReplicaCtx};
 use crate::error::NodeError;
 use crate::events::Events;
-use crate::ext::{FirstStart, Launcher, Service};
+use crate::ext::Service;
 use crate::pipeline::{PipelineRt, Ticket};
-use crate::replica::{Phase, Replica, ReplicaCtx};
-use crate::request::{request_rows, Admitted, Chunks, Reply, Request};
-use crate::config::NodeOptions;
+use crate::replica::{Job, Phase, Replica};
+use crate::request::{Admitted, Chunks, Reply, Request};
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicUsize, Ordering::Relaxed};
@@ -476,7 +477,7 @@ impl StageRun {
 impl Drop for StageRun {
     fn drop(&mut self) {
         // Releases the request if it is still queued (a no-op once answered).
-        self.req.fail(NodeError::Cancelled);
+        Job::fail(&*self.req, NodeError::Cancelled);
     }
 }
 

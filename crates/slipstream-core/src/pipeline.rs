@@ -6,8 +6,8 @@
 //! readers take a snapshot (`Arc<Vec<..>>`), writers replace it. A request
 //! holds `Arc`s to the replicas of its route, so a replica removed while a
 //! request is bound for it is still a valid object: it refuses new work
-//! once draining, and [`PipelineRt::enqueue`] then places the work on
-//! another replica of the stage. Fan-in parts still meet, because the join
+//! once draining, and [`StageRt::place`] then puts the work on another
+//! replica of the stage. Fan-in parts still meet, because the join
 //! lives in the request, not in a replica.
 //!
 //! Routing and admission read each replica's published load only; the
@@ -15,11 +15,10 @@
 
 use crate::arena::{Arena, HeapTensors, Tensors};
 use crate::error::NodeError;
-use crate::ext::{Lookup, StageHook};
+use crate::ext::StageHook;
 use crate::join::{Join, JoinPolicy, JoinTiming};
 use crate::metrics::{PipelineMetrics, PipelineTotals, StageMetrics};
-use crate::replica::{Phase, RemoteAt, Replica};
-use crate::request::Request;
+use crate::replica::{Job, Phase, RemoteAt, Replica};
 use crate::spec::{AppSpec, PipelineSpec, SpecError, StageSpec};
 use parking_lot::{Mutex, RwLock};
 use serde_json::{json, Value};
@@ -311,10 +310,10 @@ impl StageRt {
     /// Err: no replica of the stage will ever serve it.
     pub(crate) fn place(
         &self,
-        mut req: Arc<Request>,
+        mut req: Arc<dyn Job>,
         first: Option<&Arc<Replica>>,
         not: Option<&Replica>,
-    ) -> Result<(), Arc<Request>> {
+    ) -> Result<(), Arc<dyn Job>> {
         if let Some(r) = first {
             if r.phase() == Phase::Ready && !is(not, r) {
                 match r.push(req) {
@@ -324,7 +323,7 @@ impl StageRt {
             }
         }
         for _ in 0..4 {
-            let Some(r) = self.target(req.id, not) else { break };
+            let Some(r) = self.target(req.id(), not) else { break };
             match r.push(req) {
                 Ok(()) => return Ok(()),
                 Err(back) => req = back, // it started draining meanwhile: look again
@@ -679,43 +678,6 @@ impl PipelineRt {
             if let Some(r) = s.sticky(&format!("{pool}{group}"), t.id) {
                 t.route[s.index] = r;
             }
-        }
-    }
-
-    /// Put `req` on stage `stage`: its routed replica, or another one if
-    /// that one no longer takes work. Fails the request (503) when no
-    /// replica of the stage will serve it. A stage hook's hit skips the queue.
-    pub(crate) fn enqueue(&self, req: Arc<Request>, stage: usize) {
-        let s = &self.stages[stage];
-        if let Some(hook) = &s.hook {
-            if let Ok(inputs) = req.stage_inputs(stage) {
-                match hook.lookup(&inputs) {
-                    Lookup::Hit(h) => {
-                        if let Ok(outs) = h.to_arena(&self.arena) {
-                            req.finish_stage(stage, outs);
-                            return;
-                        }
-                    }
-                    Lookup::Miss(memo) => req.set_memo(stage, memo),
-                    Lookup::Pass => {}
-                }
-            }
-        }
-        let routed = req.route[stage].clone();
-        if req.is_stage_only() {
-            // Another node's work stays on this node's replicas.
-            let target = if routed.phase() == Phase::Ready { Some(routed) } else { s.local_target(req.id) };
-            let refused = match target {
-                Some(r) => r.push(req).err(),
-                None => Some(req),
-            };
-            if let Some(req) = refused {
-                req.fail(NodeError::Unavailable { stage: s.name.clone(), reason: "no replica here takes it".into() });
-            }
-            return;
-        }
-        if let Err(req) = s.place(req, Some(&routed), None) {
-            req.fail(NodeError::Unavailable { stage: s.name.clone(), reason: "it has no live replica".into() });
         }
     }
 }

@@ -18,12 +18,17 @@
 //! unsettled (the client went away and the connection task dropped the
 //! future, whatever await it was at) settles it as cancelled. No path out
 //! of the node can forget to report a request.
+//!
+//! A replica sees a request as a [`Job`] (its deadline, its inputs to a
+//! stage, where its outputs go); joins over candidate stages keep their
+//! progress in a [`JoinRun`] per join, driven from here.
 
-use crate::arena::{TensorRef, Tensors};
+use crate::arena::{request_rows, Tensors};
 use crate::error::NodeError;
-use crate::join::JoinRun;
+use crate::ext::Lookup;
+use crate::join::{JoinRun, Settled};
 use crate::pipeline::{PipelineRt, Ticket};
-use crate::replica::Replica;
+use crate::replica::{Job, Phase, Replica};
 use parking_lot::Mutex;
 use slipstream_sched::AdmissionGate;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -34,17 +39,17 @@ use tokio::sync::{mpsc, oneshot};
 /// A request's answer: its outputs, or why it failed.
 pub(crate) type Reply = Result<Tensors, NodeError>;
 
-pub(crate) struct State {
-    pub(crate) inputs: Tensors,
+struct State {
+    inputs: Tensors,
     outputs: Vec<Option<Tensors>>,
     pending_parents: Vec<usize>,
     sinks_left: usize,
-    pub(crate) reply: Option<oneshot::Sender<Reply>>,
+    reply: Option<oneshot::Sender<Reply>>,
     /// Where a streaming request's chunks go (its sink stages' partial
     /// outputs, as they come); dropped with the request's other state.
     chunks: Option<Chunks>,
     /// Per join of the pipeline: its plan and what has arrived.
-    pub(crate) joins: Vec<JoinRun>,
+    joins: Vec<JoinRun>,
     /// Per stage, the memo of a stage hook's lookup that missed (the
     /// cache's key, so the result is kept under it without hashing the
     /// inputs again); empty when no stage has a hook.
@@ -72,8 +77,8 @@ pub struct Request {
     done: AtomicBool,
     /// Bit k: join k has answered (later answers are only logged, and its
     /// stragglers' queued work is skipped).
-    pub(crate) joins_done: AtomicU64,
-    pub(crate) state: Mutex<State>,
+    joins_done: AtomicU64,
+    state: Mutex<State>,
 }
 
 impl Request {
@@ -91,14 +96,14 @@ impl Request {
     /// node (its ingress keeps the request's state and joins; this node
     /// runs stage `stage` on `replica`'s queue, alongside its own requests,
     /// ordered by the same deadline). The answer is the stage's outputs.
-    pub fn for_stage(
+    pub(crate) fn for_stage(
         pipe: Arc<PipelineRt>,
         stage: usize,
         inputs: Tensors,
         ticket: Ticket,
     ) -> (Arc<Request>, oneshot::Receiver<Reply>) {
         let (req, rx) = Self::build(pipe, inputs, ticket, Some(stage), None);
-        req.pipe.enqueue(req.clone(), stage);
+        req.enqueue(stage);
         (req, rx)
     }
 
@@ -150,7 +155,7 @@ impl Request {
         for &s in stages {
             match self.pipe.join_of[s] {
                 Some(k) if !self.plan_runs(k, s) => {}
-                _ => self.pipe.enqueue(self.clone(), s),
+                _ => self.enqueue(s),
             }
         }
     }
@@ -162,6 +167,161 @@ impl Request {
             Some(k) => self.candidate_settled(k, stage, Err(err)),
             None => self.fail(err),
         }
+    }
+
+    /// Put this request's work for stage `stage` on its routed replica, or
+    /// another one if that one no longer takes work. Fails the request
+    /// (503) when no replica of the stage will serve it. A stage hook's hit
+    /// skips the queue.
+    fn enqueue(self: &Arc<Self>, stage: usize) {
+        let s = &self.pipe.stages[stage];
+        if let Some(hook) = &s.hook {
+            if let Ok(inputs) = self.stage_inputs(stage) {
+                match hook.lookup(&inputs) {
+                    Lookup::Hit(h) => {
+                        if let Ok(outs) = h.to_arena(&self.pipe.arena) {
+                            self.finish_stage(stage, outs);
+                            return;
+                        }
+                    }
+                    Lookup::Miss(memo) => self.set_memo(stage, memo),
+                    Lookup::Pass => {}
+                }
+            }
+        }
+        let routed = self.route[stage].clone();
+        let job: Arc<dyn Job> = self.clone();
+        if self.is_stage_only() {
+            // Another node's work stays on this node's replicas.
+            let target = if routed.phase() == Phase::Ready { Some(routed) } else { s.local_target(self.id) };
+            let refused = match target {
+                Some(r) => r.push(job).err(),
+                None => Some(job),
+            };
+            if refused.is_some() {
+                self.fail(NodeError::Unavailable { stage: s.name.clone(), reason: "no replica here takes it".into() });
+            }
+            return;
+        }
+        if s.place(job, Some(&routed), None).is_err() {
+            self.fail(NodeError::Unavailable { stage: s.name.clone(), reason: "it has no live replica".into() });
+        }
+    }
+
+    /// Whether join `k`'s plan runs candidate `stage`; plans on the first
+    /// call (its candidates share their parents, so all are ready
+    /// together), with a timer for an ensemble's cutoff.
+    fn plan_runs(self: &Arc<Self>, k: usize, stage: usize) -> bool {
+        let join = &self.pipe.joins[k];
+        let pos = join.position(stage).expect("a candidate of its join");
+        let mut st = self.state.lock();
+        if st.reply.is_none() {
+            return false;
+        }
+        if let Some(plan) = st.joins[k].plan() {
+            return plan.chosen[pos];
+        }
+        let context = join.policy.context_input().and_then(|name| {
+            st.inputs.iter().find(|(n, _)| n == name).and_then(|(_, t)| t.first_string())
+        });
+        let plan = join.policy.plan(context);
+        let runs = plan.chosen[pos];
+        let rows = request_rows(&st.inputs);
+        let ensemble = st.joins[k].start(plan, rows);
+        drop(st);
+        if ensemble {
+            let rest = std::time::Duration::from_nanos(self.pipe.rest_ns(stage));
+            let at = join.policy.cutoff(Instant::now(), self.deadline, rest);
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                let me = Arc::downgrade(self);
+                rt.spawn(async move {
+                    tokio::time::sleep_until(at.into()).await;
+                    if let Some(req) = me.upgrade() {
+                        req.cut_join(k);
+                    }
+                });
+            }
+        }
+        runs
+    }
+
+    /// Join `k`'s cutoff: answer with what has arrived, or with the first
+    /// answer if none has yet.
+    fn cut_join(self: &Arc<Self>, k: usize) {
+        let mut st = self.state.lock();
+        if st.reply.is_none() || self.join_answered(k) {
+            return;
+        }
+        if st.joins[k].cut() {
+            self.answer_join(st, k);
+        }
+    }
+
+    /// A candidate of join `k` answered (`Ok`) or failed (`Err`); after the
+    /// join has answered, a straggler's answer only goes to the policy.
+    fn candidate_settled(self: &Arc<Self>, k: usize, stage: usize, result: Result<Tensors, NodeError>) {
+        let join = &self.pipe.joins[k];
+        let pos = join.position(stage).expect("a candidate of its join");
+        let mut st = self.state.lock();
+        if self.join_answered(k) {
+            if let Ok(outputs) = result {
+                let rows = st.joins[k].rows();
+                drop(st);
+                join.policy.late(self.id, pos, &outputs, rows);
+            }
+            return;
+        }
+        if st.reply.is_none() {
+            return;
+        }
+        match st.joins[k].settle(pos, result) {
+            Settled::Wait => {}
+            Settled::Answer => self.answer_join(st, k),
+            Settled::Fail(e) => {
+                drop(st);
+                self.fail(e);
+            }
+        }
+    }
+
+    /// Whether join `k` has answered (set under the state lock, read
+    /// without it by [`Request::skips`]).
+    fn join_answered(&self, k: usize) -> bool {
+        self.joins_done.load(Relaxed) & (1 << k) != 0
+    }
+
+    /// Combine join `k`'s answers and move the request on, as if every
+    /// candidate had finished: the first carries the combined outputs, the
+    /// others none, so the stages after the join see one answer.
+    fn answer_join(self: &Arc<Self>, mut st: parking_lot::MutexGuard<'_, State>, k: usize) {
+        let pipe = &self.pipe;
+        let join = &pipe.joins[k];
+        self.joins_done.fetch_or(1 << k, Relaxed);
+        let rows = st.joins[k].rows();
+        let (plan, arrived) = st.joins[k].take();
+        let combined = join
+            .policy
+            .combine(self.id, &plan, &arrived, rows)
+            .and_then(|h| h.to_arena(&pipe.arena).map_err(|e| e.to_string()));
+        let outs = match combined {
+            Ok(outs) => outs,
+            Err(message) => {
+                drop(st);
+                self.fail(NodeError::Component { stage: join.policy.name().to_string(), message });
+                return;
+            }
+        };
+        let mut ready = Vec::new();
+        let mut answer = None;
+        let mut carried = Some(outs);
+        for &c in &join.candidates {
+            let outputs = carried.take().unwrap_or_default();
+            if let Some(a) = self.settle_stage(&mut st, c, outputs, &mut ready) {
+                answer = Some(a);
+            }
+        }
+        drop(st);
+        self.go_on(answer, &ready);
     }
 
     /// One stage's work run for another node ([`Request::for_stage`]): it
@@ -249,7 +409,7 @@ impl Request {
     /// Record `stage`'s outputs in the request's state: children whose
     /// parents are now all done go to `ready`; the answer (its channel and
     /// the sinks' merged outputs) when this was the last sink.
-    pub(crate) fn settle_stage(
+    fn settle_stage(
         &self,
         st: &mut State,
         stage: usize,
@@ -285,7 +445,7 @@ impl Request {
     }
 
     /// After the state is unlocked: answer, or send the ready stages on.
-    pub(crate) fn go_on(self: &Arc<Self>, answer: Option<(oneshot::Sender<Reply>, Tensors)>, ready: &[usize]) {
+    fn go_on(self: &Arc<Self>, answer: Option<(oneshot::Sender<Reply>, Tensors)>, ready: &[usize]) {
         if let Some((tx, merged)) = answer {
             let _ = tx.send(Ok(merged));
             return;
@@ -339,9 +499,50 @@ impl Request {
     }
 }
 
-/// Rows a request contributes to a batch: the first dimension of its inputs.
-pub fn request_rows(inputs: &[(String, TensorRef)]) -> u64 {
-    inputs.first().map(|(_, t)| t.rows()).unwrap_or(1)
+impl Job for Request {
+    fn id(&self) -> u64 {
+        self.id
+    }
+
+    fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    fn deadline_ns(&self) -> u64 {
+        self.deadline_ns
+    }
+
+    fn skips(&self, stage: usize) -> bool {
+        Request::skips(self, stage)
+    }
+
+    fn inputs(&self, stage: usize) -> Result<Tensors, NodeError> {
+        self.stage_inputs(stage)
+    }
+
+    fn finish(self: Arc<Self>, stage: usize, outputs: Tensors) {
+        self.finish_stage(stage, outputs);
+    }
+
+    fn fail_stage(self: Arc<Self>, stage: usize, err: NodeError) {
+        Request::fail_stage(&self, stage, err);
+    }
+
+    fn fail(&self, err: NodeError) {
+        Request::fail(self, err);
+    }
+
+    fn chunk(&self, stage: usize, outputs: Tensors) {
+        self.push_chunk(stage, outputs);
+    }
+
+    fn memo(&self, stage: usize) -> Option<u128> {
+        Request::memo(self, stage)
+    }
+
+    fn mark_retried(&self) -> bool {
+        !self.retried.swap(true, Relaxed)
+    }
 }
 
 /// An admitted request inside its pipeline: settled exactly once, with its

@@ -11,10 +11,9 @@
 use crate::arena::{Arena, HeapTensors, Tensors};
 use crate::config::NodeOptions;
 use crate::error::NodeError;
-use crate::ext::{FirstStart, Launcher, ReplicaTask};
+use crate::drive::{drive, Backend, Batch, FirstStart, Launcher, Outcome, Reply, ReplicaCtx, ReplicaTask, Running, Started};
 use crate::node::{Answer, Arrival, Node, NodeParts};
 use crate::pipeline::{BuildContext, PipelineBuilder};
-use crate::replica::{drive, Backend, Batch, Outcome, Reply, ReplicaCtx, Running, Started};
 use crate::spec::AppSpec;
 use parking_lot::Mutex;
 use slipstream_types::DType;

@@ -20,7 +20,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use slipstream_core::arena::Arena;
 use slipstream_core::codec::{self, BodyParts};
 use slipstream_core::events::EventKind;
-use slipstream_core::replica::{WorkerCommand, WorkerLauncher};
+use slipstream_core::worker::{WorkerCommand, WorkerLauncher};
 use slipstream_core::spec::SpecError;
 use slipstream_core::{AppSpec, Arrival, Node, NodeError, NodeOptions, NodeParts};
 use std::net::SocketAddr;

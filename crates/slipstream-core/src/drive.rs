@@ -7,7 +7,7 @@
 //! through its DAG; a failed request is retried once elsewhere when its
 //! executor was lost). [`drive`] is that loop, once, for every replica. What
 //! executes the batches is a [`Backend`]: a worker process on this machine
-//! ([`super::WorkerLauncher`]), or another node (the cluster's remote
+//! ([`crate::worker::WorkerLauncher`]), or another node (the cluster's remote
 //! replicas). A backend starts its executor, sends it batches, and reports
 //! what comes back; it never touches a request's state.
 //!
@@ -28,16 +28,16 @@
 //! its queue, stops its executor and leaves its stage; a local replica's
 //! pool goes back to the arena for the next replica.
 
-use super::{Phase, Replica, Work};
-use crate::arena::{Arena, Tensors};
+use crate::arena::{request_rows, Arena, Tensors};
 use crate::error::NodeError;
 use crate::events::{EventKind, Events};
 use crate::ext::Versions;
 use crate::pipeline::{PipelineRt, Sample, StageRt};
-use crate::request::{request_rows, Request};
+use crate::replica::{Job, Phase, Replica, Work};
 use slipstream_shm::Block;
 use std::collections::HashMap;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -45,6 +45,21 @@ use tokio::sync::{oneshot, watch};
 
 /// A warm-up sample is refreshed at most this often.
 const SAMPLE_EVERY: Duration = Duration::from_secs(5);
+
+/// The future that drives one replica until it leaves its stage.
+pub type ReplicaTask = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Tells the node whether a replica it starts with came up (Err: why not).
+pub type FirstStart = oneshot::Sender<Result<(), String>>;
+
+/// What drives replicas: the core's [`crate::worker::WorkerLauncher`] for a
+/// worker process on this machine, the cluster's for a replica on another
+/// node; both run [`drive`] over their own [`Backend`].
+pub trait Launcher: Send + Sync {
+    /// The task of the replica `ctx` names; `first_start` (a replica the
+    /// node starts with) learns whether it came up.
+    fn launch(&self, ctx: ReplicaCtx, first_start: Option<FirstStart>) -> ReplicaTask;
+}
 
 /// What a replica's task works with: its pipeline, stage and replica, the
 /// node's arena and event log, and the node's stop signal.
@@ -113,7 +128,7 @@ pub struct Batch {
     pub id: u64,
     /// Each request with its inputs to the stage, in batch order; every
     /// request's inputs have the same names, dtypes and trailing shapes.
-    pub members: Vec<(Arc<Request>, Tensors)>,
+    pub members: Vec<(Arc<dyn Job>, Tensors)>,
     /// Memory the executor reads that must live until it answers (inputs
     /// the backend gathered into one block, say).
     pub keep: Vec<Arc<Block>>,
@@ -132,7 +147,7 @@ impl Batch {
 
     /// When each request is due, in batch order.
     pub fn deadlines(&self) -> impl Iterator<Item = Instant> + '_ {
-        self.members.iter().map(|(r, _)| r.deadline)
+        self.members.iter().map(|(r, _)| r.deadline())
     }
 }
 
@@ -229,7 +244,7 @@ enum Ended {
 pub async fn drive<B: Backend>(
     ctx: ReplicaCtx,
     mut backend: B,
-    mut first_start: Option<oneshot::Sender<Result<(), String>>>,
+    mut first_start: Option<FirstStart>,
 ) {
     let mut stop = ctx.stop.clone();
     let mut backoff = Duration::from_millis(100);
@@ -356,13 +371,13 @@ fn signature(inputs: &Tensors) -> Vec<(&str, slipstream_types::DType, &[u64])> {
 fn form(ctx: &ReplicaCtx, works: Vec<Work>, budget_ns: u64) -> Option<Batch> {
     let stage = ctx.stage();
     let now = Instant::now();
-    let mut members: Vec<(Arc<Request>, Tensors)> = Vec::with_capacity(works.len());
+    let mut members: Vec<(Arc<dyn Job>, Tensors)> = Vec::with_capacity(works.len());
     let mut deferred = Vec::new();
     let waits: u64 = works.iter().map(|w| now.duration_since(w.enqueued).as_nanos() as u64).sum();
     let mean_wait = waits / works.len().max(1) as u64;
     for work in works {
         stage.metrics.queue_wait_us.record(now.duration_since(work.enqueued).as_micros() as u64);
-        match work.req.stage_inputs(ctx.stage) {
+        match work.req.inputs(ctx.stage) {
             Ok(inputs) => {
                 if let Some((_, first)) = members.first() {
                     if signature(first) != signature(&inputs) {
@@ -519,7 +534,7 @@ fn take_reply(ctx: &ReplicaCtx, running: &mut Running, reply: Reply) -> Result<(
         Reply::Chunk { id, per_request } => {
             let b = running.get(&id).ok_or_else(|| format!("protocol violation: a chunk of unknown batch {id}"))?;
             for ((req, _), outs) in b.members.iter().zip(per_request) {
-                req.push_chunk(ctx.stage, outs);
+                req.chunk(ctx.stage, outs);
             }
             Ok(())
         }
@@ -559,22 +574,22 @@ fn settle(ctx: &ReplicaCtx, b: Batch, outcome: Outcome) {
                 if let (Some(hook), Some(memo)) = (&stage.hook, req.memo(ctx.stage)) {
                     hook.store(memo, &outs, &versions);
                 }
-                req.finish_stage(ctx.stage, outs);
+                req.finish(ctx.stage, outs);
             }
         }
         Outcome::Each(results) => {
             m.hop_us.record(rtt_us);
             for ((req, _), result) in b.members.into_iter().zip(results) {
                 match result {
-                    Ok(outs) => req.finish_stage(ctx.stage, outs),
+                    Ok(outs) => req.finish(ctx.stage, outs),
                     Err(e) => {
                         if matches!(e, NodeError::Component { .. }) {
                             m.errors.fetch_add(1, Relaxed);
                         }
                         // No replica there any more (the placement moved it): once elsewhere.
                         let elsewhere = matches!(e, NodeError::Unavailable { .. } | NodeError::ShuttingDown)
-                            && !req.retried.swap(true, Relaxed);
-                        match elsewhere.then(|| stage.choose(req.id, Some(&ctx.me))).flatten() {
+                            && req.mark_retried();
+                        match elsewhere.then(|| stage.choose(req.id(), Some(&ctx.me))).flatten() {
                             Some(r) => {
                                 if let Err(req) = r.push(req) {
                                     req.fail_stage(ctx.stage, e);
@@ -625,10 +640,10 @@ fn move_queue_elsewhere(ctx: &ReplicaCtx) {
 
 /// The executor was lost with this batch in flight: retry each request once
 /// on another replica of the stage, else fail it with 503.
-fn retry_or_fail(ctx: &ReplicaCtx, members: Vec<(Arc<Request>, Tensors)>, why: &str) {
+fn retry_or_fail(ctx: &ReplicaCtx, members: Vec<(Arc<dyn Job>, Tensors)>, why: &str) {
     let stage = ctx.stage();
     ctx.me.worker_died();
-    let fail = |req: Arc<Request>| {
+    let fail = |req: Arc<dyn Job>| {
         req.fail_stage(
             ctx.stage,
             NodeError::Unavailable {
@@ -638,13 +653,13 @@ fn retry_or_fail(ctx: &ReplicaCtx, members: Vec<(Arc<Request>, Tensors)>, why: &
         )
     };
     for (req, _) in members {
-        if req.retried.swap(true, Relaxed) {
+        if !req.mark_retried() {
             fail(req);
             continue;
         }
         // Only to a replica that serves now: waiting for a restart would
         // rarely fit the deadline, and a clear 503 lets the client decide.
-        match stage.choose(req.id, Some(&ctx.me)) {
+        match stage.choose(req.id(), Some(&ctx.me)) {
             Some(r) => match r.push(req) {
                 Ok(()) => {
                     stage.metrics.retries.fetch_add(1, Relaxed);

@@ -28,18 +28,14 @@
 //! put them (they wait for the worker); a `Draining` one takes nothing new
 //! and finishes its queue; a `Stopped` one is gone.
 //!
-//! The task that drives a replica ([`drive`]: batches, settlement,
-//! restarts) is the same wherever the replica runs; what runs its batches
-//! is a [`Backend`]: a worker process on this machine (the core's
-//! [`WorkerLauncher`]), or another node (the cluster's).
+//! What a replica queues is a [`Job`]: a request as its queue and its task
+//! see it (its deadline, its inputs to the stage, where its outputs go),
+//! so that this module knows nothing of the request's walk through its
+//! DAG. The task that drives a replica is [`crate::drive`]'s; what runs
+//! its batches is a [`crate::drive::Backend`].
 
-mod driver;
-mod worker;
-
-pub use driver::{drive, Backend, Batch, Outcome, Reply, ReplicaCtx, Running, Started};
-pub use worker::{WorkerCommand, WorkerLauncher};
-
-use crate::request::Request;
+use crate::arena::Tensors;
+use crate::error::NodeError;
 use parking_lot::Mutex;
 use slipstream_sched::{take_batch, BatchFormer, EdfQueue, ReplicaLoad, Taken};
 use slipstream_shm::Pool;
@@ -97,9 +93,39 @@ impl Phase {
     }
 }
 
+/// A request as a replica's queue and task see it: one stage's work.
+pub trait Job: Send + Sync {
+    /// The request's id (unique in the node; routing's tie-breaker).
+    fn id(&self) -> u64;
+    /// When it is due.
+    fn deadline(&self) -> Instant;
+    /// When it is due, in ns since its pipeline's epoch (the queues' key).
+    fn deadline_ns(&self) -> u64;
+    /// Whether its work at stage `stage` is no longer needed (it finished,
+    /// or a join answered without this candidate): skipped if queued.
+    fn skips(&self, stage: usize) -> bool;
+    /// Its inputs to stage `stage`.
+    fn inputs(&self, stage: usize) -> Result<Tensors, NodeError>;
+    /// Stage `stage` answered it: its request moves on.
+    fn finish(self: Arc<Self>, stage: usize, outputs: Tensors);
+    /// Stage `stage` failed for it.
+    fn fail_stage(self: Arc<Self>, stage: usize, err: NodeError);
+    /// Finish its whole request with `err` (the first finish wins).
+    fn fail(&self, err: NodeError);
+    /// A streaming component's chunk of its outputs at stage `stage`.
+    fn chunk(&self, stage: usize, outputs: Tensors);
+    /// The memo of stage `stage`'s hook, if its lookup missed.
+    fn memo(&self, stage: usize) -> Option<u128>;
+    /// Mark it retried after its executor was lost: false if it already was
+    /// (a request is retried once).
+    fn mark_retried(&self) -> bool;
+}
+
 /// One queued unit of work: a request waiting for this replica.
 pub struct Work {
-    pub req: Arc<Request>,
+    /// The request.
+    pub req: Arc<dyn Job>,
+    /// When it was queued here.
     pub enqueued: Instant,
 }
 
@@ -319,14 +345,14 @@ impl Replica {
 
     /// Queue a request. Refused (handed back) unless the replica will serve
     /// it: draining and stopped replicas take nothing new.
-    pub fn push(&self, req: Arc<Request>) -> Result<(), Arc<Request>> {
+    pub fn push(&self, req: Arc<dyn Job>) -> Result<(), Arc<dyn Job>> {
         let now = self.now_ns();
         let mut st = self.state.lock();
         if !st.phase.will_serve() {
             return Err(req);
         }
         st.former.on_arrival(now);
-        st.queue.push(req.deadline_ns, Work { req, enqueued: Instant::now() });
+        st.queue.push(req.deadline_ns(), Work { req, enqueued: Instant::now() });
         self.publish_queue(&st);
         drop(st);
         self.wake.notify_one();
@@ -340,7 +366,7 @@ impl Replica {
         }
         let mut st = self.state.lock();
         for w in works {
-            st.queue.push(w.req.deadline_ns, w);
+            st.queue.push(w.req.deadline_ns(), w);
         }
         self.publish_queue(&st);
         drop(st);

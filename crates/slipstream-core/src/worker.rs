@@ -16,12 +16,13 @@
 //! its frames over a channel, so that waiting for them can be raced
 //! against new work without losing a half-read frame.
 
-use super::driver::{drive, next_batch_id, Backend, Batch, Outcome, Reply, ReplicaCtx, Running, Started};
-use crate::ext::{FirstStart, Launcher, ReplicaTask};
-use crate::arena::{Arena, CopyCounters, TensorRef, Tensors};
+use crate::arena::{request_rows, Arena, CopyCounters, TensorRef, Tensors};
+use crate::drive::{
+    drive, next_batch_id, Backend, Batch, FirstStart, Launcher, Outcome, Reply, ReplicaCtx, ReplicaTask, Running,
+    Started,
+};
 use crate::error::NodeError;
 use crate::events::EventKind;
-use crate::request::request_rows;
 use slipstream_shm::{Block, Pool};
 use slipstream_transport::{read_frame, write_frame, FrameError, FromWorker, OutputDesc, OutputOrigin, ToWorker};
 use slipstream_types::{checked_nbytes, TensorDesc};
