@@ -39,8 +39,10 @@ use std::time::{Duration, Instant};
 /// The policy's settings: the defaults, the machine's cores, and what the
 /// app's spec says (`slipstream serve --autoscale ...`). Err names a bad one.
 pub fn options(spec: Option<&AutoscaleSpec>) -> Result<ScaleOptions, String> {
-    let mut o =
-        ScaleOptions { cores: std::thread::available_parallelism().map_or(2.0, |n| n.get() as f64), ..Default::default() };
+    let mut o = ScaleOptions {
+        cores: std::thread::available_parallelism().map_or(2.0, |n| n.get() as f64),
+        ..Default::default()
+    };
     let Some(spec) = spec else { return Ok(o) };
     if let Some(p) = &spec.policy {
         o.policy = ScalePolicy::parse(p)
@@ -122,7 +124,8 @@ fn view(st: &StageRt) -> StageView {
         }
     }
     let set = st.replicas();
-    v.profiled = set.iter().find(|r| r.phase() == Phase::Ready).or(set.first()).and_then(|r| replica_capacity(&r.former()));
+    v.profiled =
+        set.iter().find(|r| r.phase() == Phase::Ready).or(set.first()).and_then(|r| replica_capacity(&r.former()));
     v.lead_s = st.start_time().map(|d| d.as_secs_f64());
     v
 }
@@ -134,7 +137,10 @@ impl Autoscaler {
         let autoscaled = pipelines
             .into_iter()
             .flat_map(|p| {
-                p.stages.iter().filter(|s| autoscaled(s)).map(|s| (p.name().to_string(), s.name.clone(), s.bounds.0, s.bounds.1))
+                p.stages
+                    .iter()
+                    .filter(|s| autoscaled(s))
+                    .map(|s| (p.name().to_string(), s.name.clone(), s.bounds.0, s.bounds.1))
             })
             .collect();
         Autoscaler { opts, autoscaled, epoch: Instant::now(), pipes: Mutex::default(), stages: Mutex::default() }
@@ -164,7 +170,9 @@ impl Autoscaler {
     fn observe(&self, pipe: &PipelineRt, dt: f64) -> (Trend, u64, PipelineTotals) {
         let now = pipe.totals();
         let mut pipes = self.pipes.lock();
-        let ps = pipes.entry(pipe.name().to_string()).or_insert_with(|| PipeState { trend: Trend::default(), prev: now.clone() });
+        let ps = pipes
+            .entry(pipe.name().to_string())
+            .or_insert_with(|| PipeState { trend: Trend::default(), prev: now.clone() });
         let delta = now.since(&ps.prev);
         ps.prev = now;
         ps.trend.observe(delta.offered() as f64 / dt, dt);

@@ -288,16 +288,8 @@ impl StageHook for PredictionCache {
         for (name, help, v) in [
             ("slipstream_cache_hits_total", "Requests answered from the stage's prediction cache.", c.hits),
             ("slipstream_cache_misses_total", "Cache lookups that found nothing (the request ran).", c.misses),
-            (
-                "slipstream_cache_evictions_total",
-                "Entries evicted (CLOCK) to stay within max_bytes.",
-                c.evictions,
-            ),
-            (
-                "slipstream_cache_invalidations_total",
-                "Times a newer model version emptied the cache.",
-                c.invalidations,
-            ),
+            ("slipstream_cache_evictions_total", "Entries evicted (CLOCK) to stay within max_bytes.", c.evictions),
+            ("slipstream_cache_invalidations_total", "Times a newer model version emptied the cache.", c.invalidations),
         ] {
             t.counter(name, help, l, v);
         }

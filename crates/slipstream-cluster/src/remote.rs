@@ -19,8 +19,8 @@
 
 use crate::wire::{error_from, lend, split_incoming, CallMeta, CallReq, ReplyMeta, ReqResult};
 use crate::{Cluster, View};
+use slipstream_core::drive::{drive, Backend, Batch, Outcome, ReplicaCtx, Reply, Running, Started};
 use slipstream_core::drive::{FirstStart, Launcher, ReplicaTask};
-use slipstream_core::drive::{drive, Backend, Batch, Outcome, Reply, ReplicaCtx, Running, Started};
 use slipstream_core::replica::{Phase, RemoteAt};
 use slipstream_core::NodeError;
 use slipstream_peer::{Outgoing, PeerError};

@@ -5,8 +5,8 @@
 //! one frame with this stage's load (requests queued or running per ready
 //! replica here), which the sender adds to its own view of the queue.
 
-use crate::Cluster;
 use crate::wire::{lend, split_incoming, ArenaBuf, CallMeta, ReplyMeta, ReqResult};
+use crate::Cluster;
 use slipstream_core::replica::Phase;
 use slipstream_core::{Node, NodeError};
 use slipstream_peer::{Incoming, Outgoing};
@@ -15,7 +15,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Run a batch node `from` sent: every request as one stage's work here.
-pub(crate) async fn serve_call(node: Arc<Node>, cluster: Arc<Cluster>, from: String, inc: Incoming<ArenaBuf>) -> Outgoing {
+pub(crate) async fn serve_call(
+    node: Arc<Node>,
+    cluster: Arc<Cluster>,
+    from: String,
+    inc: Incoming<ArenaBuf>,
+) -> Outgoing {
     let meta: CallMeta = match serde_json::from_slice(&inc.meta) {
         Ok(m) => m,
         Err(e) => return Outgoing::error(format!("malformed call from {from}: {e}")),

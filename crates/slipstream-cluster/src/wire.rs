@@ -125,4 +125,3 @@ pub(crate) fn error_from(kind: &str, message: String, stage: &str) -> NodeError 
         _ => NodeError::Internal(message),
     }
 }
-

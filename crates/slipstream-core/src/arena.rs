@@ -32,20 +32,26 @@ pub type Tensors = Vec<(String, TensorRef)>;
 /// A tensor inside a pool block.
 #[derive(Clone, Debug)]
 pub struct TensorRef {
+    /// The block that holds it (kept alive by this reference).
     pub block: Arc<Block>,
     /// Absolute byte offset in the pool (inside `block`).
     pub offset: u64,
+    /// Its size, bytes.
     pub nbytes: u64,
+    /// Its element type.
     pub dtype: DType,
+    /// Its shape; the first dimension is rows.
     pub shape: Vec<u64>,
 }
 
 impl TensorRef {
+    /// Its bytes (in shared memory).
     pub fn bytes(&self) -> &[u8] {
         let start = (self.offset - self.block.offset()) as usize;
         &self.block.as_slice()[start..start + self.nbytes as usize]
     }
 
+    /// Its descriptor, as workers and frames name it.
     pub fn desc(&self) -> TensorDesc {
         TensorDesc {
             pool: self.block.pool().id(),
@@ -127,38 +133,61 @@ pub fn request_rows(inputs: &[(String, TensorRef)]) -> u64 {
 pub struct CopyCounters {
     /// A request body that arrived in several socket reads, joined into one buffer.
     pub body_join: AtomicU64,
+    /// Bytes of those.
     pub body_join_bytes: AtomicU64,
+    /// Request tensors written into the ingress pool (the one copy at ingress).
     pub ingress: AtomicU64,
+    /// Bytes of those.
     pub ingress_bytes: AtomicU64,
+    /// Batch inputs gathered into one block (requests' tensors not adjacent).
     pub gather: AtomicU64,
+    /// Bytes of those.
     pub gather_bytes: AtomicU64,
+    /// Outputs a worker copied into its pool.
     pub worker: AtomicU64,
+    /// Bytes of those.
     pub worker_bytes: AtomicU64,
+    /// Answers copied when encoded (JSON bodies).
     pub egress: AtomicU64,
+    /// Bytes of those.
     pub egress_bytes: AtomicU64,
 }
 
+/// The copy counters at one instant (see [`CopyCounters`]).
 #[derive(Serialize, Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CopySnapshot {
+    /// Bodies joined.
     pub body_join: u64,
+    /// Bytes of those.
     pub body_join_bytes: u64,
+    /// Ingress writes.
     pub ingress: u64,
+    /// Bytes of those.
     pub ingress_bytes: u64,
+    /// Gathered batch inputs.
     pub gather: u64,
+    /// Bytes of those.
     pub gather_bytes: u64,
+    /// Worker output copies.
     pub worker: u64,
+    /// Bytes of those.
     pub worker_bytes: u64,
+    /// Egress copies.
     pub egress: u64,
+    /// Bytes of those.
     pub egress_bytes: u64,
+    /// All copies.
     pub total: u64,
 }
 
 impl CopyCounters {
+    /// Count one copy of `bytes` in `counter` and `bytes_counter`.
     pub fn add(counter: &AtomicU64, bytes_counter: &AtomicU64, bytes: u64) {
         counter.fetch_add(1, Relaxed);
         bytes_counter.fetch_add(bytes, Relaxed);
     }
 
+    /// The counters now.
     pub fn snapshot(&self) -> CopySnapshot {
         let l = |a: &AtomicU64| a.load(Relaxed);
         let (j, i, g, w, e) = (l(&self.body_join), l(&self.ingress), l(&self.gather), l(&self.worker), l(&self.egress));
@@ -185,6 +214,7 @@ pub struct Arena {
     pools: RwLock<Vec<Arc<Pool>>>,
     /// Pools of removed replicas, free for the next replica.
     spare: Mutex<Vec<Arc<Pool>>>,
+    /// Every payload copy the node makes, by site.
     pub copies: CopyCounters,
 }
 
@@ -237,10 +267,12 @@ impl Arena {
         Ok(pool)
     }
 
+    /// The ingress pool (requests are decoded into it).
     pub fn ingress(&self) -> Arc<Pool> {
         self.pools.read()[0].clone()
     }
 
+    /// The pool with this id, if it exists.
     pub fn pool(&self, id: u32) -> Option<Arc<Pool>> {
         self.pools.read().get(id as usize).cloned()
     }
@@ -305,6 +337,7 @@ fn rand_suffix() -> u64 {
 pub struct HeapTensors(pub Vec<(String, DType, Vec<u64>, Vec<u8>)>);
 
 impl HeapTensors {
+    /// A copy of `tensors` on the heap.
     pub fn of(tensors: &Tensors) -> HeapTensors {
         HeapTensors(tensors.iter().map(|(n, t)| (n.clone(), t.dtype, t.shape.clone(), t.bytes().to_vec())).collect())
     }

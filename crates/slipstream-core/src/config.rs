@@ -27,13 +27,18 @@ use std::time::Duration;
 /// One row of the settings table, for the front end.
 #[derive(Serialize, Debug, Clone)]
 pub struct Setting {
+    /// The setting's name (its TOML key; the flag and environment variable derive from it).
     pub name: &'static str,
     /// `str`, `int`, `float`, `bool`, or `choice`; `optional` says whether
     /// the setting may be left unset (no default value).
     pub kind: &'static str,
+    /// Whether it may be left unset.
     pub optional: bool,
+    /// The values a `choice` takes.
     pub choices: &'static [&'static str],
+    /// Its default.
     pub default: Value,
+    /// What it does.
     pub help: String,
     /// The command-line flag when it differs from `--name-with-dashes`
     /// (kept for flags that predate the table).

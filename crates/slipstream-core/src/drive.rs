@@ -216,14 +216,16 @@ pub trait Backend: Send {
     /// Send a batch (it may add to `batch.keep`). `Some(outcome)`: the
     /// batch ended without reaching the executor (its inputs could not be
     /// laid out, say); the executor is fine.
-    fn send(&mut self, ctx: &ReplicaCtx, batch: &mut Batch)
-        -> impl Future<Output = Result<Option<Outcome>, String>> + Send;
+    fn send(
+        &mut self,
+        ctx: &ReplicaCtx,
+        batch: &mut Batch,
+    ) -> impl Future<Output = Result<Option<Outcome>, String>> + Send;
     /// The executor's next report about one of the `running` batches. When
     /// [`Backend::capacity`] is above 1 this must be cancel-safe (it is
     /// raced against new work), and must resolve with Err when the
     /// executor is lost.
-    fn recv(&mut self, ctx: &ReplicaCtx, running: &Running)
-        -> impl Future<Output = Result<Reply, String>> + Send;
+    fn recv(&mut self, ctx: &ReplicaCtx, running: &Running) -> impl Future<Output = Result<Reply, String>> + Send;
     /// Resolves (with why) when the executor is lost while nothing runs.
     /// Cancel-safe: raced against new work.
     fn lost(&mut self, ctx: &ReplicaCtx) -> impl Future<Output = String> + Send;
@@ -241,11 +243,7 @@ enum Ended {
 /// `first_start` (the replicas the node starts with) learns whether the
 /// backend came up the first time, so that start-up fails loudly on a
 /// broken component.
-pub async fn drive<B: Backend>(
-    ctx: ReplicaCtx,
-    mut backend: B,
-    mut first_start: Option<FirstStart>,
-) {
+pub async fn drive<B: Backend>(ctx: ReplicaCtx, mut backend: B, mut first_start: Option<FirstStart>) {
     let mut stop = ctx.stop.clone();
     let mut backoff = Duration::from_millis(100);
     while ctx.me.phase().will_serve() && !ctx.stopping() {
@@ -539,7 +537,8 @@ fn take_reply(ctx: &ReplicaCtx, running: &mut Running, reply: Reply) -> Result<(
             Ok(())
         }
         Reply::Done { id, outcome } => {
-            let b = running.remove(&id).ok_or_else(|| format!("protocol violation: an answer to unknown batch {id}"))?;
+            let b =
+                running.remove(&id).ok_or_else(|| format!("protocol violation: an answer to unknown batch {id}"))?;
             settle(ctx, b, outcome);
             Ok(())
         }
@@ -587,8 +586,8 @@ fn settle(ctx: &ReplicaCtx, b: Batch, outcome: Outcome) {
                             m.errors.fetch_add(1, Relaxed);
                         }
                         // No replica there any more (the placement moved it): once elsewhere.
-                        let elsewhere = matches!(e, NodeError::Unavailable { .. } | NodeError::ShuttingDown)
-                            && req.mark_retried();
+                        let elsewhere =
+                            matches!(e, NodeError::Unavailable { .. } | NodeError::ShuttingDown) && req.mark_retried();
                         match elsewhere.then(|| stage.choose(req.id(), Some(&ctx.me))).flatten() {
                             Some(r) => {
                                 if let Err(req) = r.push(req) {

@@ -7,42 +7,92 @@ use slipstream_shm::ShmError;
 /// Why a request (or an operation on the node) failed.
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
+    /// The request is malformed (400).
     #[error("malformed request: {0}")]
     BadRequest(String),
+    /// Its inputs do not fit the pipeline (400).
     #[error("{0}")]
     BadInput(String),
+    /// No pipeline has this name (404).
     #[error("unknown pipeline '{0}'")]
     UnknownPipeline(String),
+    /// No route, or no object, of this name (404).
     #[error("no route for {0}")]
     NotFound(String),
+    /// The route exists for another method (405).
     #[error("method {0} not allowed here")]
     MethodNotAllowed(String),
+    /// The body is over the node's limit (413).
     #[error("request body exceeds the limit of {limit} bytes")]
-    PayloadTooLarge { limit: usize },
+    PayloadTooLarge {
+        /// The limit, bytes.
+        limit: usize,
+    },
+    /// A component raised on the request's batch (500).
     #[error("component '{stage}' raised: {message}")]
-    Component { stage: String, message: String },
+    Component {
+        /// The stage.
+        stage: String,
+        /// What it raised.
+        message: String,
+    },
+    /// No replica of a stage can take the request (503).
     #[error("stage '{stage}' is unavailable: {reason}")]
-    Unavailable { stage: String, reason: String },
+    Unavailable {
+        /// The stage.
+        stage: String,
+        /// Why.
+        reason: String,
+    },
+    /// The request timeout passed (504).
     #[error("request did not finish within {ms} ms")]
-    Timeout { ms: u64 },
+    Timeout {
+        /// The timeout, ms.
+        ms: u64,
+    },
+    /// Refused at admission: predicted to miss its deadline (429).
     #[error("refused: predicted to miss its {budget_ms} ms deadline by {over_ms} ms (the pipeline is at capacity)")]
-    Overloaded { budget_ms: u64, over_ms: u64 },
+    Overloaded {
+        /// Its deadline budget, ms.
+        budget_ms: u64,
+        /// By how much it would miss, ms.
+        over_ms: u64,
+    },
+    /// Its deadline passed inside the pipeline (504).
     #[error("dropped: its deadline passed while it waited at stage '{stage}'")]
-    DeadlineExceeded { stage: String },
+    DeadlineExceeded {
+        /// Where it was.
+        stage: String,
+    },
+    /// The node is draining (503).
     #[error("the node is shutting down")]
     ShuttingDown,
+    /// The client went away (never sent; 499 in the books).
     #[error("the client went away before the answer")]
     Cancelled,
+    /// No stage of this name (404).
     #[error("pipeline '{pipeline}' has no stage '{stage}' (stages: {known})")]
-    UnknownStage { pipeline: String, stage: String, known: String },
+    UnknownStage {
+        /// The pipeline.
+        pipeline: String,
+        /// The name asked for.
+        stage: String,
+        /// Its stages' names.
+        known: String,
+    },
+    /// An admin route without (or with a wrong) token (401).
     #[error("{0}")]
     Unauthorized(String),
+    /// An admin route this listener does not allow (403).
     #[error("{0}")]
     Forbidden(String),
+    /// Shared memory failed (503 when full, else 500).
     #[error("shared memory: {0}")]
     Arena(#[from] ShmError),
+    /// A bug or an impossible state (500).
     #[error("internal error: {0}")]
     Internal(String),
+    /// The object store refused or failed (its own status).
     #[error(transparent)]
     Store(#[from] slipstream_store::StoreError),
 }

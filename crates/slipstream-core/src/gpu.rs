@@ -32,6 +32,7 @@ pub struct Gpu {
 /// What a stage asks for (`StageSpec::device`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Want {
+    /// The CPU (default).
     #[default]
     Cpu,
     /// Any GPU: replicas take them round-robin.
@@ -54,6 +55,7 @@ impl Want {
         }
     }
 
+    /// Whether it wants a GPU.
     pub fn is_gpu(self) -> bool {
         self != Want::Cpu
     }

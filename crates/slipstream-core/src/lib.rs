@@ -40,6 +40,7 @@
 pub mod arena;
 pub mod codec;
 pub mod config;
+pub mod drive;
 pub mod error;
 pub mod events;
 pub mod ext;
@@ -49,17 +50,16 @@ pub mod metrics;
 pub mod node;
 pub mod pipeline;
 pub mod prom;
-pub mod drive;
-mod report;
 pub mod replica;
+mod report;
 mod request;
 #[cfg(test)]
 mod request_tests;
 pub mod scaling;
 pub mod spec;
-pub mod worker;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+pub mod worker;
 
 pub use config::{NodeConfig, NodeOptions};
 pub use error::NodeError;

@@ -117,6 +117,7 @@ impl Counter {
         self.total.load(Relaxed)
     }
 
+    /// Reset the status view (see the module doc).
     pub fn reset(&self) {
         self.base.store(self.total.load(Relaxed), Relaxed);
     }
@@ -127,6 +128,7 @@ impl Counter {
 pub struct KindCounts(Mutex<BTreeMap<&'static str, (u64, u64)>>);
 
 impl KindCounts {
+    /// Count one of `kind`.
     pub fn add(&self, kind: &'static str) {
         self.0.lock().entry(kind).or_default().0 += 1;
     }
@@ -141,6 +143,7 @@ impl KindCounts {
         self.0.lock().iter().map(|(k, (t, _))| (*k, *t)).collect()
     }
 
+    /// Reset the status view (see the module doc).
     pub fn reset(&self) {
         self.0.lock().values_mut().for_each(|(t, b)| *b = *t);
     }
@@ -166,21 +169,31 @@ struct HistInner {
 /// The Prometheus view of a [`Hist`], read under its lock (consistent).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Buckets {
+    /// The finite buckets' upper bounds.
     pub bounds: Vec<u64>,
     /// Cumulative counts: `cumulative[i]` observations <= `bounds[i]`; the
     /// last entry (one more than `bounds`) is `+Inf`, the total count.
     pub cumulative: Vec<u64>,
+    /// The sum of the observations.
     pub sum: u64,
 }
 
+/// A histogram's status view, in the unit asked for.
 #[derive(Serialize, Debug, Clone, Copy, Default, PartialEq)]
 pub struct Summary {
+    /// Observations.
     pub count: u64,
+    /// Their mean.
     pub mean: f64,
+    /// Median.
     pub p50: f64,
+    /// 90th percentile.
     pub p90: f64,
+    /// 99th percentile.
     pub p99: f64,
+    /// 99.9th percentile.
     pub p999: f64,
+    /// Largest.
     pub max: f64,
 }
 
@@ -206,6 +219,7 @@ impl Hist {
         Hist::new(LATENCY_BOUNDS_US, [])
     }
 
+    /// Record one observation.
     pub fn record(&self, v: u64) {
         let i = self.bounds.partition_point(|&b| b < v);
         let mut h = self.inner.lock();
@@ -257,6 +271,7 @@ impl Hist {
     }
 }
 
+/// A stage's counters and histograms.
 pub struct StageMetrics {
     /// Requests dropped from this stage's queue because their deadline passed.
     pub dropped_late: Counter,
@@ -266,11 +281,15 @@ pub struct StageMetrics {
     /// How late the most urgent request was when its batch was dispatched,
     /// µs, when it was late.
     pub late_us: Hist,
+    /// Batches run.
     pub batches: Counter,
+    /// Requests run.
     pub requests: Counter,
     /// Time replicas were busy with batches (node -> worker -> node), µs.
     pub busy_us: Counter,
+    /// Requests its component failed.
     pub errors: Counter,
+    /// Requests retried after their executor was lost.
     pub retries: Counter,
     /// Worker restarts (not reset with the status view: a stage's history).
     pub restarts: Counter,
@@ -304,7 +323,9 @@ impl Default for StageMetrics {
     }
 }
 
+/// A pipeline's counters and histograms.
 pub struct PipelineMetrics {
+    /// Answered successfully.
     pub ok: Counter,
     /// Requests let in by admission control.
     pub admitted: Counter,
@@ -312,11 +333,13 @@ pub struct PipelineMetrics {
     pub shed: Counter,
     /// Answered within the SLO (goodput) / answered late.
     pub slo_met: Counter,
+    /// Answered after their deadline.
     pub slo_missed: Counter,
     /// Answered with the declared fallback instead of an error.
     pub fallback: Counter,
     /// Admitted, then abandoned by their client before the answer.
     pub cancelled: Counter,
+    /// Failed or refused, by error kind.
     pub errors: KindCounts,
     /// End-to-end latency inside the node (body read to response ready), µs.
     pub latency_us: Hist,
@@ -350,6 +373,7 @@ impl PipelineMetrics {
         }
     }
 
+    /// Count a request that failed with an error of `kind`.
     pub fn error(&self, kind: &'static str) {
         self.errors.add(kind);
     }

@@ -41,11 +41,13 @@ impl PromText {
         &mut f.samples
     }
 
+    /// A counter sample.
     pub fn counter(&mut self, name: &str, help: &str, labels: &[(&str, &str)], v: u64) {
         let out = self.declare(name, "counter", help);
         let _ = writeln!(out, "{name}{} {v}", fmt_labels(labels));
     }
 
+    /// A gauge sample.
     pub fn gauge(&mut self, name: &str, help: &str, labels: &[(&str, &str)], v: f64) {
         let out = self.declare(name, "gauge", help);
         let _ = writeln!(out, "{name}{} {v}", fmt_labels(labels));
@@ -67,6 +69,7 @@ impl PromText {
         let _ = writeln!(out, "{name}_count{} {count}", fmt_labels(labels));
     }
 
+    /// The text, family by family.
     pub fn finish(self) -> String {
         let mut out = String::new();
         for f in self.families {

@@ -75,6 +75,7 @@ impl Phase {
         }
     }
 
+    /// Its name in status and events.
     pub fn name(self) -> &'static str {
         match self {
             Phase::Starting => "starting",
@@ -273,10 +274,12 @@ impl Replica {
         }
     }
 
+    /// The cluster placed it elsewhere: it serves a grace period, then drains.
     pub fn mark_leaving(&self) {
         self.leaving.store(true, Relaxed);
     }
 
+    /// Whether the cluster placed it elsewhere.
     pub fn leaving(&self) -> bool {
         self.leaving.load(Relaxed)
     }
@@ -295,6 +298,7 @@ impl Replica {
         self.load.load()
     }
 
+    /// Where it is in its life.
     pub fn phase(&self) -> Phase {
         Phase::from_u8(self.phase.load(Relaxed))
     }
@@ -520,6 +524,7 @@ impl Replica {
         left
     }
 
+    /// Requests queued (as last published).
     pub fn queue_len(&self) -> usize {
         self.load().queued as usize
     }

@@ -221,9 +221,10 @@ impl Request {
         if let Some(plan) = st.joins[k].plan() {
             return plan.chosen[pos];
         }
-        let context = join.policy.context_input().and_then(|name| {
-            st.inputs.iter().find(|(n, _)| n == name).and_then(|(_, t)| t.first_string())
-        });
+        let context = join
+            .policy
+            .context_input()
+            .and_then(|name| st.inputs.iter().find(|(n, _)| n == name).and_then(|(_, t)| t.first_string()));
         let plan = join.policy.plan(context);
         let runs = plan.chosen[pos];
         let rows = request_rows(&st.inputs);
@@ -330,6 +331,7 @@ impl Request {
         self.only.is_some()
     }
 
+    /// Whether it has finished (answered or failed).
     pub fn is_done(&self) -> bool {
         self.done.load(Relaxed)
     }
@@ -547,7 +549,7 @@ impl Job for Request {
 
 /// An admitted request inside its pipeline: settled exactly once, with its
 /// outcome or, if dropped first, as cancelled (see the module docs).
-pub struct Admitted {
+pub(crate) struct Admitted {
     req: Arc<Request>,
     rx: Option<oneshot::Receiver<Reply>>,
     settled: bool,
@@ -557,7 +559,7 @@ impl Admitted {
     /// Enter the pipeline: count the request in the gate and send it to its
     /// root stages.
     /// `chunks`: a streaming request's chunk channel.
-    pub fn enter(pipe: &Arc<PipelineRt>, inputs: Tensors, ticket: Ticket, chunks: Option<Chunks>) -> Admitted {
+    pub(crate) fn enter(pipe: &Arc<PipelineRt>, inputs: Tensors, ticket: Ticket, chunks: Option<Chunks>) -> Admitted {
         let (req, rx) = Request::new(pipe.clone(), inputs, ticket, chunks);
         pipe.metrics.admitted.fetch_add(1, Relaxed);
         pipe.gate.lock().on_admit(pipe.now_ns());
@@ -570,7 +572,7 @@ impl Admitted {
     /// (the default) answers 504 when the deadline passes, wherever the
     /// request is: the client learns at once, not when a busy replica next
     /// looks at its queue. Otherwise the request timeout bounds the wait.
-    pub async fn outcome(mut self) -> Reply {
+    pub(crate) async fn outcome(mut self) -> Reply {
         let pipe = self.req.pipe.clone();
         let rx = self.rx.take().expect("outcome is awaited once");
         let timeout_at = self.req.arrival + pipe.timeout;

@@ -20,7 +20,12 @@ use std::time::{Duration, Instant};
 
 /// One float32 output named `name` with `v` in its one row.
 fn out(name: &str, v: &[f32]) -> HeapTensors {
-    HeapTensors(vec![(name.into(), DType::Float32, vec![1, v.len() as u64], v.iter().flat_map(|x| x.to_le_bytes()).collect())])
+    HeapTensors(vec![(
+        name.into(),
+        DType::Float32,
+        vec![1, v.len() as u64],
+        v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    )])
 }
 
 fn first(inputs: &Tensors) -> Vec<f32> {
@@ -84,7 +89,11 @@ async fn a_request_past_its_deadline_is_answered_504_at_the_deadline() {
 #[tokio::test]
 async fn a_request_whose_client_goes_away_is_cancelled_and_its_work_skipped() {
     let fake = Fake::echo().delay("a", Duration::from_millis(150));
-    let t = TestNode::new(&app(5000.0, r#"[{"name": "a", "component": "A"}, {"name": "b", "component": "B", "parents": ["a"]}]"#), fake.clone()).await;
+    let t = TestNode::new(
+        &app(5000.0, r#"[{"name": "a", "component": "A"}, {"name": "b", "component": "B", "parents": ["a"]}]"#),
+        fake.clone(),
+    )
+    .await;
     let infer = t.infer("p", &[("x", &[1.0, 2.0])]);
     // Dropped while stage a runs.
     assert!(tokio::time::timeout(Duration::from_millis(50), infer).await.is_err());
@@ -165,9 +174,15 @@ impl JoinPolicy for First {
 async fn a_join_answers_at_its_cutoff_with_what_arrived_and_hears_the_straggler_late() {
     let stages = r#"[{"name": "fast", "component": "F"}, {"name": "slow", "component": "S"},
                      {"name": "after", "component": "X", "parents": ["fast", "slow"]}]"#;
-    let fake = Fake::new(|stage, inputs| Ok(if stage == "after" { HeapTensors::of(inputs) } else { out("y", &first(inputs)) }))
-        .delay("slow", Duration::from_millis(400));
-    let join = Arc::new(First { candidates: vec!["fast".into(), "slow".into()], wait: Duration::from_millis(40), late: AtomicUsize::new(0) });
+    let fake = Fake::new(|stage, inputs| {
+        Ok(if stage == "after" { HeapTensors::of(inputs) } else { out("y", &first(inputs)) })
+    })
+    .delay("slow", Duration::from_millis(400));
+    let join = Arc::new(First {
+        candidates: vec!["fast".into(), "slow".into()],
+        wait: Duration::from_millis(40),
+        late: AtomicUsize::new(0),
+    });
     let j = join.clone();
     let t = TestNode::with(&app(2000.0, stages), fake, move |b| b.join(j.clone()).unwrap()).await;
     let t0 = Instant::now();

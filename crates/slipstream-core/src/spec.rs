@@ -10,16 +10,20 @@ use serde::Deserialize;
 use slipstream_types::TensorSpec;
 use std::collections::{BTreeMap, HashMap};
 
+/// The app: its pipelines and how the node runs them.
 #[derive(Clone, Debug, Deserialize)]
 pub struct AppSpec {
+    /// Its pipelines.
     pub pipelines: Vec<PipelineSpec>,
     /// Command that starts one worker; the node appends per-replica flags.
     pub worker_argv: Vec<String>,
+    /// Environment of every worker.
     #[serde(default)]
     pub worker_env: BTreeMap<String, String>,
     /// Latency profiles from `slipstream profile`, by pipeline.
     #[serde(default)]
     pub profiles: Vec<ProfileSpec>,
+    /// How stages form batches and admission refuses.
     #[serde(default)]
     pub batching: BatchingSpec,
     /// How autoscaled stages follow the load (node defaults when absent).
@@ -33,8 +37,10 @@ pub struct AppSpec {
 /// The app's view of the object store (see `docs/design/store.md`).
 #[derive(Clone, Debug, Default, Deserialize)]
 pub struct StoreSpec {
+    /// Key prefixes with their retention and affinity.
     #[serde(default)]
     pub pools: Vec<PoolSpec>,
+    /// Files put at start-up.
     #[serde(default)]
     pub seed: Vec<SeedSpec>,
 }
@@ -42,11 +48,15 @@ pub struct StoreSpec {
 /// A key prefix with its retention and affinity.
 #[derive(Clone, Debug, Deserialize)]
 pub struct PoolSpec {
+    /// The keys it holds.
     pub prefix: String,
+    /// Versions kept per key.
     #[serde(default = "default_keep")]
     pub keep_versions: u64,
+    /// Versions older than this are removed (keeping the latest).
     #[serde(default)]
     pub keep_age_s: Option<f64>,
+    /// A regex whose first capture group names a key's affinity group.
     #[serde(default)]
     pub affinity: Option<String>,
 }
@@ -56,6 +66,7 @@ fn default_keep() -> u64 {
 }
 
 impl PoolSpec {
+    /// The store's pool (Err: why the declaration is invalid).
     pub fn to_pool(&self) -> Result<slipstream_store::Pool, String> {
         slipstream_store::Pool::new(&self.prefix, self.keep_versions, self.keep_age_s, self.affinity.as_deref())
             .map_err(|e| e.to_string())
@@ -65,8 +76,11 @@ impl PoolSpec {
 /// A file put under `key` at start-up unless the key has a live version.
 #[derive(Clone, Debug, Deserialize)]
 pub struct SeedSpec {
+    /// The key.
     pub key: String,
+    /// The file.
     pub path: std::path::PathBuf,
+    /// Its content type.
     #[serde(default = "octet_stream")]
     pub content_type: String,
 }
@@ -92,10 +106,13 @@ pub struct AutoscaleSpec {
     /// Cores the replicas may use (default: the machine's).
     #[serde(default)]
     pub cores: Option<f64>,
+    /// Keep a warm standby from this share of the serving capacity.
     #[serde(default)]
     pub standby_at: Option<f64>,
+    /// Plan serving replicas to run at most this busy.
     #[serde(default)]
     pub utilization: Option<f64>,
+    /// Scale down after the load needed fewer replicas this long.
     #[serde(default)]
     pub down_after_s: Option<f64>,
 }
@@ -145,28 +162,41 @@ fn yes() -> bool {
 /// A pipeline's measured profile: for each stage, latency by batch size.
 #[derive(Clone, Debug, Deserialize)]
 pub struct ProfileSpec {
+    /// The pipeline.
     pub pipeline: String,
+    /// Each stage's profile, by name.
     pub stages: BTreeMap<String, StageProfileSpec>,
 }
 
+/// One stage's profile.
 #[derive(Clone, Debug, Deserialize)]
 pub struct StageProfileSpec {
+    /// Latency at each batch size measured.
     pub points: Vec<ProfilePointSpec>,
 }
 
+/// Latency at one batch size.
 #[derive(Clone, Copy, Debug, Deserialize)]
 pub struct ProfilePointSpec {
+    /// The batch size.
     pub batch: u32,
+    /// Mean latency, ms.
     pub mean_ms: f64,
+    /// p99 latency, ms.
     pub p99_ms: f64,
 }
 
+/// One pipeline: its inputs, outputs, SLO and DAG of stages.
 #[derive(Clone, Debug, Deserialize)]
 pub struct PipelineSpec {
+    /// Its name.
     pub name: String,
+    /// Its inputs (dtype and shape; the first dimension is rows).
     pub inputs: BTreeMap<String, TensorSpec>,
+    /// Its outputs, when declared (else learned from the first answer).
     #[serde(default)]
     pub outputs: BTreeMap<String, TensorSpec>,
+    /// Its latency objective.
     #[serde(default)]
     pub slo: Option<SloSpec>,
     /// One realistic request's inputs, as the pipeline API's JSON `inputs`.
@@ -200,8 +230,11 @@ pub enum SelectPolicy {
 /// parents and see one combined answer.
 #[derive(Clone, Debug, Deserialize)]
 pub struct SelectSpec {
+    /// Its name.
     pub name: String,
+    /// The candidate stages.
     pub candidates: Vec<String>,
+    /// How it chooses.
     pub policy: SelectPolicy,
     /// A string input of the pipeline whose first element keys the policy
     /// state (a user or session: Clipper's contextualization).
@@ -226,6 +259,7 @@ pub struct CacheSpec {
     /// The inputs that make the key (all of the stage's inputs when absent).
     #[serde(default)]
     pub key: Option<Vec<String>>,
+    /// Bytes of results kept (plus a fixed overhead per entry).
     #[serde(default = "default_cache_bytes")]
     pub max_bytes: u64,
 }
@@ -234,9 +268,12 @@ fn default_cache_bytes() -> u64 {
     64 << 20
 }
 
+/// A pipeline's latency objective.
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
 pub struct SloSpec {
+    /// p99 latency, ms.
     pub p99_ms: f64,
+    /// Share of requests allowed to miss it.
     #[serde(default = "default_miss")]
     pub max_miss_rate: f64,
     /// Drop requests whose deadline passed inside the pipeline (default);
@@ -249,11 +286,14 @@ fn default_miss() -> f64 {
     0.01
 }
 
+/// One stage of a pipeline.
 #[derive(Clone, Debug, Deserialize)]
 pub struct StageSpec {
+    /// Its name.
     pub name: String,
     /// Import path the worker uses to find the component (e.g. `Normalize`).
     pub component: String,
+    /// The stages whose outputs it takes (none: the pipeline's inputs).
     #[serde(default)]
     pub parents: Vec<String>,
     /// Replicas to start with.
@@ -262,11 +302,13 @@ pub struct StageSpec {
     /// Autoscaling bounds (0: the starting count, i.e. not autoscaled).
     #[serde(default)]
     pub min_replicas: usize,
+    /// See `min_replicas`.
     #[serde(default)]
     pub max_replicas: usize,
     /// Threads (cores' worth of work) each replica may use.
     #[serde(default = "one")]
     pub threads: usize,
+    /// The largest batch it runs.
     #[serde(default = "one")]
     pub max_batch_size: usize,
     /// Batches a replica's worker may run at once: 1 for a plain
@@ -317,10 +359,13 @@ pub const MAX_SELECTS: usize = 64;
 /// The most batches one worker may have in flight.
 pub const MAX_CONCURRENCY: usize = 1024;
 
+/// Why an app's description is invalid.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("invalid pipeline '{pipeline}': {reason}")]
 pub struct SpecError {
+    /// The pipeline.
     pub pipeline: String,
+    /// Why.
     pub reason: String,
 }
 
@@ -405,9 +450,7 @@ impl PipelineSpec {
             if !(lo..=hi).contains(&s.replicas) || hi > MAX_REPLICAS {
                 return Err(err(format!(
                     "stage '{}': replicas {} must lie within its bounds ({lo}, {hi}), at most {}",
-                    s.name,
-                    s.replicas,
-                    MAX_REPLICAS
+                    s.name, s.replicas, MAX_REPLICAS
                 )));
             }
         }

@@ -10,8 +10,10 @@
 
 use crate::arena::{Arena, HeapTensors, Tensors};
 use crate::config::NodeOptions;
+use crate::drive::{
+    drive, Backend, Batch, FirstStart, Launcher, Outcome, ReplicaCtx, ReplicaTask, Reply, Running, Started,
+};
 use crate::error::NodeError;
-use crate::drive::{drive, Backend, Batch, FirstStart, Launcher, Outcome, Reply, ReplicaCtx, ReplicaTask, Running, Started};
 use crate::node::{Answer, Arrival, Node, NodeParts};
 use crate::pipeline::{BuildContext, PipelineBuilder};
 use crate::spec::AppSpec;
@@ -44,12 +46,7 @@ pub struct Fake {
 impl Fake {
     /// Replicas that compute with `f`.
     pub fn new(f: impl Fn(&str, &Tensors) -> Result<HeapTensors, String> + Send + Sync + 'static) -> Fake {
-        Fake {
-            compute: Arc::new(f),
-            delays: Arc::default(),
-            lose: Arc::default(),
-            batches: Arc::default(),
-        }
+        Fake { compute: Arc::new(f), delays: Arc::default(), lose: Arc::default(), batches: Arc::default() }
     }
 
     /// Replicas that answer with their inputs.
@@ -202,7 +199,8 @@ impl TestNode {
                 b.build()
             })
             .collect();
-        let store = slipstream_store::Store::open(slipstream_store::StoreOptions::new(dir.join("store"))).expect("store");
+        let store =
+            slipstream_store::Store::open(slipstream_store::StoreOptions::new(dir.join("store"))).expect("store");
         let (stop, stop_rx) = watch::channel(false);
         let node = Node::new(NodeParts {
             pipelines,

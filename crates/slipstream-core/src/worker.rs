@@ -18,7 +18,7 @@
 
 use crate::arena::{request_rows, Arena, CopyCounters, TensorRef, Tensors};
 use crate::drive::{
-    drive, next_batch_id, Backend, Batch, FirstStart, Launcher, Outcome, Reply, ReplicaCtx, ReplicaTask, Running,
+    drive, next_batch_id, Backend, Batch, FirstStart, Launcher, Outcome, ReplicaCtx, ReplicaTask, Reply, Running,
     Started,
 };
 use crate::error::NodeError;
@@ -69,8 +69,15 @@ impl Launcher for WorkerLauncher {
 /// The connection to a worker: whole while it runs one batch at a time;
 /// split, with a reader task, while it runs several.
 enum Conn {
-    Whole { conn: UnixStream, buf: Vec<u8> },
-    Split { wr: OwnedWriteHalf, rx: mpsc::UnboundedReceiver<Result<FromWorker, FrameError>>, reader: tokio::task::JoinHandle<()> },
+    Whole {
+        conn: UnixStream,
+        buf: Vec<u8>,
+    },
+    Split {
+        wr: OwnedWriteHalf,
+        rx: mpsc::UnboundedReceiver<Result<FromWorker, FrameError>>,
+        reader: tokio::task::JoinHandle<()>,
+    },
 }
 
 /// A running worker process and its connection.
@@ -208,7 +215,12 @@ impl Worker {
     /// (lazy initialisation, JIT, caches), and a new replica should pay for
     /// it before it takes traffic. Err: the worker is gone. A component
     /// error is not fatal (returned for the event log).
-    async fn warm_up(&mut self, sample: &Tensors, pool: &Arc<Pool>, timeout: Duration) -> Result<Option<String>, String> {
+    async fn warm_up(
+        &mut self,
+        sample: &Tensors,
+        pool: &Arc<Pool>,
+        timeout: Duration,
+    ) -> Result<Option<String>, String> {
         let rows = request_rows(sample) as u32;
         let inputs = sample.iter().map(|(n, t)| (n.clone(), t.desc())).collect();
         let msg = ToWorker::Batch { id: next_batch_id(), rows: vec![rows], inputs };
@@ -335,7 +347,10 @@ impl Backend for LocalWorker {
                 // No room to gather: this batch fails; the worker is fine.
                 Err(e) => {
                     let reason = e.to_string();
-                    return Ok(Some(Outcome::Failed(NodeError::Unavailable { stage: ctx.stage().name.clone(), reason })));
+                    return Ok(Some(Outcome::Failed(NodeError::Unavailable {
+                        stage: ctx.stage().name.clone(),
+                        reason,
+                    })));
                 }
             }
         }
@@ -352,7 +367,8 @@ impl Backend for LocalWorker {
             let frame = self.worker()?.read().await?;
             match frame {
                 FromWorker::Chunk { id, outputs } => {
-                    let b = running.get(&id).ok_or_else(|| format!("protocol violation: a chunk of unknown batch {id}"))?;
+                    let b =
+                        running.get(&id).ok_or_else(|| format!("protocol violation: a chunk of unknown batch {id}"))?;
                     match split_outputs(ctx, b, outputs) {
                         Ok(per_request) => return Ok(Reply::Chunk { id, per_request }),
                         // A chunk that does not fit the batch is dropped with
@@ -362,19 +378,12 @@ impl Backend for LocalWorker {
                 }
                 FromWorker::Result { id, outputs, compute_us, versions } if running.contains_key(&id) => {
                     let b = &running[&id];
-                    let worker_copies: Vec<u64> = outputs
-                        .values()
-                        .filter(|o| o.origin == OutputOrigin::Copied)
-                        .map(|o| o.desc.nbytes)
-                        .collect();
+                    let worker_copies: Vec<u64> =
+                        outputs.values().filter(|o| o.origin == OutputOrigin::Copied).map(|o| o.desc.nbytes).collect();
                     let outcome = match split_outputs(ctx, b, outputs) {
                         Ok(outputs) => {
                             for bytes in worker_copies {
-                                CopyCounters::add(
-                                    &ctx.arena.copies.worker,
-                                    &ctx.arena.copies.worker_bytes,
-                                    bytes,
-                                );
+                                CopyCounters::add(&ctx.arena.copies.worker, &ctx.arena.copies.worker_bytes, bytes);
                             }
                             Outcome::Outputs { outputs, compute_us: Some(compute_us), versions }
                         }
@@ -445,7 +454,11 @@ fn batch_input(arena: &Arena, parts: &[&TensorRef], keep: &mut Vec<Arc<Block>>) 
 }
 
 /// Turn the worker's batch outputs into per-request tensors.
-fn split_outputs(ctx: &ReplicaCtx, b: &Batch, outputs: BTreeMap<String, OutputDesc>) -> Result<Vec<Tensors>, NodeError> {
+fn split_outputs(
+    ctx: &ReplicaCtx,
+    b: &Batch,
+    outputs: BTreeMap<String, OutputDesc>,
+) -> Result<Vec<Tensors>, NodeError> {
     let me = &ctx.me;
     let members = &b.members;
     let rows = b.rows();

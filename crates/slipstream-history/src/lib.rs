@@ -22,13 +22,13 @@
 //! (`POST /v1/admin/reset-metrics`) does not touch.
 
 use hdrhistogram::Histogram;
+use parking_lot::Mutex;
+use serde::Serialize;
+use serde_json::{json, Value};
 use slipstream_core::events::Event;
 use slipstream_core::metrics::{window_histogram, PipelineTotals, StageTotals};
 use slipstream_core::replica::Phase;
 use slipstream_core::{Node, NodeError, PipelineRt, StageRt};
-use parking_lot::Mutex;
-use serde::Serialize;
-use serde_json::{json, Value};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -383,7 +383,8 @@ mod tests {
     /// sampler reads.
     fn pipeline() -> (Arc<PipelineRt>, Dir) {
         use std::hash::{BuildHasher, RandomState};
-        let dir = std::env::temp_dir().join(format!("ss-hist-{}-{:x}", std::process::id(), RandomState::new().hash_one(1)));
+        let dir =
+            std::env::temp_dir().join(format!("ss-hist-{}-{:x}", std::process::id(), RandomState::new().hash_one(1)));
         std::fs::create_dir_all(&dir).unwrap();
         let app: AppSpec = serde_json::from_str(
             r#"{"worker_argv": [], "pipelines": [{"name": "p", "inputs": {"x": {"dtype": "float32", "shape": [-1, 2]}},

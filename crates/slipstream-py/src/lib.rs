@@ -40,7 +40,9 @@ fn serve(py: Python<'_>, spec_json: &str, config_json: &str, log: bool, cluster_
 }
 
 fn run_options(config_json: &str) -> PyResult<RunOptions> {
-    NodeConfig::from_json(config_json).and_then(|c| RunOptions::from_config(&c)).map_err(|e| core_err("invalid_option", e))
+    NodeConfig::from_json(config_json)
+        .and_then(|c| RunOptions::from_config(&c))
+        .map_err(|e| core_err("invalid_option", e))
 }
 
 /// The node's settings table as JSON: `[{name, kind, optional, choices,

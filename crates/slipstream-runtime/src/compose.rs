@@ -96,7 +96,12 @@ pub(crate) struct Installed {
 
 /// Install the features of `built` on `node`, and start the ones that run
 /// from the start (the dashboard's sampler, the model follower).
-pub(crate) fn install(node: &Arc<Node>, built: Pipelines, edge: EdgeOptions, stop: &watch::Receiver<bool>) -> Installed {
+pub(crate) fn install(
+    node: &Arc<Node>,
+    built: Pipelines,
+    edge: EdgeOptions,
+    stop: &watch::Receiver<bool>,
+) -> Installed {
     let selections = Arc::new(built.selections);
     let triggers = Arc::new(Triggers::new(node.pipelines().values()));
     let autoscaler = Arc::new(Autoscaler::new(built.scaling, node.pipelines().values()));

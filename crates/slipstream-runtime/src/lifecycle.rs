@@ -20,8 +20,8 @@ use hyper_util::server::graceful::GracefulShutdown;
 use slipstream_core::arena::Arena;
 use slipstream_core::codec::{self, BodyParts};
 use slipstream_core::events::EventKind;
-use slipstream_core::worker::{WorkerCommand, WorkerLauncher};
 use slipstream_core::spec::SpecError;
+use slipstream_core::worker::{WorkerCommand, WorkerLauncher};
 use slipstream_core::{AppSpec, Arrival, Node, NodeError, NodeOptions, NodeParts};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -93,8 +93,9 @@ async fn prime(node: &Arc<Node>) {
         let parts = BodyParts::new(vec![bytes::Bytes::from(body)]);
         let mut outcome = String::from("not run");
         for _ in 0..3 {
-            let accepted =
-                node.accept(pipe, Arrival::now(None), |arena| Ok((codec::decode_v1(&parts, &pipe.spec.inputs, arena)?, ())));
+            let accepted = node.accept(pipe, Arrival::now(None), |arena| {
+                Ok((codec::decode_v1(&parts, &pipe.spec.inputs, arena)?, ()))
+            });
             let accepted = match accepted {
                 Ok((a, ())) => a,
                 Err(e @ (NodeError::BadRequest(_) | NodeError::BadInput(_))) => {

@@ -166,4 +166,3 @@ pub(crate) fn deadline_budget(value: Option<&[u8]>) -> Result<Option<std::time::
         .ok_or_else(|| NodeError::BadRequest(format!("{DEADLINE_HEADER} must be a positive number of milliseconds")))?;
     Ok(Some(std::time::Duration::try_from_secs_f64(ms / 1e3).unwrap_or(std::time::Duration::MAX)))
 }
-

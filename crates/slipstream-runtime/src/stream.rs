@@ -27,13 +27,13 @@
 
 use crate::respond::{Chunks, Resp};
 use bytes::Bytes;
-use slipstream_core::arena::Tensors;
-use slipstream_core::codec::{self, V2Request};
-use slipstream_core::{Accepted, Answer, Node, NodeError};
 use hyper::body::{Body, Frame};
 use hyper::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
 use hyper::Response;
 use serde_json::json;
+use slipstream_core::arena::Tensors;
+use slipstream_core::codec::{self, V2Request};
+use slipstream_core::{Accepted, Answer, Node, NodeError};
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;

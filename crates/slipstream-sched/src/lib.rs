@@ -27,13 +27,13 @@
 
 mod admission;
 mod former;
+pub mod placement;
 mod predict;
 mod profile;
 mod queue;
 mod router;
-mod sim;
-pub mod placement;
 pub mod scale;
+mod sim;
 
 pub use admission::{AdmissionGate, MIN_HEADROOM};
 pub use former::{take_batch, BatchDecision, BatchFormer, BatchPolicy, Taken};

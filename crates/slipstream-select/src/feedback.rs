@@ -61,4 +61,3 @@ pub fn parse_feedback(body: &[u8]) -> Result<(Vec<Feedback>, bool), String> {
     let parsed = items.iter().enumerate().map(|(i, item)| one(i, item)).collect::<Result<Vec<_>, _>>()?;
     Ok((parsed, batch))
 }
-

@@ -46,7 +46,9 @@ impl Selections {
             )));
         }
         let (items, batch) = parse_feedback(body).map_err(NodeError::BadRequest)?;
-        if let Some(name) = items.iter().filter_map(|f| f.select.as_deref()).find(|n| !selects.iter().any(|s| s.name() == *n)) {
+        if let Some(name) =
+            items.iter().filter_map(|f| f.select.as_deref()).find(|n| !selects.iter().any(|s| s.name() == *n))
+        {
             return Err(NodeError::BadRequest(format!("pipeline '{pipeline}' has no selection '{name}'")));
         }
         let (mut applied, mut unknown, mut invalid) = (0u64, 0u64, Vec::new());
@@ -115,7 +117,12 @@ impl Service for Selections {
                     let lc = [l[0], l[1], ("candidate", cand.as_str())];
                     let help = "The policy's weight of each candidate (default context).";
                     t.gauge("slipstream_select_weight", help, &lc, w);
-                    t.counter("slipstream_select_picks_total", "Requests each candidate ran for.", &lc, picks.load(Relaxed));
+                    t.counter(
+                        "slipstream_select_picks_total",
+                        "Requests each candidate ran for.",
+                        &lc,
+                        picks.load(Relaxed),
+                    );
                 }
             }
         }

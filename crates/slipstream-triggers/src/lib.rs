@@ -372,8 +372,11 @@ pub async fn follow(node: Arc<Node>, triggers: Arc<Triggers>, mut stop: watch::R
 impl Triggers {
     /// Watchers and outcomes (`store.triggers` in `/v1/status` and `GET /v1/store`).
     pub fn report(&self) -> serde_json::Value {
-        let watching: Vec<_> =
-            self.watched().into_iter().map(|(prefix, pipeline)| json!({"prefix": prefix, "pipeline": pipeline})).collect();
+        let watching: Vec<_> = self
+            .watched()
+            .into_iter()
+            .map(|(prefix, pipeline)| json!({"prefix": prefix, "pipeline": pipeline}))
+            .collect();
         json!({"watching": watching, "pending": self.pending(), "fired": self.metrics.fired.load(Relaxed),
                "retried": self.metrics.retried.load(Relaxed), "failed": self.metrics.failed.load(Relaxed)})
     }
@@ -394,6 +397,11 @@ impl Service for Triggers {
                 n.load(Relaxed),
             );
         }
-        t.gauge("slipstream_store_triggers_pending", "Store triggers queued or being delivered.", &[], self.pending() as f64);
+        t.gauge(
+            "slipstream_store_triggers_pending",
+            "Store triggers queued or being delivered.",
+            &[],
+            self.pending() as f64,
+        );
     }
 }

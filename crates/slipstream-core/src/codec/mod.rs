@@ -51,15 +51,18 @@ pub struct BodyParts {
 }
 
 impl BodyParts {
+    /// A body of these chunks.
     pub fn new(parts: Vec<Bytes>) -> BodyParts {
         let len = parts.iter().map(|p| p.len()).sum();
         BodyParts { parts, len }
     }
 
+    /// Its length, bytes.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// Whether it is empty.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -303,9 +306,9 @@ pub(crate) mod test_util {
     use super::*;
 
     /// A throwaway directory removed on drop.
-    pub struct Dir(pub std::path::PathBuf);
+    pub(crate) struct Dir(pub(crate) std::path::PathBuf);
     impl Dir {
-        pub fn new() -> Dir {
+        pub(crate) fn new() -> Dir {
             use std::sync::atomic::{AtomicU32, Ordering};
             static N: AtomicU32 = AtomicU32::new(0);
             let p = std::env::temp_dir().join(format!(
@@ -323,16 +326,16 @@ pub(crate) mod test_util {
         }
     }
 
-    pub fn arena() -> (Arena, Dir) {
+    pub(crate) fn arena() -> (Arena, Dir) {
         let dir = Dir::new();
         (Arena::new(dir.0.clone(), 1 << 20).unwrap(), dir)
     }
 
-    pub fn declared(dtype: DType, shape: &[i64]) -> BTreeMap<String, TensorSpec> {
+    pub(crate) fn declared(dtype: DType, shape: &[i64]) -> BTreeMap<String, TensorSpec> {
         BTreeMap::from([("x".to_string(), TensorSpec { dtype, shape: shape.to_vec() })])
     }
 
-    pub fn body(parts: &[&[u8]]) -> BodyParts {
+    pub(crate) fn body(parts: &[&[u8]]) -> BodyParts {
         BodyParts::new(parts.iter().map(|p| Bytes::copy_from_slice(p)).collect())
     }
 }

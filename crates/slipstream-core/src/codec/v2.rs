@@ -19,11 +19,13 @@ use std::collections::BTreeMap;
 /// What a v2 request asked of its outputs.
 #[derive(Debug, Default)]
 pub struct V2Request {
+    /// The request's id, echoed in the answer.
     pub id: Option<Value>,
     /// Names asked for, in order; empty means all.
     pub outputs: Vec<String>,
     /// Output names to be returned as binary (extension), or all if `binary_all`.
     pub binary: Vec<String>,
+    /// Every output as binary data (`binary_data_output`).
     pub binary_all: bool,
 }
 
@@ -190,10 +192,13 @@ impl AsRef<[u8]> for ArenaBytes {
 /// Encoded v2 response: body chunks, and the JSON header length when the
 /// binary extension is used.
 pub struct V2Response {
+    /// The body, as chunks (tensor bytes borrowed from the arena).
     pub chunks: Vec<Bytes>,
+    /// The JSON header's length, when binary data follows it.
     pub header_len: Option<usize>,
 }
 
+/// Encode `outputs` as the answer to `req` (JSON, or JSON and binary data as it asked).
 pub fn encode_v2(model: &str, req: &V2Request, outputs: &Tensors) -> Result<V2Response, NodeError> {
     let selected = select_outputs(&req.outputs, outputs)?;
     let mut head = Map::new();
