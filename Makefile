@@ -26,6 +26,7 @@ lint: setup
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 	$(VENV)/bin/ruff check python tests examples bench scripts
+	$(PY) scripts/check_imports.py python python/slipstream
 	$(VENV)/bin/mypy
 	$(PY) -m mypy.stubtest slipstream._core
 
@@ -48,21 +49,21 @@ demo: setup
 
 # The offline compute limit first (reused if < 1 h old from this machine), then the runtime overhead.
 bench: setup
-	$(PY) bench/limit.py
-	$(PY) bench/run.py
+	$(PY) -m bench.limit
+	$(PY) -m bench.run
 
 # The offline compute limit of every example pipeline, measured afresh: bench/results/limit.{json,md}.
 bench-limit: setup
-	$(PY) bench/limit.py --force
+	$(PY) -m bench.limit --force
 
 # SLO-first scheduling: deadline-aware vs fixed batching, measured and predicted.
 bench-slo: setup
-	$(PY) bench/slo_bench.py
+	$(PY) -m bench.slo_bench
 
 # 60 s of faults under load (killed workers, vanishing clients, 3x bursts,
 # malformed bodies) with the node's books checked: bench/results/faults.{json,md}.
 bench-faults: setup
-	$(PY) bench/faults.py
+	$(PY) -m bench.faults
 
 # The same components under Ray Serve (its own virtualenv) and Slipstream,
 # one after the other, same load generator: bench/results/vs_ray.{json,md,png}.
@@ -71,41 +72,41 @@ bench-faults: setup
 # set RAG_EMBED_REPLICAS to what the planner says for yours.
 bench-vs-ray: setup
 	bash bench/vs_ray/setup_ray.sh
-	RAG_EMBED_REPLICAS=$${RAG_EMBED_REPLICAS:-2} $(PY) bench/vs_ray/compare.py
+	RAG_EMBED_REPLICAS=$${RAG_EMBED_REPLICAS:-2} $(PY) -m bench.vs_ray.compare
 
 # A cluster of 1-3 nodes on this machine (real etcd): scaling at the SLO, cross-node
 # handoff, a node killed under load, merged frames; Ray Serve as a Ray cluster beside it:
 # bench/results/cluster.{json,md}.
 bench-cluster: setup
 	bash bench/vs_ray/setup_ray.sh
-	$(PY) bench/cluster.py --ray
+	$(PY) -m bench.cluster --ray
 
 # Goodput at the SLO with the planner's configuration vs as shipped, as a
 # share of the offline compute limit: bench/results/goodput.{json,md}.
 bench-goodput: setup
-	$(PY) bench/limit.py --pipelines rag,recsys
-	$(PY) bench/goodput.py
+	$(PY) -m bench.limit --pipelines rag,recsys
+	$(PY) -m bench.goodput
 
 # Live knowledge base: put -> first query that finds the document, at half load.
 bench-freshness: setup
-	$(PY) bench/freshness.py
+	$(PY) -m bench.freshness
 
 # The planner on simulated A30 clusters with MIG: bench/results/plan_mig.{json,md}.
 bench-plan: setup
-	$(PY) bench/plan_mig.py
+	$(PY) -m bench.plan_mig
 
 # RAG through a load surge (40% -> 150% -> 40% of one Embed replica) under
 # static, reactive and anticipatory scaling and Ray Serve's autoscaler (its
 # own virtualenv): bench/results/surge.{json,md,png}.
 bench-surge: setup
 	bash bench/vs_ray/setup_ray.sh
-	$(PY) bench/surge.py
+	$(PY) -m bench.surge
 
 # The object store through HTTP against Redis (no persistence, and AOF with
 # fsync on every write), 1 KB to 100 MB values, 1 and 8 clients, plus a
 # same-machine reader mapping a blob file: bench/results/store.{json,md}.
 bench-store: setup
-	$(PY) bench/store.py
+	$(PY) -m bench.store
 
 # The Open Inference Protocol over gRPC (ghz) vs HTTP (oha, JSON and binary) on the
 # no-op chain, same concurrency and duration: bench/results/grpc.{json,md}.
@@ -113,29 +114,29 @@ GHZ ?= $(shell command -v ghz 2>/dev/null || echo $$HOME/go/bin/ghz)
 bench-grpc: setup
 	@test -x $(GHZ) || GOFLAGS=-mod=mod go install github.com/bojand/ghz/cmd/ghz@v0.120.0
 	@command -v oha >/dev/null || $(CARGO) install oha --locked
-	PATH=$$HOME/go/bin:$$PATH $(PY) bench/grpc_vs_http.py
+	PATH=$$HOME/go/bin:$$PATH $(PY) -m bench.grpc_vs_http
 
 # Time to first chunk of a streamed answer vs the whole answer (AudioQuery): bench/results/stream.{json,md}.
 bench-stream: setup
-	$(PY) bench/stream.py
+	$(PY) -m bench.stream
 
 # A torch stage on a CUDA GPU against its offline limit (needs a GPU and oha).
 bench-gpu: setup
 	@command -v oha >/dev/null || $(CARGO) install oha --locked
-	$(PY) bench/gpu.py
+	$(PY) -m bench.gpu
 
 # Clipper's selection layer on four scikit-learn digit classifiers: accuracy under
 # feedback (Exp3, Exp4), a model degraded mid-run, the straggler bound, the prediction
 # cache on a Zipf stream: bench/results/clipper.{json,md} and clipper_accuracy.png.
 bench-clipper: setup
-	$(PY) bench/clipper.py
+	$(PY) -m bench.clipper
 
 # Late-interaction retrieval (ESPN): quality single-vector vs MaxSim, and latency, throughput at the SLO,
 # memory and prefetch hit rate with the token embeddings in RAM, mmap (memory-limited) and on SSD
 # (O_DIRECT + prefetch): bench/results/espn.{json,md}. Full corpus: builds the index and the token
 # file if missing (an hour or more on 2 cores, resumable); ESPN_ARGS=--small for the 2,000-passage slice.
 bench-espn: setup
-	$(PY) bench/espn.py $(ESPN_ARGS)
+	$(PY) -m bench.espn $(ESPN_ARGS)
 
 # The RAG corpus, embeddings and index (about 35 min on 2 cores; resumable).
 data: setup

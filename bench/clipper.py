@@ -50,6 +50,8 @@ medians of the repeats. A full run takes about 15 minutes on two cores.
 ``--parts cache`` reruns some parts and keeps the others' results from the
 last run's JSON. ``--quick`` is a short smoke run (its figures are noisy;
 it writes bench/results/clipper-quick* unless ``--out``).
+
+    .venv/bin/python -m bench.clipper [--quick] [--parts cache]
 """
 
 from __future__ import annotations
@@ -58,31 +60,25 @@ import argparse
 import asyncio
 import json
 import os
-import platform
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import slipstream as ss
+from slipstream.testing import Node
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-APP = ROOT / "examples" / "clipper.py"
-sys.path.insert(0, str(ROOT / "examples"))
+from bench import harness
+from bench.harness import EXAMPLES, RESULTS, percentile
 
-from clipper_client import put_model, select_state, shares  # noqa: E402
-from models import digits  # noqa: E402
+APP = EXAMPLES / "clipper.py"
+digits = harness.example_module("models.digits")
+clipper_client = harness.example_module("clipper_client")
+put_model, select_state, shares = clipper_client.put_model, clipper_client.select_state, clipper_client.shares
 
-OHA = shutil.which("oha") or str(Path.home() / ".cargo" / "bin" / "oha")
 K = len(digits.MODELS)
 EXP3, EXP4, EXP4_ALL = "digits_exp3", "digits_exp4", "digits_exp4_all"
 CACHED, SINGLE = "digits_cached", "digits_single"
@@ -120,31 +116,14 @@ def loadavg() -> list[float]:
     return [round(v, 2) for v in os.getloadavg()]
 
 
-def pct(xs: Any, q: float) -> float:
-    a = np.asarray(xs, dtype=np.float64)
-    return float(np.percentile(a, q)) if a.size else float("nan")
-
-
 def med(xs: list[Any]) -> Any:
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
 
 
-@contextmanager
-def node(pipelines: str, **env: str) -> Iterator[ss.Server]:
+def node(pipelines: str, **env: str) -> Node:
     """``examples/clipper.py`` serving ``pipelines``, with these app variables."""
-    env = {"CLIPPER_PIPELINES": pipelines, "CLIPPER_SLOW": "", **env}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        with ss.launch(APP) as server:
-            yield server
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return harness.node(APP, env={"CLIPPER_PIPELINES": pipelines, "CLIPPER_SLOW": "", **env})
 
 
 def status_of(url: str) -> dict[str, Any]:
@@ -259,7 +238,7 @@ def summarise_selection(sz: Sizes, correct: dict[str, np.ndarray], latency: dict
         "policy_at_degrade": {p: next((sh for i, sh in reversed(tr) if i < p1), {}) for p, tr in trace.items()},
         "exp4_contributors_mean": float(contributors[:p1].mean()),
         "exp4_answers_short": int((contributors < K).sum()),
-        "latency_ms": {p: {"p50": pct(v * 1e3, 50), "p99": pct(v * 1e3, 99)} for p, v in latency.items()},
+        "latency_ms": {p: {"p50": percentile(v * 1e3, 50), "p99": percentile(v * 1e3, 99)} for p, v in latency.items()},
         "degraded": degraded,
         "events_until_share_below_1_over_k": {p: first_below(tr, stage, p1) for p, tr in trace.items()},
         "recovery_target": target,
@@ -321,7 +300,7 @@ def summarise_load(recs: list[dict[str, Any]], slo_ms: float) -> dict[str, Any]:
         if not r["ok"]:
             errors[r["error"]] = errors.get(r["error"], 0) + 1
     return {"requests": len(recs), "answered": len(ok), "errors": errors,
-            "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99), "max_ms": max(lat) if lat else None,
+            "p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99), "max_ms": max(lat) if lat else None,
             "over_ms": slo_ms, "over": sum(1 for x in lat if x > slo_ms),
             "accuracy": float(np.mean([r["label"] == r["truth"] for r in ok])) if ok else None,
             "contributors_mean": float(contrib.mean()) if ok else None,
@@ -356,15 +335,6 @@ def straggler_run(sz: Sizes, seed: int) -> dict[str, Any]:
 
 # --------------------------------------------------------------------- (d)
 
-def run_oha(url: str, body: Path, concurrency: int, seconds: float) -> dict[str, Any]:
-    cmd = [OHA, "-z", f"{seconds}s", "-c", str(concurrency), "--no-tui", "--output-format", "json", "-m", "POST",
-           "-D", str(body), "-H", "Content-Type: application/json", url]
-    d = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-    codes = d.get("statusCodeDistribution") or {}
-    return {"rps": d["summary"]["requestsPerSec"], "requests": sum(codes.values()), "ok": codes.get("200", 0),
-            "p50_ms": d["latencyPercentiles"]["p50"] * 1e3, "p99_ms": d["latencyPercentiles"]["p99"] * 1e3}
-
-
 async def closed_loop(url: str, pipeline: str, stream: np.ndarray, conc: int, seconds: float) -> dict[str, Any]:
     s = digits.split()
     client = ss.AsyncClient(url, max_connections=conc)
@@ -391,7 +361,7 @@ async def closed_loop(url: str, pipeline: str, stream: np.ndarray, conc: int, se
     took = time.perf_counter() - t0
     await client.close()
     ms = np.asarray(lat) * 1e3
-    return {"rps": done / took, "answered": done, "errors": errors, "p50_ms": pct(ms, 50), "p99_ms": pct(ms, 99)}
+    return {"rps": done / took, "answered": done, "errors": errors, "p50_ms": percentile(ms, 50), "p99_ms": percentile(ms, 99)}
 
 
 def cache_run(sz: Sizes, seed: int) -> dict[str, Any]:
@@ -418,14 +388,14 @@ def cache_run(sz: Sizes, seed: int) -> dict[str, Any]:
                 after = stage_cache(url, CACHED, "Cached")
                 result["sequential"] = {
                     "load_before": load,
-                    "hit": {"p50_ms": pct(lat[hit], 50), "p99_ms": pct(lat[hit], 99)},
-                    "miss": {"p50_ms": pct(lat[~hit], 50), "p99_ms": pct(lat[~hit], 99)},
-                    "all": {"p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99)},
+                    "hit": {"p50_ms": percentile(lat[hit], 50), "p99_ms": percentile(lat[hit], 99)},
+                    "miss": {"p50_ms": percentile(lat[~hit], 50), "p99_ms": percentile(lat[~hit], 99)},
+                    "all": {"p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99)},
                     "node_hits": after["hits"] - before["hits"], "node_misses": after["misses"] - before["misses"],
                     "cache": after,
                 }
             else:
-                result["sequential"]["off"] = {"load_before": load, "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99)}
+                result["sequential"]["off"] = {"load_before": load, "p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99)}
         second = digits.zipf_stream(20 * sz.zipf, seed=seed + 1000)  # same popular images, new draws
         result["throughput"] = {}
         for p in (CACHED, SINGLE):
@@ -437,17 +407,16 @@ def cache_run(sz: Sizes, seed: int) -> dict[str, Any]:
                 total = (a["hits"] - b["hits"]) + (a["misses"] - b["misses"])
                 r["hit_rate"] = (a["hits"] - b["hits"]) / total if total else None
             result["throughput"][p] = {"load_before": load, **r}
-        if Path(OHA).exists():
-            with tempfile.TemporaryDirectory() as tmp:
-                body = Path(tmp) / "body.json"
-                body.write_text(json.dumps({"inputs": {"x": s.x_test[int(stream[0]):int(stream[0]) + 1].tolist()}}))
-                result["oha"] = {}
-                for p in (CACHED, SINGLE):
-                    load = loadavg()
-                    r = run_oha(f"{url}/v1/pipelines/{p}/infer", body, sz.conc, sz.tput_s)
-                    result["oha"][p] = {"load_before": load, **r}
+        if harness.OHA is not None:
+            body = json.dumps({"inputs": {"x": s.x_test[int(stream[0]):int(stream[0]) + 1].tolist()}}).encode()
+            result["oha"] = {}
+            for p in (CACHED, SINGLE):
+                load = loadavg()
+                r = harness.oha(f"{url}/v1/pipelines/{p}/infer", seconds=sz.tput_s, concurrency=sz.conc, body=body,
+                                headers=["Content-Type: application/json"])
+                result["oha"][p] = {"load_before": load, **r}
         else:
-            log(f"  oha not found ({OHA}): `cargo install oha --locked` for the node-side throughput")
+            log("  oha not found: `cargo install oha --locked` for the node-side throughput")
         result["cache_after"] = stage_cache(url, CACHED, "Cached")
     return result
 
@@ -518,9 +487,8 @@ def markdown(res: dict[str, Any], sz: Sizes, quick: bool) -> str:
     md = ["# Clipper's selection layer on digits (bench/clipper.py)", ""]
     if quick:
         md += ["**Quick mode: a short smoke run on a noisy machine; not figures to quote.**", ""]
-    md += [f"{platform.machine()}, {os.cpu_count()} cores; {sz.repeats} repeat(s) per part, each on a fresh node; "
-           "medians of the repeats where it is about performance. Load averages before each part are in the JSON.",
-           ""]
+    md += [f"{sz.repeats} repeat(s) per part, each on a fresh node; medians of the repeats where it is about "
+           "performance. Load averages before each part are in the JSON.", ""]
     if sel:
         r0 = sel[0]
         best = r0["best_single"]
@@ -614,7 +582,7 @@ def markdown(res: dict[str, Any], sz: Sizes, quick: bool) -> str:
                       f"{fmt(median_of(cache, 'oha', SINGLE, 'p50_ms'), '.2f')} / "
                       f"{fmt(median_of(cache, 'oha', SINGLE, 'p99_ms'), '.2f')} |")
         md.append("")
-    md += ["Command: `make bench-clipper` (`python bench/clipper.py" + (" --quick" if quick else "") + "`)."]
+    md += ["Command: `make bench-clipper` (`python -m bench.clipper" + (" --quick" if quick else "") + "`)."]
     return "\n".join(md) + "\n"
 
 
@@ -635,9 +603,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown parts: {', '.join(sorted(unknown))}")
     digits.ensure_models()
-    res: dict[str, Any] = {"quick": a.quick, "sizes": asdict(sz), "load_start": loadavg(),
-                           "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-                           "selection": [], "straggler": [], "cache": []}
+    machine = harness.machine()
+    res: dict[str, Any] = {"quick": a.quick, "sizes": asdict(sz), "selection": [], "straggler": [], "cache": []}
     for rep in range(sz.repeats):
         seed = 1 + rep
         if "selection" in parts:
@@ -662,8 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     md = markdown(res, sz, a.quick)
     if out.name != "clipper":
         md = md.replace("clipper_accuracy.png", f"{out.name}_accuracy.png")
-    out.with_suffix(".md").write_text(md)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    harness.write_results(out, res, md, machine)
     print(md)
     return 0
 

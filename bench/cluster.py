@@ -1,7 +1,7 @@
 """A cluster on one machine: scaling, cross-node handoff, node kill, merged frames.
 
 Every node is a real `slipstream node` process joined through a real etcd
-(tests/integration/cluster_util.py starts both); the load generator is the
+(``slipstream.testing.Cluster`` starts both); the load generator is the
 project's open-loop one (Poisson arrivals, latency from the scheduled send),
 sending to the first node's ingress, which routes across the cluster.
 
@@ -12,7 +12,7 @@ sending to the first node's ingress, which routes across the cluster.
    (fractions of the compute limit) where the SLO holds; 1, 2 and 3 nodes;
    the ratio to linear. With `--ray`, the same app under Ray Serve as a 1-
    and 3-node Ray cluster on this machine (`bench/vs_ray/ray_adapter.py
-   --nodes K --spread`), side by side.
+   --nodes K --spread`, started by ``bench.vs_ray.servers.RayServer``), side by side.
 2. **Handoff** (`handoff`): a stage's output of 1 KB or 6.4 MB consumed by
    the next stage, on one node and with the two stages on two nodes
    (request latency p50/p99, 1 request in flight); with `--ray`, the same
@@ -24,7 +24,7 @@ sending to the first node's ingress, which routes across the cluster.
    merge` (many small tensors per request, merged vs unmerged vs one
    message per tensor).
 
-    .venv/bin/python bench/cluster.py [--ray] [--quick]   # -> bench/results/cluster.{json,md}
+    .venv/bin/python -m bench.cluster [--ray] [--quick]   # -> bench/results/cluster.{json,md}
 """
 
 from __future__ import annotations
@@ -36,20 +36,20 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+from slipstream.testing import Cluster
+
+from bench import harness
+from bench.goodput import holds, run_rate
+from bench.harness import RESULTS, ROOT, percentile
+from bench.vs_ray.servers import RayServer
+
 APP = str(ROOT / "bench" / "apps" / "cluster.py")
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from goodput import holds, run_rate  # noqa: E402
-
-from tests.conftest import wait_for  # noqa: E402
-from tests.integration.cluster_util import Etcd, deploy, start_node  # noqa: E402
 
 SLO_MS = 300.0
 MAX_MISS = 0.01
@@ -62,31 +62,11 @@ def log(msg: str) -> None:
     print(f"[cluster] {msg}", file=sys.stderr, flush=True)
 
 
-class Cluster:
+def cluster(k: int, replicas: int) -> Cluster:
     """etcd + `k` nodes running `bench/apps/cluster.py`, `replicas` Model replicas in all."""
-
-    def __init__(self, k: int, replicas: int) -> None:
-        os.environ["CLUSTER_MODEL_REPLICAS"] = str(replicas)
-        self.etcd = Etcd(1)
-        out = deploy(self.etcd, APP, wait=0)
-        if out.returncode != 0:
-            raise RuntimeError(out.stdout + out.stderr)
-        self.nodes = [start_node(self.etcd, f"n{i + 1}", "--ttl", "2") for i in range(k)]
-        first = self.nodes[0]
-        wait_for(lambda: len(first.status()["cluster"]["members"]) == k
-                 and first.request("GET", "/readyz")[0] == 200, timeout=120)
-        for n in self.nodes:
-            wait_for(lambda n=n: n.request("GET", "/readyz")[0] == 200, timeout=120)
-        time.sleep(1.0)
-
-    @property
-    def url(self) -> str:
-        return self.nodes[0].url
-
-    def stop(self) -> None:
-        for n in self.nodes:
-            n.stop()
-        self.etcd.stop()
+    c = Cluster(APP, k, env={"CLUSTER_MODEL_REPLICAS": str(replicas)})
+    time.sleep(1.0)
+    return c
 
 
 def goodput_at_slo(url: str, capacity: float, fractions: list[float], seconds: float, repeat: int,
@@ -122,62 +102,30 @@ def scaling_slipstream(a: argparse.Namespace) -> dict[str, Any]:
     out = {}
     for k in a.nodes:
         log(f"scaling: Slipstream, {k} node(s)")
-        c = Cluster(k, k)
-        try:
+        with cluster(k, k) as c:
             out[str(k)] = goodput_at_slo(c.url, k * REPLICA_RPS, a.fractions, a.seconds, a.repeat)
-        finally:
-            c.stop()
     return out
 
 
-def ray_serve(app: str, k: int, extra: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
-    """Ray Serve as a k-node Ray cluster on this machine, serving `app`."""
-    ray_py = ROOT / "bench" / "vs_ray" / ".venv-ray" / "bin" / "python"
-    port = 8100 + k
-    cmd = [str(ray_py), str(ROOT / "bench" / "vs_ray" / "ray_adapter.py"), "serve", app, "--port", str(port),
-           *(["--nodes", str(k)] if k > 1 else []), *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 300
-    for line in proc.stdout:
-        sys.stderr.write("  ray: " + line)
-        if "ready, serving" in line:
-            break
-        if time.monotonic() > deadline:
-            break
-    if proc.poll() is not None:
-        raise RuntimeError("Ray Serve did not start")
-    import threading
-
-    threading.Thread(target=lambda: [None for _ in proc.stdout or []], daemon=True).start()  # keep its pipe drained
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def ray_stop(proc: subprocess.Popen[str]) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+def ray_serve(pipeline: str, k: int, extra: list[str], env: dict[str, str] | None = None) -> RayServer:
+    """Ray Serve as a k-node Ray cluster on this machine, serving `pipeline`
+    of `bench/apps/cluster.py` (a context manager: started on entry)."""
+    server = RayServer(APP, pipeline, RESULTS, [*(["--nodes", str(k)] if k > 1 else []), *extra], env=env)
+    server.log_path = RESULTS / f"cluster_ray_{pipeline}_{k}.log"
+    return server
 
 
 def scaling_ray(a: argparse.Namespace) -> dict[str, Any]:
     out = {}
     for k in a.nodes:
         log(f"scaling: Ray Serve, {k} Ray node(s)")
-        proc, url = ray_serve(f"{APP}:scale", k, ["--spread"] if k > 1 else [], {"CLUSTER_MODEL_REPLICAS": str(k)})
-        try:
-            out[str(k)] = goodput_at_slo(url, k * REPLICA_RPS, a.fractions, a.seconds, a.repeat)
-        finally:
-            ray_stop(proc)
+        with ray_serve("scale", k, ["--spread"] if k > 1 else [], {"CLUSTER_MODEL_REPLICAS": str(k)}) as ray:
+            out[str(k)] = goodput_at_slo(ray.base, k * REPLICA_RPS, a.fractions, a.seconds, a.repeat)
     return out
 
 
 def latency_run(url: str, pipeline: str, body: bytes, seconds: float) -> dict[str, Any]:
     """Closed loop, one request in flight: latency p50/p99 (ms)."""
-    import urllib.request
-
     lat = []
     end = time.monotonic() + seconds
     target = f"{url}/v1/pipelines/{pipeline}/infer"
@@ -188,8 +136,7 @@ def latency_run(url: str, pipeline: str, body: bytes, seconds: float) -> dict[st
         with urllib.request.urlopen(urllib.request.Request(target, data=body, method="POST"), timeout=10) as r:
             r.read()
         lat.append((time.perf_counter() - t0) * 1e3)
-    lat.sort()
-    return {"n": len(lat), "p50_ms": lat[len(lat) // 2], "p99_ms": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+    return {"n": len(lat), "p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99),
             "load_avg": os.getloadavg()[0]}
 
 
@@ -209,8 +156,7 @@ def handoff_slipstream(a: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, where in ((1, "one_node"), (2, "two_nodes")):
         log(f"handoff: Slipstream, {where}")
-        c = Cluster(k, 1)
-        try:
+        with cluster(k, 1) as c:
             placement = c.nodes[0].status()["cluster"]["placement"]["stages"]
             apart = k == 1 or placement["handoff/Produce"] != placement["handoff/Consume"]
             out[where] = {"placement": {s: placement[s] for s in ("handoff/Produce", "handoff/Consume")},
@@ -219,8 +165,6 @@ def handoff_slipstream(a: argparse.Namespace) -> dict[str, Any]:
                 out[where][name] = median_runs([latency_run(c.url, "handoff", body, a.seconds / 2)
                                                 for _ in range(a.repeat)])
                 log(f"  {name}: p50 {out[where][name]['p50_ms']:.2f} ms, p99 {out[where][name]['p99_ms']:.2f} ms")
-        finally:
-            c.stop()
     return out
 
 
@@ -228,33 +172,21 @@ def handoff_ray(a: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, where, extra in ((1, "one_node", []), (3, "two_nodes", ["--place", "Consume=0,Produce=1"])):
         log(f"handoff: Ray Serve, {where}")
-        proc, url = ray_serve(f"{APP}:handoff", k, extra, {})
-        try:
+        with ray_serve("handoff", k, extra) as ray:
             out[where] = {}
             for name, body in handoff_bodies().items():
-                out[where][name] = median_runs([latency_run(url, "handoff", body, a.seconds / 2)
+                out[where][name] = median_runs([latency_run(ray.base, "handoff", body, a.seconds / 2)
                                                 for _ in range(a.repeat)])
                 log(f"  {name}: p50 {out[where][name]['p50_ms']:.2f} ms, p99 {out[where][name]['p99_ms']:.2f} ms")
-        finally:
-            ray_stop(proc)
     return out
 
 
 def node_kill(a: argparse.Namespace) -> dict[str, Any]:
     """3 nodes at 70% of their capacity (more than two can serve); n3 killed 6 s in; 250 ms buckets."""
-    from slipstream import _core
-
     log("node kill: 3 nodes at 70% of their capacity, n3 killed with SIGKILL")
-    c = Cluster(3, 3)
     bucket_ms, kill_at, duration = 250.0, 6.0, a.kill_seconds
     rate = 0.7 * 3 * REPLICA_RPS  # more than two nodes can serve: the lost replica must come back
-    try:
-        cfg = {"url": f"{c.url}/v1/pipelines/scale/infer", "method": "POST", "body": list(BODY_SCALE),
-               "content_type": "application/json", "headers": [], "rates": [rate], "duration_s": duration,
-               "warmup_s": 0.0, "arrival": {"kind": "poisson"}, "max_connections": 512, "timeout_s": 10.0,
-               "threads": 1, "seed": 3, "slo_ms": SLO_MS, "timeline_ms": bucket_ms, "timeline_latencies": False}
-        import threading
-
+    with cluster(3, 3) as c:
         killed: dict[str, float] = {}
 
         def kill() -> None:
@@ -264,10 +196,9 @@ def node_kill(a: argparse.Namespace) -> dict[str, Any]:
 
         t0 = time.monotonic()
         threading.Thread(target=kill, daemon=True).start()
-        report = json.loads(_core.bench(json.dumps(cfg), quiet=True))[0]
+        report = harness.loadgen(f"{c.url}/v1/pipelines/scale/infer", BODY_SCALE, [rate], duration, warmup_s=0.0,
+                                 seed=3, slo_ms=SLO_MS, timeline_ms=bucket_ms)[0]
         events = [e for e in c.nodes[0].status()["events"] if e["what"] in ("node_suspected", "placed", "ready")]
-    finally:
-        c.stop()
     kill_s = killed["t"] - t0 - 0.02
     buckets = report["timeline"]
     good = []
@@ -293,38 +224,26 @@ def node_kill(a: argparse.Namespace) -> dict[str, Any]:
 def oha_check(a: argparse.Namespace) -> dict[str, Any]:
     """The 3-node headline with an independent generator: `oha` at a fixed
     rate (with latency correction) against the first node's ingress."""
-    import shutil
-
-    oha = shutil.which("oha") or str(Path.home() / ".cargo" / "bin" / "oha")
     out: dict[str, Any] = {}
-    c = Cluster(3, 3)
-    try:
-        body = BODY_SCALE.decode()
+    with cluster(3, 3) as c:
         for f in (0.85, 0.95):
             rate = f * 3 * REPLICA_RPS
             runs = []
             for _ in range(a.repeat):
-                r = subprocess.run([oha, "-z", f"{a.seconds + 4:.0f}s", "-q", f"{rate:.0f}", "--latency-correction",
-                                    "-c", "64", "--no-tui", "--output-format", "json", "-m", "POST",
-                                    "-H", "content-type: application/json", "-d", body,
-                                    f"{c.url}/v1/pipelines/scale/infer"], capture_output=True, text=True, check=True)
-                d = json.loads(r.stdout)
-                codes = {str(k): v for k, v in d.get("statusCodeDistribution", {}).items()}
-                runs.append({"rps": d["summary"]["requestsPerSec"], "p50_ms": d["latencyPercentiles"]["p50"] * 1e3,
-                             "p99_ms": d["latencyPercentiles"]["p99"] * 1e3, "status": codes,
+                r = harness.oha(f"{c.url}/v1/pipelines/scale/infer", seconds=round(a.seconds + 4), concurrency=64,
+                                rate=round(rate), body=BODY_SCALE, headers=["content-type: application/json"])
+                runs.append({"rps": r["rps"], "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"], "status": r["status"],
                              "load_avg": os.getloadavg()[0]})
             out[f"{rate:.0f}"] = {"offered_rps": rate, "p50_ms": statistics.median(x["p50_ms"] for x in runs),
                                   "p99_ms": statistics.median(x["p99_ms"] for x in runs), "runs": runs}
             log(f"  oha at {rate:.0f} req/s: p50 {out[f'{rate:.0f}']['p50_ms']:.0f} ms, "
                 f"p99 {out[f'{rate:.0f}']['p99_ms']:.0f} ms, {runs[-1]['status']}")
-    finally:
-        c.stop()
     return out
 
 
-def merged_frames(a: argparse.Namespace) -> dict[str, Any]:
+def merged_frames(a: argparse.Namespace, out: Path) -> dict[str, Any]:
     log("merged frames: cargo run --release -p slipstream-peer --example merge")
-    out = RESULTS / "cluster_merge.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run(["cargo", "run", "--release", "--locked", "-q", "-p", "slipstream-peer", "--example", "merge",
                     "--", "--json", str(out), "--secs", str(max(1.0, a.seconds / 3))], cwd=ROOT, check=True)
     return dict(json.loads(out.read_text()))
@@ -332,9 +251,8 @@ def merged_frames(a: argparse.Namespace) -> dict[str, Any]:
 
 def markdown(res: dict[str, Any]) -> str:
     lines = ["# A cluster on one machine", "",
-             f"{res['machine']}. Medians of {res['repeat']} runs per point. Each section's command, time and "
-             "load average are in cluster.json (`run`); the last command was "
-             f"`{res['command']}` at {res['when']} (load average {res['load_avg_before']:.2f}).", ""]
+             f"Medians of {res['repeat']} runs per point. Each section's command, time and load average are in "
+             "cluster.json (`run`); the last run's machine is below.", ""]
     sc = res.get("scaling", {})
     if sc:
         lines += ["## Scaling: goodput at the SLO (p99 <= 300 ms, <= 1% misses), off-CPU stage", "",
@@ -405,6 +323,7 @@ def main() -> int:
     ap.add_argument("--fractions", default="", help="offered rates for the scaling points, as fractions of the "
                     "compute limit (default 0.7,0.85,0.95; lower ones follow where none holds)")
     ap.add_argument("--systems", default="slipstream,ray", help="with --ray: which systems to run (e.g. ray)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "cluster", help="results path without suffix")
     a = ap.parse_args()
     a.nodes = [1, 2, 3]
     a.fractions = [float(f) for f in a.fractions.split(",") if f] or ([0.7, 0.85, 0.95] if not a.quick else [0.8])
@@ -412,12 +331,12 @@ def main() -> int:
     a.repeat = 3 if not a.quick else 1
     a.kill_seconds = 20.0 if not a.quick else 12.0
     only = set(a.only or ["scaling", "handoff", "kill", "merge", "oha"])
-    res: dict[str, Any] = {"machine": f"{os.cpu_count()} cores", "load_avg_before": os.getloadavg()[0],
-                           "command": "bench/cluster.py " + " ".join(sys.argv[1:]), "repeat": a.repeat,
-                           "nodes": a.nodes, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
-    log(f"load average {res['load_avg_before']:.2f}")
+    machine = harness.machine()
+    res: dict[str, Any] = {"repeat": a.repeat, "nodes": a.nodes}
+    log(f"load average {machine['loadavg_before']}")
     systems = set(a.systems.split(",")) if a.ray else {"slipstream"}
-    stamp = {"command": res["command"], "when": res["when"], "load_avg_before": res["load_avg_before"]}
+    # Sections can be rerun one at a time (--only): each records its own run.
+    stamp = {k: machine[k] for k in ("command", "time", "loadavg_before", "git_sha")}
     if "scaling" in only:
         res["scaling"] = {}
         if "slipstream" in systems:
@@ -433,12 +352,11 @@ def main() -> int:
     if "kill" in only:
         res["kill"] = node_kill(a)
     if "merge" in only:
-        res["merge"] = merged_frames(a)
+        res["merge"] = merged_frames(a, a.out.parent / "cluster_merge.json")
     if "oha" in only:
         log("independent generator: oha against 3 nodes")
         res["oha"] = oha_check(a)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / "cluster.json"
+    path = a.out.with_suffix(".json")
     if a.only and path.exists():
         # A partial rerun updates what it measured and keeps the rest (each
         # section records its own command, time and load average).
@@ -447,9 +365,8 @@ def main() -> int:
             if section in res:
                 old.setdefault(section, {}).update(res[section])
                 res[section] = old[section]
-        res = old | {k: v for k, v in res.items() if k not in ("machine",)}
-    path.write_text(json.dumps(res, indent=1))
-    (RESULTS / "cluster.md").write_text(markdown(res))
+        res = old | res
+    harness.write_results(a.out, res, markdown(res), machine)
     print(markdown(res))
     return 0
 

@@ -39,8 +39,8 @@ One run measures:
    process, and the cgroup's peak usage (page cache included) where one
    was set.
 
-    .venv/bin/python bench/espn.py --small   # 2,000-passage slice: a quick check (-> bench/results/espn_small.*)
-    .venv/bin/python bench/espn.py           # full corpus (builds the index and token file if missing: long)
+    .venv/bin/python -m bench.espn --small   # 2,000-passage slice: a quick check (-> bench/results/espn_small.*)
+    .venv/bin/python -m bench.espn           # full corpus (builds the index and token file if missing: long)
 
 The full corpus' index is built the way ``scripts/prepare_rag.py`` builds it
 (``vindex.prepare``) and its token file with ``late.ensure_tokens`` (both
@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -63,20 +62,17 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-sys.path.insert(0, str(ROOT / "examples"))
+from bench import harness
+from bench.harness import RESULTS, ROOT, percentile
 
-from models import corpus, late, vindex  # noqa: E402
+corpus = harness.example_module("models.corpus")
+late = harness.example_module("models.late")
+vindex = harness.example_module("models.vindex")
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 MODES = ("ram", "mmap", "ssd", "ssd-prefetch-all", "ssd-noprefetch", "mmap-readahead")
 DEFAULT_MODES = MODES[:5]
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-def pct(xs: list[float] | np.ndarray, q: float) -> float:
-    return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if len(xs) else float("nan")
 
 
 def proc_memory() -> dict[str, int]:
@@ -175,7 +171,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
         hits.append(int(r.hits[0]))
         arrived.append(int(r.arrived[0]))
         pre.append(int(r.prefetched[0]))
-    res["sequential"] = {"p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99), "mean_ms": float(np.mean(lat)),
+    res["sequential"] = {"p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99), "mean_ms": float(np.mean(lat)),
                          "late": vindex.retrieval_metrics(np.array(ids), truth),
                          "single": vindex.retrieval_metrics(np.array(single), truth),
                          "reranked_mean": float(np.mean(rr)),
@@ -189,7 +185,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     for clients in cfg["clients"]:
         flat, wall = closed_loop(one, n, clients, cfg["duration"])
         levels.append({"clients": clients, "answered": len(flat), "rate": len(flat) / wall,
-                       "p50_ms": pct(flat, 50), "p99_ms": pct(flat, 99)})
+                       "p50_ms": percentile(flat, 50), "p99_ms": percentile(flat, 99)})
     res["closed_loop"] = levels
     ok = [lv for lv in levels if lv["p99_ms"] <= cfg["slo_ms"]]
     best = max(ok, key=lambda lv: lv["rate"]) if ok else None
@@ -205,7 +201,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
             rr.append(int(r.reranked[0]))
             tgt.append(int(r.target[0]))
             cut += int(r.cut[0])
-        res["budget"] = {"budget_ms": cfg["budget_ms"], "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99),
+        res["budget"] = {"budget_ms": cfg["budget_ms"], "p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99),
                          "reranked_mean": float(np.mean(rr)), "target_mean": float(np.mean(tgt)),
                          "cut_share": cut / n, "late": vindex.retrieval_metrics(np.array(ids), truth)}
     # 4. re-rank depth (ESPN-Lite): quality in RAM, latency on SSD
@@ -220,7 +216,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
                 r = one(i, c=c)
                 lat.append(r.total_s * 1e3)
                 ids.append(r.ids[0])
-            row: dict[str, Any] = {"rerank_k": d, "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99), "queries": m}
+            row: dict[str, Any] = {"rerank_k": d, "p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99), "queries": m}
             if m == n:
                 row.update(vindex.retrieval_metrics(np.array(ids), truth))
             rows.append(row)
@@ -286,8 +282,8 @@ def run_child(cfg: dict[str, Any], use_cgroup: bool) -> dict[str, Any]:
         cg = CGROUP_ROOT / f"slipstream-espn-{os.getpid()}-{cfg['mode']}"
         cg.mkdir()
         cfg = {**cfg, "cgroup": str(cg)}
-    proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(cfg)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=os.environ | ONE_THREAD)
+    proc = subprocess.Popen([sys.executable, "-m", "bench.espn", "--child", json.dumps(cfg)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ | ONE_THREAD)
     try:
         out, err = proc.communicate(timeout=3600)
         r = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
@@ -344,7 +340,7 @@ def report(result: dict[str, Any]) -> str:
           f"{modes[0]['nlist']}, nprobe {modes[0]['nprobe']}; {result['config']['candidates']} candidates, "
           f"re-rank depth {result['config']['rerank_k'] or result['config']['candidates']}, prefetch after "
           f"{result['config']['prefetch_at']:.0%} of the probes; {result['config']['io_threads']} I/O threads. "
-          f"Load average before: {result['load_before'][0]:.2f}, after: {result['load_after'][0]:.2f}.", "",
+          f"Load average after: {result['load_after'][0]:.2f} (before: below).", "",
           "## Quality (1,000 benchmark queries)" if result["queries"] == 1000 else "## Quality", "",
           "| | recall@10 | MRR@10 |", "|---|---:|---:|",
           f"| single vector (IVF top 10) | {seq['single']['recall@10']:.3f} | {seq['single']['mrr@10']:.3f} |",
@@ -402,7 +398,7 @@ def report(result: dict[str, Any]) -> str:
            "RAM mode holds the whole token file in anonymous memory; mmap and SSD modes hold the offsets table "
            f"({mb(modes[0]['table_bytes'])} MiB) and read buffers; every mode holds the IVF arrays "
            f"({mb(modes[0]['probe_bytes'])} MiB) and the query embeddings.",
-           "", f"Command: `{result['command']}` ({'small slice: a quick check, noisy' if result['small'] else 'full corpus'})."]
+           "", f"{'Small slice: a quick check, noisy' if result['small'] else 'Full corpus'} (command below)."]
     return "\n".join(md) + "\n"
 
 
@@ -455,9 +451,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--prefetch-at must be in [0, 1) and --mem-frac in (0, 1]")
     out = a.out or RESULTS / ("espn_small" if a.small else "espn")
 
-    load_before = os.getloadavg()
-    print(f"espn: load average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}",
-          file=sys.stderr)
+    machine = harness.machine()
+    print(f"espn: load average before: {machine['loadavg_before']}", file=sys.stderr)
     index_dir, qfile, truth = prepare(a.small, a.threads)
     why_not = None if not a.no_cgroup else "--no-cgroup"
     why_not = why_not or cgroup_available()
@@ -492,15 +487,11 @@ def main(argv: list[str] | None = None) -> int:
     result = {"small": a.small or 0, "passages": done[0]["passages"], "queries": len(truth),
               "token_file_bytes": done[0]["token_file_bytes"], "modes": results, "pressure": pressure,
               "same_answers_in_every_mode": len(set(digests.values())) == 1, "config": cfg | {"truth": None},
-              "load_before": load_before, "load_after": load_after,
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-              "command": "python bench/espn.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+              "load_after": load_after}
     md = report(result)
     if not result["same_answers_in_every_mode"]:
         md += f"\nWARNING: the modes' answers differ (digests {digests}).\n"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    out.with_suffix(".md").write_text(md)
+    harness.write_results(out, result, md, machine)
     print(md)
     return 0
 

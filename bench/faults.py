@@ -30,6 +30,8 @@ issue's bar):
 Capacity (per app, alone) is measured first with a short sweep. Writes
 bench/results/faults.{json,md} and exits 1 if a check fails. Run it when
 nothing else runs on the machine; the load average is recorded.
+
+    .venv/bin/python -m bench.faults [--duration 60] [--calm]
 """
 
 from __future__ import annotations
@@ -43,15 +45,14 @@ import socket
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-import slipstream as ss
-from slipstream import _core
+from bench import harness
+from bench.harness import RESULTS, ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 APP = ROOT / "bench" / "apps" / "soak.py"
 D = 64
 SLO_MS = 150.0  # the apps' SLO (bench/apps/soak.py): about twice the calm p99 here
@@ -77,14 +78,8 @@ def get(url: str) -> Any:
 
 def load(url: str, rate: float, duration: float, *, timeline: bool = False, warmup: float = 0.0,
          seed: int = 1, timeout: float = 5.0) -> dict[str, Any]:
-    cfg = {"url": url, "method": "POST", "body": list(body()), "content_type": "application/json", "headers": [],
-           "rates": [rate], "duration_s": duration, "warmup_s": warmup, "arrival": {"kind": "poisson"},
-           "max_connections": 512, "timeout_s": timeout, "threads": 1, "seed": seed, "slo_ms": SLO_MS,
-           "timeline_ms": BUCKET_MS if timeline else 0.0, "timeline_latencies": timeline}
-    t0 = time.time()
-    report = json.loads(_core.bench(json.dumps(cfg), quiet=True))[0]
-    report["wall_start"] = t0 + 0.02 + warmup  # the generator starts its schedule 20 ms after the call
-    return dict(report)
+    return harness.loadgen(url, body(), [rate], duration, warmup_s=warmup, timeout_s=timeout, seed=seed,
+                           slo_ms=SLO_MS, timeline_ms=BUCKET_MS if timeline else 0.0, timeline_latencies=timeline)[0]
 
 
 def capacity(base: str, pipeline: str) -> float:
@@ -278,9 +273,9 @@ def window(report: dict[str, Any], t0: float, t1: float) -> list[dict[str, Any]]
 
 
 def p99(buckets: list[dict[str, Any]]) -> float:
-    """The exact p99 of the OK latencies scheduled in `buckets`."""
-    lat = sorted(x for b in buckets for x in b.get("latencies_ms", []))
-    return lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else 0.0
+    """The p99 of the OK latencies scheduled in `buckets` (0 for none)."""
+    lat = [x for b in buckets for x in b.get("latencies_ms", [])]
+    return harness.percentile(lat, 99) if lat else 0.0
 
 
 def good_share(buckets: list[dict[str, Any]]) -> float:
@@ -369,7 +364,7 @@ def analyse(soak: Soak, final: dict[str, Any], events: list[dict[str, Any]]) -> 
 
 def markdown(res: dict[str, Any]) -> str:
     kinds = sorted({k for row in res["outcomes"].values() for k in row})
-    lines = [f"# Fault soak ({res['duration_s']:.0f} s, seed {res['seed']}, load average {res['loadavg']})", "",
+    lines = [f"# Fault soak ({res['duration_s']:.0f} s, seed {res['seed']})", "",
              f"Capacity alone (within SLO {SLO_MS:.0f} ms): " +
              ", ".join(f"{p} {c:.0f}/s" for p, c in res["capacity"].items()) +
              f"; steady load {STEADY:.0%} of each (both at once), bursts 3x.", "",
@@ -390,9 +385,9 @@ def main() -> int:
     ap.add_argument("--calm", action="store_true", help="the same steady load with no faults (a baseline)")
     ap.add_argument("--out", default=str(RESULTS / "faults.json"))
     a = ap.parse_args()
-    loadavg = os.getloadavg()
-    print(f"load average before: {loadavg[0]:.2f} {loadavg[1]:.2f} {loadavg[2]:.2f}", flush=True)
-    with ss.launch(APP, cwd=ROOT) as node:
+    machine = harness.machine()
+    print(f"load average before: {machine['loadavg_before']}", flush=True)
+    with harness.node(APP) as node:
         base = node.url
         node_pid = get(base + "/v1/status")["pid"]
         if a.capacity:
@@ -407,20 +402,17 @@ def main() -> int:
         soak.run(node_pid, calm=a.calm)
         time.sleep(2.0)  # let abandoned and retried work settle
         final = get(base + "/v1/status")
-    res = {"duration_s": a.duration, "seed": a.seed, "loadavg": f"{loadavg[0]:.2f}", "slo_ms": SLO_MS,
+    res = {"duration_s": a.duration, "seed": a.seed, "slo_ms": SLO_MS,
            "worker_nice": os.environ.get("SLIPSTREAM_WORKER_NICE", "0"),
            "calm_p99_ms": {p: p99(r["timeline"]) for p, r in soak.steady.items()} if a.calm else None,
            "capacity": caps, **analyse(soak, final, final["events"]),
            "steady": {p: {k: v for k, v in r.items() if k != "timeline"} for p, r in soak.steady.items()},
            "timeline": {p: [{k: v for k, v in b.items() if k != "latencies_ms"} for b in r["timeline"]]
                         for p, r in soak.steady.items()}}
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
     md = markdown(res)
-    out.with_suffix(".md").write_text(md)
+    json_path, md_path = harness.write_results(a.out, res, md, machine)
     print("\n" + md)
-    print(f"wrote {out} and {out.with_suffix('.md')}")
+    print(f"wrote {json_path} and {md_path}")
     return 0 if all(c["ok"] for c in res["checks"]) else 1
 
 

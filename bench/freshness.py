@@ -4,14 +4,14 @@ the first query that finds it, while the RAG pipeline serves queries.
 Serves ``examples/rag.py`` (its ``ingest`` pipeline embeds documents put
 under ``/docs/``; every Search replica follows ``/index/live/``), offers
 Poisson query load at ``--load`` (default 0.5) of the pipeline's offline
-compute limit (``bench/limit.py``; 160 req/s if it has not been measured)
+compute limit (``bench.limit``; 160 req/s if it has not been measured)
 with the project's load generator, and meanwhile, one at a time, puts a
 made-up document and queries for it with its own text every ``--poll-ms``
 until it is in the top 10. Freshness = first query that found it - the
 moment the put was sent. Also reports what the background load got
 (goodput, p99, errors), and the load average.
 
-    .venv/bin/python bench/freshness.py      # -> bench/results/freshness.{json,md}
+    .venv/bin/python -m bench.freshness      # -> bench/results/freshness.{json,md}
 """
 
 from __future__ import annotations
@@ -28,13 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import slipstream as ss
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-sys.path.insert(0, str(ROOT / "bench"))
-
-from goodput import run_rate  # noqa: E402
-from limit import load_limit  # noqa: E402
+from bench import harness
+from bench.goodput import run_rate
+from bench.harness import EXAMPLES, RESULTS, percentile
+from bench.limit import load_limit
 
 WORDS = ("quantum ledger parser daemon widget codec mirror shell raster tensor cipher router gauge "
          "lattice beacon kernel vector fractal index packet signal").split()
@@ -69,23 +68,18 @@ def main() -> int:
     ap.add_argument("--poll-ms", type=float, default=5.0)
     ap.add_argument("--out", type=Path, default=RESULTS / "freshness.json")
     a = ap.parse_args()
-    from slipstream._internal.launch import launch
-
     limit = load_limit("rag")
     rate = round((limit or 320.0) * a.load)
-    load_before = os.getloadavg()
-    print(f"freshness: load average {load_before[0]:.2f}; background load {rate} req/s "
+    machine = harness.machine()
+    print(f"freshness: load average {machine['loadavg_before'][0]:.2f}; background load {rate} req/s "
           f"({a.load:.0%} of the {'measured' if limit else 'assumed'} limit {limit or 320.0:.0f} req/s)",
           file=sys.stderr)
-    # Two query encoders (as the planner sizes RAG for two cores), fixed.
-    os.environ.setdefault("RAG_EMBED_REPLICAS", "2")
-    node = launch(ROOT / "examples" / "rag.py", "--autoscale", "off", cwd=ROOT)
+    # Two query encoders (as the planner sizes RAG for two cores), fixed, unless set.
+    env = {"RAG_EMBED_REPLICAS": os.environ.get("RAG_EMBED_REPLICAS", "2")}
     rng = np.random.default_rng(7)
     times: list[float] = []
     bg: dict[str, Any] = {}
-    try:
-        import slipstream as ss
-
+    with harness.node(EXAMPLES / "rag.py", "--autoscale", "off", env=env) as node:
         store = ss.store.Store(node.url)
         seconds = 4.0 + a.docs * 0.6
         t = threading.Thread(target=background, args=(node.url, rate, seconds, 200.0, bg), daemon=True)
@@ -108,25 +102,20 @@ def main() -> int:
             time.sleep(0.1)
         t.join()
         stats = store.stats()
-    finally:
-        node.stop()
-    ms = np.array(times)
     result = {
-        "docs": len(times), "load_avg_before": load_before[0], "load_avg_after": os.getloadavg()[0],
-        "freshness_ms": {"p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99)),
-                         "max": float(ms.max()), "mean": float(ms.mean())},
+        "docs": len(times), "load_avg_after": os.getloadavg()[0],
+        "freshness_ms": {"p50": percentile(times, 50), "p99": percentile(times, 99),
+                         "max": max(times, default=float("nan")),
+                         "mean": statistics.fmean(times) if times else float("nan")},
         "poll_ms": a.poll_ms, "background": bg, "limit_rps": limit, "triggers": stats.get("triggers"),
-        "command": "python bench/freshness.py " + " ".join(sys.argv[1:]),
     }
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=2) + "\n")
     f = result["freshness_ms"]
-    md = (f"# Live knowledge base freshness\n\n`{result['command']}` (load average {load_before[0]:.2f} before)\n\n"
+    md = (f"# Live knowledge base freshness\n\n"
           f"| documents | freshness p50 | p99 | max | background offered | goodput | p99 | errors |\n"
           f"|---|---|---|---|---|---|---|---|\n"
           f"| {len(times)} | {f['p50']:.0f} ms | {f['p99']:.0f} ms | {f['max']:.0f} ms | {bg.get('offered_rps')} req/s "
           f"| {bg.get('goodput_rps', 0):.0f} req/s | {bg.get('p99_ms', 0):.0f} ms | {bg.get('errors')} |\n")
-    a.out.with_suffix(".md").write_text(md)
+    harness.write_results(a.out, result, md, machine)
     print(md)
     print(f"freshness: p50 {statistics.median(times):.0f} ms; written {a.out}", file=sys.stderr)
     return 0

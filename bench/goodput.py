@@ -5,14 +5,14 @@ For each pipeline (RAG and recsys by default): plan it for this machine
 autoscaler off, so the configuration under test is the plan's), and also
 as shipped (the app's own declaration, autoscaler off, at its starting
 replica counts). At offered Poisson rates from 60% to 105% of the offline
-compute limit (bench/limit.py), measure what is answered within the SLO.
+compute limit (bench.limit), measure what is answered within the SLO.
 The SLO holds at a rate when the p99 of answered requests is within the
 target and misses (errors, refusals, answers later than the target) are at
 most the allowed share; the headline is the goodput (answers within the
 SLO per second) at the highest such rate, beside the limit.
 
-    .venv/bin/python bench/limit.py            # first: the limit per pipeline
-    .venv/bin/python bench/goodput.py          # -> bench/results/goodput.{json,md}
+    .venv/bin/python -m bench.limit            # first: the limit per pipeline
+    .venv/bin/python -m bench.goodput          # -> bench/results/goodput.{json,md}
 
 Each rate runs `--repeat` times (alternating configurations) and the
 median is kept; the load average before each run is recorded. The load
@@ -29,14 +29,13 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-sys.path.insert(0, str(ROOT / "bench"))
-
-from limit import load_limit  # noqa: E402
+from bench import harness
+from bench.harness import RESULTS, ROOT
+from bench.limit import load_limit
 
 APPS = {"rag": "examples/rag.py", "recsys": "examples/recsys.py"}
 FRACTIONS = (0.6, 0.75, 0.85, 0.9, 0.95, 1.0, 1.05)
@@ -56,14 +55,9 @@ def run_rate(url: str, pipeline: str, body: bytes, rate: float, seconds: float, 
              warmup_s: float = 2.0, seed: int = 11) -> dict[str, Any]:
     """One open-loop Poisson run at `rate` with the project's generator: what
     was answered, within the SLO or not (goodput), and the load average."""
-    from slipstream import _core
-
-    urllib_post(url + "/v1/admin/reset-metrics")
-    cfg = {"url": f"{url}/v1/pipelines/{pipeline}/infer", "method": "POST", "body": list(body),
-           "content_type": "application/json", "headers": [], "rates": [rate], "duration_s": seconds,
-           "warmup_s": warmup_s, "arrival": {"kind": "poisson"}, "max_connections": 1024, "timeout_s": 10.0,
-           "threads": 1, "seed": seed, "slo_ms": slo_ms}
-    r = json.loads(_core.bench(json.dumps(cfg), quiet=True))[0]
+    urllib.request.urlopen(urllib.request.Request(url + "/v1/admin/reset-metrics", method="POST"), timeout=5).read()
+    r = harness.loadgen(f"{url}/v1/pipelines/{pipeline}/infer", body, [rate], seconds, warmup_s=warmup_s,
+                        max_connections=1024, timeout_s=10.0, seed=seed, slo_ms=slo_ms)[0]
     sent = max(int(r["sent"]), 1)
     good = int(r["ok"]) - int(r["slower_than_slo"])
     return {"offered_rps": rate, "sent": sent, "ok": r["ok"], "errors": r["errors"],
@@ -71,12 +65,6 @@ def run_rate(url: str, pipeline: str, body: bytes, rate: float, seconds: float, 
             "p50_ms": r["latency_ms"]["p50"], "p99_ms": r["latency_ms"]["p99"],
             "miss_rate": (sent - good) / sent, "goodput_rps": good / r["duration_s"],
             "load_avg": os.getloadavg()[0]}
-
-
-def urllib_post(url: str) -> None:
-    import urllib.request
-
-    urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=5).read()
 
 
 def holds(row: dict[str, Any], slo_ms: float, max_miss: float) -> bool:
@@ -95,15 +83,14 @@ def measure(name: str, app: str, limit: float, configs: dict[str, list[str]], a:
             ) -> dict[str, Any]:
     from slipstream._internal.api import Pipeline
     from slipstream._internal.app import load_pipelines
-    from slipstream._internal.launch import launch
-    sys.path.insert(0, str(ROOT / "bench" / "vs_ray"))
-    from bodies import body as request_body
+
+    from bench.vs_ray.bodies import body as request_body
 
     _, pipes = load_pipelines(str(ROOT / app))
     pipe: Pipeline = next(p for p in pipes if p.name == name)
     assert pipe.slo is not None
     slo_ms, max_miss = pipe.slo.p99_ms, pipe.slo.max_miss_rate
-    # The request bench/limit.py measured the components with.
+    # The request bench.limit measured the components with.
     body, source = request_body(ROOT / app, pipe)
     print(f"{name}: request body from {source}", file=sys.stderr)
     rates = [round(limit * f) for f in a.fractions]
@@ -111,7 +98,7 @@ def measure(name: str, app: str, limit: float, configs: dict[str, list[str]], a:
     for label, flags in configs.items():
         print(f"\n{name} [{label}]: serving with {' '.join(flags) or 'its declaration'}", file=sys.stderr)
         rows = []
-        with launch(str(ROOT / app), "--autoscale", "off", *flags) as node:
+        with harness.node(ROOT / app, "--autoscale", "off", *flags) as node:
             time.sleep(1.0)
             for rate in rates:
                 reps = []
@@ -140,18 +127,21 @@ def main() -> int:
     ap.add_argument("--fractions", type=lambda s: [float(x) for x in s.split(",")], default=list(FRACTIONS),
                     help="offered rates as fractions of the limit")
     ap.add_argument("--no-shipped", action="store_true", help="measure only the planned configuration")
+    ap.add_argument("--out", type=Path, default=RESULTS / "goodput",
+                    help="results path without suffix (the plans go beside it)")
     a = ap.parse_args()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    print(f"load average before: {os.getloadavg()}", file=sys.stderr)
-    out: dict[str, Any] = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "cores": a.cores,
-                           "load_avg_before": os.getloadavg(), "pipelines": {}}
+    machine = harness.machine()
+    print(f"load average before: {machine['loadavg_before']}", file=sys.stderr)
+    out: dict[str, Any] = {"cores": a.cores, "pipelines": {}}
     for name in a.pipelines.split(","):
         app = APPS[name]
         limit = load_limit(name)
         if not limit:
-            print(f"{name}: no offline limit in bench/results/limit.json: run bench/limit.py first", file=sys.stderr)
+            print(f"{name}: no offline limit in bench/results/limit.json: run python -m bench.limit first",
+                  file=sys.stderr)
             return 1
-        plan_path = RESULTS / f"goodput_{name}.plan.json"
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        plan_path = a.out.parent / f"goodput_{name}.plan.json"
         plan = plan_for(app, a.cores, plan_path)
         configs = {"planned": ["--plan", str(plan_path)]}
         if not a.no_shipped:
@@ -159,10 +149,9 @@ def main() -> int:
         res = measure(name, app, limit, configs, a)
         res["plan"] = plan["pipelines"].get(name)
         out["pipelines"][name] = res
-    (RESULTS / "goodput.json").write_text(json.dumps(out, indent=2))
     lines = ["# Goodput at the SLO vs the offline compute limit", "",
-             f"{out['time']}, {a.cores:g} cores, load average before {out['load_avg_before'][0]:.2f}; "
-             f"median of {a.repeat} runs of {a.duration:g} s per rate (`bench/goodput.py`).", "",
+             f"Planned for {a.cores:g} cores; median of {a.repeat} runs of {a.duration:g} s per rate "
+             "(`python -m bench.goodput`).", "",
              "| pipeline | config | limit (req/s) | best rate holding the SLO | goodput (req/s) | share of limit | p99 (ms) |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for name, res in out["pipelines"].items():
@@ -171,7 +160,7 @@ def main() -> int:
             lines.append(f"| {name} | {label} | {res['limit_rps']:.0f} | {b['offered_rps'] if b else '-'} | "
                          f"{b['goodput_rps'] if b else 0:.0f} | {100 * c['goodput_fraction']:.0f}% | "
                          f"{b['p99_ms'] if b else float('nan'):.1f} |")
-    (RESULTS / "goodput.md").write_text("\n".join(lines) + "\n")
+    harness.write_results(a.out, out, "\n".join(lines), machine)
     print("\n".join(lines))
     return 0
 

@@ -1,7 +1,7 @@
 """A torch stage on a GPU: the offline compute limit against served goodput.
 
-    .venv/bin/python bench/gpu.py                 # needs a CUDA GPU and oha
-    .venv/bin/python bench/gpu.py --replicas 2    # two replicas on the one GPU
+    .venv/bin/python -m bench.gpu                 # needs a CUDA GPU and oha
+    .venv/bin/python -m bench.gpu --replicas 2    # two replicas on the one GPU
 
 The stage is an MLP in fp16 (``--width`` wide, ``--layers`` deep, weights
 from a fixed seed: it stands for a model's compute, not its accuracy),
@@ -25,12 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,9 +34,8 @@ from typing import Any
 import numpy as np
 import slipstream as ss
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-OHA = os.environ.get("OHA") or shutil.which("oha") or str(Path.home() / ".cargo" / "bin" / "oha")
+from bench import harness
+from bench.harness import RESULTS
 
 
 def log(msg: str) -> None:
@@ -99,16 +94,11 @@ def mlp_stage(status: dict[str, Any]) -> dict[str, Any]:
     return next(s for s in p["stages"] if s["name"] == "MLP")
 
 
-def run_oha(url: str, body: Path, header_len: int, concurrency: int, seconds: float) -> dict[str, Any]:
-    cmd = [OHA, "-z", f"{seconds}s", "-c", str(concurrency), "--no-tui", "--output-format", "json", "-m", "POST",
-           "-D", str(body), "-H", "Content-Type: application/octet-stream",
-           "-H", f"Inference-Header-Content-Length: {header_len}", url]
-    d = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-    codes = d.get("statusCodeDistribution") or {}
-    rps, requests, ok = d["summary"]["requestsPerSec"], sum(codes.values()), codes.get("200", 0)
-    return {"rps": rps, "ok_rps": rps * ok / max(requests, 1), "p50_ms": d["latencyPercentiles"]["p50"] * 1e3,
-            "p99_ms": d["latencyPercentiles"]["p99"] * 1e3, "requests": requests, "ok": ok,
-            "errors": {k: v for k, v in codes.items() if k != "200"} | (d.get("errorDistribution") or {})}
+def run_oha(url: str, body: bytes, header_len: int, concurrency: int, seconds: float) -> dict[str, Any]:
+    """oha POSTing KServe v2 binary bodies (a JSON header of `header_len` bytes, then the tensor)."""
+    return harness.oha(url, seconds=seconds, concurrency=concurrency, body=body,
+                       headers=["Content-Type: application/octet-stream",
+                                f"Inference-Header-Content-Length: {header_len}"])
 
 
 def main() -> int:
@@ -128,11 +118,11 @@ def main() -> int:
     if not torch.cuda.is_available():
         log("no CUDA GPU: this benchmark needs one")
         return 2
-    if not os.path.exists(OHA):
-        log(f"{OHA} not found: cargo install oha --locked (or set OHA=path)")
+    if harness.OHA is None:
+        log("oha not found: cargo install oha --locked (or set OHA=path)")
         return 2
     gpu = torch.cuda.get_device_name(0)
-    load_before = os.getloadavg()
+    machine = harness.machine()
     offline = [offline_limit(a.width, a.layers, b, 3.0) for b in sorted({1, a.max_batch // 4, a.max_batch})]
     for o in offline:
         log(f"offline batch {o['batch']}: {o['rows_per_s']:,.0f} rows/s ({o['batch_ms']:.2f} ms/batch)")
@@ -141,11 +131,9 @@ def main() -> int:
                                      "parameters": {"binary_data_size": x.nbytes}}],
                          "outputs": [{"name": "y", "parameters": {"binary_data": True}}]}).encode()
     served: dict[int, list[dict[str, Any]]] = {c: [] for c in a.concurrency}
-    with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp, \
-            ss.launch(pipeline(a.width, a.layers, a.max_batch, a.replicas, a.slo_ms), autoscale="off",
+    body = header + x.tobytes()
+    with harness.node(pipeline(a.width, a.layers, a.max_batch, a.replicas, a.slo_ms), "--autoscale", "off",
                       echo=True) as node:
-        body = Path(tmp) / "v2.bin"
-        body.write_bytes(header + x.tobytes())
         url = f"{node.url}/v2/models/gpu_mlp/infer"
         with ss.Client(node.url) as c:
             out = c.infer("gpu_mlp", {"x": x}, deadline_ms=60_000)
@@ -166,9 +154,7 @@ def main() -> int:
         with ss.Client(node.url) as c:
             stage = mlp_stage(c.status())
     res = {
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "machine": {"gpu": gpu, "cpus": os.cpu_count(), "platform": platform.platform()},
-        "load_before": load_before,
+        "gpu": gpu,
         "config": vars(a) | {"out": str(a.out)},
         "answer_max_abs_diff": err,
         "replica_devices": devices,
@@ -179,8 +165,7 @@ def main() -> int:
     }
     limit = max(o["rows_per_s"] for o in offline)
     lines = [f"# A torch stage on {gpu}", "",
-             f"`bench/gpu.py` on {gpu}, {os.cpu_count()} CPU cores, load average before "
-             f"{load_before[0]:.2f}. MLP {a.layers} x {a.width} fp16, max batch {a.max_batch}, {a.replicas} "
+             f"`python -m bench.gpu` on {gpu}, {os.cpu_count()} CPU cores. MLP {a.layers} x {a.width} fp16, max batch {a.max_batch}, {a.replicas} "
              f"replica(s), SLO p99 {a.slo_ms:g} ms; one row per request (KServe v2 binary, `oha`), "
              f"medians of {a.repeat} runs of {a.duration:g} s.", "",
              "| offline batch | rows/s | ms/batch |", "|---:|---:|---:|"]
@@ -194,9 +179,7 @@ def main() -> int:
               f"p99 {bs.get('p99', float('nan')):.0f}."]
     md = "\n".join(lines) + "\n"
     print(md)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(res, indent=2, default=str) + "\n")
-    a.out.with_suffix(".md").write_text(md)
+    harness.write_results(a.out, res, md, machine)
     return 0
 
 

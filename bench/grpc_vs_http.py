@@ -25,6 +25,7 @@ bench/results/grpc.{json,md} (or --out).
 
     GOFLAGS=-mod=mod go install github.com/bojand/ghz/cmd/ghz@v0.120.0   # -> ~/go/bin/ghz
     cargo install oha --locked                                            # -> ~/.cargo/bin/oha
+    .venv/bin/python -m bench.grpc_vs_http [--duration 15] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -32,12 +33,8 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import os
-import platform
 import resource
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,13 +42,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import slipstream as ss
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+from bench import harness
+from bench.harness import EXAMPLES, RESULTS, ROOT, cpu_seconds, percentile
+
 PROTO = ROOT / "crates" / "slipstream-kserve" / "proto" / "grpc_predict_v2.proto"
-GHZ = shutil.which("ghz") or str(Path.home() / "go" / "bin" / "ghz")
-OHA = shutil.which("oha") or str(Path.home() / ".cargo" / "bin" / "oha")
 SIDES = ("grpc", "http v2 json", "http v2 binary")
 
 
@@ -60,80 +55,47 @@ def log(msg: str) -> None:
 
 
 def payloads(dim: int, workdir: Path) -> dict[str, Any]:
-    """The same 1 x dim FP32 tensor in each side's wire form."""
+    """The same 1 x dim FP32 tensor in each side's wire form: ghz's request
+    file, the JSON body, and the binary body with its header's length."""
     x = np.arange(dim, dtype=np.float32).reshape(1, dim)
     grpc_req = {"model_name": "noop", "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, dim]}],
                 "raw_input_contents": [base64.b64encode(x.tobytes()).decode()]}
     (workdir / "grpc.json").write_text(json.dumps(grpc_req))
     json_body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, dim],
                                         "data": x.ravel().tolist()}]}).encode()
-    (workdir / "v2.json").write_bytes(json_body)
     header = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, dim],
                                      "parameters": {"binary_data_size": x.nbytes}}],
                          "outputs": [{"name": "y", "parameters": {"binary_data": True}}]}).encode()
-    (workdir / "v2.bin").write_bytes(header + x.tobytes())
-    return {"grpc": workdir / "grpc.json", "http v2 json": workdir / "v2.json",
-            "http v2 binary": (workdir / "v2.bin", len(header))}
-
-
-def run_ghz(addr: str, data: Path, concurrency: int, connections: int, seconds: float) -> dict[str, Any]:
-    cmd = [GHZ, "--insecure", "--proto", str(PROTO), "--import-paths", str(PROTO.parent),
-           "--call", "inference.GRPCInferenceService/ModelInfer", "--data-file", str(data),
-           "--concurrency", str(concurrency), "--connections", str(connections), "--duration", f"{seconds}s",
-           "--timeout", "10s", "--format", "json", addr]
-    # ghz may exit non-zero when some calls failed; its report says which.
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if not r.stdout.strip():
-        raise RuntimeError(f"ghz failed: {r.stderr.strip()}")
-    d = json.loads(r.stdout)
-    pct = {int(p["percentage"]): p["latency"] / 1e6 for p in d.get("latencyDistribution") or []}
-    codes = d.get("statusCodeDistribution") or {}
-    ok = codes.get("OK", 0)
-    return {"rps": d["rps"], "ok_rps": d["rps"] * ok / max(d["count"], 1), "p50_ms": pct.get(50, float("nan")),
-            "p99_ms": pct.get(99, float("nan")), "requests": d["count"], "ok": ok,
-            "errors": d.get("errorDistribution") or {}}
-
-
-def run_oha(url: str, body: Path, headers: list[str], concurrency: int, seconds: float) -> dict[str, Any]:
-    cmd = [OHA, "-z", f"{seconds}s", "-c", str(concurrency), "--no-tui", "--output-format", "json", "-m", "POST",
-           "-D", str(body), *[a for h in headers for a in ("-H", h)], url]
-    d = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-    codes = d.get("statusCodeDistribution") or {}
-    rps, requests, ok = d["summary"]["requestsPerSec"], sum(codes.values()), codes.get("200", 0)
-    return {"rps": rps, "ok_rps": rps * ok / max(requests, 1), "p50_ms": d["latencyPercentiles"]["p50"] * 1e3,
-            "p99_ms": d["latencyPercentiles"]["p99"] * 1e3, "requests": requests,
-            "ok": ok, "errors": {k: v for k, v in codes.items() if k != "200"}
-            | (d.get("errorDistribution") or {})}
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of one process (the node runs in its `slipstream serve` process)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return {"grpc": workdir / "grpc.json", "http v2 json": json_body,
+            "http v2 binary": (header + x.tobytes(), len(header))}
 
 
 def one_side(side: str, node: Any, data: Any, a: argparse.Namespace, seconds: float) -> dict[str, Any]:
     """One measured run, with the CPU the node and the generator spent per
     answered call: on a 2-core machine the generators compete with the node,
     and a heavier generator shows up as protocol cost unless it is split out."""
-    node0, gen0 = cpu_s(node.proc.pid), resource.getrusage(resource.RUSAGE_CHILDREN)
+    node0, gen0 = cpu_seconds(node.pid), resource.getrusage(resource.RUSAGE_CHILDREN)
     r = _one_side(side, node, data, a, seconds)
     gen1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     calls = max(r["requests"], 1)
-    r["node_cpu_us_per_call"] = (cpu_s(node.proc.pid) - node0) / calls * 1e6
+    r["node_cpu_us_per_call"] = (cpu_seconds(node.pid) - node0) / calls * 1e6
     r["generator_cpu_us_per_call"] = (gen1.ru_utime + gen1.ru_stime - gen0.ru_utime - gen0.ru_stime) / calls * 1e6
     return r
 
 
 def _one_side(side: str, node: Any, data: Any, a: argparse.Namespace, seconds: float) -> dict[str, Any]:
     if side == "grpc":
-        return run_ghz(node.grpc_url, data, a.concurrency, a.grpc_connections or a.concurrency, seconds)
+        return harness.ghz(node.grpc_url, proto=PROTO, call="inference.GRPCInferenceService/ModelInfer", data=data,
+                           seconds=seconds, concurrency=a.concurrency,
+                           connections=a.grpc_connections or a.concurrency)
     url = f"{node.url}/v2/models/noop/infer"
     if side == "http v2 json":
-        return run_oha(url, data, ["Content-Type: application/json"], a.concurrency, seconds)
-    path, header_len = data
-    return run_oha(url, path, ["Content-Type: application/octet-stream",
-                               f"Inference-Header-Content-Length: {header_len}"], a.concurrency, seconds)
+        return harness.oha(url, seconds=seconds, concurrency=a.concurrency, body=data,
+                           headers=["Content-Type: application/json"])
+    body, header_len = data
+    return harness.oha(url, seconds=seconds, concurrency=a.concurrency, body=body,
+                       headers=["Content-Type: application/octet-stream",
+                                f"Inference-Header-Content-Length: {header_len}"])
 
 
 def one_client(node: Any, dim: int, n: int) -> dict[str, Any]:
@@ -159,8 +121,7 @@ def one_client(node: Any, dim: int, n: int) -> dict[str, Any]:
             client.infer("noop", [inp])
             if i >= 100:  # the first 100 warm up
                 took.append((time.perf_counter() - t0) * 1e3)
-        took.sort()
-        out[name] = {"p50_ms": took[len(took) // 2], "p99_ms": took[int(len(took) * 0.99)]}
+        out[name] = {"p50_ms": percentile(took, 50), "p99_ms": percentile(took, 99)}
         client.close()
         log(f"one client, {n} sequential calls, {name}: p50 {out[name]['p50_ms']:.3f} ms, "
             f"p99 {out[name]['p99_ms']:.3f} ms")
@@ -175,7 +136,7 @@ def markdown(res: dict[str, Any]) -> str:
         f"clients for {cfg['duration_s']:g} s per side (after {cfg['warmup_s']:g} s of warm-up), median of "
         f"{cfg['repeat']} interleaved run(s). gRPC: `ghz` with raw contents over {cfg['grpc_connections']} "
         f"connection(s); HTTP: `oha`, one connection per client. The generators share the machine "
-        f"({res['machine']['cpus']} CPUs) with the node; admission control "
+        f"with the node; admission control "
         f"{'off' if cfg['no_admission'] else 'on (the pipeline sheds past saturation)'}.", "",
         "| side | answered/s | calls/s | p50 ms | p99 ms | node CPU µs/call | generator CPU µs/call "
         "| not answered (all runs) |",
@@ -194,7 +155,6 @@ def markdown(res: dict[str, Any]) -> str:
                   "| protocol | p50 ms | p99 ms |", "|---|---:|---:|",
                   f"| gRPC | {sq['grpc']['p50_ms']:.3f} | {sq['grpc']['p99_ms']:.3f} |",
                   f"| HTTP | {sq['http']['p50_ms']:.3f} | {sq['http']['p99_ms']:.3f} |"]
-    lines += ["", f"Load average before: {' '.join(f'{v:.2f}' for v in res['load_before'])}."]
     return "\n".join(lines) + "\n"
 
 
@@ -210,14 +170,14 @@ def main() -> int:
     ap.add_argument("--sequential", type=int, default=2000, help="calls of the one-client comparison")
     ap.add_argument("--out", type=Path, default=RESULTS / "grpc.json")
     a = ap.parse_args()
-    for tool, hint in ((GHZ, "GOFLAGS=-mod=mod go install github.com/bojand/ghz/cmd/ghz@v0.120.0"),
-                       (OHA, "cargo install oha --locked")):
-        if not os.path.exists(tool):
-            log(f"{tool} not found: {hint}")
+    for name, path, hint in (("ghz", harness.GHZ, "GOFLAGS=-mod=mod go install github.com/bojand/ghz/cmd/ghz@v0.120.0"),
+                             ("oha", harness.OHA, "cargo install oha --locked")):
+        if path is None:
+            log(f"{name} not found: {hint}")
             return 2
-    load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="bench-grpc-") as tmp, \
-            ss.launch(ROOT / "examples" / "noop.py", autoscale="off", no_admission=a.no_admission) as node:
+    machine = harness.machine()
+    flags = ["--autoscale", "off", *(["--no-admission"] if a.no_admission else [])]
+    with tempfile.TemporaryDirectory(prefix="bench-grpc-") as tmp, harness.node(EXAMPLES / "noop.py", *flags) as node:
         if node.grpc_url is None:
             log("the node has no gRPC listener")
             return 1
@@ -235,10 +195,7 @@ def main() -> int:
                     f"p99 {r['p99_ms']:.2f} ms, {r['ok']}/{r['requests']} ok, CPU per call: node "
                     f"{r['node_cpu_us_per_call']:.0f} µs, generator {r['generator_cpu_us_per_call']:.0f} µs")
     res = {
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "load_before": load_before,
         "sequential": sequential,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "config": {"concurrency": a.concurrency, "duration_s": a.duration, "warmup_s": a.warmup, "repeat": a.repeat,
                    "dim": a.dim, "grpc_connections": a.grpc_connections or a.concurrency,
                    "no_admission": a.no_admission},
@@ -249,10 +206,8 @@ def main() -> int:
     }
     md = markdown(res)
     print(md)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(res, indent=2) + "\n")
-    a.out.with_suffix(".md").write_text(md)
-    log(f"wrote {a.out} and {a.out.with_suffix('.md')}")
+    json_path, md_path = harness.write_results(a.out, res, md, machine)
+    log(f"wrote {json_path} and {md_path}")
     return 0
 
 

@@ -23,15 +23,15 @@ alone could do with the whole machine) and each stage's CPU microseconds per
 request (``cores / T_s``).
 
 Every request in a batch is the body the goodput benchmarks send
-(``bench/vs_ray/bodies.py``: the same bytes for Slipstream and Ray Serve),
+(``bench.vs_ray.bodies``: the same bytes for Slipstream and Ray Serve),
 decoded to arrays; a non-root stage gets its parents' outputs for that
 request, computed once, repeated to the batch size. What the limit leaves
 out: HTTP and the codecs, the node, the hand-offs between processes, the
 load generator, and any idle time a latency SLO forces on batching.
 
-    .venv/bin/python bench/limit.py                       # every example (several minutes)
-    .venv/bin/python bench/limit.py --pipelines rag,recsys --quick
-    .venv/bin/python bench/limit.py --pipelines examples/echo.py:demo --threads 1
+    .venv/bin/python -m bench.limit                       # every example (several minutes)
+    .venv/bin/python -m bench.limit --pipelines rag,recsys --quick
+    .venv/bin/python -m bench.limit --pipelines examples/echo.py:demo --threads 1
 
 Each measuring process reports the CPU it used in the window: when one
 single-threaded process per core keeps less than 90% of the cores busy,
@@ -60,11 +60,12 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+from bench import harness
+from bench.harness import RESULTS, ROOT
+
 DEFAULT_OUT = RESULTS / "limit.json"
 
-# name -> app target. noop is the runtime-overhead baseline of bench/run.py:
+# name -> app target. noop is the runtime-overhead baseline of bench.run:
 # its limit is the components' own (near-zero) cost.
 PIPELINES = {
     "rag": "examples/rag.py:rag",
@@ -94,7 +95,7 @@ def load_limit(pipeline: str, path: Path | str = DEFAULT_OUT) -> float | None:
 
 
 # --------------------------------------------------------------------------
-# Measuring processes (this script run with --child; the spec on stdin)
+# Measuring processes (this module run with --child; the spec on stdin)
 
 
 def _child() -> int:
@@ -144,8 +145,7 @@ def _request_arrays(pipe: Any, target: str) -> tuple[dict[str, Any], str]:
     import numpy as np
 
     try:
-        sys.path.insert(0, str(ROOT / "bench" / "vs_ray"))
-        import bodies
+        from bench.vs_ray import bodies
 
         raw, origin = bodies.body(Path(target.split(":")[0]), pipe)
         inputs = json.loads(raw)["inputs"]
@@ -282,7 +282,7 @@ def _run(spec: dict[str, Any], send: Any) -> None:
 
 
 class Child:
-    """One measuring process: this script with --child, its thread budget in
+    """One measuring process: this module with --child, its thread budget in
     the environment before anything is imported."""
 
     def __init__(self, spec: dict[str, Any], threads: int, log: IO[str] | None):
@@ -295,7 +295,7 @@ class Child:
         else:
             env["SLIPSTREAM_WORKER"] = "1"
         self.log = log
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child"], cwd=ROOT,
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.limit", "--child"], cwd=ROOT,
                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                      text=True)
         self.lines: queue.Queue[str] = queue.Queue()
@@ -375,6 +375,7 @@ def measure_pipeline(target: str, a: argparse.Namespace, cpus: list[int], work: 
     cores = len(cpus)
     pinned = cpus if a.cores else None
     started = time.time()
+    machine = harness.machine()
     loadavg_before = list(os.getloadavg())
     inputs_file = str(work / "inputs.pkl")
     progress(f"[{_short(target)}] loading the app (building its data if missing) and running each stage once ...")
@@ -473,7 +474,7 @@ def measure_pipeline(target: str, a: argparse.Namespace, cpus: list[int], work: 
         "rows_per_request": rows,
         "body": prep["body"],
         "cores": cores,
-        "machine": machine(),
+        "machine": machine,
         "threads_tried": threads,
         "quick": bool(a.quick),
         "settings": {"batch_seconds": a.batch_seconds, "seconds": a.seconds, "warmup": a.warmup},
@@ -499,18 +500,6 @@ def describe_graph(stages: list[dict[str, Any]]) -> str:
     if all(s["parents"] == names[i - 1: i] for i, s in enumerate(stages)):
         return " -> ".join(names)
     return ", ".join(s["name"] + (f" (after {' + '.join(s['parents'])})" if s["parents"] else "") for s in stages)
-
-
-def machine() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 def _num(x: float) -> str:
@@ -544,7 +533,7 @@ def markdown(doc: dict[str, Any]) -> str:
         "Each stage's component in a tight loop at its best batch size, no serving; `cores // t` processes",
         "of `t` threads for each thread count t, the best kept. limit = 1 / sum over stages of 1 / (stage",
         "req/s): every stage runs once per request on the same cores. Stage bound: the slowest stage with",
-        "the whole machine. Method: `bench/limit.py`, docs/benchmarks.md.",
+        "the whole machine. Method: `python -m bench.limit`, docs/benchmarks.md.",
         "",
         *table(doc, names),
         "",
@@ -553,7 +542,7 @@ def markdown(doc: dict[str, Any]) -> str:
         p = doc["pipelines"][n]
         la = ", ".join(f"{x:.2f}" for x in p["loadavg_before"])
         lb = ", ".join(f"{x:.2f}" for x in p["loadavg_after"])
-        out.append(f"- {n}: {p['time']}, {p['cores']} cores ({p['machine']}), "
+        out.append(f"- {n}: {p['time']}, {p['cores']} cores, "
                    f"{'quick' if p['quick'] else 'full'} run, {p['wall_s']:.0f} s; load average {la} before, "
                    f"{lb} after; body: {p['body']}."
                    + (f" **Cores short** (other work was running) in {', '.join(p['cores_short'])}."
@@ -565,10 +554,12 @@ def fresh(doc: dict[str, Any], names: list[str], cores: int, quick: bool, thread
     """Whether every pipeline asked for has a result < FRESH_S old, measured
     on this machine with the same cores, thread counts and --quick."""
     now = time.time()
+    cpu_model = harness.machine()["cpu_model"]
     for n in names:
         p = doc.get("pipelines", {}).get(n)
+        m = p.get("machine") if p is not None else None
         if (p is None or now - float(p.get("measured_at", 0)) > FRESH_S or p.get("cores") != cores
-                or p.get("machine") != machine() or bool(p.get("quick")) != quick
+                or not isinstance(m, dict) or m.get("cpu_model") != cpu_model or bool(p.get("quick")) != quick
                 or p.get("threads_tried") != threads or p.get("cores_short")):
             return False
     return True
@@ -617,8 +608,9 @@ def main() -> int:
         print("\n".join(table(doc, names)))
         return 0
 
-    progress(f"offline compute limit: {', '.join(names)} on {len(cpus)} cores ({machine()}); "
-             f"load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    machine = harness.machine()
+    progress(f"offline compute limit: {', '.join(names)} on {len(cpus)} cores ({machine['cpu_model']}); "
+             f"load average {', '.join(f'{x:.2f}' for x in machine['loadavg_before'])}")
     failed = []
     for target in targets:
         tgt = target
@@ -635,10 +627,8 @@ def main() -> int:
         doc["pipelines"][res["pipeline"]] = res
         progress(f"[{res['pipeline']}] limit {_num(res['limit_rps'])} req/s (stage bound "
                  f"{_num(res['stage_bound_rps'])}, {res['slowest_stage']}) in {res['wall_s']:.0f} s")
-        doc.update({"cores": len(cpus), "machine": machine(), "updated": res["time"]})
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(doc, indent=2) + "\n")
-        out.with_suffix(".md").write_text(markdown(doc))
+        doc.update({"cores": len(cpus), "updated": res["time"]})
+        harness.write_results(out, doc, markdown(doc), machine)
     measured = [n for n in names if n in doc["pipelines"]]
     if measured:
         print()

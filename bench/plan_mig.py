@@ -30,12 +30,12 @@ encoder, a FAISS IVF index on the GPU (~4 GB), and a FastPitch + HiFi-GAN-like
 TTS. Absolute numbers are rough; the ratios between stages and slice sizes
 are what the planner acts on.
 
-    python bench/plan_mig.py          # ~2 s; writes bench/results/plan_mig.{json,md}
+    .venv/bin/python -m bench.plan_mig          # ~2 s; writes bench/results/plan_mig.{json,md}
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import statistics
 import sys
 import time
@@ -45,8 +45,8 @@ from typing import Any
 import slipstream as ss
 from slipstream._internal import planner
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+from bench import harness
+from bench.harness import RESULTS
 
 # stage -> (memory GB, {A30 compute fraction: (req/s, p99 ms, batch)})
 PREFLMR: dict[str, tuple[float, dict[float, tuple[float, float, int]]]] = {
@@ -102,7 +102,7 @@ def run(pipes: list[ss.Pipeline], profiles: dict[str, Any], inventory: str) -> d
 def markdown(runs: list[dict[str, Any]]) -> str:
     out = ["# The planner on simulated A30 clusters with MIG", "",
            "Profiles are assumptions (see `bench/plan_mig.py`); no GPU was used. "
-           "`python bench/plan_mig.py` regenerates this file.", ""]
+           "`python -m bench.plan_mig` regenerates this file.", ""]
     for r in runs:
         plan = r["plan"]
         out += [f"## {' + '.join(r['pipelines'])} on {r['inventory']}", "",
@@ -125,18 +125,19 @@ def markdown(runs: list[dict[str, Any]]) -> str:
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=RESULTS / "plan_mig", help="results path without suffix")
+    a = ap.parse_args()
+    machine = harness.machine()
     pipes, profiles = pipelines_and_profiles()
     runs = [run(pipes[:1], {"preflmr": profiles["preflmr"]}, "4xA30"), run(pipes, profiles, "12xA30")]
     for r in runs:
         print(f"\n=== {' + '.join(r['pipelines'])} on {r['inventory']}: solve median {r['solve_ms_median']:.0f} ms"
               f" (5 runs: {', '.join(f'{t:.0f}' for t in r['solve_ms'])})")
         print(r["text"])
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "plan_mig.json").write_text(json.dumps(
-        {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "runs": [{k: v for k, v in r.items() if k != "text"}
-                                                               for r in runs]}, indent=2))
-    (RESULTS / "plan_mig.md").write_text(markdown(runs))
-    print(f"\nwrote {RESULTS / 'plan_mig.json'} and {RESULTS / 'plan_mig.md'}")
+    json_path, md_path = harness.write_results(
+        a.out, {"runs": [{k: v for k, v in r.items() if k != "text"} for r in runs]}, markdown(runs), machine)
+    print(f"\nwrote {json_path} and {md_path}")
     return 0
 
 

@@ -5,49 +5,32 @@
 2. Slipstream: the two-stage no-op chain (examples/noop.py: an ingress
    stage and a child stage, both Python components) at the same rates.
 
-Prints a table and writes bench/results/runtime.json. The generator shares
-the machine's cores with the server, as the issue prescribes; quote medians
-of repeated runs (--repeat) on a noisy machine.
+Prints a table and writes bench/results/runtime.{json,md}. The generator
+shares the machine's cores with the server, as the issue prescribes; quote
+medians of repeated runs (--repeat) on a noisy machine.
+
+    .venv/bin/python -m bench.run [--repeat 3] [--duration 10]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
-from pathlib import Path
 from typing import Any
 
-import slipstream as ss
-from slipstream import _core
-
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-sys.path.insert(0, str(ROOT / "bench"))
-
-from limit import load_limit  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from bench import harness
+from bench.harness import RESULTS, ROOT, free_port
+from bench.limit import load_limit
 
 
 def load(url: str, body: bytes, rates: list[float], duration: float, warmup: float) -> list[dict[str, Any]]:
-    cfg = {
-        "url": url, "method": "POST", "body": list(body), "content_type": "application/json",
-        "headers": [], "rates": rates, "duration_s": duration, "warmup_s": warmup,
-        "arrival": {"kind": "poisson"}, "max_connections": 512, "timeout_s": 10.0, "threads": 1, "seed": 7,
-    }
-    return list(json.loads(_core.bench(json.dumps(cfg), quiet=True)))
+    return harness.loadgen(url, body, rates, duration, warmup_s=warmup, seed=7)
 
 
 def start_echo() -> tuple[subprocess.Popen[bytes], str] | None:
@@ -71,8 +54,6 @@ def start_echo() -> tuple[subprocess.Popen[bytes], str] | None:
     raise RuntimeError("echo server did not start")
 
 
-
-
 def summarise(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Median over repeats, per rate."""
     out = []
@@ -92,12 +73,13 @@ def summarise(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return out
 
 
-def table(name: str, rows: list[dict[str, Any]]) -> None:
-    print(f"\n{name}")
-    print(f"{'offered/s':>10}{'achieved/s':>12}{'p50 ms':>9}{'p99 ms':>9}{'p99.9 ms':>10}{'errors':>8}{'late':>7}")
-    for r in rows:
-        print(f"{r['offered_rps']:>10.0f}{r['achieved_rps']:>12.0f}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}"
-              f"{r['p999_ms']:>10.2f}{r['errors']:>8.0f}{r['late_sends']:>7.0f}")
+def table(name: str, rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown: a heading and one row per offered rate."""
+    lines = [f"## {name}", "", "| offered/s | achieved/s | p50 ms | p99 ms | p99.9 ms | errors | late sends |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['offered_rps']:.0f} | {r['achieved_rps']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+              f"{r['p999_ms']:.2f} | {r['errors']:.0f} | {r['late_sends']:.0f} |" for r in rows]
+    return lines + [""]
 
 
 def highest_within(rows: list[dict[str, Any]], p99_ms: float) -> float:
@@ -119,8 +101,11 @@ def main() -> int:
     a = ap.parse_args()
     rates = [float(r) for r in a.rates.split(",")]
     body = json.dumps({"inputs": {"x": [[1.0, 2.0, 3.0, 4.0]]}}).encode()
-    result: dict[str, Any] = {"machine": {"cores": os.cpu_count()}, "rates": rates, "duration_s": a.duration,
-                              "serve_flags": a.serve_flag, "loadavg_before": os.getloadavg()[0]}
+    machine = harness.machine()
+    result: dict[str, Any] = {"rates": rates, "duration_s": a.duration, "serve_flags": a.serve_flag}
+    md = ["# Runtime overhead: the two-stage no-op chain against a bare HTTP echo", "",
+          f"The project's open-loop generator (Poisson), {a.duration:g} s per rate after {a.warmup:g} s of "
+          f"warm-up, medians of {a.repeat} run(s); the generator shares the cores with the server.", ""]
 
     if not a.no_echo:
         echo = start_echo()
@@ -135,53 +120,46 @@ def main() -> int:
             finally:
                 proc.kill()
                 proc.wait()
-            table("bare HTTP echo (Go net/http), same load generator", result["echo"])
+            md += table("bare HTTP echo (Go net/http), same load generator", result["echo"])
 
-    node = ss.launch("examples/noop.py", *a.serve_flag, cwd=ROOT)
-    base = node.url
-    try:
+    with harness.node(ROOT / "examples" / "noop.py", *a.serve_flag) as node:
         runs = []
         stages = []
         for i in range(a.repeat):
             print(f"slipstream noop chain, run {i + 1}/{a.repeat} ...", file=sys.stderr, flush=True)
-            urllib.request.urlopen(urllib.request.Request(base + "/v1/admin/reset-metrics", method="POST"))
-            runs.append(load(base + "/v1/pipelines/noop/infer", body, rates, a.duration, a.warmup))
-            with urllib.request.urlopen(base + "/v1/status") as r:
-                st = json.loads(r.read())
+            node.request("POST", "/v1/admin/reset-metrics")
+            runs.append(load(node.url + "/v1/pipelines/noop/infer", body, rates, a.duration, a.warmup))
             stages.append({s["name"]: {"hop_ms": s["hop_ms"], "batch_size": s["batch_size"]}
-                           for s in st["pipelines"][0]["stages"]})
-        result["slipstream"] = summarise(runs)
-        result["hop"] = {
-            name: {
-                "p50_us": statistics.median(s[name]["hop_ms"]["p50"] * 1000 for s in stages),
-                "p99_us": statistics.median(s[name]["hop_ms"]["p99"] * 1000 for s in stages),
-                "mean_batch": statistics.median(s[name]["batch_size"]["mean"] for s in stages),
-            }
-            for name in stages[0]
+                           for s in node.status()["pipelines"][0]["stages"]})
+    result["slipstream"] = summarise(runs)
+    result["hop"] = {
+        name: {
+            "p50_us": statistics.median(s[name]["hop_ms"]["p50"] * 1000 for s in stages),
+            "p99_us": statistics.median(s[name]["hop_ms"]["p99"] * 1000 for s in stages),
+            "mean_batch": statistics.median(s[name]["batch_size"]["mean"] for s in stages),
         }
-    finally:
-        node.stop()
-    table("slipstream: two-stage no-op chain (First -> Second, Python workers)", result["slipstream"])
-    print("\nper-hop overhead node -> worker -> node (all rates of the sweep):")
-    for name, h in result["hop"].items():
-        print(f"  {name:<8} p50 {h['p50_us']:.0f} us   p99 {h['p99_us']:.0f} us   mean batch {h['mean_batch']:.1f}")
+        for name in stages[0]
+    }
+    md += table("slipstream: two-stage no-op chain (First -> Second, Python workers)", result["slipstream"])
+    md += ["Per-hop overhead node -> worker -> node (all rates of the sweep):", ""]
+    md += [f"- {name}: p50 {h['p50_us']:.0f} us, p99 {h['p99_us']:.0f} us, mean batch {h['mean_batch']:.1f}"
+           for name, h in result["hop"].items()]
     result["highest_rate_p99_under_10ms"] = {
         "slipstream": highest_within(result["slipstream"], 10.0),
         **({"echo": highest_within(result["echo"], 10.0)} if "echo" in result else {}),
     }
-    print(f"\nhighest offered rate with p99 <= 10 ms: {result['highest_rate_p99_under_10ms']}")
+    md += ["", f"Highest offered rate with p99 <= 10 ms: {result['highest_rate_p99_under_10ms']}."]
     limit = load_limit("noop")
     if limit is not None:
         result["offline_limit_rps"] = limit
         best = result["highest_rate_p99_under_10ms"]["slipstream"]
-        print(f"offline compute limit of the noop components (bench/limit.py): {limit:,.0f} req/s; "
-              f"slipstream reached {best / limit:.2%} of it (the rest is HTTP, the node and the generator)")
+        md.append(f"Offline compute limit of the noop components (bench.limit): {limit:,.0f} req/s; "
+                  f"slipstream reached {best / limit:.2%} of it (the rest is HTTP, the node and the generator).")
     else:
-        print("no offline compute limit for noop in bench/results/limit.json: run bench/limit.py first")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+        md.append("No offline compute limit for noop in bench/results/limit.json: run `python -m bench.limit` first.")
+    print("\n".join(md))
+    json_path, md_path = harness.write_results(a.out, result, "\n".join(md), machine)
+    print(f"wrote {json_path} and {md_path}")
     return 0
 
 

@@ -14,7 +14,7 @@ highest load at which the SLO holds (p99 <= target, misses <= allowed); the
 deadline / fixed goodput ratio; and the relative error of the predicted p99
 at every load below capacity.
 
-    python bench/slo_bench.py [--app examples/recsys.py] [--duration 6] [--repeat 3]   # ~30 min for both apps
+    .venv/bin/python -m bench.slo_bench [--app examples/recsys.py] [--duration 6] [--repeat 3]   # ~30 min for both apps
 
 Writes bench/results/slo.json, bench/results/slo.md and a PNG per app.
 """
@@ -22,37 +22,25 @@ Writes bench/results/slo.json, bench/results/slo.md and a PNG per app.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import slipstream as ss
-from slipstream import _core
 from slipstream._internal import slo
 from slipstream._internal.app import default_profile_path, load_pipelines
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-
-
-
-
+from bench import harness
+from bench.harness import RESULTS, ROOT
 
 
 def measure(url: str, pipeline: str, body: bytes, rates: list[float], slo_ms: float, a: argparse.Namespace,
             burst: int = 1) -> list[dict[str, Any]]:
-    cfg = {
-        "url": f"{url}/v1/pipelines/{pipeline}/infer", "method": "POST", "body": list(body),
-        "content_type": "application/json", "headers": [], "rates": rates, "duration_s": a.duration,
-        "warmup_s": a.warmup, "arrival": {"kind": "bursty", "burst": burst} if burst > 1 else {"kind": "poisson"},
-        "max_connections": 1024, "timeout_s": 10.0, "threads": 1, "seed": 11, "slo_ms": slo_ms,
-    }
     rows = []
-    for r in json.loads(_core.bench(json.dumps(cfg), quiet=True)):
+    for r in harness.loadgen(f"{url}/v1/pipelines/{pipeline}/infer", body, rates, a.duration, warmup_s=a.warmup,
+                             arrival="bursty" if burst > 1 else "poisson", burst=burst, max_connections=1024,
+                             timeout_s=10.0, seed=11, slo_ms=slo_ms):
         sent = max(r["sent"], 1)
         misses = r["errors"] + r["slower_than_slo"]
         rows.append({
@@ -130,7 +118,7 @@ def run_app(app: str, a: argparse.Namespace) -> dict[str, Any]:
           f" loads {rates}", flush=True)
     light = (max(round(cap * 0.03), 20), max(round(cap * 0.15), 60))
     print(f"  calibrating the machine's overheads at {light[0]} and {light[1]}/s ...", flush=True)
-    with ss.launch(app, cwd=ROOT) as node:
+    with harness.node(app) as node:
         cal = slo.calibrate(node.url, pipe, prof, body, light, a.duration, a.cores)
     print(f"  CPU outside components {cal['cpu_per_request_us']:.0f} us/request + {cal['batch_cpu_us']:.0f} us/batch;"
           f" hop {cal['hop_us']:.0f} us; latency outside stages (p50/p90/p99/p99.9, ms) "
@@ -158,7 +146,7 @@ def run_app(app: str, a: argparse.Namespace) -> dict[str, Any]:
         for i in range(repeats):
             print(f"  measured: {policy} batching, {arrival} arrivals"
                   + (f" (run {i + 1} of {repeats})" if repeats > 1 else ""), flush=True)
-            with ss.launch(app, *flags, cwd=ROOT) as node:
+            with harness.node(app, *flags) as node:
                 sweeps.append(measure(node.url, pipe.name, body, rates, target, a, burst))
         out[f"{policy}_{arrival}"] = median_rows(sweeps)
         if repeats > 1:
@@ -195,7 +183,7 @@ def run_app(app: str, a: argparse.Namespace) -> dict[str, Any]:
          "ratio": d["goodput_rps"] / f["goodput_rps"] if f["goodput_rps"] > 0 else None}
         for d, f in zip(dl, fx, strict=True) if d["offered_rps"] > cap]
     out["summary"] = summary
-    plot(RESULTS / f"slo_{pipe.name}.png", pipe.name, target,
+    plot(a.out.parent / f"slo_{pipe.name}.png", pipe.name, target,
          {"deadline-aware (measured)": dl, "fixed batching (measured)": fx,
           "deadline-aware, bursty (measured)": out["deadline_bursty"], "predicted": predicted})
     return out
@@ -203,7 +191,7 @@ def run_app(app: str, a: argparse.Namespace) -> dict[str, Any]:
 
 def markdown(results: list[dict[str, Any]]) -> str:
     lines = ["# SLO-first scheduling benchmark", "",
-             "Produced by `python bench/slo_bench.py`; goodput = answers within the SLO per second; misses = errors "
+             "Produced by `python -m bench.slo_bench`; goodput = answers within the SLO per second; misses = errors "
              "(429 refused, 504 dropped) + answers slower than the SLO, over requests sent. Poisson figures (deadline-"
              "aware and fixed) are medians over repeated sweeps on fresh nodes (deadline p99 range in parentheses).",
              ""]
@@ -252,13 +240,13 @@ def main() -> int:
     ap.add_argument("--fixed-wait-ms", type=float, default=2.0)
     ap.add_argument("--cores", type=float, default=2.0)
     ap.add_argument("--reprofile", action="store_true")
+    ap.add_argument("--out", type=Path, default=RESULTS / "slo", help="results path without suffix (PNGs beside it)")
     a = ap.parse_args()
+    machine = harness.machine()
+    a.out.parent.mkdir(parents=True, exist_ok=True)
     results = [run_app(app, a) for app in (a.app or ["examples/recsys.py", "examples/rag.py"])]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "slo.json").write_text(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": results},
-                                                 indent=2))
     md = markdown(results)
-    (RESULTS / "slo.md").write_text(md)
+    harness.write_results(a.out, {"results": results}, md, machine)
     print("\n" + md)
     return 0
 

@@ -27,6 +27,8 @@ reading it over HTTP.
 Writes bench/results/store.{json,md}. Run it when the machine is idle (the
 load average at the start is recorded). `--quick`: a smoke run (few ops,
 one repeat, a 256 MiB copy).
+
+    .venv/bin/python -m bench.store [--quick] [--sizes 1KB,1MB]
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ import json
 import mmap
 import multiprocessing as mp
 import os
-import platform
 import shlex
 import shutil
 import socket
@@ -52,8 +53,9 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+from bench import harness
+from bench.harness import RESULTS, ROOT, free_port, percentile
+
 APP = ROOT / "bench" / "apps" / "store.py"
 REDIS = "/usr/bin/redis-server"
 SIZES = {"1KB": 1 << 10, "1MB": 1 << 20, "100MB": 100 << 20}
@@ -277,7 +279,7 @@ def run_point(side: str, addr: tuple[str, int], label: str, clients: int, mode: 
         lat = np.concatenate([np.asarray(r[phase]["lat_ns"], dtype=np.float64) for r in results]) / 1e6
         wall = max(r[phase]["t1"] for r in results) - min(r[phase]["t0"] for r in results)
         n = len(lat)
-        point[phase] = {"n": n, "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)),
+        point[phase] = {"n": n, "p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99),
                         "ops_s": n / wall, "gb_s": n * size / wall / 1e9}
     log(f"  {label:>5} {side:<12} x{clients} #{rep + 1}: "
         + "  ".join(f"{ph} p50 {point[ph]['p50_ms']:.3f} ms p99 {point[ph]['p99_ms']:.3f} ms "
@@ -296,12 +298,6 @@ def median_point(reps: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # --- servers ------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Redis:
@@ -345,52 +341,32 @@ class Redis:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-OHA = shutil.which("oha") or str(Path.home() / ".cargo" / "bin" / "oha")
-REDIS_BENCH = "/usr/bin/redis-benchmark"
-
-
 def independent(node_url: str, addrs: dict[str, tuple[str, int]], seconds: float, n: int) -> dict[str, Any]:
     """1 KB puts and gets measured by generators in Rust and C instead of
     this script's Python clients: `oha` against the store (and `/healthz`,
     the node's HTTP floor), `redis-benchmark` against both Redis servers."""
     out: dict[str, Any] = {}
-    if not (os.path.exists(OHA) and os.path.exists(REDIS_BENCH)):
+    if harness.OHA is None or harness.REDIS_BENCHMARK is None:
         log("independent generators: oha or redis-benchmark missing; skipped")
         return out
-    value = Path(tempfile.mkdtemp(prefix="bench-oha-")) / "v1k"
-    value.write_bytes(os.urandom(1024))
-    try:
-        for c in CLIENTS:
-            runs = {"slipstream put": ["-m", "PUT", "-D", str(value), f"{node_url}/v1/store/objects/bench/oha{c}"],
-                    "slipstream get": [f"{node_url}/v1/store/objects/bench/oha{c}"],
-                    "http floor (GET /healthz)": [f"{node_url}/healthz"]}
-            for what, args in runs.items():
-                r = subprocess.run([OHA, "-z", f"{seconds}s", "-c", str(c), "--no-tui", "--output-format", "json",
-                                    *args], capture_output=True, text=True, check=True)
-                d = json.loads(r.stdout)
-                codes = d.get("statusCodeDistribution", {})
-                out[f"{what} x{c}"] = {"ops_s": d["summary"]["requestsPerSec"],
-                                       "p50_ms": d["latencyPercentiles"]["p50"] * 1e3,
-                                       "p99_ms": d["latencyPercentiles"]["p99"] * 1e3, "status": codes}
-            for name in ("redis", "redis-fsync"):
-                host, port = addrs[name]
-                tests = "set,get" if name == "redis" else "set"
-                r = subprocess.run([REDIS_BENCH, "-h", host, "-p", str(port), "-t", tests, "-c", str(c),
-                                    "-n", str(n if name == "redis" else n // 5), "-d", "1024", "--csv"],
-                                   capture_output=True, text=True, check=True)
-                for row in r.stdout.splitlines()[1:]:
-                    cols = [x.strip('"') for x in row.split(",")]
-                    out[f"{name} {cols[0].lower()} x{c}"] = {"ops_s": float(cols[1]), "p50_ms": float(cols[4]),
-                                                            "p99_ms": float(cols[6])}
-    finally:
-        shutil.rmtree(value.parent, ignore_errors=True)
+    value = os.urandom(1024)
+    for c in CLIENTS:
+        runs: dict[str, tuple[str, bytes | None, str]] = {
+            "slipstream put": ("PUT", value, f"{node_url}/v1/store/objects/bench/oha{c}"),
+            "slipstream get": ("GET", None, f"{node_url}/v1/store/objects/bench/oha{c}"),
+            "http floor (GET /healthz)": ("GET", None, f"{node_url}/healthz")}
+        for what, (method, body, url) in runs.items():
+            r = harness.oha(url, seconds=seconds, concurrency=c, method=method, body=body)
+            out[f"{what} x{c}"] = {"ops_s": r["rps"], "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"],
+                                   "status": r["status"]}
+        for name in ("redis", "redis-fsync"):
+            host, port = addrs[name]
+            tests = "set,get" if name == "redis" else "set"
+            got = harness.redis_benchmark(host, port, tests=tests, clients=c,
+                                          requests=n if name == "redis" else n // 5, value_bytes=1024)
+            for test, figures in got.items():
+                out[f"{name} {test} x{c}"] = figures
     return out
-
-
-def start_node(store_dir: Path) -> Any:
-    import slipstream as ss
-
-    return ss.launch(APP, "--store", str(store_dir), cwd=ROOT)
 
 
 # --- memory bandwidth and reads on the same machine -------------------------------------------
@@ -479,8 +455,8 @@ def floor(node_url: str, redis_addr: tuple[str, int], n: int) -> dict[str, float
     c.close()
     r.close()
     a, b = np.asarray(lat) / 1e6, np.asarray(ping) / 1e6
-    return {"n": n, "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)),
-            "redis_ping_p50_ms": float(np.percentile(b, 50)), "redis_ping_p99_ms": float(np.percentile(b, 99))}
+    return {"n": n, "p50_ms": percentile(a, 50), "p99_ms": percentile(a, 99),
+            "redis_ping_p50_ms": percentile(b, 50), "redis_ping_p99_ms": percentile(b, 99)}
 
 
 def http_get(c: HttpClient, path: str) -> bytes:
@@ -496,12 +472,9 @@ def http_get(c: HttpClient, path: str) -> bytes:
 
 
 def markdown(res: dict[str, Any]) -> str:
-    m = res["machine"]
     lines = [
-        f"# Object store vs Redis ({res['mode']} run, {res['time']})", "",
-        f"{m['cores']} cores, {m['platform']}; load average at the start "
-        f"{' '.join(f'{x:.2f}' for x in m['loadavg_start'])}, at the end "
-        f"{' '.join(f'{x:.2f}' for x in res['loadavg_end'])}. Command: `{res['command']}`.", "",
+        f"# Object store vs Redis ({res['mode']} run)", "",
+        f"Load average at the end {' '.join(f'{x:.2f}' for x in res['loadavg_end'])} (at the start: below).", "",
         "slipstream: PUT/GET `/v1/store/objects/...` over HTTP, a put answered once durable (fsynced); "
         "one version kept per key (bench/apps/store.py). redis: Redis "
         f"{res['redis_version']}, `{shlex.join(REDIS_CONFIGS['redis'])}` (no persistence); redis-fsync: "
@@ -571,14 +544,11 @@ def main() -> int:
         ap.error(f"unknown sizes {sorted(unknown)}")
     if not os.path.exists(REDIS):
         ap.error(f"{REDIS} is missing (Debian: apt-get install redis-server)")
-    loadavg = os.getloadavg()
-    log(f"load average before: {loadavg[0]:.2f} {loadavg[1]:.2f} {loadavg[2]:.2f}")
+    machine = harness.machine()
+    log(f"load average before: {machine['loadavg_before']}")
     redis_version = subprocess.run([REDIS, "--version"], capture_output=True, text=True).stdout.split()[2]
     res: dict[str, Any] = {
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "mode": "quick" if a.quick else "full",
-        "machine": {"cores": os.cpu_count(), "platform": platform.platform(), "loadavg_start": loadavg},
         "settings": asdict(mode), "sizes": {s: SIZES[s] for s in sizes},
         "redis_version": redis_version.removeprefix("v="),
         "redis_configs": REDIS_CONFIGS,
@@ -588,57 +558,51 @@ def main() -> int:
     res["memcpy"] = {"bytes": mode.memcpy_bytes, "gb_s": memcpy_gbps(mode.memcpy_bytes)}
     log(f"  {res['memcpy']['gb_s']:.2f} GB/s")
     store_dir = Path(tempfile.mkdtemp(prefix="bench-store-"))
-    node = None
     redises: dict[str, Redis] = {}
     try:
-        node = start_node(store_dir)
-        host, port = node.url.removeprefix("http://").split(":")
-        addrs: dict[str, tuple[str, int]] = {"slipstream": (host, int(port))}
-        log(f"slipstream node at {node.url}, store in {store_dir}")
-        for label in sizes:
-            # Fresh Redis servers per size: the append-only file of the 100 MB
-            # puts would otherwise pile up on disk.
-            for name, args in REDIS_CONFIGS.items():
-                redises[name] = Redis(name, args)
-                addrs[name] = ("127.0.0.1", redises[name].port)
-            if "http_floor" not in res:
-                res["http_floor"] = floor(node.url, addrs["redis"], mode.ops["1KB"][0])
-            if label == "1KB":
-                log(f"1 KB with independent generators (oha, redis-benchmark), {mode.repeats} repeat(s)...")
-                runs = [independent(node.url, addrs, 2.0 if a.quick else 6.0, 20_000 if a.quick else 100_000)
-                        for _ in range(mode.repeats)]
-                res["independent"] = {k: {m: statistics.median(r[k][m] for r in runs)
-                                          for m in ("ops_s", "p50_ms", "p99_ms")} | {"runs": [r[k] for r in runs]}
-                                      for k in runs[0]}
-            for clients in CLIENTS:
-                reps: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
-                for rep in range(mode.repeats):
+        with harness.node(APP, "--store", str(store_dir)) as node:
+            host, port = node.url.removeprefix("http://").split(":")
+            addrs: dict[str, tuple[str, int]] = {"slipstream": (host, int(port))}
+            log(f"slipstream node at {node.url}, store in {store_dir}")
+            for label in sizes:
+                # Fresh Redis servers per size: the append-only file of the 100 MB
+                # puts would otherwise pile up on disk.
+                for name, args in REDIS_CONFIGS.items():
+                    redises[name] = Redis(name, args)
+                    addrs[name] = ("127.0.0.1", redises[name].port)
+                if "http_floor" not in res:
+                    res["http_floor"] = floor(node.url, addrs["redis"], mode.ops["1KB"][0])
+                if label == "1KB":
+                    log(f"1 KB with independent generators (oha, redis-benchmark), {mode.repeats} repeat(s)...")
+                    runs = [independent(node.url, addrs, 2.0 if a.quick else 6.0, 20_000 if a.quick else 100_000)
+                            for _ in range(mode.repeats)]
+                    res["independent"] = {k: {m: statistics.median(r[k][m] for r in runs)
+                                              for m in ("ops_s", "p50_ms", "p99_ms")} | {"runs": [r[k] for r in runs]}
+                                          for k in runs[0]}
+                for clients in CLIENTS:
+                    reps: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
+                    for rep in range(mode.repeats):
+                        for side in SIDES:
+                            reps[side].append(run_point(side, addrs[side], label, clients, mode, rep))
                     for side in SIDES:
-                        reps[side].append(run_point(side, addrs[side], label, clients, mode, rep))
-                for side in SIDES:
-                    res["points"].append({"size": label, "bytes": SIZES[label], "clients": clients, "side": side,
-                                          **median_point(reps[side])})
-            for name, r in redises.items():
-                res.setdefault("redis_persistence", {})[f"{name} {label}"] = r.persistence()
-                r.stop()
-            redises.clear()
-        if "100MB" in sizes:
-            log("reading the 100 MB value on this machine: HTTP vs mapping its blob file...")
-            res["zero_copy"] = zero_copy(node.url, mode.zero_copy_reads)
+                        res["points"].append({"size": label, "bytes": SIZES[label], "clients": clients, "side": side,
+                                              **median_point(reps[side])})
+                for name, r in redises.items():
+                    res.setdefault("redis_persistence", {})[f"{name} {label}"] = r.persistence()
+                    r.stop()
+                redises.clear()
+            if "100MB" in sizes:
+                log("reading the 100 MB value on this machine: HTTP vs mapping its blob file...")
+                res["zero_copy"] = zero_copy(node.url, mode.zero_copy_reads)
     finally:
         for r in redises.values():
             r.stop()
-        if node is not None:
-            node.stop()
         shutil.rmtree(store_dir, ignore_errors=True)
     res["loadavg_end"] = os.getloadavg()
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
     md = markdown(res)
-    out.with_suffix(".md").write_text(md)
+    json_path, md_path = harness.write_results(a.out, res, md, machine)
     print("\n" + md)
-    print(f"wrote {out} and {out.with_suffix('.md')}")
+    print(f"wrote {json_path} and {md_path}")
     return 0
 
 

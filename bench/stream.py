@@ -16,14 +16,13 @@ figures are service times, not queueing):
 Questions are the corpus' benchmark queries spoken by espeak-ng (as
 ``examples/audioquery_client.py`` makes them). Writes
 bench/results/stream.{json,md}.
+
+    .venv/bin/python -m bench.stream [-n 30]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -31,18 +30,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import slipstream as ss
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-sys.path.insert(0, str(ROOT / "examples"))
+from bench import harness
+from bench.harness import EXAMPLES, RESULTS, percentile
 
-from models import corpus, speech, vindex  # noqa: E402
-
-
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
+corpus = harness.example_module("models.corpus")
+speech = harness.example_module("models.speech")
+vindex = harness.example_module("models.vindex")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,14 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS / "stream")
     a = ap.parse_args(argv)
 
-    load = os.getloadavg()
-    print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", file=sys.stderr)
+    machine = harness.machine()
+    print(f"load average before: {machine['loadavg_before']}", file=sys.stderr)
     slice_dir = vindex.prepare(small=a.slice, threads=2)
     held = set(vindex.indexed_ids(slice_dir).tolist())
     queries = [q for q in corpus.load_queries() if q["passage_id"] in held][: a.n]
-    os.environ.update({"AQ_INDEX": "small", "AQ_SLICE": str(a.slice), "AQ_SLO_MS": "20000"})
+    env = {"AQ_INDEX": "small", "AQ_SLICE": str(a.slice), "AQ_SLO_MS": "20000"}
     rows: list[dict[str, Any]] = []
-    with ss.launch(ROOT / "examples" / "audioquery.py") as node, node.client() as c:
+    with harness.node(EXAMPLES / "audioquery.py", env=env) as node, node.client() as c:
         width = int(c.metadata("audioquery")["inputs"]["audio"]["shape"][1])
         clips = [speech.synthesize(q["query"]) for q in queries]
         exclude = np.array([""], dtype=object)
@@ -79,26 +73,21 @@ def main(argv: list[str] | None = None) -> int:
                          "speech_bytes": len(s.final["speech"][0])})
             print(f"  {i + 1}/{len(clips)}: first chunk {s.first_chunk_s * 1e3:.0f} ms, done {done * 1e3:.0f} ms, "
                   f"plain {plain_s * 1e3:.0f} ms", file=sys.stderr)
-    after = os.getloadavg()
-    summary = {k: {"p50": statistics.median([r[k] for r in rows]), "p90": pct([r[k] for r in rows], 0.9)}
+    summary = {k: {"p50": percentile([r[k] for r in rows], 50), "p90": percentile([r[k] for r in rows], 90)}
                for k in ("first_chunk_ms", "done_ms", "plain_ms")}
     saved = [r["done_ms"] - r["first_chunk_ms"] for r in rows]
     result = {"pipeline": "audioquery", "questions": len(rows), "summary": summary,
-              "earlier_by_ms_p50": statistics.median(saved), "rows": rows,
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-              "load_before": load, "load_after": after}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+              "earlier_by_ms_p50": statistics.median(saved), "rows": rows}
     md = ["# Time to first chunk (AudioQuery, streamed text answer before its speech)", "",
-          f"{len(rows)} spoken questions, one at a time; load average {load[0]:.2f} before, {after[0]:.2f} after.",
+          f"{len(rows)} spoken questions, one at a time.",
           "", "| | p50 ms | p90 ms |", "|---|---|---|"]
     names = {"first_chunk_ms": "first chunk (text answer)", "done_ms": "done (with speech)",
              "plain_ms": "plain infer"}
     for k, label in names.items():
         md.append(f"| {label} | {summary[k]['p50']:.0f} | {summary[k]['p90']:.0f} |")
     md += ["", f"The text answer arrives a median {result['earlier_by_ms_p50']:.0f} ms before the whole answer.",
-           "", "Command: `make bench-stream` (bench/stream.py)."]
-    a.out.with_suffix(".md").write_text("\n".join(md) + "\n")
+           "", "Command: `make bench-stream` (`python -m bench.stream`)."]
+    harness.write_results(a.out, result, "\n".join(md), machine)
     print("\n".join(md))
     return 0
 

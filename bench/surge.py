@@ -56,14 +56,13 @@ The machine is shared: the 1-min load average is printed before each run
 does not, the benchmark refuses to start unless ``--force`` (past the
 first run, it warns and goes on).
 
-    .venv/bin/python bench/surge.py                                  # everything, ~15 min
-    .venv/bin/python bench/surge.py --before 5 --surge 15 --after 10 --no-ray --force  # a smoke run
+    .venv/bin/python -m bench.surge                                  # everything, ~15 min
+    .venv/bin/python -m bench.surge --before 5 --surge 15 --after 10 --no-ray --force  # a smoke run
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -71,15 +70,17 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-VS_RAY = ROOT / "bench" / "vs_ray"
-APP = ROOT / "examples" / "rag.py"
+from slipstream.testing import Node
+
+from bench import harness
+from bench.harness import RESULTS, free_port
+from bench.vs_ray.servers import HERE as VS_RAY
+from bench.vs_ray.servers import RAY_PY, RayServer
+
+APP = harness.EXAMPLES / "rag.py"
 PIPELINE = "rag"
 STAGE = "Embed"
 BUCKET_MS = 1000.0
@@ -143,21 +144,13 @@ class Trace:
                 "warmup_s": self.warmup, "replicas_needed": self.need, "schedule": self.schedule()}
 
 
-def bench(url: str, body: bytes, slo_ms: float, *, rate: float = 0.0, duration: float = 4.0, warmup: float = 1.0,
+def offer(url: str, body: bytes, slo_ms: float, *, rate: float = 0.0, duration: float = 4.0, warmup: float = 1.0,
           schedule: list[tuple[float, float]] | None = None, timeline: bool = False, seed: int = 1) -> dict[str, Any]:
-    """One open-loop run of the project's generator: a constant `rate`, or
-    the piecewise-constant `schedule` (then `rate` is ignored)."""
-    from slipstream import _core
-
-    cfg = {"url": url, "method": "POST", "body": list(body), "content_type": "application/json", "headers": [],
-           "rates": [rate or 1.0], "schedule": schedule or [], "duration_s": duration, "warmup_s": warmup,
-           "arrival": {"kind": "poisson"}, "max_connections": 1024, "timeout_s": 5.0, "threads": 1,
-           "seed": seed, "slo_ms": slo_ms, "timeline_ms": BUCKET_MS if timeline else 0.0,
-           "timeline_latencies": timeline}
-    t0 = time.time()
-    report: dict[str, Any] = json.loads(_core.bench(json.dumps(cfg), quiet=True))[0]
-    report["wall_start"] = t0 + 0.02 + warmup  # the generator starts its schedule 20 ms after the call
-    return report
+    """One open-loop Poisson run of the project's generator: a constant
+    `rate`, or the piecewise-constant `schedule` (then `rate` is ignored)."""
+    return harness.loadgen(url, body, [rate or 1.0], duration, warmup_s=warmup, schedule=schedule or (),
+                           max_connections=1024, timeout_s=5.0, seed=seed, slo_ms=slo_ms,
+                           timeline_ms=BUCKET_MS if timeline else 0.0, timeline_latencies=timeline)[0]
 
 
 def passes(r: dict[str, Any], slo_ms: float) -> bool:
@@ -170,7 +163,7 @@ def capacity(url: str, body: bytes, slo_ms: float, label: str) -> float:
     the first that passes), then two geometric bisections."""
     def ok(rate: float) -> bool:
         for attempt in (1, 2):
-            r = bench(url, body, slo_ms, rate=rate)
+            r = offer(url, body, slo_ms, rate=rate)
             good = passes(r, slo_ms)
             log(f"  capacity {label}: {rate:.1f}/s -> p99 {r['latency_ms']['p99']:.1f} ms, "
                 f"errors {r['errors']}/{r['sent']} {'ok' if good else 'FAIL'}{' (again)' if attempt == 2 else ''}")
@@ -178,7 +171,7 @@ def capacity(url: str, body: bytes, slo_ms: float, label: str) -> float:
                 return True
         return False
 
-    bench(url, body, slo_ms, rate=10.0, duration=3.0)  # warm-up: first requests, lazy imports, caches
+    offer(url, body, slo_ms, rate=10.0, duration=3.0)  # warm-up: first requests, lazy imports, caches
     lo, hi = 50.0, 62.5
     if ok(lo):
         while ok(hi):
@@ -279,45 +272,28 @@ def load_ok(force: bool, label: str, first: bool = False) -> str:
     return text
 
 
-@contextlib.contextmanager
-def environ(**values: str) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 # --------------------------------------------------------------------------
 # Slipstream
 
 
-def slipstream_node(replicas: str, autoscale: str) -> Any:
-    from slipstream._internal.launch import launch
-
-    with environ(RAG_EMBED_REPLICAS=replicas):
-        return launch(APP, "--autoscale", autoscale, cwd=ROOT)
+def slipstream_node(replicas: str, autoscale: str) -> Node:
+    return harness.node(APP, "--autoscale", autoscale, env={"RAG_EMBED_REPLICAS": replicas})
 
 
 def run_slipstream(policy: str, trace: Trace, body: bytes, slo_ms: float, seed: int) -> dict[str, Any]:
     replicas, autoscale = SLIPSTREAM_POLICIES[policy]
     node = slipstream_node(replicas, autoscale)
     try:
-        url = f"{node.url}/v1/pipelines/{PIPELINE}/infer"
-        log(f"{policy}: serving on {node.url} (RAG_EMBED_REPLICAS={replicas}, --autoscale {autoscale}); "
-            f"trace {trace.base:.0f} -> {trace.peak:.0f} -> {trace.base:.0f} req/s")
-        with Poller(node.url) as poller:
-            report = bench(url, body, slo_ms, duration=trace.duration, warmup=trace.warmup,
-                           schedule=trace.schedule(), timeline=True, seed=seed)
-        final = get(node.url + "/v1/status")
+        with node:
+            url = f"{node.url}/v1/pipelines/{PIPELINE}/infer"
+            log(f"{policy}: serving on {node.url} (RAG_EMBED_REPLICAS={replicas}, --autoscale {autoscale}); "
+                f"trace {trace.base:.0f} -> {trace.peak:.0f} -> {trace.base:.0f} req/s")
+            with Poller(node.url) as poller:
+                report = offer(url, body, slo_ms, duration=trace.duration, warmup=trace.warmup,
+                               schedule=trace.schedule(), timeline=True, seed=seed)
+            final = get(node.url + "/v1/status")
     finally:
-        node.stop()
-        (RESULTS / f"surge_{policy}.log").write_text("".join(node.log))
+        (RESULTS / f"surge_{policy}.log").write_text(node.log())
     for e in final.get("events", []):
         poller.events[int(e["seq"])] = e
     t0 = report["wall_start"]
@@ -335,101 +311,25 @@ def run_slipstream(policy: str, trace: Trace, body: bytes, slo_ms: float, seed: 
 # Ray Serve
 
 
-def ray_python() -> Path:
-    return VS_RAY / ".venv-ray" / "bin" / "python"
+class SurgeRay(RayServer):
+    """RAG under Ray Serve through ``bench/vs_ray/autoscaled.py``: Embed
+    autoscaled by Ray Serve (``autoscaling``; None: one fixed replica), its
+    replica states logged to `replica_log`."""
+
+    def __init__(self, autoscaling: dict[str, Any] | None, replica_log: Path) -> None:
+        super().__init__(str(APP), PIPELINE, RESULTS, [], env={"RAG_EMBED_REPLICAS": "1", **RAY_AUTOSCALING_ENV})
+        self.autoscaling, self.replica_log = autoscaling, replica_log
+
+    def command(self) -> list[str]:
+        cmd = [str(RAY_PY), str(VS_RAY / "autoscaled.py"), f"{APP}:{PIPELINE}", "--port", str(free_port()),
+               "--stage", STAGE, "--poll-s", str(POLL_S), "--replica-log", str(self.replica_log)]
+        return cmd + (["--autoscaling", json.dumps(self.autoscaling)] if self.autoscaling else [])
 
 
-def ray_server(autoscaling: dict[str, Any] | None, replica_log: Path) -> Any:
-    """A bench/vs_ray RayServer whose Embed deployment is autoscaled by Ray
-    Serve (``autoscaling``; None: one fixed replica) and whose driver logs
-    Embed's replica states to `replica_log`."""
-    sys.path.insert(0, str(VS_RAY))
-    from servers import RayServer, free_port
-
-    class SurgeRay(RayServer):
-        def command(self) -> list[str]:
-            cmd = [str(ray_python()), str(Path(__file__).resolve()), "ray-child", f"{APP}:{PIPELINE}",
-                   "--port", str(free_port()), "--replica-log", str(replica_log)]
-            return cmd + (["--autoscaling", json.dumps(autoscaling)] if autoscaling else [])
-
-        def env(self) -> dict[str, str]:
-            return {**super().env(), "RAG_EMBED_REPLICAS": "1", **RAY_AUTOSCALING_ENV}
-
-    server = SurgeRay(str(APP), PIPELINE, RESULTS, [])
+def ray_server(autoscaling: dict[str, Any] | None, replica_log: Path) -> SurgeRay:
+    server = SurgeRay(autoscaling, replica_log)
     server.log_path = RESULTS / ("surge_ray.log" if autoscaling else "surge_ray_capacity.log")
     return server
-
-
-def ray_child(argv: list[str]) -> int:
-    """Runs in Ray's virtualenv: the adapter's ``serve``, with Ray Serve's
-    autoscaler on the Embed deployment and its replica states logged."""
-    ap = argparse.ArgumentParser(prog="surge.py ray-child")
-    ap.add_argument("app")
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--autoscaling", help="Ray Serve autoscaling_config for Embed (JSON)")
-    ap.add_argument("--replica-log", required=True)
-    a = ap.parse_args(argv)
-    sys.path.insert(0, str(VS_RAY))
-    import ray_adapter  # does not import ray; serve_main sets Ray's environment first
-
-    build, wait_http = ray_adapter.build_app, ray_adapter._wait_http
-    ready = threading.Event()
-
-    def build_app(target: str, **kw: Any) -> Any:
-        # The adapter's app, with `autoscaling_config` on the one deployment.
-        from ray import serve
-
-        real = serve.deployment
-
-        def deployment(cls: Any, **opts: Any) -> Any:
-            if a.autoscaling and opts.get("name") == STAGE:
-                opts["num_replicas"] = "auto"
-                opts["autoscaling_config"] = json.loads(a.autoscaling)
-            return real(cls, **opts)
-
-        serve.deployment = deployment
-        try:
-            return build(target, **kw)
-        finally:
-            serve.deployment = real
-
-    def wait_then_watch(url: str, timeout: float) -> None:
-        wait_http(url, timeout)
-        ready.set()
-
-    def watch() -> None:
-        # The controller's own view: replicas by state, its target, and its
-        # scaling decisions (each logged once).
-        ready.wait()
-        from ray.serve.context import _get_global_client
-
-        client = _get_global_client()
-        seen: set[float] = set()
-        with open(a.replica_log, "a") as out:
-            while True:
-                t = time.time()
-                try:
-                    d = client.get_serve_details()["applications"]["vs_ray"]["deployments"][STAGE]
-                    states: dict[str, int] = {}
-                    for r in d.get("replicas", []):
-                        state = str(getattr(r["state"], "value", r["state"]))  # an enum in the raw details
-                        states[state] = states.get(state, 0) + 1
-                    rec: dict[str, Any] = {"t": t, "replicas": states, "target": d.get("target_num_replicas")}
-                    decisions = (d.get("autoscaling_detail") or {}).get("decisions") or []
-                    new = [x for x in decisions if x["timestamp_s"] not in seen]
-                    seen.update(x["timestamp_s"] for x in new)
-                    if new:
-                        rec["decisions"] = new
-                    out.write(json.dumps(rec, default=str) + "\n")
-                    out.flush()
-                except Exception as e:  # noqa: BLE001 - shutting down, or a transient controller error
-                    out.write(json.dumps({"t": t, "error": f"{type(e).__name__}: {e}"}) + "\n")
-                time.sleep(max(0.0, POLL_S - (time.time() - t)))
-
-    ray_adapter.build_app = build_app
-    ray_adapter._wait_http = wait_then_watch
-    threading.Thread(target=watch, daemon=True).start()
-    return int(ray_adapter.main(["serve", a.app, "--port", str(a.port)]))
 
 
 def ray_capacity(body: bytes, slo_ms: float) -> float:
@@ -446,7 +346,7 @@ def run_ray(trace: Trace, body: bytes, slo_ms: float, seed: int, target: float) 
     with server:
         log(f"ray: serving on {server.base} (autoscaling_config {json.dumps(config)}); "
             f"trace {trace.base:.0f} -> {trace.peak:.0f} -> {trace.base:.0f} req/s")
-        report = bench(server.infer_url, body, slo_ms, duration=trace.duration, warmup=trace.warmup,
+        report = offer(server.infer_url, body, slo_ms, duration=trace.duration, warmup=trace.warmup,
                        schedule=trace.schedule(), timeline=True, seed=seed)
         time.sleep(2 * POLL_S)
     t0 = report["wall_start"]
@@ -491,8 +391,8 @@ def missed(bs: list[dict[str, Any]]) -> int:
 
 
 def p99(bs: list[dict[str, Any]]) -> float | None:
-    lat = sorted(x for b in bs for x in b.get("latencies_ms", []))
-    return lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None
+    lat = [x for b in bs for x in b.get("latencies_ms", [])]
+    return harness.percentile(lat, 99) if lat else None
 
 
 def recovery(trace: Trace, report: dict[str, Any]) -> tuple[float | None, int]:
@@ -566,9 +466,9 @@ def markdown(res: dict[str, Any]) -> str:
     t = res["trace"]
     lines = [f"# Load surge: RAG, {t['before_s']:.0f} s at {res['base']:.0%} -> {t['surge_s']:.0f} s at "
              f"{res['peak']:.0%} -> {t['after_s']:.0f} s at {res['base']:.0%} of one Embed replica", "",
-             f"Measured {res['when']} on {res['cores']} cores (the load generator shares them); SLO p99 "
+             f"The load generator shares the machine's cores; SLO p99 "
              f"{res['slo_ms']:.0f} ms; Poisson arrivals, {t['warmup_s']:.0f} s warm-up at the base rate; "
-             f"1-s windows. Command: `{res['command']}`.", "",
+             "1-s windows.", "",
              f"One Embed replica holds {t['capacity_rps']:.0f} req/s within the SLO"
              f"{' (measured)' if res['capacity_measured'] else ' (given)'}: the trace offers "
              f"{t['base_rps']:.0f} -> {t['peak_rps']:.0f} -> {t['base_rps']:.0f} req/s and the surge needs "
@@ -659,9 +559,9 @@ def plot(res: dict[str, Any], path: Path) -> None:
 def request_body() -> tuple[bytes, float]:
     """The request body (bench/vs_ray's, the same bytes for both systems)
     and the pipeline's SLO (p99, ms)."""
-    sys.path.insert(0, str(VS_RAY))
-    import bodies
     from slipstream._internal.app import load_pipelines
+
+    from bench.vs_ray import bodies
 
     _, pipes = load_pipelines(f"{APP}:{PIPELINE}")
     if pipes[0].slo is None:
@@ -672,8 +572,6 @@ def request_body() -> tuple[bytes, float]:
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["ray-child"]:
-        return ray_child(sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", type=float, default=20.0, help="seconds at the base rate before the step")
     ap.add_argument("--surge", type=float, default=60.0, help="seconds of the surge")
@@ -701,21 +599,19 @@ def main() -> int:
     if "ray" in policies and a.no_ray:
         policies.remove("ray")
         ray_skipped = "--no-ray"
-    if "ray" in policies and not ray_python().exists():
+    if "ray" in policies and not RAY_PY.exists():
         policies.remove("ray")
-        ray_skipped = f"{ray_python()} is missing: run bench/vs_ray/setup_ray.sh"
+        ray_skipped = f"{RAY_PY} is missing: run bench/vs_ray/setup_ray.sh"
         log(f"ray: skipped ({ray_skipped})")
     RESULTS.mkdir(parents=True, exist_ok=True)
+    machine = harness.machine()
     body, slo_ms = request_body()
 
     cap = a.capacity
     if cap is None:  # one replica, scaling off
         la = load_ok(a.force, "capacity", first=True)
-        node = slipstream_node("1", "off")
-        try:
+        with slipstream_node("1", "off") as node:
             cap = capacity(f"{node.url}/v1/pipelines/{PIPELINE}/infer", body, slo_ms, "slipstream")
-        finally:
-            node.stop()
         log(f"capacity: one Embed replica holds {cap:.0f} req/s within {slo_ms:.0f} ms (load average {la})")
     trace = Trace(cap, a)
     results: dict[str, Any] = {}
@@ -743,18 +639,15 @@ def main() -> int:
             f"serving replicas reach {trace.need} after {fmt_s(res['to_full_capacity_s'])}, "
             f"windows within the SLO after {fmt_s(res['to_slo_s'])}")
     out = Path(a.out)
-    doc = {"when": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "cores": os.cpu_count(),
-           "command": " ".join(["python", "bench/surge.py", *sys.argv[1:]]), "slo_ms": slo_ms,
-           "base": a.base, "peak": a.peak, "capacity_measured": a.capacity is None, "trace": trace.to_json(),
-           "ray_trace": a.ray_trace, "ray_skipped": ray_skipped, "seed": a.seed, "policies": results}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
+    doc = {"slo_ms": slo_ms, "base": a.base, "peak": a.peak, "capacity_measured": a.capacity is None,
+           "trace": trace.to_json(), "ray_trace": a.ray_trace, "ray_skipped": ray_skipped, "seed": a.seed,
+           "policies": results}
     md = markdown(doc)
-    out.with_suffix(".md").write_text(md)
+    json_path, md_path = harness.write_results(out, doc, md, machine)
     if results:
         plot(doc, out.with_suffix(".png"))
     print("\n" + md)
-    log(f"wrote {out}, {out.with_suffix('.md')} and {out.with_suffix('.png')}")
+    log(f"wrote {json_path}, {md_path} and {out.with_suffix('.png')}")
     return 0
 
 

@@ -1,23 +1,23 @@
-"""bench/limit.py on the smallest app: a short run writes a positive limit
+"""bench.limit on the smallest app: a short run writes a positive limit
 that no stage's own throughput is below, and load_limit reads it back."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from bench.limit import load_limit
+
 ROOT = Path(__file__).resolve().parent.parent
-LIMIT = ROOT / "bench" / "limit.py"
 
 
 def test_limit_of_the_echo_chain(tmp_path: Path) -> None:
     out = tmp_path / "limit.json"
     proc = subprocess.run(
-        [sys.executable, str(LIMIT), "--pipelines", "examples/echo.py:demo", "--quick", "--threads", "1",
+        [sys.executable, "-m", "bench.limit", "--pipelines", "examples/echo.py:demo", "--quick", "--threads", "1",
          "--cores", str(min(2, len(os.sched_getaffinity(0)))),
          "--seconds", "0.3", "--warmup", "0.1", "--batch-seconds", "0.05", "--force", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
@@ -36,10 +36,6 @@ def test_limit_of_the_echo_chain(tmp_path: Path) -> None:
         assert s["cpu_us_per_request"] > 0
     assert (tmp_path / "limit.md").read_text().startswith("# Offline compute limit")
 
-    spec = importlib.util.spec_from_file_location("bench_limit", LIMIT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.load_limit("demo", out) == p["limit_rps"]
-    assert mod.load_limit("absent", out) is None
-    assert mod.load_limit("demo", tmp_path / "missing.json") is None
+    assert load_limit("demo", out) == p["limit_rps"]
+    assert load_limit("absent", out) is None
+    assert load_limit("demo", tmp_path / "missing.json") is None

@@ -231,11 +231,8 @@ def test_gpu_rate_plan_starts_a_subset_of_the_max_plan() -> None:
 
 
 def preflmr_audioquery() -> tuple[list[ss.Pipeline], dict[str, Any]]:
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import plan_mig
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    from bench import plan_mig
+
     pipes, profiles = plan_mig.pipelines_and_profiles()
     return pipes, profiles
 
@@ -273,7 +270,8 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_cli_plan_recsys_and_serve_plan_parsing(tmp_path: Path) -> None:
     from slipstream._internal.app import load_pipelines
-    from slipstream._internal.cli import _apply_plan_file, build_parser
+    from slipstream._internal.cli import build_parser
+    from slipstream._internal.serve_cli import apply_plan_file
 
     out = tmp_path / "recsys.plan.json"
     r = cli("plan", "examples/recsys.py", "--cores", "2", "--out", str(out), "--sim-duration", "1")
@@ -292,7 +290,7 @@ def test_cli_plan_recsys_and_serve_plan_parsing(tmp_path: Path) -> None:
     a = build_parser().parse_args(["serve", "examples/recsys.py", "--plan", str(out)])
     assert a.plan == str(out)
     _, pipelines = load_pipelines("examples/recsys.py")
-    [planned] = _apply_plan_file(pipelines, Path(a.plan))
+    [planned] = apply_plan_file(pipelines, Path(a.plan))
     for name, st in doc["pipelines"]["recsys"]["stages"].items():
         c = planned.stage(name)
         assert (c.replicas, c.max_batch_size, c.threads) == (st["replicas"], st["max_batch_size"], st["threads"])

@@ -20,6 +20,7 @@ import pytest
 import slipstream as ss
 from slipstream._internal import cli, config
 from slipstream._internal.app import app_spec
+from slipstream._internal.errors import ERROR_KIND_HEADER, StoreError, error_from_response
 from slipstream._internal.groups import GroupCache
 from slipstream._internal.keys import key_problem, prefix_problem
 from slipstream._internal.needs import Replica
@@ -28,7 +29,6 @@ from slipstream._internal.store import (
     Store,
     decode_tensors,
     encode_tensors,
-    error_from_response,
 )
 
 from tests.fake_store import FakeStore
@@ -504,17 +504,23 @@ def test_no_node_is_store_unavailable() -> None:
 
 
 def test_errors_map_from_kind_or_status() -> None:
-    e = error_from_response(409, None, b'{"error": "stale", "kind": "conflict", "current": 7}', "/k")
+    def store_error(status: int, kind: str | None, raw: bytes, key: str | None = None) -> StoreError:
+        headers = {} if kind is None else {ERROR_KIND_HEADER: kind}
+        e = error_from_response(status, headers, raw, tree=StoreError, key=key)
+        assert isinstance(e, StoreError)
+        return e
+
+    e = store_error(409, None, b'{"error": "stale", "kind": "conflict", "current": 7}', "/k")
     assert isinstance(e, ss.StoreConflict) and e.current == 7 and str(e) == "stale"
-    e = error_from_response(409, "conflict", b'{"error": {"kind": "conflict", "message": '
-                            b'"version conflict on /k: expected version 0, the key is at 3"}}')
+    e = store_error(409, "conflict", b'{"error": {"kind": "conflict", "message": '
+                    b'"version conflict on /k: expected version 0, the key is at 3"}}')
     assert isinstance(e, ss.StoreConflict) and e.current == 3
-    assert isinstance(error_from_response(400, "bad_request", b"{}"), ss.StoreBadRequest)
-    assert isinstance(error_from_response(413, None, b"too\nbig"), ss.StoreBadRequest)
-    assert str(error_from_response(413, None, b"too\nbig")) == "too big"
-    assert isinstance(error_from_response(503, "shutting_down", b""), ss.StoreUnavailable)
-    assert isinstance(error_from_response(403, None, b""), ss.StoreUnauthorized)
-    e = error_from_response(500, "internal", b'{"error": {"kind": "internal", "message": "boom"}}')
+    assert isinstance(store_error(400, "bad_request", b"{}"), ss.StoreBadRequest)
+    assert isinstance(store_error(413, None, b"too\nbig"), ss.StoreBadRequest)
+    assert str(store_error(413, None, b"too\nbig")) == "too big"
+    assert isinstance(store_error(503, "shutting_down", b""), ss.StoreUnavailable)
+    assert isinstance(store_error(403, None, b""), ss.StoreUnauthorized)
+    e = store_error(500, "internal", b'{"error": {"kind": "internal", "message": "boom"}}')
     assert type(e) is ss.StoreError and str(e) == "boom" and e.status == 500
 
 
@@ -701,7 +707,7 @@ def test_cli_put_get_ls_versions_rm(capsys: pytest.CaptureFixture[str], fake: Fa
 
 
 def test_content_type_of_a_file() -> None:
-    from slipstream._internal.store import guess_content_type
+    from slipstream._internal.named_tensors import guess_content_type
 
     assert guess_content_type(b"SSTN", "weights.txt") == ss.store.TENSORS  # the bytes decide first
     assert guess_content_type(b"hi", "notes.txt") == "text/plain; charset=utf-8"

@@ -13,7 +13,6 @@ In order of preference, for pipeline ``NAME`` of ``examples/APP.py``:
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import sys
@@ -23,15 +22,11 @@ from typing import Any
 
 import numpy as np
 
+from bench.harness import ROOT, example_module
+
 HERE = Path(__file__).resolve().parent
 CLIENT_FUNCS = ("example_body", "request_body", "sample_body", "body_for")
 TEXT = "how do I configure a reverse proxy with TLS termination"
-
-
-def _examples_on_path(app: Path) -> None:
-    d = str(app.resolve().parent)
-    if d not in sys.path:
-        sys.path.insert(0, d)
 
 
 def _noop(app: Path, pipeline: Any) -> dict[str, Any]:
@@ -48,8 +43,7 @@ def _recsys(app: Path, pipeline: Any) -> dict[str, Any]:
 
 def _multimodal(app: Path, pipeline: Any) -> dict[str, Any]:
     """A planted scene and its caption (the query must find that item first)."""
-    _examples_on_path(app)
-    mod = importlib.import_module(app.stem)
+    mod = example_module(app.stem, app.resolve().parent)
     shape = mod.PLANTED[0]
     return {"inputs": {"text": [mod.caption(*shape)], "image": mod.scene(*shape)[None].tolist()}}
 
@@ -57,10 +51,8 @@ def _multimodal(app: Path, pipeline: Any) -> dict[str, Any]:
 def _benchmark_query(app: Path) -> str:
     """The first of the examples' benchmark queries (a Debian package summary
     whose package is in the index), or a fixed question without the data."""
-    _examples_on_path(app)
     try:
-        from models import corpus
-
+        corpus = example_module("models.corpus", app.resolve().parent)
         return str(corpus.load_queries()[0]["query"])
     except Exception as e:  # noqa: BLE001 - no prepared data: a fixed, realistic question
         print(f"bodies: no benchmark queries ({e}); using a fixed question", file=sys.stderr)
@@ -73,8 +65,7 @@ def _rag(app: Path, pipeline: Any) -> dict[str, Any]:
 
 def _audioquery(app: Path, pipeline: Any) -> dict[str, Any]:
     """One spoken benchmark query (espeak-ng), as the example's client sends it."""
-    _examples_on_path(app)
-    from models import speech
+    speech = example_module("models.speech", app.resolve().parent)
 
     width = int(pipeline.inputs["audio"].shape[1])
     clip = speech.synthesize(_benchmark_query(app))[:width]
@@ -98,9 +89,8 @@ def _client(app: Path) -> Any:
     path = app.with_name(f"{app.stem}_client.py")
     if not path.exists():
         return None
-    _examples_on_path(app)
     try:
-        return importlib.import_module(path.stem)
+        return example_module(path.stem, app.resolve().parent)
     except Exception as e:  # noqa: BLE001 - a client being written right now
         print(f"bodies: cannot import {path.name} ({e}); using a generic body", file=sys.stderr)
         return None
@@ -144,7 +134,7 @@ def body(app: Path, pipeline: Any) -> tuple[bytes, str]:
     """(the body, where it came from)."""
     fixed = HERE / "bodies" / f"{pipeline.name}.json"
     if fixed.exists():
-        return fixed.read_bytes(), str(fixed.relative_to(HERE.parents[1]))
+        return fixed.read_bytes(), str(fixed.relative_to(ROOT))
     if pipeline.name in BUILDERS:
         return json.dumps(BUILDERS[pipeline.name](app, pipeline)).encode(), f"bodies.py:{pipeline.name}"
     from_client = _from_client(app)

@@ -1,6 +1,7 @@
 """`make bench-vs-ray`: the same pipelines under Ray Serve and under
 Slipstream, one system after the other on this machine, driven by the same
-open-loop generator (``slipstream bench``) with the same request bodies.
+open-loop generator (the project's, ``bench.harness.loadgen``) with the same
+request bodies.
 
 For each pipeline (default: those of ``DEFAULT_PIPELINES`` whose app file
 exists, ending with ``noop``, the runtime-overhead baseline):
@@ -23,9 +24,9 @@ Ray runs first because the fixed loads are fractions of *Ray's* goodput.
 Results: ``bench/results/vs_ray.json``, ``vs_ray.md`` and
 ``vs_ray_<pipeline>.png`` (``plot.py``). Progress goes to stdout.
 
-    .venv/bin/python bench/vs_ray/compare.py                 # everything (~25 min)
-    .venv/bin/python bench/vs_ray/compare.py --quick         # smoke run
-    .venv/bin/python bench/vs_ray/compare.py --pipelines examples/noop.py:noop
+    .venv/bin/python -m bench.vs_ray.compare                 # everything (~25 min)
+    .venv/bin/python -m bench.vs_ray.compare --quick         # smoke run
+    .venv/bin/python -m bench.vs_ray.compare --pipelines examples/noop.py:noop
 
 Miss accounting: the generator reports latency percentiles of the OK
 responses, not a count above the SLO. A rate passes when p99 <= SLO and
@@ -37,39 +38,20 @@ and 1% otherwise.
 from __future__ import annotations
 
 import argparse
-import atexit
-import json
 import math
 import os
-import platform
-import shutil
 import statistics
 import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE))
+from bench import harness
+from bench.harness import RESULTS, ROOT
+from bench.vs_ray import bodies, plot, ray_adapter, report
+from bench.vs_ray.servers import HERE, RAY_PY, RayServer, Server, SlipstreamServer
 
-import bodies  # noqa: E402
-from servers import RAY_PY, RayServer, Server, SlipstreamServer, run_loadgen  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results"
-_scratch: list[Path] = []
-
-
-def scratch() -> Path:
-    """A private directory for request bodies and generator output (not
-    bench/results, where other tools clean up *.tmp files); removed at exit."""
-    if not _scratch:
-        _scratch.append(Path(tempfile.mkdtemp(prefix="vs_ray_")))
-        atexit.register(shutil.rmtree, _scratch[0], True)
-    return _scratch[0]
 DEFAULT_PIPELINES = [
     "examples/recsys.py:recsys",
     "examples/rag.py:rag",
@@ -146,10 +128,9 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
 class Bench:
     """Runs the generator against one server and keeps every probe."""
 
-    def __init__(self, server: Server, body_file: Path, slo_ms: float, max_miss: float, mode: Mode) -> None:
-        self.server, self.body_file, self.slo, self.max_miss, self.mode = server, body_file, slo_ms, max_miss, mode
+    def __init__(self, server: Server, body: bytes, slo_ms: float, max_miss: float, mode: Mode) -> None:
+        self.server, self.body, self.slo, self.max_miss, self.mode = server, body, slo_ms, max_miss, mode
         self.probes: list[dict[str, Any]] = []
-        self.tmp = scratch() / f"loadgen_{server.system}_{server.pipeline}.json"
         # A request slower than this is a miss anyway; a short timeout keeps
         # overloaded probes from dragging on.
         self.timeout = min(10.0, max(2.0, 10 * slo_ms / 1000))
@@ -166,8 +147,8 @@ class Bench:
                          min(SEARCH_MAX_S, SEARCH_MIN_REQUESTS / rate)), 2)
 
     def run(self, rate: float, duration: float, kind: str) -> dict[str, Any]:
-        r = summarize(run_loadgen(self.server.infer_url, self.body_file, rate, duration, self.mode.warmup_s,
-                                  self.timeout, self.tmp))
+        r = summarize(harness.loadgen(self.server.infer_url, self.body, [rate], duration,
+                                      warmup_s=self.mode.warmup_s, timeout_s=self.timeout)[0])
         ok, bound = verdict({"sent": r["sent"], "ok": r["ok"], "errors": r["errors"],
                              "latency_ms": {"p99": r["p99_ms"], "p999": r["p999_ms"]}}, self.slo, self.max_miss)
         r |= {"kind": kind, "within_slo": ok, "miss_bound": round(bound, 5)}
@@ -186,7 +167,7 @@ class Bench:
         while time.monotonic() < deadline:
             t0 = time.monotonic()
             try:
-                self.server.infer(self.body_file.read_bytes(), timeout=10)
+                self.server.infer(self.body, timeout=10)
             except OSError:
                 pass
             if (time.monotonic() - t0) * 1000 < max(self.slo, 5.0):
@@ -195,12 +176,11 @@ class Bench:
 
     def unloaded_ms(self, n: int = 20, budget_s: float = 6.0) -> float:
         """Median latency of sequential requests (at most ``n``, about ``budget_s``)."""
-        body = self.body_file.read_bytes()
         times: list[float] = []
         t_end = time.monotonic() + budget_s
         while len(times) < n and (len(times) < 5 or time.monotonic() < t_end):
             t0 = time.perf_counter()
-            code, _ = self.server.infer(body)
+            code, _ = self.server.infer(self.body)
             if code != 200:
                 raise RuntimeError(f"{self.server.system} answered {code} to the body")
             times.append((time.perf_counter() - t0) * 1000)
@@ -315,18 +295,18 @@ def with_slo(app: Path, var: str, pipe: Any, slo_ms: float) -> tuple[Path, str]:
     return path, f"{path}:{var}"
 
 
-def run_system(server: Server, body_file: Path, slo: float, max_miss: float, mode: Mode,
+def run_system(server: Server, body: bytes, slo: float, max_miss: float, mode: Mode,
                fixed_rates: list[float] | None, start_hint: float | None = None) -> dict[str, Any]:
     log(f"  {server.system}: starting")
     server.start()
     try:
         log(f"  {server.system}: ready in {server.start_s:.1f}s at {server.base}")
-        b = Bench(server, body_file, slo, max_miss, mode)
+        b = Bench(server, body, slo, max_miss, mode)
         # The first call of a cold component (tables paged in, a runtime's
         # first run) may miss a tight SLO, and a node that drops late work
         # answers it 504; both systems get the same three tries.
         for _ in range(3):
-            code, answer = server.infer(body_file.read_bytes())
+            code, answer = server.infer(body)
             if code == 200:
                 break
             time.sleep(0.2)
@@ -359,7 +339,6 @@ def run_system(server: Server, body_file: Path, slo: float, max_miss: float, mod
         res["fixed_rates"] = fixed_rates
         res["probes"] = b.probes
         res["outputs"] = answer.get("outputs") if isinstance(answer, dict) else None
-        b.tmp.unlink(missing_ok=True)
         return res
     finally:
         server.stop()
@@ -415,15 +394,11 @@ def main() -> int:
     targets = a.pipelines.split(",") if a.pipelines else [
         t for t in DEFAULT_PIPELINES if (ROOT / t.partition(":")[0]).exists()]
     out_path = Path(a.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+    machine = harness.machine()
     t_all = time.monotonic()
     result: dict[str, Any] = {
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {"cores": os.cpu_count(), "platform": platform.platform(),
-                    "loadavg_start": os.getloadavg()},
         "mode": "quick" if a.quick else "full", "mode_settings": asdict(mode),
-        "generator": "slipstream bench (open loop, Poisson arrivals, latency from scheduled send)",
+        "generator": "the project's (bench.harness.loadgen: open loop, Poisson arrivals, latency from scheduled send)",
         "ray": ray_settings(a.ray_opt),
         "pipelines": [],
     }
@@ -446,8 +421,6 @@ def main() -> int:
         else:
             app_served = app
         body, origin = bodies.body(app, pipe)
-        body_file = scratch() / f"body_{pipe.name}.json"
-        body_file.write_bytes(body)
         log(f"{pipe.name}: {' -> '.join(pipe.graph.nodes)}; SLO p99 <= {slo:g} ms"
             f"{'' if slo == declared else f' (declared {declared})'}; body {len(body)} bytes from {origin}")
         entry: dict[str, Any] = {"name": pipe.name, "target": target, "slo_ms": slo, "slo_declared_ms": declared,
@@ -458,16 +431,14 @@ def main() -> int:
                                  "loadavg_start": os.getloadavg()}
         t0 = time.monotonic()
         try:
-            ray = run_system(RayServer(str(app_served), pipe.name, RESULTS, a.ray_opt), body_file, slo, max_miss, mode, None)
-            ss_ = run_system(SlipstreamServer(str(app_served), pipe.name, RESULTS, serve_target, ss_extra), body_file, slo,
+            ray = run_system(RayServer(str(app_served), pipe.name, RESULTS, a.ray_opt), body, slo, max_miss, mode, None)
+            ss_ = run_system(SlipstreamServer(str(app_served), pipe.name, RESULTS, serve_target, ss_extra), body, slo,
                              max_miss, mode, ray["fixed_rates"], start_hint=ray["goodput_rps"])
         except Exception as e:  # noqa: BLE001 - record the failure, go on with the next pipeline
             log(f"{pipe.name}: FAILED: {type(e).__name__}: {e}")
             entry["failed"] = f"{type(e).__name__}: {e}"
             result["pipelines"].append(entry)
             continue
-        finally:
-            body_file.unlink(missing_ok=True)
         entry["outputs_match"] = outputs_match(ray.pop("outputs"), ss_.pop("outputs"))
         entry["fixed_basis"] = "ray goodput" if ray["goodput_rps"] else "ray capacity (Ray never met the SLO)"
         entry["systems"] = {"ray": ray, "slipstream": ss_}
@@ -478,29 +449,22 @@ def main() -> int:
         result["pipelines"].append(entry)
         log(f"{pipe.name}: goodput Slipstream {ss_['goodput_rps']:g} vs Ray {ray['goodput_rps']:g} req/s "
             f"(ratio {entry['goodput_ratio']}); outputs match: {entry['outputs_match']}; {entry['wall_s']:.0f}s")
-        out_path.write_text(json.dumps(result, indent=2))  # partial results survive an interrupted run
+        # Partial results survive an interrupted run.
+        harness.write_results(out_path, result, report.markdown(result), machine)
     result["wall_s"] = round(time.monotonic() - t_all, 1)
-    out_path.write_text(json.dumps(result, indent=2))
-    md = out_path.with_suffix(".md")
-    import report
-
-    md.write_text(report.markdown(result))
-    log(f"wrote {out_path} and {md} in {result['wall_s'] / 60:.1f} min")
+    json_path, md_path = harness.write_results(out_path, result, report.markdown(result), machine)
+    log(f"wrote {json_path} and {md_path} in {result['wall_s'] / 60:.1f} min")
     if not a.no_plot:
-        import plot
-
         try:
             for p in plot.plot(result, out_path.parent):
                 log(f"wrote {p}")
         except ImportError as e:
-            log(f"no plots: {e} (install matplotlib into .venv, then run bench/vs_ray/plot.py)")
+            log(f"no plots: {e} (install matplotlib into .venv, then run python -m bench.vs_ray.plot)")
     return 0
 
 
 def ray_settings(opts: list[str]) -> dict[str, Any]:
     """What the Ray side ran with (versions and every non-default setting)."""
-    import ray_adapter
-
     try:
         version = subprocess.run([str(RAY_PY), "-c", "import ray; print(ray.__version__)"], capture_output=True,
                                  text=True, timeout=120).stdout.strip()
@@ -515,4 +479,4 @@ def ray_settings(opts: list[str]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -6,15 +6,18 @@ p50 dashed, p99 solid, the SLO as a horizontal line and each system's
 goodput as a vertical one. Both axes are logarithmic: the two systems'
 rates and latencies differ by orders of magnitude.
 
-    .venv/bin/python bench/vs_ray/plot.py [bench/results/vs_ray.json]
+    .venv/bin/python -m bench.vs_ray.plot [bench/results/vs_ray.json]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Any
+
+from bench.harness import RESULTS
 
 COLORS = {"slipstream": "#1f77b4", "ray": "#d62728"}
 LABELS = {"slipstream": "Slipstream", "ray": "Ray Serve"}
@@ -67,7 +70,14 @@ def plot(res: dict[str, Any], out_dir: Path) -> list[Path]:
     return written
 
 
-if __name__ == "__main__":
-    src = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1] / "results" / "vs_ray.json")
-    for p in plot(json.loads(src.read_text()), src.parent):
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", nargs="?", type=Path, default=RESULTS / "vs_ray.json")
+    a = ap.parse_args()
+    for p in plot(json.loads(a.results.read_text()), a.results.parent):
         print(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

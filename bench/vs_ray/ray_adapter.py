@@ -35,8 +35,10 @@ ingress (or the object store), routing and argument deserialization.
 
 The helpers at the top are plain numpy (unit-tested without Ray, see
 ``tests/unit/test_vs_ray_adapter.py``); Ray is imported only by
-``build_app`` and ``serve_main``. Run it with the Ray virtualenv
-(``bench/vs_ray/setup_ray.sh``)::
+``build_app`` and ``serve_main``. It runs as a script with the Ray
+virtualenv (``bench/vs_ray/setup_ray.sh``), its own directory first on the
+path and on the workers' ``PYTHONPATH``, so the driver and Ray's workers
+import it by one name, ``ray_adapter``; it imports nothing else of bench/::
 
     bench/vs_ray/.venv-ray/bin/python bench/vs_ray/ray_adapter.py serve examples/noop.py:noop --port 8001
 
@@ -279,11 +281,13 @@ def sinks(stages: Mapping[str, Sequence[str]]) -> list[str]:
 
 
 def percentiles(xs: Sequence[float]) -> dict[str, float]:
-    """Slipstream's summary shape: count, mean, p50, p90, p99, p999, max."""
+    """Slipstream's summary shape: count, mean, p50, p90, p99, p999, max;
+    percentiles by bench.harness's convention (linear interpolation between
+    the closest ranks), which this file, run apart from bench/, repeats."""
     if not xs:
         return {"count": 0, "mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0, "p999": 0.0, "max": 0.0}
     a = np.asarray(xs, dtype=np.float64)
-    q = np.percentile(a, [50, 90, 99, 99.9])
+    q = np.percentile(a, [50, 90, 99, 99.9], method="linear")
     return {"count": int(a.size), "mean": float(a.mean()), "p50": float(q[0]), "p90": float(q[1]),
             "p99": float(q[2]), "p999": float(q[3]), "max": float(a.max())}
 
@@ -957,9 +961,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--nodes must be at least 1")
     if a.nodes == 1 and (a.spread or a.place):
         ap.error("--spread and --place need --nodes K with K > 1")
-    here = str(Path(__file__).resolve().parent)
-    if here not in sys.path:
-        sys.path.insert(0, here)
     return serve_main(a)
 
 

@@ -1,18 +1,19 @@
 """Render ``bench/results/vs_ray.json`` as markdown (``vs_ray.md``).
 
-    .venv/bin/python bench/vs_ray/report.py [bench/results/vs_ray.json]
+    .venv/bin/python -m bench.vs_ray.report [bench/results/vs_ray.json]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from limit import load_limit  # noqa: E402
+from bench import harness
+from bench.harness import RESULTS
+from bench.limit import load_limit
 
 
 def _ms(x: Any) -> str:
@@ -50,9 +51,8 @@ def markdown(res: dict[str, Any]) -> str:
     lines = [
         "# Slipstream vs Ray Serve: the same components, the same load",
         "",
-        f"Measured {res['time']} ({res['mode']} mode, {res.get('wall_s', 0) / 60:.0f} min) on "
-        f"{res['machine']['cores']} cores shared with the load generator; load average at start "
-        f"{', '.join(f'{x:.1f}' for x in res['machine']['loadavg_start'])}. Command: `{res['command']}`.",
+        f"{res['mode'].capitalize()} mode, {res.get('wall_s', 0) / 60:.0f} min; the load generator shares the "
+        "machine's cores (below).",
         f"Ray Serve {res['ray']['version']} with "
         + ", ".join(f"`{k}={v}`" for k, v in res["ray"]["env"].items())
         + (f"; adapter options `{' '.join(res['ray']['adapter_options'])}`" if res["ray"]["adapter_options"] else "")
@@ -152,8 +152,15 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", nargs="?", type=Path, default=RESULTS / "vs_ray.json")
+    a = ap.parse_args()
+    res = json.loads(a.results.read_text())
+    _, md = harness.write_results(a.results, res, markdown(res), res["machine"])
+    print(f"wrote {md}")
+    return 0
+
+
 if __name__ == "__main__":
-    path = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1] / "results" / "vs_ray.json")
-    out = path.with_suffix(".md")
-    out.write_text(markdown(json.loads(path.read_text())))
-    print(f"wrote {out}")
+    sys.exit(main())

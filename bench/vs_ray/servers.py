@@ -1,12 +1,14 @@
 """Start and stop the two systems under test, each serving one pipeline.
 
-* ``SlipstreamServer``: ``.venv/bin/slipstream serve app.py[:var] --port 0``.
+* ``SlipstreamServer``: ``slipstream serve app.py[:var] --port 0`` as every
+  benchmark starts a node (``bench.harness.node``).
 * ``RayServer``: ``bench/vs_ray/.venv-ray/bin/python ray_adapter.py serve
   app.py:name --port P``, which starts a private Ray instance (see
-  ``ray_adapter.py``).
+  ``ray_adapter.py``), and prints the same ``listening on http://HOST:PORT``
+  and ``ready, serving`` lines as the node.
 
-Both run in their own session (process group), are stopped with a signal
-and, after a grace period, the whole group is killed: Ray leaves agent
+Ray runs in its own session (process group), is stopped with a signal and,
+after a grace period, the whole group is killed: Ray leaves agent
 processes behind its driver, and ``ray stop`` would kill every Ray on the
 machine, other people's included. This process makes itself a child
 subreaper so the orphans it kills are reaped here rather than left as
@@ -20,9 +22,7 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -30,9 +30,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from slipstream.testing import Node
+
+from bench import harness
+from bench.harness import ROOT, free_port
+
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-SLIPSTREAM = ROOT / ".venv" / "bin" / "slipstream"
 RAY_PY = HERE / ".venv-ray" / "bin" / "python"
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -54,12 +57,6 @@ def reap() -> None:
             return
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def http(method: str, url: str, body: bytes | None = None, timeout: float = 30.0) -> tuple[int, bytes]:
     req = urllib.request.Request(url, data=body, method=method,
                                  headers={"Content-Type": "application/json"} if body is not None else {})
@@ -71,83 +68,27 @@ def http(method: str, url: str, body: bytes | None = None, timeout: float = 30.0
 
 
 class Server:
-    """A system under test serving one pipeline."""
+    """A system under test serving one pipeline: ``start()`` sets ``base``
+    (http://HOST:PORT) and ``start_s``; ``stop()`` leaves its output in
+    ``log_path``."""
 
     system = "?"
 
     def __init__(self, app: str, pipeline: str, log_dir: Path) -> None:
         self.app, self.pipeline = app, pipeline
         self.log_path = log_dir / f"vs_ray_{self.system}_{pipeline}.log"
-        self.proc: subprocess.Popen[str] | None = None
         self.base = ""
         self.start_s = 0.0
-        self._log: Any = None
 
     @property
     def infer_url(self) -> str:
         return f"{self.base}/v1/pipelines/{self.pipeline}/infer"
 
-    def command(self) -> list[str]:
+    def start(self, timeout: float = 300.0) -> None:
         raise NotImplementedError
 
-    def env(self) -> dict[str, str]:
-        return dict(os.environ)
-
-    def start(self, timeout: float = 300.0) -> None:
-        become_subreaper()
-        t0 = time.monotonic()
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.command(), cwd=ROOT, env=self.env(), stdout=self._log,
-                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
-        assert self.proc.stderr is not None
-        ready = threading.Event()
-        url: dict[str, str] = {}
-
-        def pump() -> None:
-            assert self.proc is not None and self.proc.stderr is not None
-            for line in self.proc.stderr:
-                self._log.write(line)
-                self._log.flush()
-                m = re.search(r"listening on (http://[\d.]+:\d+)", line)
-                if m:
-                    url["base"] = m.group(1)
-                if "ready, serving" in line:
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not ready.wait(timeout) or "base" not in url or self.proc.poll() is not None:
-            self.stop()
-            raise RuntimeError(f"{self.system} did not start serving {self.app} within {timeout:.0f}s; "
-                               f"see {self.log_path}")
-        self.base = url["base"]
-        self.start_s = time.monotonic() - t0
-
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        pgid = self.proc.pid
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT if self.system == "slipstream" else signal.SIGTERM)
-            try:
-                self.proc.wait(45)
-            except subprocess.TimeoutExpired:
-                pass
-        # Whatever is left in the group (Ray's agents outlive its driver).
-        for sig, pause in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 0.5)):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            time.sleep(pause)
-            reap()
-        if self.proc.poll() is None:
-            self.proc.wait(10)
-        reap()
-        self.proc = None
-        if self._log is not None:
-            self._log.close()
+        raise NotImplementedError
 
     def infer(self, body: bytes, timeout: float = 60.0) -> tuple[int, Any]:
         code, data = http("POST", self.infer_url, body, timeout)
@@ -187,20 +128,42 @@ class SlipstreamServer(Server):
         super().__init__(app, pipeline, log_dir)
         self.serve_target = serve_target
         self.extra = list(extra or [])
+        self.node: Node | None = None
 
-    def command(self) -> list[str]:
+    def start(self, timeout: float = 300.0) -> None:
+        t0 = time.monotonic()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # Static replica counts, as Ray's deployments get (`num_replicas` =
         # the component's starting count): the comparison is of the runtimes,
-        # not of autoscalers (bench/surge.py compares those).
-        return [str(SLIPSTREAM), "serve", self.serve_target, "--port", "0", "--autoscale", "off", *self.extra]
+        # not of autoscalers (bench.surge compares those).
+        self.node = harness.node(self.serve_target, "--autoscale", "off", *self.extra, ready_timeout=timeout)
+        try:
+            self.node.wait_ready()
+        except RuntimeError:
+            self.stop()
+            raise RuntimeError(f"slipstream did not start serving {self.app} within {timeout:.0f}s; "
+                               f"see {self.log_path}") from None
+        self.base = self.node.url
+        self.start_s = time.monotonic() - t0
+
+    def stop(self) -> None:
+        if self.node is None:
+            return
+        self.node.stop(signal.SIGINT, timeout=45)
+        self.log_path.write_text(self.node.log())
+        self.node = None
 
 
 class RayServer(Server):
     system = "ray"
 
-    def __init__(self, app: str, pipeline: str, log_dir: Path, options: list[str]) -> None:
+    def __init__(self, app: str, pipeline: str, log_dir: Path, options: list[str],
+                 env: dict[str, str] | None = None) -> None:
         super().__init__(app, pipeline, log_dir)
         self.options = list(options)  # a copy: pick_transport may add to it for this pipeline only
+        self.extra_env = dict(env or {})
+        self.proc: subprocess.Popen[str] | None = None
+        self._log: Any = None
 
     def command(self) -> list[str]:
         if not RAY_PY.exists():
@@ -227,25 +190,58 @@ class RayServer(Server):
         # The Ray venv's own interpreter and packages; nothing from the main .venv.
         for k in ("VIRTUAL_ENV", "PYTHONHOME", "RAY_ADDRESS"):
             env.pop(k, None)
-        return env
+        return env | self.extra_env
 
+    def start(self, timeout: float = 300.0) -> None:
+        become_subreaper()
+        t0 = time.monotonic()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(self.command(), cwd=ROOT, env=self.env(), stdout=self._log,
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+        ready = threading.Event()
+        url: dict[str, str] = {}
 
-def run_loadgen(url: str, body_file: Path, rate: float, duration: float, warmup: float,
-                timeout: float, out: Path) -> dict[str, Any]:
-    """One open-loop run of Slipstream's generator (``slipstream bench``)."""
-    cmd = [str(SLIPSTREAM), "bench", "--target", url, "--body-file", str(body_file),
-           "--rate", f"{rate:g}", "--duration", f"{duration:g}", "--warmup", f"{warmup:g}",
-           "--timeout", f"{timeout:g}", "--out", str(out), "--quiet"]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=duration + warmup + timeout + 120)
-    if r.returncode != 0:
-        raise RuntimeError(f"slipstream bench failed ({r.returncode}): {r.stderr.strip() or r.stdout.strip()}")
-    report: dict[str, Any] = json.loads(out.read_text())["runs"][0]
-    return report
+        def pump() -> None:
+            assert self.proc is not None and self.proc.stderr is not None
+            for line in self.proc.stderr:
+                self._log.write(line)
+                self._log.flush()
+                m = re.search(r"listening on (http://\S+:\d+)", line)
+                if m and "base" not in url:
+                    url["base"] = m.group(1)
+                if "ready, serving" in line:
+                    ready.set()
+            ready.set()
 
+        threading.Thread(target=pump, daemon=True).start()
+        if not ready.wait(timeout) or "base" not in url or self.proc.poll() is not None:
+            self.stop()
+            raise RuntimeError(f"ray did not start serving {self.app} within {timeout:.0f}s; see {self.log_path}")
+        self.base = url["base"]
+        self.start_s = time.monotonic() - t0
 
-if __name__ == "__main__":  # pragma: no cover - manual check: serve a pipeline with both systems
-    app, name = sys.argv[1].split(":")
-    for cls in (SlipstreamServer, RayServer):
-        s = cls(app, name, Path("/tmp"), app) if cls is SlipstreamServer else RayServer(app, name, Path("/tmp"), [])
-        with s:
-            print(s.system, s.base, s.infer(b'{"inputs": {"x": [[1, 2]]}}'))
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(45)
+            except subprocess.TimeoutExpired:
+                pass
+        # Whatever is left in the group (Ray's agents outlive its driver).
+        for sig, pause in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 0.5)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(pause)
+            reap()
+        if self.proc.poll() is None:
+            self.proc.wait(10)
+        reap()
+        self.proc = None
+        if self._log is not None:
+            self._log.close()

@@ -1,12 +1,13 @@
 """Pick the Ray adapter's knobs in good faith: serve a pipeline with Ray
 under each candidate setting and sweep a few rates with the same generator.
 
-    .venv/bin/python bench/vs_ray/tune.py examples/recsys.py:recsys --rates 100,200,250,300 \\
+    .venv/bin/python -m bench.vs_ray.tune examples/recsys.py:recsys --rates 100,200,250,300 \\
         --config "" --config "--batch-wait-ms=2" --config "--compute-thread"
 
 Each ``--config`` is a space-separated list of ``ray_adapter.py serve``
 options ("" = the defaults). Prints a table (p50 / p99 per rate and config)
-and appends it to ``bench/results/vs_ray_tuning.json``. The settings chosen
+and appends it, with the machine record (``bench.harness.machine``), to
+``bench/results/vs_ray_tuning.json`` (a history: one entry per run). The settings chosen
 from it, and the runs behind them, are in bench/vs_ray/README.md.
 """
 
@@ -16,15 +17,13 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import bodies  # noqa: E402
-from compare import RESULTS, load_target, scratch, summarize  # noqa: E402
-from servers import RayServer, run_loadgen  # noqa: E402
+from bench import harness
+from bench.harness import RESULTS
+from bench.vs_ray import bodies
+from bench.vs_ray.compare import load_target, summarize
+from bench.vs_ray.servers import RayServer
 
 
 def main() -> int:
@@ -38,33 +37,28 @@ def main() -> int:
     a = ap.parse_args()
     app, pipe, _ = load_target(a.target)
     body, _ = bodies.body(app, pipe)
-    body_file = scratch() / f"tune_body_{pipe.name}.json"
-    body_file.write_bytes(body)
     rates = [float(r) for r in a.rates.split(",")]
+    machine = harness.machine()
     rows: list[dict[str, Any]] = []
-    try:
-        for rnd in range(a.repeat):
-            for cfg in a.config:
-                server = RayServer(str(app), pipe.name, RESULTS, cfg.split())
-                with server:
-                    for _ in range(5):
-                        server.infer(body)
-                    for rate in rates:
-                        r = summarize(run_loadgen(server.infer_url, body_file, rate, a.duration, a.warmup, 10.0,
-                                                  scratch() / "tune.json"))
-                        r |= {"config": cfg or "(defaults)", "round": rnd, "stages": server.stage_stats()}
-                        rows.append(r)
-                        batch = {n: round(s["batch_size"]["mean"], 1) for n, s in r["stages"].items()}
-                        print(f"{cfg or '(defaults)':<28} {rate:>7.0f} req/s  p50 {r['p50_ms']:8.2f}  "
-                              f"p99 {r['p99_ms']:8.2f} ms  errors {r['errors']}  batch {batch}", flush=True)
-                        server.reset_metrics()
-                        time.sleep(1)
-    finally:
-        body_file.unlink(missing_ok=True)
-        (scratch() / "tune.json").unlink(missing_ok=True)
+    for rnd in range(a.repeat):
+        for cfg in a.config:
+            server = RayServer(str(app), pipe.name, RESULTS, cfg.split())
+            with server:
+                for _ in range(5):
+                    server.infer(body)
+                for rate in rates:
+                    r = summarize(harness.loadgen(server.infer_url, body, [rate], a.duration, warmup_s=a.warmup,
+                                                  timeout_s=10.0)[0])
+                    r |= {"config": cfg or "(defaults)", "round": rnd, "stages": server.stage_stats()}
+                    rows.append(r)
+                    batch = {n: round(s["batch_size"]["mean"], 1) for n, s in r["stages"].items()}
+                    print(f"{cfg or '(defaults)':<28} {rate:>7.0f} req/s  p50 {r['p50_ms']:8.2f}  "
+                          f"p99 {r['p99_ms']:8.2f} ms  errors {r['errors']}  batch {batch}", flush=True)
+                    server.reset_metrics()
+                    time.sleep(1)
     out = RESULTS / "vs_ray_tuning.json"
     hist = json.loads(out.read_text()) if out.exists() else []
-    hist.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "target": a.target, "rates": rates, "runs": rows})
+    hist.append({"machine": machine, "target": a.target, "rates": rates, "runs": rows})
     out.write_text(json.dumps(hist, indent=1))
     print(f"appended to {out}")
     return 0

@@ -29,20 +29,16 @@ from slipstream._internal.errors import (
     TensorFormatError,
 )
 from slipstream._internal.groups import cache_stats, group
+from slipstream._internal.named_tensors import OCTETS, TENSORS, TEXT, decode_tensors, encode_tensors
 from slipstream._internal.store import (
-    OCTETS,
-    TENSORS,
-    TEXT,
     Change,
     KeyList,
     Object,
     Store,
     Version,
     cursor,
-    decode_tensors,
     default_store,
     delete,
-    encode_tensors,
     get,
     keys,
     ls,

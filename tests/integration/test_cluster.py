@@ -15,10 +15,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from slipstream.testing import Etcd, deploy, start_node
 
-from tests.conftest import Node, wait_for
-from tests.integration.cluster_util import CLUSTER_APP, Etcd, deploy, start_node
+from tests.conftest import APPS, Node, wait_for
 
+CLUSTER_APP = str(APPS / "cluster.py")
 STAGES = {"diamond/Fan": 3, "diamond/Sum": 2, "diamond/Prod": 2, "diamond/Join": 3}
 
 

@@ -7,17 +7,69 @@ lease expires, and once the partition heals it rejoins."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 
 import pytest
+from slipstream.testing import Etcd, deploy, start_node
 
-from tests.conftest import Node, wait_for
-from tests.integration.cluster_util import CLUSTER_APP, Etcd, Netns, deploy, start_node
+from tests.conftest import APPS, Node, wait_for
 
+CLUSTER_APP = str(APPS / "cluster.py")
 SLO_S = 2.0  # tests/apps/cluster.py
+
+
+class Netns:
+    """A network namespace joined to this one by a veth pair: this side is
+    `host_ip`, the namespace's side `ns_ip`. `partition()` drops every packet
+    between them (a blackhole route: established connections go silent, as
+    in a real partition); `heal()` undoes it."""
+
+    def __init__(self) -> None:
+        k = os.getpid() % 200 + 20
+        self.name = f"ssp{os.getpid()}"
+        self.host_if, self.ns_if = f"sh{os.getpid()}"[:15], f"sn{os.getpid()}"[:15]
+        self.host_ip, self.ns_ip = f"10.{k}.77.1", f"10.{k}.77.2"
+        run = self.run
+        run("ip", "netns", "add", self.name)
+        try:
+            run("ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
+            run("ip", "link", "set", self.ns_if, "netns", self.name)
+            run("ip", "addr", "add", f"{self.host_ip}/24", "dev", self.host_if)
+            run("ip", "link", "set", self.host_if, "up")
+            for cmd in (["ip", "addr", "add", f"{self.ns_ip}/24", "dev", self.ns_if],
+                        ["ip", "link", "set", self.ns_if, "up"], ["ip", "link", "set", "lo", "up"]):
+                run(*self.wrap, *cmd)
+        except Exception:
+            self.close()
+            raise
+        self.partitioned = False
+
+    @property
+    def wrap(self) -> list[str]:
+        return ["ip", "netns", "exec", self.name]
+
+    @staticmethod
+    def run(*cmd: str) -> None:
+        subprocess.run(cmd, check=True, capture_output=True, timeout=10)
+
+    def partition(self) -> None:
+        self.run("ip", "route", "add", "blackhole", f"{self.ns_ip}/32")
+        self.partitioned = True
+
+    def heal(self) -> None:
+        if self.partitioned:
+            self.run("ip", "route", "del", "blackhole", f"{self.ns_ip}/32")
+            self.partitioned = False
+
+    def close(self) -> None:
+        for cmd in (["ip", "route", "del", "blackhole", f"{self.ns_ip}/32"], ["ip", "link", "del", self.host_if],
+                    ["ip", "netns", "del", self.name]):
+            subprocess.run(cmd, capture_output=True, timeout=10)
 
 
 @pytest.fixture(scope="module")

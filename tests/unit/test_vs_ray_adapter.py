@@ -6,20 +6,14 @@ from __future__ import annotations
 
 import base64
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import slipstream as ss
 
-VS_RAY = Path(__file__).resolve().parents[2] / "bench" / "vs_ray"
-sys.path.insert(0, str(VS_RAY))
-
-import compare  # noqa: E402
-import ray_adapter as ra  # noqa: E402
-import report  # noqa: E402
-import servers  # noqa: E402
+from bench.vs_ray import compare, report, servers
+from bench.vs_ray import ray_adapter as ra
 
 
 def test_inputs_from_json_numeric_and_checks() -> None:
@@ -146,8 +140,7 @@ def test_report_renders_a_result() -> None:
     fixed = probe | {"stages": {}}
     system = {"goodput_rps": 100.0, "unloaded_ms": 2.0, "resolution": 1.2, "probes": [probe], "fixed": [fixed]}
     res = {
-        "time": "t", "mode": "quick", "wall_s": 60, "command": "compare.py",
-        "machine": {"cores": 2, "loadavg_start": [1.0, 1.0, 1.0]},
+        "mode": "quick", "wall_s": 60,
         "ray": {"version": "2.60.0", "env": {"K": "V"}, "adapter_options": []},
         "pipelines": [
             {"name": "p", "stages": {"A": {}}, "slo_ms": 10.0, "slo_declared_ms": 10.0, "outputs_match": True,

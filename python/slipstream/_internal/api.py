@@ -20,21 +20,16 @@ from typing import Any
 
 import numpy as np
 
+from slipstream._internal.dtypes import DTYPES, VAR_DTYPES
 from slipstream._internal.errors import ConfigError
-from slipstream._internal.keys import RESERVED_PREFIX, key_problem, prefix_problem
+from slipstream._internal.keys import RESERVED_PREFIX, declared_key, declared_prefix
+from slipstream._internal.needs import resolve
+from slipstream._internal.seeds import SEEDS, declare_seed
 
 #: Batches an async component's replica runs at once unless it says otherwise.
 DEFAULT_ASYNC_CONCURRENCY = 16
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
-
-# numpy dtype names the node understands (see slipstream-types DType).
-DTYPES = (
-    "bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
-    "float16", "float32", "float64", "string", "bytes",
-)
-# Variable-size element types: numpy object arrays of str / bytes in workers.
-VAR_DTYPES = ("string", "bytes")
 
 
 @dataclass(frozen=True)
@@ -85,20 +80,6 @@ TRIGGER_INPUTS = {
 }
 
 
-def _declared_key(key: Any, where: str, *, write: bool = False) -> str:
-    problem = key_problem(key, write=write)
-    if problem is not None:
-        raise ConfigError(f"{where}: invalid store key {key!r}: {problem}")
-    return str(key)
-
-
-def _declared_prefix(prefix: Any, where: str) -> str:
-    problem = prefix_problem(prefix, whole_segments=True)
-    if problem is not None:
-        raise ConfigError(f"{where}: invalid store prefix {prefix!r}: {problem}")
-    return str(prefix)
-
-
 def _check_affinity_input(stage: str, name: str, inputs: Mapping[str, Tensor]) -> None:
     spec = inputs.get(name)
     if spec is None or spec.dtype != "string":
@@ -125,7 +106,7 @@ class Pool:
 
     def __post_init__(self) -> None:
         where = f"ss.Pool({self.prefix!r})"
-        _declared_prefix(self.prefix, where)
+        declared_prefix(self.prefix, where)
         if self.prefix.startswith(RESERVED_PREFIX):
             raise ConfigError(f"{where}: keys under {RESERVED_PREFIX} are the node's own")
         if isinstance(self.keep_versions, bool) or not isinstance(self.keep_versions, int) or self.keep_versions < 1:
@@ -148,49 +129,6 @@ class Pool:
     def to_json(self) -> dict[str, Any]:
         return {"prefix": self.prefix, "keep_versions": self.keep_versions, "keep_age_s": self.keep_age_s,
                 "affinity": self.affinity}
-
-
-@dataclass(frozen=True)
-class Seed:
-    """A file put under ``key`` when the node starts, before any worker, if
-    the key has no live version. Made by ``Pipeline(seed=...)``."""
-
-    key: str
-    path: str
-    content_type: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "path": self.path, "content_type": self.content_type}
-
-
-#: Every seed the pipelines made in this process declared, by key: what a
-#: component's needs resolve to outside a worker when no node is named.
-SEEDS: dict[str, Seed] = {}
-
-
-def _seed(key: Any, value: Any, where: str) -> Seed:
-    """``seed={key: path}`` or ``{key: (path, content_type)}``: the file must
-    exist now; its content type defaults to named tensors when the file
-    starts with their magic, else octets."""
-    from slipstream._internal.store import guess_content_type  # the store client imports this module
-
-    _declared_key(key, where, write=True)
-    content_type = None
-    if isinstance(value, tuple):
-        if len(value) != 2 or not isinstance(value[1], str):
-            raise ConfigError(f"{where}: seed {key!r} takes a path or (path, content_type), got {value!r}")
-        value, content_type = value
-    if not isinstance(value, (str, os.PathLike)):
-        raise ConfigError(f"{where}: seed {key!r} takes a file path, got {type(value).__name__}")
-    path = os.path.abspath(os.fspath(value))
-    if not os.path.isfile(path):
-        raise ConfigError(f"{where}: seed {key!r}: no such file {path}")
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4)
-    except OSError as e:
-        raise ConfigError(f"{where}: seed {key!r}: cannot read {path}: {e.strerror or e}") from None
-    return Seed(key, path, content_type or guess_content_type(head, str(path)))
 
 
 def worker_threads() -> int:
@@ -408,10 +346,10 @@ class Component:
             if not isinstance(arg, str) or not arg.isidentifier() or keyword.iskeyword(arg):
                 raise ConfigError(f"{self.name}: needs name {arg!r} must be a Python identifier "
                                   "(it is passed as a keyword argument to the constructor)")
-            _declared_key(key, f"{self.name}: needs {arg!r}")
+            declared_key(key, f"{self.name}: needs {arg!r}")
         self._check_init_kwargs(self.init_kwargs)
         if self.watch is not None:
-            _declared_prefix(self.watch, f"{self.name}: watch")
+            declared_prefix(self.watch, f"{self.name}: watch")
             if not self.inputs:
                 self.inputs = dict(TRIGGER_INPUTS)
             for k, t in self.inputs.items():
@@ -485,8 +423,6 @@ class Component:
         worker passes what it fetched), or when not given, what
         ``needs.resolve`` finds outside a worker (profiling, benchmarks)."""
         if objects is None and self.needs:
-            from slipstream._internal.needs import resolve  # it imports this module
-
             objects = resolve(self)
         missing = set(self.needs) - set(objects or {})
         if missing:
@@ -845,7 +781,7 @@ class Pipeline:
             raise ConfigError(f"pipeline {name!r} declares a pool prefix twice")
         if seed is not None and not isinstance(seed, Mapping):
             raise ConfigError(f"pipeline {name!r}: seed maps store keys to files, got {seed!r}")
-        self.seeds = [_seed(k, v, f"pipeline {name!r}") for k, v in (seed or {}).items()]
+        self.seeds = [declare_seed(k, v, f"pipeline {name!r}") for k, v in (seed or {}).items()]
         SEEDS.update((s.key, s) for s in self.seeds)
 
     def _check_store_stages(self, roots: list[Component]) -> None:

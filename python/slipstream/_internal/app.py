@@ -19,8 +19,9 @@ from types import ModuleType
 from typing import Any
 
 from slipstream._internal import bundle
-from slipstream._internal.api import Pipeline, Pool, Seed
+from slipstream._internal.api import Pipeline, Pool
 from slipstream._internal.errors import ConfigError
+from slipstream._internal.seeds import Seed
 
 
 def split_target(target: str) -> tuple[Path, str | None]:

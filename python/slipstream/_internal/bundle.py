@@ -29,8 +29,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from slipstream._internal.api import SEEDS, Pipeline
+from slipstream._internal.api import Pipeline
 from slipstream._internal.errors import ConfigError
+from slipstream._internal.seeds import SEEDS
 
 #: An app path with this suffix is a bundle, not a Python file.
 SUFFIX = ".pkl"

@@ -1,8 +1,11 @@
-"""The ``slipstream`` command line: serve, status, scale, bench, profile,
-plan, slo; the object store's commands (put, get, ls, versions, rm) live in
-``store_cli``.
+"""The ``slipstream`` command line: status, scale, bench, profile, plan,
+slo; ``serve`` lives in ``serve_cli``, the cluster's commands (deploy,
+node) in ``cluster_cli``, the object store's (put, get, ls, versions, rm)
+in ``store_cli``.
 
 Entry points stay thin: parse arguments, call into the library, print.
+Requests to a node go through ``ss.Client`` and ``admin``; their errors
+are the ``ss.Error`` tree, printed on one line.
 """
 
 from __future__ import annotations
@@ -12,97 +15,28 @@ import json
 import os
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from slipstream._internal import config
+from slipstream._internal import admin, config
+from slipstream._internal.client import Client
 from slipstream._internal.cluster_cli import add_cluster_commands
-from slipstream._internal.errors import Error, from_core
+from slipstream._internal.errors import Error, RequestError, from_core
+from slipstream._internal.serve_cli import add_serve_command
 from slipstream._internal.store_cli import add_store_commands
 from slipstream._internal.store_cli import fail as _fail
 
 DEFAULT_URL = os.environ.get("SLIPSTREAM_URL", "http://127.0.0.1:8000")
 
 
-def build_spec(a: argparse.Namespace) -> dict[str, Any]:
-    """The app's spec for the node, from the app file and the spec flags (serve and deploy share them)."""
-    from slipstream._internal.app import app_spec, default_profile_path, load_pipelines, load_profiles
-
-    _, pipelines = load_pipelines(a.app)
-    if a.plan:
-        pipelines = _apply_plan_file(pipelines, Path(a.plan))
-    profile_paths = [Path(p) for p in a.profile]
-    if not profile_paths and default_profile_path(a.app).is_file():
-        profile_paths = [default_profile_path(a.app)]
-    for path in profile_paths:
-        print(f"slipstream: latency profile {path}", file=sys.stderr)
-    sections = config.resolve(a).spec_sections()
-    profiles = _thread_profiles(load_profiles(profile_paths), profile_paths, pipelines)
-    spec = app_spec(a.app, pipelines, batching=sections["batching"], profiles=profiles,
-                    autoscale=sections["autoscale"])
-    for p in pipelines:
-        stages = ", ".join(
-            s["name"] + (f" <- {' + '.join(s['parents'])}" if s["parents"] else " <- inputs")
-            for s in p.to_spec()["stages"]
-        )
-        print(f"slipstream: pipeline {p.name}: {stages}", file=sys.stderr)
-    return spec
-
-
-def node_options(a: argparse.Namespace) -> str:
-    """`_core.serve`'s node configuration (JSON) from the file, environment and flags (serve and node)."""
-    return config.resolve(a).node_json()
-
-
-def cmd_serve(a: argparse.Namespace) -> int:
-    from slipstream import _core
-
-    spec = build_spec(a)
-    try:
-        _core.serve(json.dumps(spec), node_options(a))
-    except _core.CoreError as e:
-        raise from_core(e) from None
-    except KeyboardInterrupt:
-        # The node already drained and stopped on this SIGINT; Python only
-        # sees it once the node has returned.
-        pass
-    return 0
-
-
-def _apply_plan_file(pipelines: list[Any], path: Path) -> list[Any]:
-    """`serve --plan FILE`: the app's pipelines with the plan's replicas, threads and batch limits."""
-    from slipstream._internal.planner import Plan, apply_plan
-
-    plan = Plan.load(path)
-    out = apply_plan(pipelines, plan)
-    for p in out:
-        pp = plan.pipelines.get(p.name)
-        if pp is not None:
-            cells = ", ".join(f"{n} {c.replicas}" + (f"..{c.max_replicas}" if c.autoscaled else "")
-                              + f"x{c.threads}t b{c.max_batch_size}" for n, c in p.graph.nodes.items())
-            print(f"slipstream: plan {path}: {p.name}: {cells} (target {pp.target_rps:,.0f} req/s)", file=sys.stderr)
-    return out
-
-
-def _thread_profiles(loaded: list[dict[str, Any]], paths: list[Path], pipelines: list[Any]) -> list[dict[str, Any]]:
-    from slipstream._internal.planner import profiles_for_threads
-
-    return profiles_for_threads(loaded, paths, pipelines)
-
-
-def _get(url: str, timeout: float = 5.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
+def _status(url: str) -> dict[str, Any]:
+    with Client(url, timeout=5.0) as c:
+        return c.status()
 
 
 def cmd_status(a: argparse.Namespace) -> int:
-    try:
-        st = _get(a.url.rstrip("/") + "/v1/status")
-    except (urllib.error.URLError, OSError) as e:
-        return _fail(f"no node answers at {a.url} ({e}); is `slipstream serve` running?")
+    st = _status(a.url)
     if a.json:
         print(json.dumps(st, indent=2))
         return 0
@@ -165,17 +99,8 @@ def cmd_status(a: argparse.Namespace) -> int:
     return 0
 
 
-def _admin_post(url: str, path: str, body: dict[str, Any], token: str | None, timeout: float = 10.0) -> Any:
-    req = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json",
-                                          **({"Authorization": f"Bearer {token}"} if token else {})})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
 def _stage_replicas(url: str, pipeline: str, stage: str) -> list[dict[str, Any]]:
-    st = _get(url.rstrip("/") + "/v1/status")
-    for p in st["pipelines"]:
+    for p in _status(url)["pipelines"]:
         if p["name"] == pipeline:
             for s in p["stages"]:
                 if s["name"] == stage:
@@ -185,17 +110,11 @@ def _stage_replicas(url: str, pipeline: str, stage: str) -> list[dict[str, Any]]
 
 def cmd_scale(a: argparse.Namespace) -> int:
     try:
-        out = _admin_post(a.url, "/v1/admin/scale", {"pipeline": a.pipeline, "stage": a.stage, "replicas": a.replicas},
-                          a.token)
-    except urllib.error.HTTPError as e:
-        raw = e.read()
-        try:
-            msg = json.loads(raw)["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            msg = raw.decode(errors="replace")
-        return _fail(f"scale refused ({e.code}): {msg}")
-    except (urllib.error.URLError, OSError) as e:
-        return _fail(f"no node answers at {a.url} ({e}); is `slipstream serve` running?")
+        out = admin.scale(a.url, a.pipeline, a.stage, a.replicas, token=a.token)
+    except RequestError as e:
+        if e.status is None:  # no answer: said as it is
+            raise
+        return _fail(f"scale refused ({e.status}): {e}")
     print(f"{a.pipeline}/{a.stage}: {out['from']} -> {out['replicas']} replicas"
           + (f"; starting {out['added']}" if out["added"] else "")
           + (f"; draining {out['draining']}" if out["draining"] else ""))
@@ -219,7 +138,8 @@ def cmd_scale(a: argparse.Namespace) -> int:
 
 def _example_body(url: str, pipeline: str) -> bytes:
     """A one-row request built from the pipeline's declared inputs."""
-    desc = _get(f"{url}/v1/pipelines/{pipeline}")
+    with Client(url, timeout=5.0) as c:
+        desc = c.metadata(pipeline)
     if desc.get("example"):
         return json.dumps({"inputs": desc["example"]}).encode()
     inputs: dict[str, Any] = {}
@@ -284,7 +204,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     elif a.pipeline:
         try:
             body = _example_body(base, a.pipeline)
-        except (urllib.error.URLError, OSError) as e:
+        except RequestError as e:
             return _fail(f"cannot describe pipeline {a.pipeline!r} at {base} ({e})")
     else:
         body = b"{}"
@@ -307,8 +227,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     is_node = a.pipeline is not None
     if is_node:
         try:
-            urllib.request.urlopen(urllib.request.Request(base + "/v1/admin/reset-metrics", method="POST"), timeout=5)
-        except (urllib.error.URLError, OSError):
+            admin.reset_metrics(base)
+        except RequestError:
             is_node = False
     try:
         reports = json.loads(_core.bench(json.dumps(cfg), quiet=a.quiet))
@@ -317,8 +237,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     node_status = None
     if is_node:
         try:
-            node_status = _get(base + "/v1/status")
-        except (urllib.error.URLError, OSError):
+            node_status = _status(base)
+        except RequestError:
             node_status = None
     print(f"\n{'offered/s':>10}{'achieved/s':>11}{'ok':>9}{'errors':>8}{'p50 ms':>9}{'p99 ms':>9}{'p99.9 ms':>10}{'max ms':>9}{'late':>7}")
     for r in reports:
@@ -563,30 +483,12 @@ def cmd_plan(a: argparse.Namespace) -> int:
     return 0
 
 
-def add_spec_args(p: argparse.ArgumentParser) -> None:
-    """The flags that shape an app's spec (serve and deploy)."""
-    p.add_argument("app", help="app file, optionally file.py:pipeline_variable")
-    p.add_argument("--profile", action="append", default=[],
-                   help="latency profile from `slipstream profile` (default: APP.profile.json beside the app, if any)")
-    p.add_argument("--plan", metavar="FILE",
-                   help="run with a plan from `slipstream plan` (its replicas, threads and batch limits per stage)")
-    config.add_flags(p, "spec")
-
-
-def add_node_args(p: argparse.ArgumentParser) -> None:
-    """The flags of a node (serve and node): one per node setting (see config.py)."""
-    config.add_flags(p, "node")
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="slipstream", description="Serve multi-stage ML pipelines under a latency SLO.")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    s = sub.add_parser("serve", help="serve the pipelines of an app file")
-    add_spec_args(s)
-    add_node_args(s)
-    s.set_defaults(fn=cmd_serve)
-    add_cluster_commands(sub, add_spec_args, add_node_args, build_spec, node_options)
+    add_serve_command(sub)
+    add_cluster_commands(sub)
     config.add_command(sub)
 
     st = sub.add_parser("status", help="stages, replicas, queue depths, batch sizes of a running node")

@@ -9,7 +9,8 @@ agent takes it from there (membership, placement, routing across nodes;
 docs/design/cluster.md). When a new deployment replaces the one it runs,
 the node drains, stops, and ``node`` starts it again on the new one.
 
-etcd is reached through its JSON gateway (``/v3/...``), as the node does.
+etcd is reached through its JSON gateway (``/v3/...``), as the node does,
+over the transport every node client uses (``http_transport.py``).
 """
 
 from __future__ import annotations
@@ -22,13 +23,12 @@ import json
 import os
 import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from slipstream._internal.errors import from_core
+from slipstream._internal.errors import RequestError, from_core
+from slipstream._internal.http_transport import Transport
+from slipstream._internal.serve_cli import add_node_args, add_spec_args, build_spec, node_options
 from slipstream._internal.store_cli import fail
 
 
@@ -45,19 +45,24 @@ class Etcd:
             raise EtcdError(f"--cluster {url!r}: expected etcd://HOST:PORT[,HOST:PORT...]")
         self.endpoints = [f"http://{e.strip()}" for e in rest.rstrip("/").split(",") if e.strip()]
         self.timeout = timeout
+        self._http = {ep: Transport(ep, what="etcd member", hint="") for ep in self.endpoints}
 
     def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST to the first endpoint that answers; its JSON answer."""
         last = ""
         for ep in self.endpoints:
-            req = urllib.request.Request(ep + path, data=json.dumps(body).encode(), method="POST",
-                                         headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                    out: dict[str, Any] = json.loads(r.read())
-                    return out
-            except urllib.error.HTTPError as e:
-                raise EtcdError(f"etcd at {ep}: {e.code} {e.read()[:200]!r}") from None
-            except (OSError, ValueError) as e:
+                resp = self._http[ep].request("POST", path, headers={"Content-Type": "application/json"},
+                                              body=[json.dumps(body).encode()], timeout=self.timeout)
+            except RequestError as e:  # no answer: try the next member
+                last = f"{ep}: {e}"
+                continue
+            if not 200 <= resp.status < 300:
+                raise EtcdError(f"etcd at {ep}: {resp.status} {bytes(resp.body[:200])!r}")
+            try:
+                out: dict[str, Any] = json.loads(bytes(resp.body))
+                return out
+            except ValueError as e:
                 last = f"{ep}: {e}"
         raise EtcdError(f"no etcd endpoint answered (last: {last})")
 
@@ -120,7 +125,7 @@ def _file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def cmd_deploy(a: argparse.Namespace, build_spec: Callable[[argparse.Namespace], dict[str, Any]]) -> int:
+def cmd_deploy(a: argparse.Namespace) -> int:
     try:
         token = _token(a)
         etcd = Etcd(a.cluster)
@@ -171,7 +176,7 @@ def _wait_ready(etcd: Etcd, a: argparse.Namespace, token: str, deploy_id: str, s
     return fail(f"not ready after {a.wait:.0f} s: {last}")
 
 
-def cmd_node(a: argparse.Namespace, node_options: Callable[[argparse.Namespace], str]) -> int:
+def cmd_node(a: argparse.Namespace) -> int:
     from slipstream import _core
 
     try:
@@ -231,16 +236,14 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "frames (default: $SLIPSTREAM_CLUSTER_TOKEN)")
 
 
-def add_cluster_commands(sub: Any, add_spec_args: Callable[[argparse.ArgumentParser], None],
-                         add_node_args: Callable[[argparse.ArgumentParser], None],
-                         build_spec: Callable[[argparse.Namespace], dict[str, Any]],
-                         node_options: Callable[[argparse.Namespace], str]) -> None:
+def add_cluster_commands(sub: Any) -> None:
+    """Register ``deploy`` and ``node`` on the command line's subparsers."""
     d = sub.add_parser("deploy", help="put an app's pipelines into a cluster (nodes place and run them)")
     add_spec_args(d)
     add_cluster_args(d)
     d.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                    help="wait until every stage has a ready replica in the cluster")
-    d.set_defaults(fn=lambda a: cmd_deploy(a, build_spec))
+    d.set_defaults(fn=cmd_deploy)
 
     n = sub.add_parser("node", help="run a node that joins a cluster on etcd and serves its deployment")
     add_node_args(n)
@@ -252,4 +255,4 @@ def add_cluster_commands(sub: Any, add_spec_args: Callable[[argparse.ArgumentPar
                    help="the address other nodes reach this one's data plane at (default: the listen address)")
     n.add_argument("--ttl", type=int, default=3, metavar="SECONDS",
                    help="membership lease: a node that stops renewing it leaves the cluster after this long")
-    n.set_defaults(fn=lambda a: cmd_node(a, node_options))
+    n.set_defaults(fn=cmd_node)

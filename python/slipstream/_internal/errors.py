@@ -1,12 +1,23 @@
-"""The exception tree users see.
+"""The exception tree users see, and the one reading of a node's error answers.
 
 ``slipstream.Error`` is the root. Where a built-in exception means the same
 thing, the subclass also derives from it (a bad configuration is a
 ``ValueError``), so callers can catch either.
+
+Every error answer of a node carries its kind in the
+``x-slipstream-error-kind`` header (and ``retry-after`` on 429 and 503); the
+body is ``{"error": {"kind", "message"}}`` (the pipeline API, the store, the
+admin routes) or KServe v2's ``{"error": "<message>"}``.
+``error_from_response`` reads all of that, for the client, the store client
+and the CLI alike, into the class of the kind: from the requests tree
+(``RequestError``) or the store's (``StoreError``).
 """
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -314,11 +325,85 @@ _BY_STATUS: dict[int, type[RequestError]] = {
 }
 
 
-def request_error(status: int | None, kind: str | None, message: str,
-                  retry_after: float | None = None) -> RequestError:
-    """The exception for an error answer: by the node's kind, else by status."""
-    cls = REQUEST_ERRORS.get(kind or "") or (_BY_STATUS.get(status) if status is not None else None) or RequestError
-    return cls(message, kind=kind or cls.kind, status=status, retry_after=retry_after)
+#: The store's error kinds -> the class raised for them (a store request's
+#: errors are the ``StoreError`` tree, whatever the node's kind).
+STORE_ERRORS: dict[str, type[StoreError]] = {
+    "not_found": StoreNotFound,
+    "conflict": StoreConflict,
+    "gone": StoreGone,
+    "bad_request": StoreBadRequest,
+    "bad_input": StoreBadRequest,
+    "payload_too_large": StoreBadRequest,
+    "unauthorized": StoreUnauthorized,
+    "forbidden": StoreUnauthorized,
+    "unavailable": StoreUnavailable,
+    "store_unavailable": StoreUnavailable,
+    "shutting_down": StoreUnavailable,
+    "overloaded": StoreUnavailable,
+}
+_STORE_BY_STATUS: dict[int, type[StoreError]] = {
+    400: StoreBadRequest, 401: StoreUnauthorized, 403: StoreUnauthorized, 404: StoreNotFound,
+    409: StoreConflict, 410: StoreGone, 413: StoreBadRequest, 429: StoreUnavailable, 503: StoreUnavailable,
+}
+
+#: The header of every error answer that names its kind.
+ERROR_KIND_HEADER = "x-slipstream-error-kind"
+
+
+def error_from_response(status: int | None, headers: Mapping[str, str], body: bytes | memoryview, *,
+                        tree: type[RequestError] | type[StoreError] = RequestError,
+                        key: str | None = None) -> RequestError | StoreError:
+    """The exception for an error answer: ``status`` (None for an error that
+    arrives inside a stream), ``headers`` with lower-case names, and the body.
+
+    The kind is the header's, else the body's (``{"error": {"kind"}}``, or
+    the flat ``{"error": message, "kind": kind}``); the class is the kind's
+    in ``tree``, else the status's, else the tree's root. The message is
+    the body's, on one line (the body itself when it is not JSON).
+    ``RequestError`` also gets ``retry_after`` (seconds) from its header;
+    ``StoreError`` gets ``key`` and, for a conflict, the key's ``current``
+    version (from the body, or the message's "the key is at N")."""
+    raw = bytes(body)
+    kind = headers.get(ERROR_KIND_HEADER)
+    message: Any = None
+    current: Any = None
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict):
+        err = doc.get("error")
+        if isinstance(err, dict):
+            kind = kind or err.get("kind")
+            message = err.get("message")
+            current = err.get("current")
+        elif isinstance(err, str):
+            message = err
+        kind = kind or doc.get("kind")
+        current = doc.get("current", current)
+    if not message:
+        message = raw.decode("utf-8", "replace").strip() or f"HTTP {status}"
+    message = " ".join(str(message).split())
+    if tree is StoreError:
+        cls = STORE_ERRORS.get(kind or "") or (_STORE_BY_STATUS.get(status) if status is not None else None) \
+            or StoreError
+        if cls is StoreConflict:
+            if not isinstance(current, int) or isinstance(current, bool):
+                at = re.search(r"the key is at (\d+)", message)
+                current = int(at.group(1)) if at else None
+            return StoreConflict(message, status=status, key=key, current=current)
+        return cls(message, status=status, key=key)
+    request_cls = REQUEST_ERRORS.get(kind or "") or (_BY_STATUS.get(status) if status is not None else None) \
+        or RequestError
+    return request_cls(message, kind=kind or request_cls.kind, status=status,
+                       retry_after=_seconds(headers.get("retry-after")))
+
+
+def _seconds(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 def from_core(e: BaseException) -> Error:

@@ -30,7 +30,8 @@ from typing import Any
 
 from slipstream._internal.api import Pool
 from slipstream._internal.errors import StoreError, StoreGone, StoreNotFound
-from slipstream._internal.store import Object, Store, check_key, default_store
+from slipstream._internal.keys import check_key
+from slipstream._internal.store import Object, Store, default_store
 
 #: Keys listed per group load: the most the node's key listing returns.
 MAX_POOL_KEYS = 100_000

@@ -4,11 +4,18 @@ One copy of the rules, shared by the store client (checked before a request
 is sent, so a typo fails here with the reason rather than as a 400), the
 declarations that name keys (``needs``, ``watch``, ``ss.Pool``, seeds) and
 the CLI. The node checks the same rules; keep the two in step.
+
+``key_problem`` / ``prefix_problem`` say what is wrong; the ``check_*``
+functions raise it as the store client's ``StoreBadRequest``, the
+``declared_*`` ones as the ``ConfigError`` of a declaration.
 """
 
 from __future__ import annotations
 
 import unicodedata
+from typing import Any
+
+from slipstream._internal.errors import ConfigError, StoreBadRequest
 
 MAX_KEY_BYTES = 1024
 #: Keys under this prefix are the node's own records (failed triggers): readable, not writable.
@@ -77,3 +84,36 @@ def prefix_problem(prefix: object, *, whole_segments: bool = False) -> str | Non
     if whole_segments and not prefix.endswith("/"):
         return "a declared prefix ends with '/'"
     return _segments_problem(prefix[1:].removesuffix("/"), "prefix")
+
+
+def check_key(key: str, *, write: bool = False) -> str:
+    """``key`` if it is a valid key, else ``StoreBadRequest`` saying why."""
+    problem = key_problem(key, write=write)
+    if problem is not None:
+        raise StoreBadRequest(f"invalid key {key!r}: {problem}", key=key if isinstance(key, str) else None)
+    return key
+
+
+def check_prefix(prefix: str) -> str:
+    """``prefix`` if it is a valid listing or watch prefix, else ``StoreBadRequest``."""
+    problem = prefix_problem(prefix)
+    if problem is not None:
+        raise StoreBadRequest(f"invalid prefix {prefix!r}: {problem}")
+    return prefix
+
+
+def declared_key(key: Any, where: str, *, write: bool = False) -> str:
+    """A key named by a declaration (``needs``, a seed), else ``ConfigError``."""
+    problem = key_problem(key, write=write)
+    if problem is not None:
+        raise ConfigError(f"{where}: invalid store key {key!r}: {problem}")
+    return str(key)
+
+
+def declared_prefix(prefix: Any, where: str) -> str:
+    """A prefix named by a declaration (``watch``, ``ss.Pool``): whole
+    segments only, else ``ConfigError``."""
+    problem = prefix_problem(prefix, whole_segments=True)
+    if problem is not None:
+        raise ConfigError(f"{where}: invalid store prefix {prefix!r}: {problem}")
+    return str(prefix)

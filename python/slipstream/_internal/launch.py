@@ -17,7 +17,7 @@ is on a free port too, `node.grpc_url` ("HOST:PORT"; None with
 `Pipeline` objects: those are written to a temporary bundle that the node
 and its workers load as the app (bundle.py), removed when the node stops.
 Keyword options are `slipstream serve` flags (`request_timeout=2` is
-`--request-timeout 2`), parsed by the CLI's own parser.
+`--request-timeout 2`), parsed by the command's own parser (serve_cli.py).
 """
 
 from __future__ import annotations
@@ -28,18 +28,18 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from slipstream._internal import bundle
+from slipstream._internal.api import Pipeline
+from slipstream._internal.client import Client
 from slipstream._internal.errors import ConfigError, ServeError
-
-if TYPE_CHECKING:
-    from slipstream._internal.api import Pipeline
-    from slipstream._internal.client import Client
+from slipstream._internal.serve_cli import parse_serve_args
 
 
 class Server:
@@ -59,8 +59,6 @@ class Server:
 
     def client(self, **options: Any) -> Client:
         """An `ss.Client` for this node (`options`: as `ss.Client`'s)."""
-        from slipstream._internal.client import Client
-
         return Client(self.url, **options)
 
     def stop(self, timeout: float = 30.0) -> int:
@@ -115,13 +113,11 @@ def _app_path(app: Any) -> tuple[str, Path | None, str]:
 
 
 def _serve_args(argv: list[str]) -> Any:
-    """`slipstream serve` arguments parsed by the CLI's parser (a usage error is a ConfigError)."""
-    from slipstream._internal.cli import build_parser
-
+    """`slipstream serve` arguments parsed by the command's parser (a usage error is a ConfigError)."""
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            return build_parser().parse_args(["serve", *argv])
+            return parse_serve_args(argv)
     except SystemExit:
         lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
         raise ConfigError(f"invalid serve options {argv[1:]}: {lines[-1] if lines else 'see slipstream serve --help'}") \
@@ -190,8 +186,6 @@ def launch(app: str | Path | Pipeline | Iterable[Pipeline], *flags: str, echo: b
             bundle.remove(path)
         raise ServeError("start", f"the node for {what} did not start:\n{''.join(log)}")
     # Keep draining its output so the node never blocks on a full pipe.
-    import threading
-
     def drain() -> None:
         for line in proc.stderr or []:
             log.append(line)

@@ -16,6 +16,11 @@ component in-process), ``resolve`` finds the objects: from the store of
 the node named by ``$SLIPSTREAM_NODE_URL`` when it is set, else from the
 files the app seeds the keys with, so an app that seeds its models
 profiles offline.
+
+A component is what ``api`` declares, and ``api.Component.instantiate``
+calls ``resolve`` here; so this module knows a component only by what it
+uses of one (``NeedsOwner``), and the seed files by their registry
+(``seeds.py``), never by importing ``api``.
 """
 
 from __future__ import annotations
@@ -25,13 +30,24 @@ import queue
 import sys
 import threading
 import traceback
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
-from slipstream._internal.api import SEEDS, Component
 from slipstream._internal.errors import ConfigError, StoreError, StoreGone, StoreNotFound, StoreUnavailable
+from slipstream._internal.seeds import SEEDS
 from slipstream._internal.store import Object, Store, Version, default_store, map_blob
 
 _loaded: dict[str, int] = {}
+
+
+class NeedsOwner(Protocol):
+    """What this module uses of a component (``api.Component``)."""
+
+    name: str
+    #: Constructor argument name -> store key.
+    needs: dict[str, str]
+
+    def instantiate(self, objects: Mapping[str, Any] | None = None) -> Any: ...
 
 
 def loaded_versions() -> dict[str, int]:
@@ -41,7 +57,7 @@ def loaded_versions() -> dict[str, int]:
     return dict(_loaded)
 
 
-def fetch(store: Store, comp: Component) -> dict[str, Object]:
+def fetch(store: Store, comp: NeedsOwner) -> dict[str, Object]:
     """The latest version of each object ``comp`` needs, by argument name."""
     out = {}
     for name, key in comp.needs.items():
@@ -54,7 +70,7 @@ def fetch(store: Store, comp: Component) -> dict[str, Object]:
     return out
 
 
-def resolve(comp: Component) -> dict[str, Object]:
+def resolve(comp: NeedsOwner) -> dict[str, Object]:
     """``comp``'s needs outside a worker: from the store at
     ``$SLIPSTREAM_NODE_URL`` if set, else mapped from the app's seed files
     (as version 0: not a store version)."""
@@ -85,7 +101,7 @@ class Replica:
     #: How long one watch request waits for a change (ms).
     WATCH_MS = 30_000
 
-    def __init__(self, comp: Component, label: str, store: Store | None = None):
+    def __init__(self, comp: NeedsOwner, label: str, store: Store | None = None):
         self.comp = comp
         self.label = label
         self._lock = threading.Lock()

@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from slipstream._internal import tensors
+from slipstream._internal import admin, tensors
 from slipstream._internal.api import Batch, Pipeline
+from slipstream._internal.client import Client
 from slipstream._internal.errors import ConfigError, from_core
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -277,13 +278,6 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _get(url: str) -> Any:
-    import urllib.request
-
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
-
-
 def calibrate(url: str, pipe: Pipeline, prof: dict[str, Any], body: bytes, rates: tuple[float, float],
               duration_s: float, cores: float) -> dict[str, Any]:
     """Measure what the profile does not contain, by serving `pipe` on this
@@ -299,41 +293,40 @@ def calibrate(url: str, pipe: Pipeline, prof: dict[str, Any], body: bytes, rates
       This is where what the model does not know shows up.
 
     Linux only (reads /proc)."""
-    import urllib.request
-
     from slipstream import _core
 
-    # The CPU the node and the idle workers use with no load at all (timers,
-    # health checks), per second: taken off each run before fitting.
-    st = _get(url + "/v1/status")
-    pids = [st["pid"]] + [r["pid"] for p in st["pipelines"] for s in p["stages"] for r in s["replicas"]]
-    t0, before = time.perf_counter(), sum(_proc_cpu_s(p) for p in pids)
-    time.sleep(2.0)
-    idle_per_s = max(sum(_proc_cpu_s(p) for p in pids) - before, 0.0) / (time.perf_counter() - t0)
-    runs = []
-    for rate in rates:
-        urllib.request.urlopen(urllib.request.Request(url + "/v1/admin/reset-metrics", method="POST"), timeout=5)
-        st = _get(url + "/v1/status")
+    with Client(url, timeout=10.0) as node:
+        # The CPU the node and the idle workers use with no load at all (timers,
+        # health checks), per second: taken off each run before fitting.
+        st = node.status()
         pids = [st["pid"]] + [r["pid"] for p in st["pipelines"] for s in p["stages"] for r in s["replicas"]]
-        before = sum(_proc_cpu_s(p) for p in pids) + sum(os.times()[:2])
-        cfg = {"url": f"{url}/v1/pipelines/{pipe.name}/infer", "method": "POST", "body": list(body),
-               "content_type": "application/json", "headers": [], "rates": [rate], "duration_s": duration_s,
-               "warmup_s": 0.0, "arrival": {"kind": "poisson"}, "max_connections": 256, "timeout_s": 10.0,
-               "threads": 1, "seed": 5}
-        try:
-            rep = json.loads(_core.bench(json.dumps(cfg), quiet=True))[0]
-        except _core.CoreError as e:
-            raise from_core(e) from None
-        cpu = sum(_proc_cpu_s(p) for p in pids) + sum(os.times()[:2]) - before
-        pst = next(p for p in _get(url + "/v1/status")["pipelines"] if p["name"] == pipe.name)
-        stages = pst["stages"]
-        runs.append({
-            "rate": rate, "report": rep, "stages": stages,
-            "requests": max(rep["ok"] + rep["errors"], 1),
-            "batches": sum(s["batches"] for s in stages),
-            "outside_s": max(cpu - sum(s["compute_ms"]["mean"] * s["batches"] for s in stages) / 1e3
-                             - idle_per_s * rep["duration_s"], 0.0),
-        })
+        t0, before = time.perf_counter(), sum(_proc_cpu_s(p) for p in pids)
+        time.sleep(2.0)
+        idle_per_s = max(sum(_proc_cpu_s(p) for p in pids) - before, 0.0) / (time.perf_counter() - t0)
+        runs = []
+        for rate in rates:
+            admin.reset_metrics(url)
+            st = node.status()
+            pids = [st["pid"]] + [r["pid"] for p in st["pipelines"] for s in p["stages"] for r in s["replicas"]]
+            before = sum(_proc_cpu_s(p) for p in pids) + sum(os.times()[:2])
+            cfg = {"url": f"{url}/v1/pipelines/{pipe.name}/infer", "method": "POST", "body": list(body),
+                   "content_type": "application/json", "headers": [], "rates": [rate], "duration_s": duration_s,
+                   "warmup_s": 0.0, "arrival": {"kind": "poisson"}, "max_connections": 256, "timeout_s": 10.0,
+                   "threads": 1, "seed": 5}
+            try:
+                rep = json.loads(_core.bench(json.dumps(cfg), quiet=True))[0]
+            except _core.CoreError as e:
+                raise from_core(e) from None
+            cpu = sum(_proc_cpu_s(p) for p in pids) + sum(os.times()[:2]) - before
+            pst = next(p for p in node.status()["pipelines"] if p["name"] == pipe.name)
+            stages = pst["stages"]
+            runs.append({
+                "rate": rate, "report": rep, "stages": stages,
+                "requests": max(rep["ok"] + rep["errors"], 1),
+                "batches": sum(s["batches"] for s in stages),
+                "outside_s": max(cpu - sum(s["compute_ms"]["mean"] * s["batches"] for s in stages) / 1e3
+                                 - idle_per_s * rep["duration_s"], 0.0),
+            })
     (lo, hi) = runs
     # outside = a * requests + b * batches, from the two runs.
     det = lo["requests"] * hi["batches"] - hi["requests"] * lo["batches"]

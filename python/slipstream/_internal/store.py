@@ -1,8 +1,9 @@
 """The object store client (``slipstream.store``): versioned keys on the node.
 
 Models, indices and documents live in the node's store (the contract is
-docs/design/store.md). This module is the Python side of its HTTP routes,
-plus the named-tensor codec the node validates on put.
+docs/design/store.md). This module is the Python side of its HTTP routes;
+the values' content types and the named-tensor codec are
+``named_tensors.py``'s, the key rules ``keys.py``'s.
 
 Why it looks the way it does:
 
@@ -15,23 +16,21 @@ Why it looks the way it does:
   long enough to map it; once mapped, the pages stay valid even if the node
   later removes the file. Otherwise the bytes come over HTTP, read straight
   into a 64-byte aligned buffer (tensor data then stays aligned too).
-- **One keep-alive connection per thread** (``http.client``; no
-  dependency), reopened once when the node closed an idle one.
+- **Pooled keep-alive connections**, shared by threads: the transport
+  ``ss.Client`` uses (``http_transport.py``; no dependency).
 - **Errors are the ``slipstream.StoreError`` tree**, mapped from the node's
-  error kind (or the HTTP status), so callers catch ``StoreNotFound``
-  rather than parse messages.
+  error kind (or the HTTP status) by ``errors.error_from_response``, so
+  callers catch ``StoreNotFound`` rather than parse messages; no answer at
+  all is ``StoreUnavailable``.
 """
 
 from __future__ import annotations
 
 import builtins
-import http.client
 import json
 import math
 import mmap
 import os
-import re
-import struct
 import threading
 import urllib.parse
 from collections.abc import Mapping, Sequence
@@ -40,172 +39,32 @@ from typing import Any, TypeAlias, TypeGuard
 
 import numpy as np
 
-from slipstream._internal.api import DTYPES, VAR_DTYPES
 from slipstream._internal.errors import (
+    BadRequest,
+    ClientTimeout,
     StoreBadRequest,
-    StoreConflict,
     StoreError,
-    StoreGone,
     StoreNotFound,
-    StoreUnauthorized,
     StoreUnavailable,
     TensorFormatError,
+    Unreachable,
+    error_from_response,
 )
-from slipstream._internal.keys import key_problem, prefix_problem
+from slipstream._internal.http_transport import Response, Transport
+from slipstream._internal.keys import check_key, check_prefix
+from slipstream._internal.named_tensors import (
+    OCTETS,
+    TENSORS,
+    TEXT,
+    decode_tensors,
+    encode_tensors,
+)
 
 DEFAULT_URL = "http://127.0.0.1:8000"
-OCTETS = "application/octet-stream"
-TENSORS = "application/x-slipstream-tensors"
-TEXT = "text/plain; charset=utf-8"
 
 #: What ``put`` stores: raw bytes, text (UTF-8), one array (stored as the
 #: named tensor ``"value"``) or named arrays.
 Value: TypeAlias = "bytes | bytearray | memoryview | str | np.ndarray | Mapping[str, np.ndarray]"
-Buffer: TypeAlias = "bytes | bytearray | memoryview | mmap.mmap | np.ndarray"
-
-
-# --- keys ------------------------------------------------------------------
-
-
-def check_key(key: str, *, write: bool = False) -> str:
-    """``key`` if it is a valid key, else ``StoreBadRequest`` saying why."""
-    problem = key_problem(key, write=write)
-    if problem is not None:
-        raise StoreBadRequest(f"invalid key {key!r}: {problem}", key=key if isinstance(key, str) else None)
-    return key
-
-
-def check_prefix(prefix: str) -> str:
-    problem = prefix_problem(prefix)
-    if problem is not None:
-        raise StoreBadRequest(f"invalid prefix {prefix!r}: {problem}")
-    return prefix
-
-
-# --- named tensors -----------------------------------------------------------
-
-_MAGIC = b"SSTN"
-_FORMAT_VERSION = 1
-_PREAMBLE = struct.Struct("<4sIQ")  # magic, format version, header length
-ALIGN = 64
-#: The dtypes a named-tensor value may hold: the runtime's numeric ones.
-TENSOR_DTYPES = tuple(d for d in DTYPES if d not in VAR_DTYPES)
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def encode_tensors(tensors: Mapping[str, Any]) -> list[bytes | memoryview]:
-    """Named arrays as an ``application/x-slipstream-tensors`` value, in
-    pieces: the preamble and JSON header, then each array's own buffer (no
-    copy when it is already C-contiguous and little-endian), with zero
-    padding so every offset is a multiple of 64. ``b"".join(...)`` gives the
-    value as one ``bytes`` (e.g. to write a seed file)."""
-    if not isinstance(tensors, Mapping):
-        raise TensorFormatError(f"named tensors are a dict of name -> array, got {type(tensors).__name__}")
-    header: dict[str, dict[str, Any]] = {}
-    arrays: list[np.ndarray] = []
-    offset = 0
-    for name, value in tensors.items():
-        if not isinstance(name, str) or not name:
-            raise TensorFormatError(f"tensor names are non-empty strings, got {name!r}")
-        a = np.asarray(value)
-        if a.dtype.name not in TENSOR_DTYPES:
-            raise TensorFormatError(
-                f"tensor {name!r} has dtype {a.dtype}; named tensors hold {', '.join(TENSOR_DTYPES)}"
-            )
-        a = np.asarray(a, dtype=a.dtype.newbyteorder("<"), order="C")
-        header[name] = {"dtype": a.dtype.name, "shape": list(a.shape), "offset": offset, "nbytes": a.nbytes}
-        arrays.append(a)
-        offset += _align(a.nbytes)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    head = _PREAMBLE.pack(_MAGIC, _FORMAT_VERSION, len(text)) + text
-    parts: list[bytes | memoryview] = [head + bytes(_align(len(head)) - len(head))]
-    for i, a in enumerate(arrays):
-        if a.nbytes:
-            parts.append(a.reshape(-1).view(np.uint8).data)
-        pad = _align(a.nbytes) - a.nbytes
-        if pad and i < len(arrays) - 1:
-            parts.append(bytes(pad))
-    return parts
-
-
-def _byte_view(buf: Buffer) -> memoryview:
-    mv = buf.data if isinstance(buf, np.ndarray) else memoryview(buf)
-    if mv.format != "B" or mv.ndim != 1:
-        if not mv.c_contiguous:
-            raise TensorFormatError("named tensors must be read from a contiguous buffer")
-        mv = mv.cast("B")
-    return mv
-
-
-def decode_tensors(buf: Buffer) -> dict[str, np.ndarray]:
-    """The arrays of an ``application/x-slipstream-tensors`` value, as
-    read-only views over ``buf`` (no copy; each array keeps ``buf`` alive).
-    Every field is checked; a malformed value raises ``TensorFormatError``
-    saying what is wrong, never an out-of-bounds read."""
-    mv = _byte_view(buf)
-    n = len(mv)
-    if n < _PREAMBLE.size:
-        raise TensorFormatError(f"named tensors: {n} bytes is shorter than the {_PREAMBLE.size}-byte preamble")
-    magic, version, hlen = _PREAMBLE.unpack_from(mv, 0)
-    if magic != _MAGIC:
-        raise TensorFormatError(f"named tensors: the value starts with {bytes(magic)!r}, not {_MAGIC!r}")
-    if version != _FORMAT_VERSION:
-        raise TensorFormatError(f"named tensors: format version {version} (this client reads {_FORMAT_VERSION})")
-    if hlen > n - _PREAMBLE.size:
-        raise TensorFormatError(f"named tensors: a {hlen}-byte header does not fit in a {n}-byte value")
-    try:
-        header = json.loads(bytes(mv[_PREAMBLE.size:_PREAMBLE.size + hlen]))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise TensorFormatError(f"named tensors: the header is not JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise TensorFormatError("named tensors: the header is not a JSON object")
-    start = _align(_PREAMBLE.size + hlen)
-    data_len = max(0, n - start)
-    out: dict[str, np.ndarray] = {}
-    for name, entry in header.items():
-        dtype, shape, offset, nbytes = _check_entry(name, entry)
-        if offset + nbytes > data_len:
-            raise TensorFormatError(
-                f"named tensors: {name!r} (data bytes {offset}..{offset + nbytes}) lies outside the "
-                f"value's {data_len} bytes of data"
-            )
-        count = math.prod(shape)
-        if count == 0:
-            a = np.zeros(shape, dtype=dtype)
-        else:
-            a = np.frombuffer(mv, dtype=dtype, count=count, offset=start + offset).reshape(shape)
-        a.flags.writeable = False
-        out[name] = a
-    return out
-
-
-def _is_int(v: Any) -> TypeGuard[int]:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _check_entry(name: str, entry: Any) -> tuple[np.dtype[Any], list[int], int, int]:
-    """One header entry, checked: (dtype, shape, offset, nbytes)."""
-    what = f"named tensors: {name!r}"
-    if not isinstance(entry, dict):
-        raise TensorFormatError(f"{what}: the entry is not an object")
-    dtype = entry.get("dtype")
-    if dtype not in TENSOR_DTYPES:
-        raise TensorFormatError(f"{what}: dtype {dtype!r} is not one of {', '.join(TENSOR_DTYPES)}")
-    shape = entry.get("shape")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise TensorFormatError(f"{what}: shape {shape!r} is not a list of non-negative integers")
-    offset, nbytes = entry.get("offset"), entry.get("nbytes")
-    if not _is_int(offset) or offset < 0 or offset % ALIGN:
-        raise TensorFormatError(f"{what}: offset {offset!r} is not a non-negative multiple of {ALIGN}")
-    dt = np.dtype(dtype).newbyteorder("<")
-    if not _is_int(nbytes) or nbytes != math.prod(shape) * dt.itemsize:
-        raise TensorFormatError(
-            f"{what}: nbytes {nbytes!r} is not prod(shape) x itemsize = {math.prod(shape) * dt.itemsize}"
-        )
-    return dt, shape, offset, nbytes
 
 
 def encode_value(value: Value, content_type: str | None = None) -> tuple[list[bytes | memoryview], str]:
@@ -225,20 +84,6 @@ def encode_value(value: Value, content_type: str | None = None) -> tuple[list[by
     raise StoreBadRequest(
         f"cannot store a {type(value).__name__}: give bytes, str, a numpy array or a dict of numpy arrays"
     )
-
-
-def guess_content_type(head: bytes, name: str | None = None) -> str:
-    """The content type of a file: named tensors by their magic, else what
-    its name says (``notes.txt``: text/plain), else octets."""
-    if head[:4] == _MAGIC:
-        return TENSORS
-    if name:
-        import mimetypes
-
-        guessed, encoding = mimetypes.guess_type(name)
-        if guessed and encoding is None:
-            return f"{guessed}; charset=utf-8" if guessed.startswith("text/") else guessed
-    return OCTETS
 
 
 # --- what the node answers -----------------------------------------------------
@@ -370,71 +215,16 @@ def map_blob(path: str, size: int) -> memoryview | None:
     return memoryview(m)
 
 
-# --- errors ----------------------------------------------------------------------
-
-_BY_KIND: dict[str, type[StoreError]] = {
-    "not_found": StoreNotFound,
-    "conflict": StoreConflict,
-    "gone": StoreGone,
-    "bad_request": StoreBadRequest,
-    "bad_input": StoreBadRequest,
-    "payload_too_large": StoreBadRequest,
-    "unauthorized": StoreUnauthorized,
-    "forbidden": StoreUnauthorized,
-    "unavailable": StoreUnavailable,
-    "store_unavailable": StoreUnavailable,
-    "shutting_down": StoreUnavailable,
-    "overloaded": StoreUnavailable,
-}
-_BY_STATUS: dict[int, type[StoreError]] = {
-    400: StoreBadRequest, 401: StoreUnauthorized, 403: StoreUnauthorized, 404: StoreNotFound,
-    409: StoreConflict, 410: StoreGone, 413: StoreBadRequest, 429: StoreUnavailable, 503: StoreUnavailable,
-}
-
-
-def error_from_response(status: int, kind: str | None, raw: builtins.bytes, key: str | None = None) -> StoreError:
-    """The exception for an error answer. The node's bodies are
-    ``{"error": {"kind", "message"}}`` (and the kind is also in the
-    ``x-slipstream-error-kind`` header, passed as ``kind``); the flat
-    ``{"error": message, "kind": kind}`` is read too. A conflict's
-    ``current`` may sit at either level."""
-    message: str | None = None
-    current: Any = None
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        body = None
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict):
-            kind = kind or err.get("kind")
-            message = err.get("message")
-            current = err.get("current")
-        elif isinstance(err, str):
-            message = err
-        kind = kind or body.get("kind")
-        current = body.get("current", current)
-    if not message:
-        message = raw.decode("utf-8", "replace").strip() or f"HTTP {status}"
-    message = " ".join(str(message).split())  # one line
-    cls = _BY_KIND.get(kind or "") or _BY_STATUS.get(status, StoreError)
-    if cls is StoreConflict:
-        if not _is_int(current):  # the node's message names it: "..., the key is at 7"
-            m = re.search(r"the key is at (\d+)", message)
-            current = int(m.group(1)) if m else None
-        return StoreConflict(message, status=status, key=key, current=current)
-    return cls(message, status=status, key=key)
-
-
 # --- the client ------------------------------------------------------------------
 
-_DROPPED = (http.client.RemoteDisconnected, http.client.CannotSendRequest, ConnectionResetError,
-            ConnectionAbortedError, BrokenPipeError)
+
+def _is_int(v: Any) -> TypeGuard[int]:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 class Store:
-    """A client of one node's object store. Thread-safe: each thread keeps
-    its own keep-alive connection.
+    """A client of one node's object store. Thread-safe: threads share its
+    keep-alive connections.
 
     ``url`` defaults to ``$SLIPSTREAM_NODE_URL`` (set in workers), else
     http://127.0.0.1:8000; ``token`` (the node's admin token, needed for
@@ -444,18 +234,14 @@ class Store:
 
     def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 30.0):
         self.url = (url or os.environ.get("SLIPSTREAM_NODE_URL") or DEFAULT_URL).rstrip("/")
-        parts = urllib.parse.urlsplit(self.url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise StoreBadRequest(f"a node URL looks like http://127.0.0.1:8000, got {self.url!r}")
-        self._https = parts.scheme == "https"
-        self._host = parts.hostname
-        self._port = parts.port
-        self._base = parts.path.rstrip("/")
+        try:
+            self._http = Transport(self.url)
+        except BadRequest:
+            raise StoreBadRequest(f"a node URL looks like http://127.0.0.1:8000, got {self.url!r}") from None
         if token is None:
             token = os.environ.get("SLIPSTREAM_STORE_TOKEN") or os.environ.get("SLIPSTREAM_ADMIN_TOKEN") or None
         self.token = token
         self.timeout = float(timeout)
-        self._local = threading.local()
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -493,8 +279,8 @@ class Store:
             mapped = map_blob(meta.path, meta.size)
             if mapped is not None:
                 return Object(meta, mapped, meta.path)
-        resp = self._open("GET", _object_path(key), query={"version": meta.version}, key=key)
-        buf = self._read_aligned(resp)
+        resp = self._send("GET", _object_path(key), query={"version": meta.version}, key=key, aligned=True)
+        buf = resp.body.toreadonly()
         return Object(replace(meta, size=len(buf)), buf)
 
     def delete(self, key: str, *, if_version: int | None = None) -> Version:
@@ -562,111 +348,33 @@ class Store:
         return reply
 
     def close(self) -> None:
-        """Close this thread's connection (others close with their threads)."""
-        conn = getattr(self._local, "conn", None)
-        self._local.conn = None
-        if conn is not None:
-            conn.close()
+        """Close the idle connections (those in use close when their request returns)."""
+        self._http.close()
 
     # -- HTTP
 
-    def _connection(self) -> http.client.HTTPConnection:
-        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
-        if conn is None:
-            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-            conn = cls(self._host, self._port, timeout=self.timeout)
-            self._local.conn = conn
-        return conn
-
-    def _open(self, method: str, path: str, *, query: Mapping[str, Any] | None = None,
-              body: Sequence[builtins.bytes | memoryview] | None = None, headers: Mapping[str, str] | None = None,
-              timeout: float | None = None, key: str | None = None) -> http.client.HTTPResponse:
-        """Send a request and return the response of a success (its body
-        unread: the caller reads all of it), or raise the mapped error."""
-        # %20 for a space: the node keeps '+' as it is (keys may hold it).
-        target = self._base + path + ("?" + urllib.parse.urlencode(query, quote_via=urllib.parse.quote) if query else "")
-        wait = self.timeout if timeout is None else timeout
-        for attempt in (0, 1):
-            conn = self._connection()
-            reused = conn.sock is not None
-            try:
-                conn.timeout = wait
-                if conn.sock is not None:
-                    conn.sock.settimeout(wait)
-                conn.putrequest(method, target, skip_accept_encoding=True)
-                if self.token:
-                    conn.putheader("Authorization", f"Bearer {self.token}")
-                for k, v in (headers or {}).items():
-                    conn.putheader(k, v)
-                size = sum(len(p) for p in body or ())
-                if body is not None:
-                    conn.putheader("Content-Length", str(size))
-                if size < 2000:  # one packet with the headers
-                    conn.endheaders(b"".join(body or ()))
-                else:
-                    conn.endheaders()
-                    for part in body or ():
-                        conn.send(part)
-                resp = conn.getresponse()
-                break
-            except _DROPPED as e:
-                # A keep-alive connection the node closed while idle: open a
-                # new one and send again, once.
-                self.close()
-                if reused and attempt == 0:
-                    continue
-                raise StoreUnavailable(f"the node at {self.url} closed the connection ({e})", key=key) from None
-            except TimeoutError:
-                self.close()
-                raise StoreUnavailable(f"no answer from {self.url} within {wait:g} s", key=key) from None
-            except OSError as e:
-                self.close()
-                raise StoreUnavailable(f"no node answers at {self.url} ({e}); is `slipstream serve` running?",
-                                       key=key) from None
+    def _send(self, method: str, path: str, *, query: Mapping[str, Any] | None = None,
+              body: Sequence[builtins.bytes | memoryview] = (), headers: Mapping[str, str] | None = None,
+              timeout: float | None = None, key: str | None = None, aligned: bool = False) -> Response:
+        """Send a request; the answer of a success, else the mapped error."""
+        if self.token:
+            headers = {**(headers or {}), "Authorization": f"Bearer {self.token}"}
+        try:
+            resp = self._http.request(method, path, query=query, headers=headers, body=body, aligned=aligned,
+                                      timeout=self.timeout if timeout is None else timeout)
+        except (Unreachable, ClientTimeout) as e:
+            raise StoreUnavailable(str(e), key=key) from None
         if resp.status >= 300:
-            raw = self._read_all(resp)
-            raise error_from_response(resp.status, resp.getheader("x-slipstream-error-kind"), raw, key)
+            raise error_from_response(resp.status, resp.headers, resp.body, tree=StoreError, key=key)
         return resp
 
     def _json(self, method: str, path: str, **kw: Any) -> Any:
-        resp = self._open(method, path, **kw)
-        raw = self._read_all(resp)
+        resp = self._send(method, path, **kw)
         try:
-            return json.loads(raw)
+            return json.loads(bytes(resp.body))
         except ValueError:
             raise StoreError(f"the node answered {method} {path} with something not JSON", status=resp.status,
                              key=kw.get("key")) from None
-
-    def _read_all(self, resp: http.client.HTTPResponse) -> builtins.bytes:
-        try:
-            return resp.read()
-        except (http.client.HTTPException, OSError) as e:
-            self.close()
-            raise StoreUnavailable(f"the answer from {self.url} broke off ({e})") from None
-
-    def _read_aligned(self, resp: http.client.HTTPResponse) -> memoryview:
-        """The response body in a 64-byte aligned, read-only buffer."""
-        n = resp.length
-        if n is None:  # not sized: read it whole
-            return memoryview(self._read_all(resp))
-        raw = np.empty(n + ALIGN, dtype=np.uint8)
-        start = (-raw.ctypes.data) % ALIGN
-        view = raw[start:start + n]
-        target = view.data
-        got = 0
-        try:
-            while got < n:
-                k = resp.readinto(target[got:])
-                if not k:
-                    raise http.client.IncompleteRead(b"", n - got)
-                got += k
-            if not resp.isclosed():  # an empty body: finish the response so the connection can be reused
-                resp.read()
-        except (http.client.HTTPException, OSError) as e:
-            self.close()
-            raise StoreUnavailable(f"the answer from {self.url} broke off after {got} of {n} bytes ({e})") from None
-        view.flags.writeable = False
-        return view.data
 
 
 def _quote(key: str) -> str:

@@ -7,11 +7,21 @@ errors from the node come back as one line (exit status 1).
 from __future__ import annotations
 
 import argparse
+import io
 import os
+import stat
 import sys
 import time
+import zipfile
+from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+
+from slipstream._internal.keys import check_key
+from slipstream._internal.named_tensors import TENSORS, guess_content_type
+from slipstream._internal.store import Store, map_blob
 
 
 def fail(msg: str, code: int = 1) -> int:
@@ -19,9 +29,8 @@ def fail(msg: str, code: int = 1) -> int:
     print(f"slipstream: error: {msg}", file=sys.stderr)
     return code
 
-def _store(a: argparse.Namespace) -> Any:
-    from slipstream._internal.store import Store
 
+def _store(a: argparse.Namespace) -> Store:
     return Store(a.url, a.token)
 
 
@@ -42,8 +51,6 @@ def _unix_time(text: str) -> float:
         return float(text)
     except ValueError:
         pass
-    from datetime import datetime
-
     try:
         return datetime.fromisoformat(text).timestamp()
     except ValueError:
@@ -52,10 +59,6 @@ def _unix_time(text: str) -> float:
 
 def _read_input(path: str) -> memoryview:
     """A file's bytes (memory-mapped, not copied) or stdin's (``-``)."""
-    import stat
-
-    from slipstream._internal.store import map_blob
-
     if path == "-":
         return memoryview(sys.stdin.buffer.read())
     st = os.stat(path)
@@ -69,11 +72,6 @@ def _read_input(path: str) -> memoryview:
 
 def _read_npz(path: str) -> dict[str, Any]:
     """The arrays of an .npz file (or one .npy array, as "value")."""
-    import io
-    import zipfile
-
-    import numpy as np
-
     try:
         loaded = np.load(io.BytesIO(sys.stdin.buffer.read()) if path == "-" else path, allow_pickle=False)
         if isinstance(loaded, np.ndarray):
@@ -85,8 +83,6 @@ def _read_npz(path: str) -> dict[str, Any]:
 
 
 def cmd_put(a: argparse.Namespace) -> int:
-    from slipstream._internal.store import TENSORS, check_key, guess_content_type
-
     check_key(a.key, write=True)
     try:
         if a.npz:
@@ -105,8 +101,6 @@ def cmd_put(a: argparse.Namespace) -> int:
 
 
 def cmd_get(a: argparse.Namespace) -> int:
-    from slipstream._internal.store import TENSORS
-
     obj = _store(a).get(a.key, version=a.version, as_of=a.as_of)
     what = f"{obj.key} version {obj.version} ({_size(obj.size)}, {obj.content_type}, {_when(obj.timestamp)})"
     if a.output:

@@ -41,6 +41,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from slipstream._internal.dtypes import DTYPES
+
 
 class OwnPool(Protocol):
     """What ``host_output`` needs of the worker's pools."""
@@ -99,8 +101,6 @@ def host_output(name: str, value: Any, pools: OwnPool) -> tuple[np.ndarray, tupl
     """A returned torch tensor as a numpy array, and ``(offset, nbytes)`` of
     the block of the replica's pool it was copied into (a GPU tensor), or
     None when it is a view of the tensor's own memory (a CPU tensor)."""
-    from slipstream._internal.api import DTYPES
-
     t = value.detach()
     # Only the dtypes the node serves: numpy may know more (ml_dtypes adds
     # bfloat16 to numpy, but torch's .numpy() still refuses it).

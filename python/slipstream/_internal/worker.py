@@ -40,8 +40,9 @@ import numpy as np
 
 from slipstream import _core
 from slipstream._internal import groups, protocol, tensors
-from slipstream._internal.api import DTYPES, VAR_DTYPES, Batch
+from slipstream._internal.api import Batch
 from slipstream._internal.app import load_pipelines, store_pools
+from slipstream._internal.dtypes import DTYPES, VAR_DTYPES
 from slipstream._internal.needs import Replica, loaded_versions
 from slipstream._internal.varlen import decode_var, encode_var, var_kind
 
