@@ -27,6 +27,7 @@ lint: setup
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 	$(VENV)/bin/ruff check python tests examples bench scripts
 	$(PY) scripts/check_imports.py python python/slipstream
+	$(PY) scripts/check_imports.py rust crates
 	$(VENV)/bin/mypy
 	$(PY) -m mypy.stubtest slipstream._core
 
