@@ -50,7 +50,7 @@ async fn operator_scaling_and_autoscale_ticks_never_overshoot() {
     let ticks = {
         let (node, auto, pipe) = (node.clone(), auto.clone(), pipe.clone());
         tokio::task::spawn_blocking(move || {
-            for _ in 0..400 {
+            for _ in 0..5000 {
                 pipe.metrics.admitted.fetch_add(10, Relaxed);
                 auto.tick(&node, 0.1);
             }
@@ -59,7 +59,7 @@ async fn operator_scaling_and_autoscale_ticks_never_overshoot() {
     let operator = {
         let node = node.clone();
         tokio::task::spawn_blocking(move || {
-            for i in 0..400 {
+            for i in 0..5000 {
                 let want = if i % 2 == 0 { 3 } else { 1 };
                 let c = node.scale("p", "a", want).unwrap();
                 assert_eq!(c.to, want, "the scale's own count");
