@@ -349,7 +349,7 @@ impl Store {
                         stopped = g;
                         if !*stopped {
                             if let Err(e) = inner.collect_aged() {
-                                eprintln!("slipstream: store retention failed: {e}");
+                                tracing::warn!("store retention failed: {e}");
                             }
                         }
                     }
