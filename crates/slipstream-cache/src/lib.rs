@@ -357,24 +357,7 @@ fn compare(versions: &Versions, newest: &Versions) -> Age {
 mod tests {
     use super::*;
     use slipstream_core::arena::Arena;
-
-    struct Dir(std::path::PathBuf);
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-
-    fn arena() -> (Arena, Dir) {
-        let d = std::env::temp_dir().join(format!("ss-cache-{}-{}", std::process::id(), rand()));
-        std::fs::create_dir_all(&d).unwrap();
-        (Arena::new(d.clone(), 1 << 20).unwrap(), Dir(d))
-    }
-
-    fn rand() -> u64 {
-        use std::hash::{BuildHasher, RandomState};
-        RandomState::new().hash_one(0u8)
-    }
+    use slipstream_core::testing::temp_arena as arena;
 
     fn tensors(arena: &Arena, name: &str, vals: &[f32]) -> Tensors {
         let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();

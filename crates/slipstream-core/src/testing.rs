@@ -140,26 +140,50 @@ impl Launcher for FakeLauncher {
     }
 }
 
+/// A temporary directory, removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    /// A new, empty directory.
+    pub fn new() -> TempDir {
+        use std::hash::{BuildHasher, RandomState};
+        let d =
+            std::env::temp_dir().join(format!("ss-test-{}-{:x}", std::process::id(), RandomState::new().hash_one(1u8)));
+        std::fs::create_dir_all(&d).expect("temporary directory");
+        TempDir(d)
+    }
+}
+
+impl Default for TempDir {
+    fn default() -> Self {
+        TempDir::new()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// An arena (a 1 MiB ingress pool) in a temporary directory.
+pub fn temp_arena() -> (Arena, TempDir) {
+    let dir = TempDir::new();
+    (Arena::new(dir.0.clone(), 1 << 20).expect("arena"), dir)
+}
+
 /// A node over fake replicas, in temporary directories removed on drop.
 pub struct TestNode {
     /// The node.
     pub node: Arc<Node>,
     stop: watch::Sender<bool>,
-    dir: PathBuf,
+    _dir: TempDir,
 }
 
 impl Drop for TestNode {
     fn drop(&mut self) {
         let _ = self.stop.send(true);
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
-}
-
-fn temp_dir() -> PathBuf {
-    use std::hash::{BuildHasher, RandomState};
-    let d = std::env::temp_dir().join(format!("ss-test-{}-{:x}", std::process::id(), RandomState::new().hash_one(1u8)));
-    std::fs::create_dir_all(&d).expect("temporary directory");
-    d
 }
 
 impl TestNode {
@@ -173,9 +197,9 @@ impl TestNode {
             v["worker_argv"] = serde_json::json!([]);
         }
         let app: AppSpec = serde_json::from_value(v).expect("an app spec");
-        let dir = temp_dir();
+        let dir = TempDir::new();
         let opts = NodeOptions {
-            shm_dir: dir.join("shm"),
+            shm_dir: dir.0.join("shm"),
             ingress_pool_bytes: 64 << 20,
             replica_pool_bytes: 8 << 20,
             ..NodeOptions::default()
@@ -200,7 +224,7 @@ impl TestNode {
             })
             .collect();
         let store =
-            slipstream_store::Store::open(slipstream_store::StoreOptions::new(dir.join("store"))).expect("store");
+            slipstream_store::Store::open(slipstream_store::StoreOptions::new(dir.0.join("store"))).expect("store");
         let (stop, stop_rx) = watch::channel(false);
         let node = Node::new(NodeParts {
             pipelines,
@@ -217,7 +241,7 @@ impl TestNode {
             rx.await.expect("replica task").unwrap_or_else(|e| panic!("{stage} did not start: {e}"));
         }
         node.mark_serving();
-        TestNode { node, stop, dir }
+        TestNode { node, stop, _dir: dir }
     }
 
     /// [`TestNode::with`] without hooks or joins.

@@ -366,26 +366,15 @@ pub async fn run(history: Arc<History>, node: Arc<Node>, mut stop: tokio::sync::
 #[cfg(test)]
 mod tests {
     use super::*;
-    use slipstream_core::arena::Arena;
     use slipstream_core::pipeline::{BuildContext, PipelineBuilder};
+    use slipstream_core::testing::{temp_arena, TempDir};
     use slipstream_core::AppSpec;
     use std::sync::atomic::Ordering::Relaxed;
-
-    struct Dir(std::path::PathBuf);
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
 
     /// A real two-stage pipeline with three replicas a stage whose tasks
     /// never start: its counters, histograms and replica sets are what the
     /// sampler reads.
-    fn pipeline() -> (Arc<PipelineRt>, Dir) {
-        use std::hash::{BuildHasher, RandomState};
-        let dir =
-            std::env::temp_dir().join(format!("ss-hist-{}-{:x}", std::process::id(), RandomState::new().hash_one(1)));
-        std::fs::create_dir_all(&dir).unwrap();
+    fn pipeline() -> (Arc<PipelineRt>, TempDir) {
         let app: AppSpec = serde_json::from_str(
             r#"{"worker_argv": [], "pipelines": [{"name": "p", "inputs": {"x": {"dtype": "float32", "shape": [-1, 2]}},
                 "slo": {"p99_ms": 50},
@@ -393,7 +382,8 @@ mod tests {
                            {"name": "b", "component": "B", "parents": ["a"], "replicas": 3}]}]}"#,
         )
         .unwrap();
-        let arena = Arc::new(Arena::new(dir.clone(), 1 << 20).unwrap());
+        let (arena, dir) = temp_arena();
+        let arena = Arc::new(arena);
         let cx = BuildContext {
             app: &app,
             arena: &arena,
@@ -402,7 +392,7 @@ mod tests {
             epoch: Instant::now(),
             start_replicas: true,
         };
-        (PipelineBuilder::new(&app.pipelines[0], &cx).unwrap().build(), Dir(dir))
+        (PipelineBuilder::new(&app.pipelines[0], &cx).unwrap().build(), dir)
     }
 
     #[test]

@@ -536,6 +536,7 @@ fn unit(x: u64) -> f64 {
 mod tests {
     use super::*;
     use slipstream_core::arena::Arena;
+    use slipstream_core::testing::temp_arena as arena;
 
     fn spec(policy: Policy) -> SelectSpec {
         SelectSpec {
@@ -547,21 +548,6 @@ mod tests {
             eta: None,
             gamma: None,
         }
-    }
-
-    struct Dir(std::path::PathBuf);
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-
-    fn arena() -> (Arena, Dir) {
-        use std::hash::{BuildHasher, RandomState};
-        let d =
-            std::env::temp_dir().join(format!("ss-select-{}-{}", std::process::id(), RandomState::new().hash_one(1u8)));
-        std::fs::create_dir_all(&d).unwrap();
-        (Arena::new(d.clone(), 1 << 20).unwrap(), Dir(d))
     }
 
     fn labels(arena: &Arena, ls: &[i64], proba: Option<(usize, &[f32])>) -> Tensors {
