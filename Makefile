@@ -6,12 +6,12 @@ PY := $(VENV)/bin/python
 CARGO ?= $(shell command -v cargo 2>/dev/null || echo $$HOME/.cargo/bin/cargo)
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup build lint test test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-cluster bench-plan bench-grpc bench-stream bench-gpu bench-clipper bench-espn data data-small demo clean fmt
+.PHONY: setup build lint test test-services test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-cluster bench-plan bench-grpc bench-stream bench-gpu bench-clipper bench-espn data data-small demo clean fmt
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Cargo.toml Cargo.lock $(shell find crates python -name '*.rs' -o -name '*.py' -o -name 'Cargo.toml' 2>/dev/null)
-	@scripts/bootstrap.sh
+	@scripts/bootstrap.sh build
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "maturin>=1.8,<2"
@@ -31,10 +31,24 @@ lint: setup
 	$(VENV)/bin/mypy
 	$(PY) -m mypy.stubtest slipstream._core
 
-test: setup test-rust test-fuzz test-py
+# Every test: the Rust tests (the fuzz test among them for FUZZ_SECS, on a
+# new seed each run) beside the Python tests.
+FUZZ_SEED ?= $(shell date +%s)
+test: setup test-services
+	@SLIPSTREAM_FUZZ_SECS=$(FUZZ_SECS) SLIPSTREAM_FUZZ_SEED=$(FUZZ_SEED) $(MAKE) --no-print-directory \
+		-j2 --output-sync=target -o $(VENV)/.installed test-rust test-py
 
-test-rust:
-	$(CARGO) test --workspace --exclude slipstream-py --locked --quiet
+# The programs the tests start: etcd, Prometheus, headless Chromium, espeak-ng, ip.
+test-services:
+	@scripts/bootstrap.sh test
+
+# The test binaries are built at the lowest CPU priority: beside the Python
+# tests (which mostly wait) the build takes the CPU they leave idle. Cargo
+# gets no MAKEFLAGS: under `make -j` it names a jobserver that only
+# recursive makes are handed.
+test-rust: test-services
+	MAKEFLAGS= nice -n 19 $(CARGO) test --workspace --exclude slipstream-py --locked --quiet --no-run
+	MAKEFLAGS= $(CARGO) test --workspace --exclude slipstream-py --locked --quiet
 
 # The request decoders against a minute of mutated requests (corpus in
 # crates/slipstream-core/fuzz/corpus; the test's docs say how to grow it).
@@ -42,8 +56,12 @@ FUZZ_SECS ?= 60
 test-fuzz:
 	SLIPSTREAM_FUZZ_SECS=$(FUZZ_SECS) $(CARGO) test -p slipstream-core --test fuzz_codec --locked -- --nocapture
 
-test-py: setup
-	$(VENV)/bin/pytest -q tests
+# pytest-xdist workers: more than the cores, as the integration tests mostly
+# wait (nodes starting, deadlines, sleeps); each module runs whole on one
+# worker (--dist loadscope), so its module-scoped nodes start once.
+PYTEST_WORKERS ?= 3
+test-py: setup test-services
+	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadscope tests
 
 demo: setup
 	$(PY) examples/demo.py

@@ -66,14 +66,20 @@ component's own compute) and the copy counters; measured with
 Start-up: ``Search`` computes the 12 planted vectors (MiniLM + ViT in its
 own process) before it reports ready: the node is ready in ~9 s on the
 loaded dev machine (recsys: under 2 s).
+
+The SLO is a p99 of 500 ms; ``MULTIMODAL_SLO_MS`` sets another (the
+integration test loosens it: it checks answers, not latency).
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import slipstream as ss
 from models import vit
 
+SLO_MS = float(os.environ.get("MULTIMODAL_SLO_MS", "500"))
 TOKENS = 32  # text tokens per query (MiniLM wordpieces incl. [CLS] and [SEP])
 TEXT_DIM = 384
 QUERY_DIM = 128
@@ -291,5 +297,5 @@ multimodal = ss.Pipeline(
     [TextEncoder, VisionEncoder] >> CrossAttention >> Search,
     inputs=INPUTS,
     outputs={"ids": ss.Tensor("int64", (-1, TOP_K)), "scores": ss.Tensor("float32", (-1, TOP_K))},
-    slo=ss.SLO(p99_ms=500),
+    slo=ss.SLO(p99_ms=SLO_MS),
 )

@@ -1,31 +1,71 @@
 #!/usr/bin/env bash
-# Install what building and testing Slipstream needs on a fresh Debian/Ubuntu
-# machine: a C toolchain, Python's venv module, espeak-ng, etcd, iproute2, and
-# Rust (via rustup) if cargo is missing.
+# Install the system packages that a make target needs on a fresh
+# Debian/Ubuntu machine, and no others:
+#
+#   scripts/bootstrap.sh build   what building the package needs (`make setup`,
+#                                so `make demo` too): a C toolchain, Python's
+#                                venv module, curl and CA certificates for
+#                                rustup, and Rust itself
+#   scripts/bootstrap.sh test    the programs the tests start (`make test`)
+#
+# What is already there is skipped; each group still missing is printed on
+# one line with the reason it is needed, then apt installs them all at once
+# with --no-install-recommends (recommended packages, e.g. Chromium's
+# printing and desktop stack, are never needed here).
 set -euo pipefail
-need_apt=()
-command -v cc >/dev/null 2>&1 || need_apt+=(build-essential)
-python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need_apt+=(python3-venv)
-command -v curl >/dev/null 2>&1 || need_apt+=(curl)
-# The AudioQuery example speaks with espeak-ng (a Debian package).
-command -v espeak-ng >/dev/null 2>&1 || need_apt+=(espeak-ng)
-# Clusters run on etcd; the cluster tests start real etcd members and put
-# nodes in network namespaces (ip, tc from iproute2).
-command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
-command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
-# The dashboard's test loads /dashboard in a headless Chromium.
-command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
-# tests/integration/test_prometheus.py scrapes a node with a real Prometheus.
-command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)
-if [ ${#need_apt[@]} -gt 0 ]; then
-  if command -v apt-get >/dev/null 2>&1; then
-    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-    $SUDO apt-get update -q && $SUDO apt-get install -y -q "${need_apt[@]}"
-  else
-    echo "bootstrap: please install: ${need_apt[*]}" >&2; exit 1
+
+packages=()  # to install
+reasons=()   # one line per group: its packages and why
+
+has() { command -v "$1" >/dev/null 2>&1; }
+
+# want WHY CHECK PACKAGE...: add the packages unless the command CHECK succeeds.
+want() {
+  local why=$1 check=$2
+  shift 2
+  if ! eval "$check" >/dev/null 2>&1; then
+    packages+=("$@")
+    reasons+=("  $*: $why")
   fi
+}
+
+[ $# -gt 0 ] || { echo "usage: scripts/bootstrap.sh build|test..." >&2; exit 2; }
+for target in "$@"; do
+  case $target in
+    build)
+      want "a C toolchain links the Rust extension" "has cc" build-essential
+      want "Python's venv module makes .venv" "python3 -c 'import venv, ensurepip'" python3-venv
+      want "rustup is fetched over HTTPS" "has curl && test -s /etc/ssl/certs/ca-certificates.crt" \
+        curl ca-certificates
+      ;;
+    test)
+      want "the cluster tests start real etcd members" "has etcd" etcd-server
+      want "the partition test puts a node in a network namespace (ip netns)" "has ip" iproute2
+      want "test_dashboard.py loads /dashboard in headless Chromium" "has chromium || has chromium-browser" chromium
+      want "test_prometheus.py scrapes a node with a real Prometheus" "has prometheus" prometheus
+      want "the AudioQuery tests speak their questions" "has espeak-ng" espeak-ng
+      ;;
+    *)
+      echo "bootstrap: unknown target '$target' (known: build, test)" >&2
+      exit 2
+      ;;
+  esac
+done
+
+if [ ${#packages[@]} -gt 0 ]; then
+  echo "bootstrap ($*): installing, without recommended packages:"
+  printf '%s\n' "${reasons[@]}"
+  if ! has apt-get; then
+    echo "bootstrap: no apt-get here; please install: ${packages[*]}" >&2
+    exit 1
+  fi
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -q
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${packages[@]}"
 fi
-if ! command -v cargo >/dev/null 2>&1 && [ ! -x "$HOME/.cargo/bin/cargo" ]; then
-  echo "bootstrap: installing Rust with rustup" >&2
+
+if [[ " $* " == *" build "* ]] && ! has cargo && [ ! -x "$HOME/.cargo/bin/cargo" ]; then
+  echo "bootstrap (build): installing Rust with rustup: the node and the extension are Rust"
   curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal -c clippy,rustfmt
 fi

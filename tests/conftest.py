@@ -1,6 +1,13 @@
 """Shared fixtures: a real node (`slipstream serve`) with real worker
 processes on a free port (``slipstream.testing.Node``), talked to over HTTP.
-``Node`` and ``wait_for`` are imported from here by the tests."""
+``Node`` and ``wait_for`` are imported from here by the tests.
+
+Parallel runs: `make test` runs pytest-xdist workers with ``--dist
+loadscope``: a module's tests run one after another on one worker, so its
+module-scoped nodes start once, while other modules run beside it. Any
+test may share the machine with any other: every node and service takes a
+free port, and data built on first use is built under a lock
+(``examples/models``)."""
 
 from __future__ import annotations
 

@@ -16,12 +16,16 @@ Import them with ``examples/`` on ``sys.path`` (an app file under
 
 Everything built (the .onnx graph, the corpus, embeddings, indexes) goes
 under the data directory: ``$SLIPSTREAM_DATA``, by default ``<repo>/data``
-(gitignored).
+(gitignored). Builds that write resumable partial files (embeddings, token
+files) run under :func:`build_lock`, one process at a time.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -44,3 +48,17 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+@contextmanager
+def build_lock(name: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``<data>/.<name>.lock`` for the block.
+
+    Processes that start at once (nodes serving the same example, tests run
+    in parallel) would otherwise write the same partial files of a
+    resumable build together. Under the lock the first one builds; the
+    others wait, then find the result built. The kernel drops the lock if
+    its holder dies, so a killed build leaves no stale lock."""
+    with open(data_dir() / f".{name}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield

@@ -1204,33 +1204,35 @@ def ensure_tokens(index_dir: Path, threads: int = 2, batch_size: int = 16, progr
     """The token file of a RAG index directory (``<index_dir>/tokens.bin``:
     the passages the index holds), built if missing or stale: copied out of
     the full corpus' file when that one is built and current, else encoded
-    (resumable; minutes per thousands of passages on two cores)."""
-    from . import corpus, minilm, vindex
+    (resumable; minutes per thousands of passages on two cores), one
+    process at a time (``build_lock``)."""
+    from . import build_lock, corpus, minilm, vindex
 
     index_dir = Path(index_dir)
-    ids = vindex.indexed_ids(index_dir)
-    passages = corpus.load_passages()
-    if len(ids) and int(ids.max()) >= len(passages):
-        raise TokenFileError(f"{index_dir} holds passage ids past the corpus ({len(passages)} passages): "
-                             "rebuild the index (scripts/prepare_rag.py --force)")
-    texts = [passages[int(i)].text for i in ids]
-    key = token_key(minilm.MAX_LENGTH)
-    fp = fingerprint(ids, texts, key)
-    out = index_dir / TOKENS_FILE
-    if out.is_file() and read_header_fingerprint(out) == fp:
-        return TokenFile(out)
-    full = vindex.rag_index_dir(None) / TOKENS_FILE
-    if full != out and full.is_file():
-        all_ids = np.arange(len(passages), dtype=np.int64)
-        if read_header_fingerprint(full) == fingerprint(all_ids, [p.text for p in passages], key):
-            log(f"late: tokens of {len(ids)} passages copied from {full}")
-            return extract_token_file(TokenFile(full), ids, out, fp)
-    log(f"late: encoding the tokens of {len(ids)} passages -> {out}")
-    enc = minilm.TokenEncoder(threads=threads, batch_size=batch_size)
-    t0 = time.monotonic()
-    tf = build_token_file(ids, texts, out, enc, key, label="late: tokens", progress=progress)
-    log(f"late: {tf} in {time.monotonic() - t0:.0f}s")
-    return tf
+    with build_lock("tokens"):
+        ids = vindex.indexed_ids(index_dir)
+        passages = corpus.load_passages()
+        if len(ids) and int(ids.max()) >= len(passages):
+            raise TokenFileError(f"{index_dir} holds passage ids past the corpus ({len(passages)} passages): "
+                                 "rebuild the index (scripts/prepare_rag.py --force)")
+        texts = [passages[int(i)].text for i in ids]
+        key = token_key(minilm.MAX_LENGTH)
+        fp = fingerprint(ids, texts, key)
+        out = index_dir / TOKENS_FILE
+        if out.is_file() and read_header_fingerprint(out) == fp:
+            return TokenFile(out)
+        full = vindex.rag_index_dir(None) / TOKENS_FILE
+        if full != out and full.is_file():
+            all_ids = np.arange(len(passages), dtype=np.int64)
+            if read_header_fingerprint(full) == fingerprint(all_ids, [p.text for p in passages], key):
+                log(f"late: tokens of {len(ids)} passages copied from {full}")
+                return extract_token_file(TokenFile(full), ids, out, fp)
+        log(f"late: encoding the tokens of {len(ids)} passages -> {out}")
+        enc = minilm.TokenEncoder(threads=threads, batch_size=batch_size)
+        t0 = time.monotonic()
+        tf = build_token_file(ids, texts, out, enc, key, label="late: tokens", progress=progress)
+        log(f"late: {tf} in {time.monotonic() - t0:.0f}s")
+        return tf
 
 
 def query_embeddings(texts: Sequence[str], out: Path, threads: int = 2, max_tokens: int = 32,

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from . import data_dir
+from . import build_lock, data_dir
 
 INDEX_FILE = "index.faiss"
 META_FILE = "index.json"
@@ -362,56 +362,59 @@ def prepare(small: int | None = None, threads: int = 2, batch_size: int = 8, for
     """corpus -> ONNX -> embeddings -> index, each step skipped when its
     output is already there (``force`` rebuilds the index). ``small`` builds
     a slice of that many passages instead of the full corpus. Returns the
-    index directory."""
+    index directory. One process at a time (``build_lock``): builds share
+    the corpus, apt's lists and the query embeddings' partial files."""
     from . import corpus, minilm
 
-    t0 = time.monotonic()
-    corpus.build()
-    passages = corpus.load_passages()
-    queries = corpus.load_queries()
-    out_dir = rag_index_dir(small)
-    if is_built(out_dir) and not force:
-        meta = json.loads((out_dir / META_FILE).read_text())
-        if meta.get("corpus") == corpus_key(passages):
-            log(f"rag: index ready in {out_dir} ({meta['n']} passages, nprobe {meta['nprobe']})")
-            return out_dir
-    log(f"rag: corpus {len(passages)} passages, {len(queries)} queries ({time.monotonic() - t0:.1f}s)")
-    minilm.build_onnx()
-    encoder = minilm.TextEncoder(threads=threads, batch_size=batch_size)
-    key = f"{minilm.ONNX_NAME}/max_length={encoder.max_length}"
-    rag = data_dir("rag")
-    full = rag / "embeddings.npy"
-    if small:
-        ids = slice_ids(int(small), len(passages), queries)
-        if full.is_file() and (rag / "embeddings.json").is_file() and \
-                json.loads((rag / "embeddings.json").read_text()).get("fingerprint") == \
-                _fingerprint([p.text for p in passages], key):
-            vectors = np.asarray(np.load(full, mmap_mode="r")[ids])
-            log(f"rag: slice of {len(ids)} rows taken from the full embeddings")
+    with build_lock("rag"):
+        t0 = time.monotonic()
+        corpus.build()
+        passages = corpus.load_passages()
+        queries = corpus.load_queries()
+        out_dir = rag_index_dir(small)
+        if is_built(out_dir) and not force:
+            meta = json.loads((out_dir / META_FILE).read_text())
+            if meta.get("corpus") == corpus_key(passages):
+                log(f"rag: index ready in {out_dir} ({meta['n']} passages, nprobe {meta['nprobe']})")
+                return out_dir
+        log(f"rag: corpus {len(passages)} passages, {len(queries)} queries ({time.monotonic() - t0:.1f}s)")
+        minilm.build_onnx()
+        encoder = minilm.TextEncoder(threads=threads, batch_size=batch_size)
+        key = f"{minilm.ONNX_NAME}/max_length={encoder.max_length}"
+        rag = data_dir("rag")
+        full = rag / "embeddings.npy"
+        if small:
+            ids = slice_ids(int(small), len(passages), queries)
+            if full.is_file() and (rag / "embeddings.json").is_file() and \
+                    json.loads((rag / "embeddings.json").read_text()).get("fingerprint") == \
+                    _fingerprint([p.text for p in passages], key):
+                vectors = np.asarray(np.load(full, mmap_mode="r")[ids])
+                log(f"rag: slice of {len(ids)} rows taken from the full embeddings")
+            else:
+                out_dir.mkdir(parents=True, exist_ok=True)
+                vectors = np.asarray(embed_texts([passages[i].text for i in ids], out_dir / "embeddings.npy",
+                                                 encoder, key=key, label="embed slice"))
+            n_tune = min(len(queries), max(50, int(small) // 2))
         else:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            vectors = np.asarray(embed_texts([passages[i].text for i in ids], out_dir / "embeddings.npy", encoder,
-                                             key=key, label="embed slice"))
-        n_tune = min(len(queries), max(50, int(small) // 2))
-    else:
-        ids = np.arange(len(passages), dtype=np.int64)
-        vectors = np.asarray(embed_texts([p.text for p in passages], full, encoder, key=key, label="embed corpus"))
-        n_tune = len(queries)
-    qv = np.asarray(embed_texts([q["query"] for q in queries[:n_tune]], rag / f"queries-{n_tune}.npy", encoder,
-                                key=key, label="embed queries", progress=False))
-    if small:  # tune on the queries whose right answer is in the slice
-        inside = np.isin([q["passage_id"] for q in queries[:n_tune]], ids)
-        qv = qv[inside]
-    configure_faiss(threads)
-    index = VectorIndex.build(vectors, ids)
-    nprobe = index.tune_nprobe(qv, k=10)
-    index.meta.update({"corpus": corpus_key(passages), "model": key, "small": int(small or 0),
-                       "n_corpus": len(passages)})
-    index.save(out_dir)
-    np.save(out_dir / IDS_FILE, ids)
-    log(f"rag: index {index} built in {index.meta['build_s']}s, nprobe {nprobe} "
-        f"(top-10 overlap with exact search: {index.meta['nprobe_recall_vs_exact']}) -> {out_dir}")
-    return out_dir
+            ids = np.arange(len(passages), dtype=np.int64)
+            vectors = np.asarray(embed_texts([p.text for p in passages], full, encoder, key=key,
+                                             label="embed corpus"))
+            n_tune = len(queries)
+        qv = np.asarray(embed_texts([q["query"] for q in queries[:n_tune]], rag / f"queries-{n_tune}.npy",
+                                    encoder, key=key, label="embed queries", progress=False))
+        if small:  # tune on the queries whose right answer is in the slice
+            inside = np.isin([q["passage_id"] for q in queries[:n_tune]], ids)
+            qv = qv[inside]
+        configure_faiss(threads)
+        index = VectorIndex.build(vectors, ids)
+        nprobe = index.tune_nprobe(qv, k=10)
+        index.meta.update({"corpus": corpus_key(passages), "model": key, "small": int(small or 0),
+                           "n_corpus": len(passages)})
+        index.save(out_dir)
+        np.save(out_dir / IDS_FILE, ids)
+        log(f"rag: index {index} built in {index.meta['build_s']}s, nprobe {nprobe} "
+            f"(top-10 overlap with exact search: {index.meta['nprobe_recall_vs_exact']}) -> {out_dir}")
+        return out_dir
 
 
 def corpus_key(passages: Sequence[Any]) -> str:

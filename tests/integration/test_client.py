@@ -401,35 +401,37 @@ def test_serve_blocks_and_serves_pipelines_of_main(tmp_path: Path) -> None:
             ss.serve(ss.Pipeline("neg", Negate), port=0)
             print("serve returned", flush=True)
     """))
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    try:
-        assert proc.stdout is not None
-        url = None
-        for line in proc.stdout:
-            lines.append(line)
-            m = re.search(r"listening on (http://[\d.]+:\d+)", line)
-            url = m.group(1) if m else url
-            if "ready, serving" in line:
-                break
-        assert url is not None, "".join(lines)
-        assert list(tmp.glob("slipstream-app-*/pipelines.pkl")), "the pipelines went through a bundle"
-        with ss.Client(url) as c:
-            out = c.infer("neg", {"x": np.array([1.5, -2.0])})
-            assert out["y"].dtype == np.float64 and out["y"].tolist() == [-1.5, 2.0]
-        proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=30)
-        lines.append(rest)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, "".join(lines)
-    assert "serve returned" in "".join(lines)
-    assert list(tmp.glob("slipstream-app-*")) == [], "the bundle is removed when serve returns"
+    # A short private TMPDIR: the node's worker sockets go under it too, and
+    # a socket's path must fit in 108 bytes (tmp_path under xdist may not).
+    with tempfile.TemporaryDirectory(prefix="ss-serve-") as short:
+        tmp = Path(short)
+        proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp)},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines: list[str] = []
+        try:
+            assert proc.stdout is not None
+            url = None
+            for line in proc.stdout:
+                lines.append(line)
+                m = re.search(r"listening on (http://[\d.]+:\d+)", line)
+                url = m.group(1) if m else url
+                if "ready, serving" in line:
+                    break
+            assert url is not None and "ready, serving" in lines[-1], "".join(lines)
+            assert list(tmp.glob("slipstream-app-*/pipelines.pkl")), "the pipelines went through a bundle"
+            with ss.Client(url) as c:
+                out = c.infer("neg", {"x": np.array([1.5, -2.0])})
+                assert out["y"].dtype == np.float64 and out["y"].tolist() == [-1.5, 2.0]
+            proc.send_signal(signal.SIGINT)
+            rest, _ = proc.communicate(timeout=30)
+            lines.append(rest)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == 0, "".join(lines)
+        assert "serve returned" in "".join(lines)
+        assert list(tmp.glob("slipstream-app-*")) == [], "the bundle is removed when serve returns"
 
 
 # --- torch ------------------------------------------------------------------------------

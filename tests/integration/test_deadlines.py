@@ -16,14 +16,16 @@ def pipeline_status(node: Node, name: str) -> dict:
 
 
 def test_requests_stuck_behind_a_slow_batch_are_dropped_when_late(chain_node: Node) -> None:
-    slow = threading.Thread(target=lambda: chain_node.infer("tight", x=[[1, 400]]))
+    # A 2 s batch: long enough that the four requests below arrive while it
+    # runs however busy the machine (they must wait behind it).
+    slow = threading.Thread(target=lambda: chain_node.infer("tight", x=[[1, 2000]]))
     slow.start()
     wait_for(lambda: chain_node.stage("tight", "Sleepy")["replicas"][0]["outstanding"] > 0)
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda i: chain_node.infer("tight", x=[[i, 1]]), range(4)))
     slow.join(10)
     kinds = sorted(r[1].get("error", {}).get("kind", "ok") for r in results)
-    # Each waited ~400 ms for a 150 ms SLO: dropped (504) or refused (429), never run late.
+    # Each would wait up to 2 s for a 150 ms SLO: dropped (504) or refused (429), never run late.
     assert set(kinds) <= {"deadline_exceeded", "overloaded"}, results
     st = chain_node.stage("tight", "Sleepy")
     p = pipeline_status(chain_node, "tight")
@@ -70,7 +72,8 @@ def test_client_can_ask_for_a_tighter_deadline(chain_node: Node) -> None:
 
 
 def test_declared_fallback_answers_instead_of_refusing(chain_node: Node) -> None:
-    slow = threading.Thread(target=lambda: chain_node.infer("graceful", x=[[1, 400]]))
+    # As above, a batch long enough that the request below surely waits behind it.
+    slow = threading.Thread(target=lambda: chain_node.infer("graceful", x=[[1, 2000]]))
     slow.start()
     wait_for(lambda: chain_node.stage("graceful", "Sleepy")["replicas"][0]["outstanding"] > 0)
     status, headers, raw = chain_node.request("POST", "/v1/pipelines/graceful/infer", {"inputs": {"x": [[5, 1], [6, 1]]}})

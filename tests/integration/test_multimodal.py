@@ -26,16 +26,16 @@ def mm() -> ModuleType:
 
 @pytest.fixture(scope="module")
 def node() -> Iterator[Node]:
-    n = Node(str(APP), "--request-timeout", "20")
+    # Correctness here, not latency: a loose SLO, so that a busy machine does not shed the queries.
+    n = Node(str(APP), "--request-timeout", "20", env={"MULTIMODAL_SLO_MS": "10000"})
     n.wait_ready(120)
     yield n
     n.stop()
 
 
 def search(node: Node, text: str, image: np.ndarray, tries: int = 8) -> dict[str, Any]:
-    """One query. The node sheds requests it predicts would miss the 500 ms
-    SLO (429) or that did (504); on a busy shared machine the vision stage
-    alone can take 150 ms an image, so shed requests are retried, later."""
+    """One query. A request the node sheds all the same (429: predicted to
+    miss the SLO, 504: did) is retried, later."""
     for attempt in range(tries):
         status, body = node.infer("multimodal", text=[text], image=image[None].tolist())
         if status not in (429, 504):

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -262,17 +263,26 @@ def test_ivf_probes_equal_faiss_on_the_rag_slice() -> None:
 # ------------------------------------------------------------------ search, prefetch, budget
 
 class SlowProbe(late.IvfProbe):
-    """The same probes, with each probe after the prefetch step slowed down
-    (an ANN search longer than the reads): the prefetch's reads land first."""
+    """The same probes, each slower than the reads of ``storage`` (an ANN
+    search longer than the reads): a probe first waits until every read
+    asked for so far has landed. Made so rather than timed, so that a busy
+    machine cannot make the reads the slower."""
 
-    def __init__(self, base: late.IvfProbe, pause_s: float):
+    def __init__(self, base: late.IvfProbe, storage: late.DirectStorage):
         super().__init__(base.centroids, base.vectors, base.ids, base.bounds, base.nprobe)
-        self.pause_s, self.calls = pause_s, 0
+        self.readers: list[Any] = []
+        open_reader = storage.reader
+
+        def reader() -> late.Reads:
+            self.readers.append(open_reader())
+            return self.readers[-1]
+
+        storage.reader = reader  # type: ignore[method-assign]
 
     def scan(self, q: np.ndarray, lists: Any) -> tuple[np.ndarray, np.ndarray]:
-        self.calls += 1
-        if self.calls % 2 == 0:  # the second scan of a query: the probes after the prefetch step
-            time.sleep(self.pause_s)
+        if self.readers:
+            _, pending = futures.wait([f for f, _ in self.readers[-1].futures], timeout=60)
+            assert not pending, "reads still in flight after 60 s"
         return super().scan(q, lists)
 
 
@@ -344,9 +354,10 @@ def test_prefetch_hit_accounting(workdir: Path) -> None:
     of them have arrived."""
     base, tf, (x, docs, rng) = corpus_for_search(workdir)
     qv, qt = queries_for(x, docs, rng, n=6)
-    probe = SlowProbe(base, pause_s=0.15)
     cfg = late.LateConfig(k=10, candidates=30, prefetch_at=0.25, prefetch_k=30)
     st = late.open_storage("ssd", tf, threads=4)
+    assert isinstance(st, late.DirectStorage)
+    probe = SlowProbe(base, st)
     s = late.LateSearcher(probe, tf, st, cfg)
     r = s.search(qv, qt)
     p0 = 2  # ceil(0.25 * nprobe 8)
