@@ -27,6 +27,7 @@ lint: setup
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 	$(VENV)/bin/ruff check python tests examples bench scripts
 	$(PY) scripts/check_imports.py python python/slipstream
+	$(PY) scripts/check_imports.py rust crates
 	$(VENV)/bin/mypy
 	$(PY) -m mypy.stubtest slipstream._core
 
@@ -56,10 +57,10 @@ test-rust: test-services
 	$(CARGO) test --workspace --exclude slipstream-py --locked --quiet
 
 # The request decoders against a minute of mutated requests (corpus in
-# crates/slipstream-runtime/fuzz/corpus; the test's docs say how to grow it).
+# crates/slipstream-core/fuzz/corpus; the test's docs say how to grow it).
 FUZZ_SECS ?= 60
 test-fuzz:
-	SLIPSTREAM_FUZZ_SECS=$(FUZZ_SECS) $(CARGO) test -p slipstream-runtime --test fuzz_codec --locked -- --nocapture
+	SLIPSTREAM_FUZZ_SECS=$(FUZZ_SECS) $(CARGO) test -p slipstream-core --test fuzz_codec --locked -- --nocapture
 
 # pytest-xdist workers: more than the cores, as the integration tests mostly
 # wait (nodes starting, deadlines, sleeps); each module runs whole on one

@@ -225,7 +225,7 @@ def test_routes(dash_node: Node) -> None:
     status, h = dash_node.get("/v1/history")
     assert status == 200 and h["reset"] is True
     assert [p["name"] for p in h["pipelines"]] == ["dash"]
-    assert h["pipelines"][0]["slo_ms"] == 100.0
+    assert h["pipelines"][0]["slo"]["p99_ms"] == 100.0
     assert [(s["name"], s["min_replicas"], s["max_replicas"]) for s in h["pipelines"][0]["stages"]] == [
         ("Embed", 1, 1), ("Rank", 1, 2)]
     assert h["status_of"]["overloaded"] == 429 and h["status_of"]["deadline_exceeded"] == 504

@@ -12,7 +12,7 @@
 use pyo3::create_exception;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
-use slipstream_runtime::{AppSpec, NodeConfig, NodeOptions};
+use slipstream_runtime::{AppSpec, LogFormat, NodeConfig, RunOptions};
 use slipstream_shm::Pool as ShmPool;
 use std::path::PathBuf;
 
@@ -29,29 +29,33 @@ fn core_err(kind: &str, message: impl ToString) -> PyErr {
 #[pyo3(signature = (spec_json, config_json="{}", log=true, cluster_json=None))]
 fn serve(py: Python<'_>, spec_json: &str, config_json: &str, log: bool, cluster_json: Option<String>) -> PyResult<()> {
     let spec: AppSpec = serde_json::from_str(spec_json).map_err(|e| core_err("invalid_spec", e))?;
-    let mut opts = node_options(config_json)?;
-    opts.log = log;
+    let mut opts = run_options(config_json)?;
+    if !log {
+        opts.log = LogFormat::Off;
+    }
     if let Some(c) = cluster_json.filter(|c| !c.is_empty()) {
         opts.cluster = Some(serde_json::from_str(&c).map_err(|e| core_err("invalid_option", format!("cluster: {e}")))?);
     }
     py.detach(|| slipstream_runtime::run_blocking(spec, opts, |_| {})).map_err(|e| core_err(e.kind(), e))
 }
 
-fn node_options(config_json: &str) -> PyResult<NodeOptions> {
-    NodeConfig::from_json(config_json).and_then(|c| c.node_options()).map_err(|e| core_err("invalid_option", e))
+fn run_options(config_json: &str) -> PyResult<RunOptions> {
+    NodeConfig::from_json(config_json)
+        .and_then(|c| RunOptions::from_config(&c))
+        .map_err(|e| core_err("invalid_option", e))
 }
 
 /// The node's settings table as JSON: `[{name, kind, optional, choices,
-/// default, help, flag}]` (see `slipstream_runtime::config`).
+/// default, help, flag}]` (see `slipstream_core::config`).
 #[pyfunction]
 fn node_settings() -> PyResult<String> {
-    serde_json::to_string(&slipstream_runtime::config::settings()).map_err(|e| core_err("internal", e))
+    serde_json::to_string(&slipstream_runtime::settings()).map_err(|e| core_err("internal", e))
 }
 
 /// Check a configuration without serving: Ok, or `CoreError("invalid_option", why)`.
 #[pyfunction]
 fn check_config(config_json: &str) -> PyResult<()> {
-    node_options(config_json).map(|_| ())
+    run_options(config_json).map(|_| ())
 }
 
 /// Run the open-loop load generator; `config_json` is a `BenchConfig`.
@@ -128,13 +132,10 @@ struct SimStageRequest {
 /// Run the SLO model at one offered load; returns the result as JSON.
 #[pyfunction]
 fn simulate(py: Python<'_>, config_json: &str) -> PyResult<String> {
-    use slipstream_sched::{LatencyProfile, Policy, SimConfig, SimStage};
+    use slipstream_sched::{BatchPolicy, LatencyProfile, SimConfig, SimStage};
     let r: SimRequest = serde_json::from_str(config_json).map_err(|e| core_err("invalid_config", e))?;
-    let policy = match r.policy.as_str() {
-        "deadline" => Policy::DeadlineAware,
-        "fixed" => Policy::Fixed { wait_ns: (r.fixed_wait_ms * 1e6) as u64 },
-        other => return Err(core_err("invalid_config", format!("unknown policy '{other}'"))),
-    };
+    let policy = BatchPolicy::parse(&r.policy, r.fixed_wait_ms)
+        .ok_or_else(|| core_err("invalid_config", format!("unknown policy '{}'", r.policy)))?;
     let cfg = SimConfig {
         stages: r
             .stages

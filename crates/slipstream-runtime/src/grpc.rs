@@ -3,8 +3,9 @@
 //! `InferenceGRPCClient` work unchanged. The protocol's messages and service
 //! trait come from `slipstream-kserve`; this module answers them with the
 //! same [`Node`] calls as the HTTP edge's v2 routes ([`crate::http`]):
-//! `pipeline` → `admit` (before decoding, so a refusal is cheap) →
-//! [`codec::decode_grpc`] → `answer` → [`codec::encode_grpc`].
+//! `pipeline` → [`Node::accept`] (admission before decoding, so a refusal
+//! is cheap; then [`codec::decode_grpc`]) → [`Node::answer`] →
+//! [`codec::encode_grpc`].
 //!
 //! Connections are served by hyper's HTTP/2 server directly rather than
 //! tonic's transport, for two reasons: they join the HTTP listener's
@@ -36,14 +37,13 @@
 //! any handler runs: `OUT_OF_RANGE` ("decoded message length too large"),
 //! without the kind trailer.
 
-use crate::arena::Tensors;
-use crate::codec;
-use crate::error::NodeError;
-use crate::http::{deadline_budget, DEADLINE_HEADER, ERROR_KIND_HEADER};
-use crate::node::{Arrival, Node};
+use crate::respond::{deadline_budget, DEADLINE_HEADER, ERROR_KIND_HEADER};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
+use slipstream_core::arena::Tensors;
+use slipstream_core::codec;
+use slipstream_core::{Arrival, Chunks, Node, NodeError};
 use slipstream_kserve::inference::infer_parameter::ParameterChoice;
 use slipstream_kserve::inference::model_metadata_response::TensorMetadata;
 use slipstream_kserve::inference::*;
@@ -60,9 +60,9 @@ use tonic::{Code, Request, Response, Status, Streaming};
 
 /// The response parameter (and unary response metadata) naming why an
 /// answer is the pipeline's declared fallback.
-pub const FALLBACK_KEY: &str = "x-slipstream-fallback";
+pub(crate) const FALLBACK_KEY: &str = "x-slipstream-fallback";
 /// The response parameter naming the node's id of the request.
-pub const REQUEST_ID_KEY: &str = "slipstream_request_id";
+pub(crate) const REQUEST_ID_KEY: &str = "slipstream_request_id";
 
 /// Requests of one `ModelStreamInfer` call in the node at once; the stream
 /// is read no further until one finishes (HTTP/2 flow control then holds
@@ -74,7 +74,7 @@ const STREAM_INFLIGHT: usize = 1024;
 const MAX_STREAMS: u32 = 4096;
 
 /// The gRPC status code of a node error (see the module docs).
-pub fn code_of(e: &NodeError) -> Code {
+pub(crate) fn code_of(e: &NodeError) -> Code {
     use slipstream_shm::ShmError;
     match e {
         NodeError::BadRequest(_) | NodeError::BadInput(_) => Code::InvalidArgument,
@@ -105,7 +105,7 @@ pub fn code_of(e: &NodeError) -> Code {
 
 /// The status a node error is answered with: its code, its message, and
 /// its kind (and `retry-after`) as trailers.
-pub fn status_of(e: &NodeError) -> Status {
+pub(crate) fn status_of(e: &NodeError) -> Status {
     let mut md = MetadataMap::new();
     md.insert(ERROR_KIND_HEADER, MetadataValue::from_static(e.kind()));
     if let Some(s) = e.retry_after_s() {
@@ -156,12 +156,11 @@ async fn infer(
     node: &Node,
     req: ModelInferRequest,
     arrival: Arrival,
-    chunks: Option<crate::request::Chunks>,
+    chunks: Option<Chunks>,
 ) -> Result<(ModelInferResponse, Option<&'static str>), NodeError> {
     let pipe = node.pipeline(&req.model_name)?;
-    let ticket = node.admit(&pipe, arrival)?;
-    let (tensors, asked): (Tensors, _) = codec::decode_grpc(req, &pipe.spec.inputs, &node.arena)?;
-    let ans = node.answer_streaming(&pipe, tensors, ticket, chunks).await?;
+    let (accepted, asked) = node.accept(&pipe, arrival, |arena| codec::decode_grpc(req, &pipe.spec.inputs, arena))?;
+    let ans = node.answer(accepted, chunks).await?;
     let mut resp = codec::encode_grpc(pipe.name(), &asked, &ans.outputs)?;
     if let Some(why) = ans.fallback {
         resp.parameters.insert(FALLBACK_KEY.into(), string_param(why));
@@ -177,7 +176,7 @@ async fn infer(
 /// Marks a streamed chunk's response (a streaming component's partial
 /// outputs); the request's last response carries `triton_final_response`,
 /// as Triton's decoupled models do.
-pub const CHUNK_KEY: &str = "slipstream_chunk";
+pub(crate) const CHUNK_KEY: &str = "slipstream_chunk";
 const FINAL_KEY: &str = "triton_final_response";
 
 fn bool_param(b: bool) -> InferParameter {
@@ -235,24 +234,23 @@ async fn stream_answer(node: &Node, req: ModelInferRequest, arrival: Arrival, ou
 }
 
 /// The service, answering from one node.
-pub struct InferenceService {
+pub(crate) struct InferenceService {
     node: Arc<Node>,
 }
 
-/// The service as a tower service over HTTP/2 requests, with the node's
-/// body limit as its largest message.
-pub fn service(node: Arc<Node>) -> GrpcInferenceServiceServer<InferenceService> {
-    let limit = node.opts.max_body_bytes;
-    GrpcInferenceServiceServer::new(InferenceService { node }).max_decoding_message_size(limit)
+/// The service as a tower service over HTTP/2 requests, with `max_body`
+/// (the node's body limit) as its largest message.
+fn service(node: Arc<Node>, max_body: usize) -> GrpcInferenceServiceServer<InferenceService> {
+    GrpcInferenceServiceServer::new(InferenceService { node }).max_decoding_message_size(max_body)
 }
 
 /// Bind the gRPC listener on the node's host (`port` 0: any free port).
-pub async fn bind(host: &str, port: u16) -> std::io::Result<TcpListener> {
+pub(crate) async fn bind(host: &str, port: u16) -> std::io::Result<TcpListener> {
     TcpListener::bind((host, port)).await
 }
 
 /// Accept on the gRPC listener, or never when there is none.
-pub async fn accept(listener: Option<&TcpListener>) -> std::io::Result<(TcpStream, SocketAddr)> {
+pub(crate) async fn accept(listener: Option<&TcpListener>) -> std::io::Result<(TcpStream, SocketAddr)> {
     match listener {
         Some(l) => l.accept().await,
         None => std::future::pending().await,
@@ -261,9 +259,9 @@ pub async fn accept(listener: Option<&TcpListener>) -> std::io::Result<(TcpStrea
 
 /// Serve one accepted connection (HTTP/2 with prior knowledge, as gRPC
 /// clients speak it) until it closes or `graceful` shuts it down.
-pub fn spawn_connection(node: &Arc<Node>, stream: TcpStream, graceful: &GracefulShutdown) {
+pub(crate) fn spawn_connection(node: &Arc<Node>, max_body: usize, stream: TcpStream, graceful: &GracefulShutdown) {
     let _ = stream.set_nodelay(true);
-    let svc = TowerToHyperService::new(service(node.clone()));
+    let svc = TowerToHyperService::new(service(node.clone(), max_body));
     let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
         .timer(TokioTimer::new())
         .max_concurrent_streams(MAX_STREAMS)

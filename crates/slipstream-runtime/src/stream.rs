@@ -3,7 +3,7 @@
 //!
 //! A component streams by yielding dicts of outputs instead of returning
 //! one (see `worker.py`); its worker sends each as a `chunk` frame, and the
-//! replica task hands every request its rows ([`Request::push_chunk`]).
+//! replica's task hands every request its rows.
 //! Chunks from the pipeline's sink stages reach a streaming request's
 //! channel; this module turns that channel and the request's final answer
 //! into one response body:
@@ -24,20 +24,16 @@
 //! malformed body, are ordinary error responses). The request's future
 //! lives inside the body: a client that goes away drops the body, and the
 //! request is settled as cancelled like any other.
-//!
-//! [`Request::push_chunk`]: crate::request::Request::push_chunk
 
-use crate::arena::Tensors;
-use crate::codec::{self, V2Request};
-use crate::error::NodeError;
-use crate::http::{Chunks, Resp};
-use crate::node::{Answer, Arrival, Node};
-use crate::pipeline::{PipelineRt, Ticket};
+use crate::respond::{Chunks, Resp};
 use bytes::Bytes;
 use hyper::body::{Body, Frame};
 use hyper::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
 use hyper::Response;
 use serde_json::json;
+use slipstream_core::arena::Tensors;
+use slipstream_core::codec::{self, V2Request};
+use slipstream_core::{Accepted, Answer, Node, NodeError};
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
@@ -47,21 +43,14 @@ use tokio::sync::mpsc;
 
 type Outcome = Pin<Box<dyn Future<Output = Result<Answer, NodeError>> + Send>>;
 
-/// Admit a request that is to be answered as a stream. A refusal is an
-/// error response, not a stream, unless the pipeline answers refusals with
-/// its fallback (then the stream carries the fallback as its answer).
-pub fn admit(node: &Node, pipe: &PipelineRt, arrival: Arrival) -> Result<Result<Ticket, NodeError>, NodeError> {
-    match node.admit(pipe, arrival)? {
-        Err(e) if pipe.spec.fallback.is_none() => Err(e),
-        t => Ok(t),
-    }
-}
-
-/// The streamed response of one admitted request.
-pub fn respond(node: Arc<Node>, pipe: Arc<PipelineRt>, tensors: Tensors, ticket: Result<Ticket, NodeError>) -> Resp {
+/// The streamed response of one accepted request of pipeline `model`. (A
+/// refusal is an ordinary error response before the stream begins, unless
+/// the pipeline answers refusals with its fallback: then the stream
+/// carries the fallback as its answer.)
+pub(crate) fn respond(node: Arc<Node>, model: &str, accepted: Accepted) -> Resp {
     let (tx, rx) = mpsc::unbounded_channel();
-    let model = pipe.name().to_string();
-    let outcome: Outcome = Box::pin(async move { node.answer_streaming(&pipe, tensors, ticket, Some(tx)).await });
+    let outcome: Outcome = Box::pin(async move { node.answer(accepted, Some(tx)).await });
+    let model = model.to_string();
     let mut r = Response::new(Chunks::live(EventStream { model, rx, outcome, result: None, sent: 0, ended: false }));
     r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     r.headers_mut().insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));

@@ -27,14 +27,31 @@
 use crate::profile::LatencyProfile;
 use crate::queue::EdfQueue;
 
+/// How a stage forms its batches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Policy {
+pub enum BatchPolicy {
+    /// The largest batch whose predicted finish still meets the most urgent
+    /// deadline, waiting for more only when slack allows (the default).
     DeadlineAware,
+    /// A full batch, or whatever is queued once the oldest request has
+    /// waited `wait_ns` (the Triton / Ray Serve policy, for comparison).
     Fixed { wait_ns: u64 },
 }
 
+impl BatchPolicy {
+    /// The policy named `name` (`"deadline"` or `"fixed"`, the latter
+    /// waiting `fixed_wait_ms` for a full batch); None for another name.
+    pub fn parse(name: &str, fixed_wait_ms: f64) -> Option<BatchPolicy> {
+        match name {
+            "deadline" => Some(BatchPolicy::DeadlineAware),
+            "fixed" => Some(BatchPolicy::Fixed { wait_ns: (fixed_wait_ms.max(0.0) * 1e6) as u64 }),
+            _ => None,
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Decision {
+pub enum BatchDecision {
     /// Drop the first `expired` queued requests (they cannot make their
     /// deadline), then run the next `n` as one batch (`n` may be 0).
     Dispatch { expired: usize, n: usize },
@@ -44,7 +61,7 @@ pub enum Decision {
 
 #[derive(Clone, Debug)]
 pub struct BatchFormer {
-    pub policy: Policy,
+    pub policy: BatchPolicy,
     pub max_batch: u32,
     /// AIMD limit on the batch size, `1..=max_batch`.
     pub limit: u32,
@@ -64,7 +81,7 @@ pub struct BatchFormer {
 const US: f64 = 1_000.0;
 
 impl BatchFormer {
-    pub fn new(policy: Policy, max_batch: u32, profile: LatencyProfile) -> BatchFormer {
+    pub fn new(policy: BatchPolicy, max_batch: u32, profile: LatencyProfile) -> BatchFormer {
         let max_batch = max_batch.max(1);
         BatchFormer {
             policy,
@@ -102,24 +119,24 @@ impl BatchFormer {
     /// urgent first). `oldest_enqueued` is when the head joined the queue
     /// (for the fixed policy's wait); `rest_ns` the predicted remaining
     /// critical path after this stage.
-    pub fn decide(&self, now: u64, deadlines: &[u64], oldest_enqueued: u64, rest_ns: u64) -> Decision {
+    pub fn decide(&self, now: u64, deadlines: &[u64], oldest_enqueued: u64, rest_ns: u64) -> BatchDecision {
         if deadlines.is_empty() {
-            return Decision::Dispatch { expired: 0, n: 0 };
+            return BatchDecision::Dispatch { expired: 0, n: 0 };
         }
         match self.policy {
-            Policy::Fixed { wait_ns } => {
+            BatchPolicy::Fixed { wait_ns } => {
                 let n = deadlines.len().min(self.max_batch as usize);
                 if n == self.max_batch as usize || now >= oldest_enqueued.saturating_add(wait_ns) {
-                    Decision::Dispatch { expired: 0, n }
+                    BatchDecision::Dispatch { expired: 0, n }
                 } else {
-                    Decision::WaitUntil { expired: 0, at: oldest_enqueued + wait_ns }
+                    BatchDecision::WaitUntil { expired: 0, at: oldest_enqueued + wait_ns }
                 }
             }
-            Policy::DeadlineAware => self.decide_deadline_aware(now, deadlines, oldest_enqueued, rest_ns),
+            BatchPolicy::DeadlineAware => self.decide_deadline_aware(now, deadlines, oldest_enqueued, rest_ns),
         }
     }
 
-    fn decide_deadline_aware(&self, now: u64, deadlines: &[u64], oldest_enqueued: u64, rest_ns: u64) -> Decision {
+    fn decide_deadline_aware(&self, now: u64, deadlines: &[u64], oldest_enqueued: u64, rest_ns: u64) -> BatchDecision {
         // Only requests whose deadline has already passed expire. Predicted
         // misses are refused at admission instead, where an idle replica
         // always admits: expiring on a prediction could starve a stage whose
@@ -128,7 +145,7 @@ impl BatchFormer {
         let expired = if self.drop_late { passed } else { 0 };
         let live = &deadlines[expired..];
         if live.is_empty() {
-            return Decision::Dispatch { expired, n: 0 };
+            return BatchDecision::Dispatch { expired, n: 0 };
         }
         // The most urgent request that can still make it governs the size
         // (late ones kept by `drop_late = false` ride along).
@@ -148,7 +165,7 @@ impl BatchFormer {
             || self.profile.is_empty()
             || waited >= self.max_wait_ns
         {
-            return Decision::Dispatch { expired, n };
+            return BatchDecision::Dispatch { expired, n };
         }
         // Delayed batching: everything queued fits and the limit is not reached.
         let target = self.limit as usize;
@@ -160,18 +177,18 @@ impl BatchFormer {
         loop {
             let m = (n + (wait as f64 / self.gap_ns) as usize).min(target);
             if m <= n {
-                return Decision::Dispatch { expired, n };
+                return BatchDecision::Dispatch { expired, n };
             }
             let per_item_then = self.predict_ns(m) as f64 / m as f64;
             let fits = now + wait + self.predict_ns(m) + rest_ns <= head;
             if fits && per_item_then < 0.9 * per_item_now {
-                return Decision::WaitUntil { expired, at: now + wait };
+                return BatchDecision::WaitUntil { expired, at: now + wait };
             }
             if !fits && wait > 50_000 {
                 wait /= 2;
                 continue;
             }
-            return Decision::Dispatch { expired, n };
+            return BatchDecision::Dispatch { expired, n };
         }
     }
 
@@ -181,7 +198,7 @@ impl BatchFormer {
     /// blew its budget cuts the limit multiplicatively, one that fit and was
     /// at the limit raises it by one.
     pub fn on_batch_done(&mut self, n: usize, observed_ns: u64, budget_ns: u64) {
-        if let Policy::DeadlineAware = self.policy {
+        if let BatchPolicy::DeadlineAware = self.policy {
             if observed_ns > budget_ns {
                 self.limit = ((self.limit as f64 * self.decrease) as u32).max(1);
             } else if n as u32 >= self.limit && self.limit < self.max_batch {
@@ -220,8 +237,8 @@ pub fn take_batch<T>(
     enqueued_ns: impl Fn(&T) -> u64,
 ) -> Taken<T> {
     let limit = match former.policy {
-        Policy::Fixed { .. } => former.max_batch,
-        Policy::DeadlineAware => former.limit,
+        BatchPolicy::Fixed { .. } => former.max_batch,
+        BatchPolicy::DeadlineAware => former.limit,
     } as usize;
     let mut cand: Vec<(u64, T)> = Vec::with_capacity(limit.min(queue.len()));
     let mut skipped = 0;
@@ -235,8 +252,8 @@ pub fn take_batch<T>(
     let deadlines: Vec<u64> = cand.iter().map(|(d, _)| *d).collect();
     let oldest = cand.iter().map(|(_, x)| enqueued_ns(x)).min().unwrap_or(now);
     let (expired, n, wait_until) = match former.decide(now, &deadlines, oldest, rest_ns) {
-        Decision::Dispatch { expired, n } => (expired, n, None),
-        Decision::WaitUntil { expired, at } => (expired, 0, Some(at)),
+        BatchDecision::Dispatch { expired, n } => (expired, n, None),
+        BatchDecision::WaitUntil { expired, at } => (expired, 0, Some(at)),
     };
     let mut batch = cand.split_off(expired.min(cand.len()));
     for (d, x) in batch.split_off(n.min(batch.len())) {
@@ -277,14 +294,14 @@ mod tests {
     }
 
     fn former() -> BatchFormer {
-        BatchFormer::new(Policy::DeadlineAware, 64, linear())
+        BatchFormer::new(BatchPolicy::DeadlineAware, 64, linear())
     }
 
     #[test]
     fn takes_everything_when_slack_allows() {
         let f = former();
         let deadlines = vec![100 * MS; 10];
-        assert_eq!(f.decide(0, &deadlines, 0, 0), Decision::Dispatch { expired: 0, n: 10 });
+        assert_eq!(f.decide(0, &deadlines, 0, 0), BatchDecision::Dispatch { expired: 0, n: 10 });
     }
 
     #[test]
@@ -294,7 +311,7 @@ mod tests {
         let mut deadlines = vec![3 * MS];
         deadlines.extend(std::iter::repeat_n(100 * MS, 40));
         match f.decide(0, &deadlines, 0, MS) {
-            Decision::Dispatch { expired: 0, n } => {
+            BatchDecision::Dispatch { expired: 0, n } => {
                 assert_eq!(n, 10);
                 assert!(f.predict_ns(n) + MS <= 3 * MS && f.predict_ns(n + 1) + MS > 3 * MS);
             }
@@ -306,10 +323,10 @@ mod tests {
     fn expires_requests_whose_deadline_passed() {
         let f = former();
         let deadlines = [4 * MS, 5 * MS, 50 * MS];
-        assert_eq!(f.decide(5 * MS, &deadlines, 0, 0), Decision::Dispatch { expired: 2, n: 1 });
-        assert_eq!(f.decide(60 * MS, &deadlines, 0, 0), Decision::Dispatch { expired: 3, n: 0 });
+        assert_eq!(f.decide(5 * MS, &deadlines, 0, 0), BatchDecision::Dispatch { expired: 2, n: 1 });
+        assert_eq!(f.decide(60 * MS, &deadlines, 0, 0), BatchDecision::Dispatch { expired: 3, n: 0 });
         // A request that can no longer make it but has not passed its deadline runs.
-        assert_eq!(f.decide(5 * MS, &[5_500_000], 0, 0), Decision::Dispatch { expired: 0, n: 1 });
+        assert_eq!(f.decide(5 * MS, &[5_500_000], 0, 0), BatchDecision::Dispatch { expired: 0, n: 1 });
     }
 
     #[test]
@@ -318,8 +335,8 @@ mod tests {
         f.drop_late = false;
         let deadlines = [4 * MS, 5 * MS, 50 * MS];
         // Nothing dropped; the 50 ms deadline sizes the batch, so all three go.
-        assert_eq!(f.decide(6 * MS, &deadlines, 0, 0), Decision::Dispatch { expired: 0, n: 3 });
-        assert_eq!(f.decide(60 * MS, &deadlines, 0, 0), Decision::Dispatch { expired: 0, n: 3 });
+        assert_eq!(f.decide(6 * MS, &deadlines, 0, 0), BatchDecision::Dispatch { expired: 0, n: 3 });
+        assert_eq!(f.decide(60 * MS, &deadlines, 0, 0), BatchDecision::Dispatch { expired: 0, n: 3 });
     }
 
     #[test]
@@ -330,35 +347,35 @@ mod tests {
         }
         // Two queued, deadline far away: wait for more (bounded by max_wait).
         match f.decide(0, &[100 * MS, 100 * MS], 0, 0) {
-            Decision::WaitUntil { expired: 0, at } => assert!(at > 0 && at <= f.max_wait_ns),
+            BatchDecision::WaitUntil { expired: 0, at } => assert!(at > 0 && at <= f.max_wait_ns),
             d => panic!("expected a wait, got {d:?}"),
         }
         // Looking again later never extends the head's total wait past max_wait.
         match f.decide(MS, &[100 * MS, 100 * MS], 0, 0) {
-            Decision::WaitUntil { expired: 0, at } => assert!(at <= f.max_wait_ns),
+            BatchDecision::WaitUntil { expired: 0, at } => assert!(at <= f.max_wait_ns),
             d => panic!("expected a wait, got {d:?}"),
         }
-        assert_eq!(f.decide(f.max_wait_ns, &[100 * MS; 2], 0, 0), Decision::Dispatch { expired: 0, n: 2 });
+        assert_eq!(f.decide(f.max_wait_ns, &[100 * MS; 2], 0, 0), BatchDecision::Dispatch { expired: 0, n: 2 });
         // No profile: no evidence that batching pays, so no wait.
-        let mut blind = BatchFormer::new(Policy::DeadlineAware, 64, LatencyProfile::default());
+        let mut blind = BatchFormer::new(BatchPolicy::DeadlineAware, 64, LatencyProfile::default());
         blind.on_arrival(0);
         blind.on_arrival(50_000);
-        assert_eq!(blind.decide(0, &[100 * MS; 2], 0, 0), Decision::Dispatch { expired: 0, n: 2 });
+        assert_eq!(blind.decide(0, &[100 * MS; 2], 0, 0), BatchDecision::Dispatch { expired: 0, n: 2 });
         // Tight deadline: no slack to wait, dispatch now.
-        assert_eq!(f.decide(0, &[1_150_000, 100 * MS], 0, 0), Decision::Dispatch { expired: 0, n: 1 });
-        assert_eq!(f.decide(0, &[1_200_000, 100 * MS], 0, 0), Decision::Dispatch { expired: 0, n: 2 });
+        assert_eq!(f.decide(0, &[1_150_000, 100 * MS], 0, 0), BatchDecision::Dispatch { expired: 0, n: 1 });
+        assert_eq!(f.decide(0, &[1_200_000, 100 * MS], 0, 0), BatchDecision::Dispatch { expired: 0, n: 2 });
         // Flat profile (batching does not pay): no wait.
         let mut flat = BatchFormer::new(
-            Policy::DeadlineAware,
+            BatchPolicy::DeadlineAware,
             64,
             LatencyProfile::from_measurements(&[(1, 100.0, 100.0), (64, 6400.0, 6400.0)]),
         );
         for t in 0..100u64 {
             flat.on_arrival(t * 50_000);
         }
-        assert_eq!(flat.decide(0, &[100 * MS, 100 * MS], 0, 0), Decision::Dispatch { expired: 0, n: 2 });
+        assert_eq!(flat.decide(0, &[100 * MS, 100 * MS], 0, 0), BatchDecision::Dispatch { expired: 0, n: 2 });
         // Unknown arrival rate: no wait.
-        assert_eq!(former().decide(0, &[100 * MS; 2], 0, 0), Decision::Dispatch { expired: 0, n: 2 });
+        assert_eq!(former().decide(0, &[100 * MS; 2], 0, 0), BatchDecision::Dispatch { expired: 0, n: 2 });
     }
 
     #[test]
@@ -376,14 +393,14 @@ mod tests {
         assert_eq!(f.limit, 37);
         // The limit caps what one decision takes.
         let d = f.decide(0, &vec![1_000 * MS; 200], 0, 0);
-        assert_eq!(d, Decision::Dispatch { expired: 0, n: 37 });
+        assert_eq!(d, BatchDecision::Dispatch { expired: 0, n: 37 });
     }
 
     #[test]
     fn fixed_policy_waits_for_a_full_batch_or_the_timeout() {
-        let f = BatchFormer::new(Policy::Fixed { wait_ns: 2 * MS }, 8, linear());
-        assert_eq!(f.decide(MS, &[0; 3], 0, 0), Decision::WaitUntil { expired: 0, at: 2 * MS });
-        assert_eq!(f.decide(2 * MS, &[0; 3], 0, 0), Decision::Dispatch { expired: 0, n: 3 });
-        assert_eq!(f.decide(0, &[0; 20], 0, 0), Decision::Dispatch { expired: 0, n: 8 });
+        let f = BatchFormer::new(BatchPolicy::Fixed { wait_ns: 2 * MS }, 8, linear());
+        assert_eq!(f.decide(MS, &[0; 3], 0, 0), BatchDecision::WaitUntil { expired: 0, at: 2 * MS });
+        assert_eq!(f.decide(2 * MS, &[0; 3], 0, 0), BatchDecision::Dispatch { expired: 0, n: 3 });
+        assert_eq!(f.decide(0, &[0; 20], 0, 0), BatchDecision::Dispatch { expired: 0, n: 8 });
     }
 }

@@ -20,17 +20,23 @@
 //! - [`simulate`]: the SLO contract's queueing model: the same predictors,
 //!   batch step, admission step and router as the node, driven by a
 //!   discrete-event simulation over the measured profiles.
+//! - [`scale`]: the autoscaler's policy (load trend, capacity, the replica
+//!   counts a stage should serve with).
+//! - [`placement`]: where a cluster's replicas run (a balanced placement
+//!   that moves little when nodes come and go).
 
 mod admission;
 mod former;
+pub mod placement;
 mod predict;
 mod profile;
 mod queue;
 mod router;
+pub mod scale;
 mod sim;
 
 pub use admission::{AdmissionGate, MIN_HEADROOM};
-pub use former::{take_batch, BatchFormer, Decision, Policy, Taken};
+pub use former::{take_batch, BatchDecision, BatchFormer, BatchPolicy, Taken};
 pub use predict::{Dag, Prediction, ReplicaLoad};
 pub use profile::LatencyProfile;
 pub use queue::EdfQueue;

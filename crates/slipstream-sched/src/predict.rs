@@ -174,7 +174,7 @@ impl Dag {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::former::Policy;
+    use crate::former::BatchPolicy;
     use crate::profile::LatencyProfile;
 
     const MS: u64 = 1_000_000;
@@ -182,7 +182,7 @@ mod tests {
     fn former() -> BatchFormer {
         // 1 ms + 0.1 ms per request.
         let p = LatencyProfile::from_measurements(&[(1, 1100.0, 1100.0), (64, 7400.0, 7400.0)]);
-        let mut f = BatchFormer::new(Policy::DeadlineAware, 64, p);
+        let mut f = BatchFormer::new(BatchPolicy::DeadlineAware, 64, p);
         f.limit = 8;
         f
     }

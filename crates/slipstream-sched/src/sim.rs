@@ -20,7 +20,7 @@
 //! load. Deterministic for a given seed.
 
 use crate::admission::AdmissionGate;
-use crate::former::{take_batch, BatchFormer, Policy};
+use crate::former::{take_batch, BatchFormer, BatchPolicy};
 use crate::predict::{Dag, ReplicaLoad};
 use crate::profile::LatencyProfile;
 use crate::queue::EdfQueue;
@@ -72,7 +72,7 @@ pub struct SimConfig {
     /// unhurt, a few wait out other threads' slices). Hops and the node's
     /// own per-request work (`cpu_per_request_ns`) are stretched the same way.
     pub preempt_slice_ns: u64,
-    pub policy: Policy,
+    pub policy: BatchPolicy,
     pub max_wait_ns: u64,
     pub admission: bool,
     pub seed: u64,
@@ -526,7 +526,7 @@ mod tests {
             external_ns: vec![],
             max_miss_rate: 0.01,
             preempt_slice_ns: 0,
-            policy: Policy::DeadlineAware,
+            policy: BatchPolicy::DeadlineAware,
             max_wait_ns: 2_000_000,
             admission: true,
             seed: 7,
@@ -570,7 +570,7 @@ mod tests {
         c.duration_s = 5.0;
         c.slo_ns = 10_000_000;
         let deadline = simulate(&c);
-        c.policy = Policy::Fixed { wait_ns: 2_000_000 };
+        c.policy = BatchPolicy::Fixed { wait_ns: 2_000_000 };
         c.admission = false;
         let fixed = simulate(&c);
         assert!(deadline.goodput_rps > 1.5 * fixed.goodput_rps, "{deadline:?} vs {fixed:?}");

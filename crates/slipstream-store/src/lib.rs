@@ -52,7 +52,7 @@ const FEED: TableDefinition<u64, &[u8]> = TableDefinition::new("feed");
 /// Counters of the store's own: `blob_next` (blob ids are never reused), the trigger cursor.
 const COUNTERS: TableDefinition<&str, u64> = TableDefinition::new("counters");
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("{0}")]
     BadRequest(String),
@@ -349,7 +349,7 @@ impl Store {
                         stopped = g;
                         if !*stopped {
                             if let Err(e) = inner.collect_aged() {
-                                eprintln!("slipstream: store retention failed: {e}");
+                                tracing::warn!("store retention failed: {e}");
                             }
                         }
                     }

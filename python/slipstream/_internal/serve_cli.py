@@ -12,6 +12,7 @@ those imports the whole command line, which itself starts nodes through
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 from pathlib import Path
@@ -32,9 +33,10 @@ def build_spec(a: argparse.Namespace) -> dict[str, Any]:
     profile_paths = [Path(p) for p in a.profile]
     if not profile_paths and default_profile_path(a.app).is_file():
         profile_paths = [default_profile_path(a.app)]
+    cfg = config.resolve(a)
     for path in profile_paths:
-        print(f"slipstream: latency profile {path}", file=sys.stderr)
-    sections = config.resolve(a).spec_sections()
+        log(cfg["log_format"], f"latency profile {path}")
+    sections = cfg.spec_sections()
     profiles = profiles_for_threads(load_profiles(profile_paths), profile_paths, pipelines)
     spec = app_spec(a.app, pipelines, batching=sections["batching"], profiles=profiles,
                     autoscale=sections["autoscale"])
@@ -43,8 +45,19 @@ def build_spec(a: argparse.Namespace) -> dict[str, Any]:
             s["name"] + (f" <- {' + '.join(s['parents'])}" if s["parents"] else " <- inputs")
             for s in p.to_spec()["stages"]
         )
-        print(f"slipstream: pipeline {p.name}: {stages}", file=sys.stderr)
+        log(cfg["log_format"], f"pipeline {p.name}: {stages}")
     return spec
+
+
+def log(fmt: str, message: str) -> None:
+    """One line of the node's log on stderr, in the node's format (`log_format`:
+    `slipstream: ...` lines, or one JSON object per line as the node writes them)."""
+    if fmt == "json":
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+        line = json.dumps({"timestamp": now, "level": "INFO", "message": message, "target": "slipstream::cli"})
+    else:
+        line = f"slipstream: {message}"
+    print(line, file=sys.stderr)
 
 
 def node_options(a: argparse.Namespace) -> str:

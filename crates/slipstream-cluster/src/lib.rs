@@ -1,0 +1,453 @@
+//! Beyond one machine: nodes that form a cluster on etcd and hand work to
+//! each other over a direct data plane (`docs/design/cluster.md`).
+//!
+//! - `agent`: membership (a lease kept alive, the node's record under it),
+//!   the watch on the cluster's keys, the placement written by the leader
+//!   with a compare-and-swap (the placement itself is the pure
+//!   [`slipstream_sched::placement`]), and applying it to this node through
+//!   the node's one owner of replica sets;
+//! - `remote`: replicas on other nodes, driven from here (a
+//!   [`slipstream_core::drive::Launcher`] and its backend);
+//! - `serve`: running another node's batches here; `wire`: the frames.
+//!
+//! It plugs into the node as a launcher (remote replicas) and a service
+//! (its `cluster` status block); it reaches the request path through the
+//! node's public API only.
+//!
+//! etcd holds everything shared, under `/slipstream/<cluster>/`:
+//! `members/<node>` (bound to the node's lease), `deploy` (written by
+//! `slipstream deploy`) and `placement`. Every record is signed with the
+//! cluster key (HMAC-SHA256), so a process without the cluster token can
+//! neither join routing nor place work, even where it can write to etcd;
+//! the data plane's handshake keeps it from sending frames.
+
+mod agent;
+mod remote;
+mod serve;
+mod wire;
+
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use slipstream_core::events::EventKind;
+use slipstream_core::ext::{Service, StatusDoc};
+use slipstream_core::prom::PromText;
+use slipstream_core::{Node, PipelineRt};
+use slipstream_peer::ClusterKey;
+use slipstream_sched::placement::Assignment;
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// How a node joins its cluster (from `slipstream node --cluster ...`).
+#[derive(Clone, Debug, Deserialize)]
+pub struct ClusterOptions {
+    /// etcd endpoints: `etcd://host:port[,host:port...]`.
+    pub etcd: String,
+    /// This node's name (unique in the cluster).
+    pub name: String,
+    /// The cluster's name: its keys live under `/slipstream/<cluster>/`.
+    #[serde(default = "default_cluster")]
+    pub cluster: String,
+    /// The shared secret nodes authenticate each other with.
+    pub token: String,
+    /// Where the data plane listens (port 0: any free port).
+    #[serde(default = "default_data_listen")]
+    pub data_listen: String,
+    /// The host other nodes reach this one at (default: the listen host, or
+    /// 127.0.0.1 when listening on all interfaces).
+    #[serde(default)]
+    pub advertise: Option<String>,
+    /// Membership lease: a node that stops renewing it is gone after this long.
+    #[serde(default = "default_ttl")]
+    pub ttl_s: u64,
+    /// The deployment this node runs (its id, from the `deploy` record).
+    pub deploy: String,
+}
+
+fn default_cluster() -> String {
+    "default".into()
+}
+fn default_data_listen() -> String {
+    "127.0.0.1:0".into()
+}
+fn default_ttl() -> u64 {
+    3
+}
+
+impl ClusterOptions {
+    pub fn root(&self) -> String {
+        format!("/slipstream/{}/", self.cluster)
+    }
+    pub fn ttl(&self) -> Duration {
+        Duration::from_secs(self.ttl_s.max(1))
+    }
+}
+
+/// The placement map stored in etcd.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Placement {
+    /// The deployment it places (its id).
+    pub deploy: String,
+    /// Increases with every placement written for the cluster.
+    pub epoch: u64,
+    /// Per stage ("pipeline/stage"), replicas per node.
+    pub stages: Assignment,
+    /// The node that computed it.
+    pub by: String,
+}
+
+impl Placement {
+    /// Replicas of `stage` on `node`.
+    pub fn count(&self, stage: &str, node: &str) -> u32 {
+        self.stages.get(stage).and_then(|m| m.get(node)).copied().unwrap_or(0)
+    }
+}
+
+/// A node as its membership record describes it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Member {
+    pub node: String,
+    /// HTTP ingress.
+    pub http: String,
+    /// Data plane.
+    pub data: SocketAddr,
+    pub cores: usize,
+    pub memory_bytes: u64,
+    /// GPUs (uuid and name) the node can bind workers to.
+    #[serde(default)]
+    pub gpus: Vec<String>,
+    /// Objects in its store (keys) and their bytes.
+    #[serde(default)]
+    pub store_keys: u64,
+    /// Ready local replicas per stage ("pipeline/stage").
+    #[serde(default)]
+    pub ready: BTreeMap<String, u32>,
+    /// The deployment it runs.
+    pub deploy: String,
+    /// Its membership lease (filled in from etcd, not signed).
+    #[serde(skip)]
+    pub lease: i64,
+}
+
+/// The signed envelope every record is stored in.
+#[derive(Serialize, Deserialize)]
+struct Envelope {
+    body: String,
+    sig: String,
+}
+
+/// `value` serialised and signed for record kind `kind`.
+pub fn seal<T: Serialize>(key: &ClusterKey, kind: &str, value: &T) -> Vec<u8> {
+    let body = serde_json::to_string(value).expect("records serialise");
+    let sig = key.sign_hex(&[kind.as_bytes(), body.as_bytes()]);
+    serde_json::to_vec(&Envelope { body, sig }).expect("envelopes serialise")
+}
+
+/// The record's value, if it is well formed and signed with the cluster key.
+pub fn open<T: for<'de> Deserialize<'de>>(key: &ClusterKey, kind: &str, bytes: &[u8]) -> Result<T, String> {
+    let env: Envelope = serde_json::from_slice(bytes).map_err(|e| format!("not a signed record: {e}"))?;
+    if !key.verify_hex(&[kind.as_bytes(), env.body.as_bytes()], &env.sig) {
+        return Err("its signature does not match the cluster key".into());
+    }
+    serde_json::from_str(&env.body).map_err(|e| format!("malformed {kind} record: {e}"))
+}
+
+/// What this node knows of the cluster (published by the agent).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct View {
+    /// Live, verified members by name.
+    pub members: BTreeMap<String, Member>,
+    pub placement: Option<Placement>,
+    /// Members whose data plane failed on this node (see [`Cluster::suspect`]).
+    pub suspects: std::collections::BTreeSet<String>,
+}
+
+impl View {
+    /// Whether `node` serves stage `key` now (a live member reporting a
+    /// ready replica, and not suspected here).
+    pub fn serves(&self, node: &str, key: &str) -> bool {
+        !self.suspects.contains(node)
+            && self.members.get(node).is_some_and(|m| m.ready.get(key).copied().unwrap_or(0) > 0)
+    }
+}
+
+/// Counters of the cluster layer (for status and metrics).
+#[derive(Default)]
+pub struct ClusterCounters {
+    /// Batches sent to remote replicas, and requests in them.
+    pub sent_batches: AtomicU64,
+    pub sent_requests: AtomicU64,
+    /// Batches run here for other nodes.
+    pub served_batches: AtomicU64,
+    /// Requests retried elsewhere after a remote node failed with them.
+    pub retried: AtomicU64,
+    /// Records ignored for a bad signature.
+    pub refused_records: AtomicU64,
+    pub placements_written: AtomicU64,
+}
+
+/// The cluster side of a node.
+pub struct Cluster {
+    opts: ClusterOptions,
+    key: ClusterKey,
+    peers: slipstream_peer::Peers<wire::ArenaAlloc>,
+    /// Where this node's HTTP ingress is reached (for its member record).
+    http: String,
+    /// Where this node's data plane listens (as advertised).
+    data_addr: SocketAddr,
+    view: watch::Sender<Arc<View>>,
+    counters: ClusterCounters,
+    /// The data plane's measured costs and the merge threshold chosen from them.
+    costs: slipstream_peer::Costs,
+    /// Set when the agent sees a new deployment: the node stops so that its
+    /// launcher restarts it on the new one.
+    redeploy: watch::Sender<bool>,
+    /// The data-plane server's counters (set once it listens).
+    server: std::sync::OnceLock<slipstream_peer::ServerStats>,
+    /// Members whose data plane failed here: node -> (its lease then, since when).
+    suspects: Mutex<BTreeMap<String, (i64, std::time::Instant)>>,
+    /// The node's pipelines (fixed for its life) and event log.
+    pipelines: Vec<Arc<PipelineRt>>,
+    events: Arc<slipstream_core::events::Events>,
+}
+
+impl Cluster {
+    /// This node's name in the cluster.
+    pub fn me(&self) -> &str {
+        &self.opts.name
+    }
+
+    /// The data plane to `node` failed (connection refused or lost, or no
+    /// answer): take every remote replica on it out of routing at once, so
+    /// that retries and new routes avoid it, until it proves reachable
+    /// again ([`Cluster::clear_suspect`], after a probe) or rejoins with a
+    /// new lease. Its lease expiring takes it out of the placement.
+    pub fn suspect(&self, name: &str, why: &str) {
+        let lease = self.view().members.get(name).map_or(0, |m| m.lease);
+        let fresh = self.suspects.lock().insert(name.to_string(), (lease, std::time::Instant::now())).is_none();
+        for p in &self.pipelines {
+            for s in &p.stages {
+                for r in s.replicas().iter().filter(|r| r.remote.as_ref().is_some_and(|at| at.node == name)) {
+                    r.worker_died();
+                }
+            }
+        }
+        if fresh {
+            self.events.node(EventKind::NodeSuspected, format!("{name}: {why}"));
+        }
+        self.publish_suspects();
+    }
+
+    /// `node` answered again (or rejoined): route to it again.
+    pub fn clear_suspect(&self, name: &str) {
+        if self.suspects.lock().remove(name).is_some() {
+            self.publish_suspects();
+        }
+    }
+
+    /// Since when `node` is suspected here.
+    pub fn suspected_since(&self, name: &str) -> Option<std::time::Instant> {
+        self.suspects.lock().get(name).map(|(_, t)| *t)
+    }
+
+    /// Forget suspicions of members that rejoined (a new lease) or left.
+    pub(crate) fn prune_suspects(&self, members: &BTreeMap<String, Member>) {
+        self.suspects.lock().retain(|name, (lease, _)| members.get(name).is_some_and(|m| m.lease == *lease));
+    }
+
+    /// Bring the view's suspects in line with the suspicions held.
+    pub(crate) fn publish_suspects(&self) {
+        let suspects: std::collections::BTreeSet<String> = self.suspects.lock().keys().cloned().collect();
+        self.view.send_if_modified(|v| {
+            if v.suspects == suspects {
+                return false;
+            }
+            let mut next = (**v).clone();
+            next.suspects = suspects;
+            *v = Arc::new(next);
+            true
+        });
+    }
+
+    /// What this node knows of the cluster now.
+    pub fn view(&self) -> Arc<View> {
+        self.view.borrow().clone()
+    }
+
+    /// The status block.
+    fn status(&self) -> serde_json::Value {
+        let v = self.view();
+        let c = &self.counters;
+        let server = self.server.get();
+        serde_json::json!({
+            "node": self.me(),
+            "cluster": self.opts.cluster,
+            "etcd": self.opts.etcd,
+            "data": self.data_addr.to_string(),
+            "deploy": self.opts.deploy,
+            "members": v.members,
+            "placement": v.placement,
+            "merge_threshold_bytes": self.costs.merge_threshold,
+            "counters": {
+                "sent_batches": c.sent_batches.load(Relaxed),
+                "sent_requests": c.sent_requests.load(Relaxed),
+                "served_batches": c.served_batches.load(Relaxed),
+                "retried": c.retried.load(Relaxed),
+                "refused_records": c.refused_records.load(Relaxed),
+                "refused_handshakes": server.map_or(0, |s| s.refused()),
+                "placements_written": c.placements_written.load(Relaxed),
+            },
+            "data_plane": self.peers.counters(),
+            "data_plane_served": server.map(|s| s.counters()),
+            "peer_connections": {"out": self.peers.connections(), "in": server.map_or(0, |s| s.connections())},
+        })
+    }
+}
+
+/// A running cluster membership: dropping it stops the data-plane server.
+pub struct Joined {
+    /// Becomes true when the agent sees a new deployment.
+    pub redeploy: watch::Receiver<bool>,
+    leave: watch::Sender<bool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    _server: slipstream_peer::ServerHandle,
+}
+
+impl Joined {
+    /// Leave the cluster now (revoke the lease: the others stop routing
+    /// here at once) and stop following it; waits briefly for the revoke.
+    pub async fn leave(&mut self) {
+        let _ = self.leave.send(true);
+        for t in self.tasks.drain(..) {
+            let _ = tokio::time::timeout(Duration::from_secs(2), t).await;
+        }
+    }
+}
+
+impl Service for Cluster {
+    fn status(&self, doc: &mut StatusDoc) {
+        doc.set(&["cluster"], self.status());
+    }
+
+    fn metrics(&self, _: &mut PromText) {}
+}
+
+/// Start the data plane, join the cluster and follow it; `http` is where
+/// other nodes and clients reach this node's HTTP ingress.
+pub async fn start(node: &Arc<Node>, opts: ClusterOptions, http: String) -> Result<Joined, String> {
+    let etcd = slipstream_etcd::Etcd::new(&opts.etcd).map_err(|e| format!("--cluster {}: {e}", opts.etcd))?;
+    let listener = tokio::net::TcpListener::bind(&opts.data_listen)
+        .await
+        .map_err(|e| format!("cannot listen for the data plane on {}: {e}", opts.data_listen))?;
+    let bound = listener.local_addr().map_err(|e| e.to_string())?;
+    let host = match &opts.advertise {
+        Some(h) => h.parse::<std::net::IpAddr>().map_err(|e| format!("--advertise {h}: {e}"))?,
+        None if bound.ip().is_unspecified() => std::net::Ipv4Addr::LOCALHOST.into(),
+        None => bound.ip(),
+    };
+    let data_addr = SocketAddr::new(host, bound.port());
+    let costs = tokio::task::spawn_blocking(slipstream_peer::measure_costs).await.map_err(|e| e.to_string())?;
+    let key = ClusterKey::from_token(&opts.token);
+    let alloc = Arc::new(wire::ArenaAlloc(node.arena().clone()));
+    let peers = slipstream_peer::Peers::new(key.clone(), opts.name.clone(), alloc.clone(), costs.merge_threshold);
+    let (redeploy_tx, redeploy) = watch::channel(false);
+    let cluster = Arc::new(Cluster {
+        key: key.clone(),
+        peers,
+        http,
+        data_addr,
+        view: watch::channel(Arc::new(View::default())).0,
+        counters: ClusterCounters::default(),
+        costs,
+        redeploy: redeploy_tx,
+        server: std::sync::OnceLock::new(),
+        suspects: Mutex::new(BTreeMap::new()),
+        pipelines: node.pipelines().values().cloned().collect(),
+        events: node.events().clone(),
+        opts,
+    });
+    node.set_remote_launcher(Arc::new(remote::RemoteLauncher(cluster.clone())));
+    node.register(cluster.clone());
+    let (n, c) = (node.clone(), cluster.clone());
+    let server = slipstream_peer::serve(
+        listener,
+        key,
+        cluster.opts.name.clone(),
+        alloc,
+        cluster.costs.merge_threshold,
+        move |from, inc| serve::serve_call(n.clone(), c.clone(), from, inc),
+    );
+    let _ = cluster.server.set(server.stats());
+    let lease = agent::join(&etcd, node, &cluster)
+        .await
+        .map_err(|e| format!("cannot join the cluster through etcd at {}: {e}", cluster.opts.etcd))?;
+    let (leave, stop) = watch::channel(false);
+    let tasks = vec![
+        tokio::spawn(agent::membership(etcd.clone(), node.clone(), cluster.clone(), lease, stop.clone())),
+        tokio::spawn(agent::follow(etcd, node.clone(), cluster.clone(), stop)),
+    ];
+    tracing::info!(
+        "joined cluster '{}' as {} (etcd {}, data plane {data_addr}, merging tensors under {} bytes)",
+        cluster.opts.cluster,
+        cluster.opts.name,
+        cluster.opts.etcd,
+        cluster.costs.merge_threshold
+    );
+    Ok(Joined { redeploy, leave, tasks, _server: server })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `slipstream deploy` (Python) seals records the node opens: the same
+    /// vector is checked in tests/unit/test_cluster_cli.py.
+    const SEALED_BY_PYTHON: &str =
+        r#"{"body": "{\"id\":\"x\"}", "sig": "ec0d33655ff61f052d4ace384e1cf0ea472ac37819e435f89d6f1b49489d27ed"}"#;
+
+    #[derive(Deserialize, Serialize, PartialEq, Debug)]
+    struct Head {
+        id: String,
+    }
+
+    #[test]
+    fn records_sealed_in_python_open_here_and_nothing_else_does() {
+        let key = ClusterKey::from_token("t");
+        let d: Head = open(&key, "deploy", SEALED_BY_PYTHON.as_bytes()).unwrap();
+        assert_eq!(d.id, "x");
+        assert!(
+            open::<Head>(&ClusterKey::from_token("u"), "deploy", SEALED_BY_PYTHON.as_bytes()).is_err(),
+            "another token"
+        );
+        assert!(open::<Head>(&key, "placement", SEALED_BY_PYTHON.as_bytes()).is_err(), "another kind");
+        let tampered = SEALED_BY_PYTHON.replace(r#"\"x\""#, r#"\"y\""#);
+        assert!(open::<Head>(&key, "deploy", tampered.as_bytes()).is_err(), "a changed body");
+        assert!(open::<Head>(&key, "deploy", b"not json").is_err());
+        let mine = seal(&key, "member", &Head { id: "n1".into() });
+        assert_eq!(open::<Head>(&key, "member", &mine).unwrap(), Head { id: "n1".into() });
+    }
+
+    #[test]
+    fn a_suspected_node_serves_nothing_until_cleared() {
+        let mut v = View::default();
+        let m = Member {
+            node: "n2".into(),
+            http: String::new(),
+            data: "127.0.0.1:1".parse().unwrap(),
+            cores: 1,
+            memory_bytes: 0,
+            gpus: vec![],
+            store_keys: 0,
+            ready: [("p/s".to_string(), 1)].into(),
+            deploy: "d".into(),
+            lease: 7,
+        };
+        v.members.insert("n2".into(), m);
+        assert!(v.serves("n2", "p/s") && !v.serves("n2", "p/t") && !v.serves("n3", "p/s"));
+        v.suspects.insert("n2".into());
+        assert!(!v.serves("n2", "p/s"));
+    }
+}

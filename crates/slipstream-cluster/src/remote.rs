@@ -1,0 +1,216 @@
+//! Replicas on other nodes, driven from here: a replica placed on another
+//! node is a [`slipstream_core::replica::Replica`] on this node like any
+//! other. Its queue is this node's (EDF, the batch step, the same
+//! [`drive`] loop as a local worker's), so a batch for it forms exactly as
+//! for a local worker; its [`Backend`] sends the batch as one data-plane
+//! frame instead of a frame of descriptors to a worker process. The
+//! reply's tensors land in one block of this node's arena, and each request
+//! moves on through its DAG here (the ingress keeps every request's state,
+//! so the parts of a fan-in meet by construction). The replica learns its
+//! batch latency including the network, which is what routing and
+//! admission predict with.
+//!
+//! A remote node that fails (connection lost, refused, or a reply that
+//! does not come) takes its replica here down: the requests of the batch
+//! in flight are retried once on another replica of the stage if one
+//! serves (else they fail with 503), queued ones move to serving siblings,
+//! and the replica comes back when the node reports ready again (or
+//! answers a probe).
+
+use crate::wire::{error_from, lend, split_incoming, CallMeta, CallReq, ReplyMeta, ReqResult};
+use crate::{Cluster, View};
+use slipstream_core::drive::{drive, Backend, Batch, Outcome, ReplicaCtx, Reply, Running, Started};
+use slipstream_core::drive::{FirstStart, Launcher, ReplicaTask};
+use slipstream_core::replica::{Phase, RemoteAt};
+use slipstream_core::NodeError;
+use slipstream_peer::{Outgoing, PeerError};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+
+/// The shortest wait for a remote batch before its node counts as failed.
+const MIN_PATIENCE: Duration = Duration::from_millis(250);
+
+/// A node that failed here is probed again after this long.
+const PROBE_AFTER: Duration = Duration::from_millis(500);
+
+/// Drives the replicas that stand for ones on other nodes.
+pub(crate) struct RemoteLauncher(pub(crate) Arc<Cluster>);
+
+impl Launcher for RemoteLauncher {
+    fn launch(&self, ctx: ReplicaCtx, first_start: Option<FirstStart>) -> ReplicaTask {
+        let at = ctx.replica().remote.clone().expect("a remote replica");
+        let backend = RemoteNode {
+            cluster: self.0.clone(),
+            key: ctx.pipeline().stage_key(ctx.stage_index()),
+            view: self.0.view.subscribe(),
+            at,
+            answered: None,
+            backoff: None,
+        };
+        Box::pin(drive(ctx, backend, first_start))
+    }
+}
+
+/// One remote replica's backend.
+struct RemoteNode {
+    cluster: Arc<Cluster>,
+    at: RemoteAt,
+    /// The stage's key in the cluster ("pipeline/stage").
+    key: String,
+    view: watch::Receiver<Arc<View>>,
+    /// The batch sent and its answer (a call is one round trip).
+    answered: Option<(u64, Outcome)>,
+    /// How long to wait before trying the node again after it failed here.
+    backoff: Option<Duration>,
+}
+
+/// Whether `at` answers an empty call for the stage within a moment.
+async fn probe(cluster: &Cluster, at: &RemoteAt, pipeline: &str, stage: usize) -> bool {
+    let meta = CallMeta { pipeline: pipeline.to_string(), stage: stage as u32, reqs: Vec::new() };
+    let msg = Outgoing::call(serde_json::to_vec(&meta).expect("serialises"), Vec::new());
+    cluster.peers.call(at.addr, msg, PROBE_AFTER).await.is_ok()
+}
+
+impl Backend for RemoteNode {
+    /// Wait until the node serves the stage (probing it, if it failed here).
+    async fn start(&mut self, ctx: &ReplicaCtx) -> Result<Started, String> {
+        let mut stop = ctx.stop_signal();
+        if let Some(d) = self.backoff {
+            tokio::select! {
+                _ = tokio::time::sleep(d) => {}
+                _ = stop.changed() => {}
+            }
+        }
+        loop {
+            if !ctx.replica().phase().will_serve() || ctx.stopping() {
+                return Err("stopped".into());
+            }
+            if self.view.borrow_and_update().serves(&self.at.node, &self.key) {
+                return Ok(Started { pid: 0, detail: format!("on node {} ({})", self.at.node, self.at.addr) });
+            }
+            if self.cluster.suspected_since(&self.at.node).is_some_and(|t| t.elapsed() >= PROBE_AFTER)
+                && probe(&self.cluster, &self.at, ctx.pipeline().name(), ctx.stage_index()).await
+            {
+                self.cluster.clear_suspect(&self.at.node);
+                continue;
+            }
+            tokio::select! {
+                _ = self.view.changed() => {}
+                _ = stop.changed() => {}
+                _ = ctx.replica().woken() => {}
+                _ = tokio::time::sleep(PROBE_AFTER) => {}
+            }
+        }
+    }
+
+    fn capacity(&self, _: &ReplicaCtx) -> usize {
+        1
+    }
+
+    /// One batch to the remote node and back (the answer is kept for `recv`).
+    async fn send(&mut self, ctx: &ReplicaCtx, batch: &mut Batch) -> Result<Option<Outcome>, String> {
+        let stage = ctx.stage();
+        let now = Instant::now();
+        let n = batch.members.len();
+        let mut tensors = Vec::new();
+        let mut reqs = Vec::with_capacity(n);
+        let mut latest = now;
+        for ((_, inputs), deadline) in batch.members.iter().zip(batch.deadlines()) {
+            reqs.push(CallReq {
+                n: inputs.len() as u32,
+                budget_us: deadline.saturating_duration_since(now).as_micros() as u64,
+            });
+            latest = latest.max(deadline);
+            tensors.extend(inputs.iter().map(|(name, t)| lend(name, t)));
+        }
+        let meta = CallMeta { pipeline: ctx.pipeline().name().to_string(), stage: ctx.stage_index() as u32, reqs };
+        let msg = Outgoing::call(serde_json::to_vec(&meta).expect("serialises"), tensors);
+        // Give the node until the last deadline (or the request timeout) plus
+        // a margin to answer; it answers late requests itself.
+        let wait = latest.saturating_duration_since(now).max(Duration::from_millis(1)).min(ctx.pipeline().timeout())
+            + Duration::from_secs(2);
+        let c = &self.cluster.counters;
+        c.sent_batches.fetch_add(1, Relaxed);
+        c.sent_requests.fetch_add(n as u64, Relaxed);
+        // A node that does not answer within a few times the batch's expected
+        // latency is taken for partitioned: its requests are retried elsewhere
+        // rather than left to wait for their deadline.
+        let expected = Duration::from_nanos(batch.expected_ns);
+        let patience = (expected * 4 + Duration::from_millis(100)).max(MIN_PATIENCE).min(wait);
+        let at = &self.at;
+        let inc = match self.cluster.peers.call(at.addr, msg, patience).await {
+            Ok(inc) => inc,
+            // The node refused the whole batch (shutting down, say): elsewhere.
+            Err(PeerError::Remote(why)) => return Err(format!("node {}: {why}", at.node)),
+            Err(PeerError::Alloc(reason)) => {
+                return Ok(Some(Outcome::Failed(NodeError::Unavailable { stage: stage.name.clone(), reason })))
+            }
+            Err(e) => {
+                self.cluster.suspect(&at.node, &e.to_string());
+                c.retried.fetch_add(n as u64, Relaxed);
+                return Err(format!("node {} failed: {e}", at.node));
+            }
+        };
+        let internal = |why: String| Ok(Some(Outcome::Failed(NodeError::Internal(why))));
+        let meta: ReplyMeta = match serde_json::from_slice(&inc.meta) {
+            Ok(m) => m,
+            Err(e) => return internal(format!("node {} sent a malformed reply: {e}", at.node)),
+        };
+        ctx.replica().set_backlog(meta.outstanding);
+        if meta.results.len() != n {
+            return internal(format!("node {} answered {} of {n} requests", at.node, meta.results.len()));
+        }
+        let counts = meta.results.iter().map(|r| match r {
+            ReqResult::Ok { n } => *n,
+            ReqResult::Err { .. } => 0,
+        });
+        let block = Arc::new(inc.payload.0.freeze());
+        let outs = match split_incoming(block, inc.tensors, counts) {
+            Ok(o) => o,
+            Err(e) => return internal(e),
+        };
+        let rows = batch.rows();
+        let each = meta
+            .results
+            .into_iter()
+            .zip(outs)
+            .zip(rows)
+            .map(|((result, outputs), rows)| match result {
+                ReqResult::Ok { .. } if outputs.iter().any(|(_, t)| t.rows() != rows) => {
+                    Err(NodeError::Internal("a remote output's rows do not match its request".into()))
+                }
+                ReqResult::Ok { .. } => Ok(outputs),
+                ReqResult::Err { kind, message } => Err(error_from(&kind, message, &stage.name)),
+            })
+            .collect();
+        self.answered = Some((batch.id, Outcome::Each(each)));
+        Ok(None)
+    }
+
+    async fn recv(&mut self, _: &ReplicaCtx, _: &Running) -> Result<Reply, String> {
+        let (id, outcome) = self.answered.take().ok_or("no batch in flight")?;
+        Ok(Reply::Done { id, outcome })
+    }
+
+    /// The node stops reporting the stage ready.
+    async fn lost(&mut self, ctx: &ReplicaCtx) -> String {
+        loop {
+            if self.view.changed().await.is_err() {
+                return std::future::pending().await;
+            }
+            if !self.view.borrow().serves(&self.at.node, &self.key) && ctx.replica().phase() == Phase::Ready {
+                return "its node no longer reports the stage ready".into();
+            }
+        }
+    }
+
+    async fn stop(&mut self, graceful: bool) {
+        self.answered = None;
+        if !graceful {
+            let next = self.backoff.map_or(Duration::from_millis(100), |d| (d * 2).min(Duration::from_secs(2)));
+            self.backoff = Some(next);
+        }
+    }
+}

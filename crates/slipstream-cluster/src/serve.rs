@@ -1,0 +1,75 @@
+//! Serving other nodes' batches: a batch from another node is written
+//! straight into this node's arena by the receiver; each request in it
+//! becomes one stage's work on this node's replicas ([`Node::run_stage`]),
+//! queued by the same deadline as local work, and the answers go back in
+//! one frame with this stage's load (requests queued or running per ready
+//! replica here), which the sender adds to its own view of the queue.
+
+use crate::wire::{lend, split_incoming, ArenaBuf, CallMeta, ReplyMeta, ReqResult};
+use crate::Cluster;
+use slipstream_core::replica::Phase;
+use slipstream_core::{Node, NodeError};
+use slipstream_peer::{Incoming, Outgoing};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Run a batch node `from` sent: every request as one stage's work here.
+pub(crate) async fn serve_call(
+    node: Arc<Node>,
+    cluster: Arc<Cluster>,
+    from: String,
+    inc: Incoming<ArenaBuf>,
+) -> Outgoing {
+    let meta: CallMeta = match serde_json::from_slice(&inc.meta) {
+        Ok(m) => m,
+        Err(e) => return Outgoing::error(format!("malformed call from {from}: {e}")),
+    };
+    let Ok(pipe) = node.pipeline(&meta.pipeline) else {
+        return Outgoing::error(format!("no pipeline '{}' here", meta.pipeline));
+    };
+    let Some(stage) = pipe.stages.get(meta.stage as usize) else {
+        return Outgoing::error(format!("pipeline '{}' has no stage {}", meta.pipeline, meta.stage));
+    };
+    if node.is_draining() {
+        return Outgoing::error("the node is shutting down");
+    }
+    let block = Arc::new(inc.payload.0.freeze());
+    let per_req = match split_incoming(block, inc.tensors, meta.reqs.iter().map(|r| r.n)) {
+        Ok(p) => p,
+        Err(e) => return Outgoing::error(e),
+    };
+    cluster.counters.served_batches.fetch_add(1, Relaxed);
+    let now = Instant::now();
+    // Every request is queued before any is awaited: they batch together here.
+    let runs: Vec<_> = meta
+        .reqs
+        .iter()
+        .zip(per_req)
+        .map(|(r, inputs)| {
+            let deadline = now + Duration::from_micros(r.budget_us.min(3_600_000_000));
+            node.run_stage(&pipe, stage.index, inputs, deadline)
+        })
+        .collect();
+    let mut results = Vec::with_capacity(runs.len());
+    let mut tensors = Vec::new();
+    for run in runs {
+        let outcome: Result<_, NodeError> = match run {
+            Ok(run) => run.outcome().await,
+            Err(e) => Err(e),
+        };
+        match outcome {
+            Ok(outs) => {
+                results.push(ReqResult::Ok { n: outs.len() as u32 });
+                tensors.extend(outs.iter().map(|(n, t)| lend(n, t)));
+            }
+            Err(e) => results.push(ReqResult::Err { kind: e.kind().to_string(), message: e.to_string() }),
+        }
+    }
+    let set = stage.replicas();
+    let local = set.iter().filter(|r| r.is_local());
+    let live = local.clone().filter(|r| r.phase() == Phase::Ready).count().max(1);
+    let outstanding: u32 = local.map(|r| r.load().outstanding).sum();
+    let meta = ReplyMeta { results, outstanding: outstanding / live as u32 };
+    Outgoing::reply(serde_json::to_vec(&meta).expect("serialises"), tensors)
+}

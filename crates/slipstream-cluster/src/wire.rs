@@ -1,0 +1,127 @@
+//! The data plane's frames between nodes: a batch of one stage's requests
+//! (each request's tensors, small ones merged into one buffer, large ones
+//! sent straight from shared memory with vectored writes), and the answer
+//! with each request's outputs or error and the stage's load there.
+//! Received tensors land in one block of the receiver's arena.
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use slipstream_core::arena::{Arena, TensorRef, Tensors};
+use slipstream_core::NodeError;
+use slipstream_peer::{InTensor, OutTensor};
+use slipstream_shm::{Block, BlockMut};
+use std::sync::Arc;
+
+/// Receive buffers are blocks of the node's arena (ingress pool).
+pub(crate) struct ArenaAlloc(pub(crate) Arc<Arena>);
+
+/// A block being filled by the data plane.
+pub(crate) struct ArenaBuf(pub(crate) BlockMut);
+
+impl AsMut<[u8]> for ArenaBuf {
+    fn as_mut(&mut self) -> &mut [u8] {
+        self.0.as_mut_slice()
+    }
+}
+
+impl slipstream_peer::Allocator for ArenaAlloc {
+    type Buf = ArenaBuf;
+    fn alloc(&self, nbytes: usize) -> Result<ArenaBuf, String> {
+        // Counted as the ingress write it is (the one copy a network receive makes).
+        self.0.ingress_block(nbytes.max(1)).map(ArenaBuf).map_err(|e| e.to_string())
+    }
+}
+
+/// A tensor in shared memory, lent to the socket without a copy.
+struct Lent(TensorRef);
+
+impl AsRef<[u8]> for Lent {
+    fn as_ref(&self) -> &[u8] {
+        self.0.bytes()
+    }
+}
+
+pub(crate) fn lend(name: &str, t: &TensorRef) -> OutTensor {
+    OutTensor {
+        name: name.to_string(),
+        dtype: t.dtype,
+        shape: t.shape.clone(),
+        data: Bytes::from_owner(Lent(t.clone())),
+    }
+}
+
+/// One request of a batch on the wire.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct CallReq {
+    /// Tensors of this request (the next `n` in the frame's table).
+    pub(crate) n: u32,
+    /// Time left to its deadline when sent, µs.
+    pub(crate) budget_us: u64,
+}
+
+#[derive(Serialize, Deserialize)]
+pub(crate) struct CallMeta {
+    pub(crate) pipeline: String,
+    pub(crate) stage: u32,
+    pub(crate) reqs: Vec<CallReq>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(tag = "ok")]
+pub(crate) enum ReqResult {
+    /// Its outputs: the next `n` tensors of the reply.
+    #[serde(rename = "true")]
+    Ok { n: u32 },
+    #[serde(rename = "false")]
+    Err { kind: String, message: String },
+}
+
+#[derive(Serialize, Deserialize, Default)]
+pub(crate) struct ReplyMeta {
+    pub(crate) results: Vec<ReqResult>,
+    /// Requests queued at or running on the stage's replicas there when the
+    /// batch was answered, per replica: the load report routing and
+    /// admission at the sender add to the remote replica's own queue.
+    #[serde(default)]
+    pub(crate) outstanding: u32,
+}
+
+/// The tensors of an incoming frame, split per request (`counts[i]` each),
+/// as references into the one block they were received in.
+pub(crate) fn split_incoming(
+    block: Arc<Block>,
+    tensors: Vec<InTensor>,
+    counts: impl Iterator<Item = u32>,
+) -> Result<Vec<Tensors>, String> {
+    let mut it = tensors.into_iter();
+    let mut out = Vec::new();
+    for n in counts {
+        let mut one = Vec::with_capacity(n as usize);
+        for _ in 0..n {
+            let t = it.next().ok_or("the frame holds fewer tensors than its requests name")?;
+            let offset = block.offset().checked_add(t.offset).ok_or("tensor offset overflows")?;
+            one.push((
+                t.name,
+                TensorRef { block: block.clone(), offset, nbytes: t.nbytes, dtype: t.dtype, shape: t.shape },
+            ));
+        }
+        out.push(one);
+    }
+    if it.next().is_some() {
+        return Err("the frame holds more tensors than its requests name".into());
+    }
+    Ok(out)
+}
+
+/// Rebuild an error that crossed the data plane.
+pub(crate) fn error_from(kind: &str, message: String, stage: &str) -> NodeError {
+    let stage = stage.to_string();
+    match kind {
+        "deadline_exceeded" => NodeError::DeadlineExceeded { stage },
+        "component_error" => NodeError::Component { stage, message },
+        "bad_input" => NodeError::BadInput(message),
+        "unavailable" => NodeError::Unavailable { stage, reason: message },
+        "shutting_down" => NodeError::ShuttingDown,
+        _ => NodeError::Internal(message),
+    }
+}

@@ -1,0 +1,266 @@
+//! The request path end to end, on fake in-process replicas
+//! ([`crate::testing`]): DAG joins, deadlines, cancellation, retries after a
+//! lost executor, joins over candidates with their cut-off, stage hooks,
+//! and the one owner of replica sets.
+
+use crate::arena::{HeapTensors, Tensors};
+use crate::ext::{Lookup, StageHook, Versions};
+use crate::join::{JoinPlan, JoinPolicy, JoinTiming};
+use crate::prom::PromText;
+use crate::replica::Phase;
+use crate::scaling::Change;
+use crate::testing::{floats, Fake, TestNode};
+use crate::NodeError;
+use parking_lot::Mutex;
+use slipstream_sched::scale::ScaleAction;
+use slipstream_types::DType;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// One float32 output named `name` with `v` in its one row.
+fn out(name: &str, v: &[f32]) -> HeapTensors {
+    HeapTensors(vec![(
+        name.into(),
+        DType::Float32,
+        vec![1, v.len() as u64],
+        v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    )])
+}
+
+fn first(inputs: &Tensors) -> Vec<f32> {
+    floats(inputs, &inputs[0].0)
+}
+
+fn app(slo_ms: f64, stages: &str) -> String {
+    format!(
+        r#"{{"pipelines": [{{"name": "p", "inputs": {{"x": {{"dtype": "float32", "shape": [-1, 2]}}}},
+              "slo": {{"p99_ms": {slo_ms}}}, "stages": {stages}}}]}}"#
+    )
+}
+
+/// Stages a -> (b, c) -> d: b doubles, c negates, d adds what it gets.
+fn diamond() -> Fake {
+    Fake::new(|stage, inputs| {
+        let x = first(inputs);
+        Ok(match stage {
+            "a" => out("a", &x),
+            "b" => out("b", &x.iter().map(|v| v * 2.0).collect::<Vec<_>>()),
+            "c" => out("c", &x.iter().map(|v| -v).collect::<Vec<_>>()),
+            _ => {
+                let (b, c) = (floats(inputs, "b"), floats(inputs, "c"));
+                out("sum", &b.iter().zip(&c).map(|(b, c)| b + c).collect::<Vec<_>>())
+            }
+        })
+    })
+}
+
+const DIAMOND: &str = r#"[{"name": "a", "component": "A"},
+    {"name": "b", "component": "B", "parents": ["a"]}, {"name": "c", "component": "C", "parents": ["a"]},
+    {"name": "d", "component": "D", "parents": ["b", "c"]}]"#;
+
+#[tokio::test]
+async fn a_fan_in_meets_and_answers_once() {
+    let t = TestNode::new(&app(1000.0, DIAMOND), diamond()).await;
+    let ans = t.infer("p", &[("x", &[1.0, 2.0])]).await.unwrap();
+    assert_eq!(floats(&ans.outputs, "sum"), vec![1.0, 2.0], "2x + -x");
+    assert!(ans.id.is_some() && ans.fallback.is_none());
+    let p = t.node.pipeline("p").unwrap();
+    assert_eq!(p.metrics.ok.load(Relaxed), 1);
+    assert_eq!(p.inflight(), 0, "settled in the gate's books");
+    for s in &p.stages {
+        assert_eq!(s.metrics.requests.load(Relaxed), 1, "stage {} ran once", s.name);
+    }
+}
+
+#[tokio::test]
+async fn a_request_past_its_deadline_is_answered_504_at_the_deadline() {
+    let fake = Fake::echo().delay("a", Duration::from_millis(300));
+    let t = TestNode::new(&app(1000.0, r#"[{"name": "a", "component": "A"}]"#), fake).await;
+    let t0 = Instant::now();
+    let e = t.infer_within("p", &[("x", &[1.0, 2.0])], Some(Duration::from_millis(50))).await.err().unwrap();
+    assert!(matches!(e, NodeError::DeadlineExceeded { .. }), "{e}");
+    assert!(t0.elapsed() < Duration::from_millis(250), "answered at the deadline, not when the batch ended");
+    let p = t.node.pipeline("p").unwrap();
+    assert_eq!(p.metrics.errors.since_reset().get("deadline_exceeded"), Some(&1));
+    assert_eq!(p.inflight(), 0);
+}
+
+#[tokio::test]
+async fn a_request_whose_client_goes_away_is_cancelled_and_its_work_skipped() {
+    let fake = Fake::echo().delay("a", Duration::from_millis(150));
+    let t = TestNode::new(
+        &app(5000.0, r#"[{"name": "a", "component": "A"}, {"name": "b", "component": "B", "parents": ["a"]}]"#),
+        fake.clone(),
+    )
+    .await;
+    let infer = t.infer("p", &[("x", &[1.0, 2.0])]);
+    // Dropped while stage a runs.
+    assert!(tokio::time::timeout(Duration::from_millis(50), infer).await.is_err());
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let p = t.node.pipeline("p").unwrap();
+    assert_eq!(p.metrics.cancelled.load(Relaxed), 1);
+    assert_eq!(p.inflight(), 0, "off the gate's books");
+    assert_eq!(p.stages[1].metrics.requests.load(Relaxed), 0, "b never ran for it");
+    assert_eq!(t.node.inflight(), 0);
+}
+
+#[tokio::test]
+async fn a_lost_executor_s_batch_is_retried_once_on_a_sibling_else_503() {
+    let stages = r#"[{"name": "a", "component": "A", "replicas": 2}]"#;
+    let fake = Fake::echo();
+    let t = TestNode::new(&app(5000.0, stages), fake.clone()).await;
+    fake.lose_next("a");
+    let ans = t.infer("p", &[("x", &[3.0, 4.0])]).await.unwrap();
+    assert_eq!(floats(&ans.outputs, "x"), vec![3.0, 4.0]);
+    let st = &t.node.pipeline("p").unwrap().stages[0];
+    assert_eq!((st.metrics.retries.load(Relaxed), st.metrics.restarts.load(Relaxed)), (1, 1));
+    // One replica: nowhere to retry.
+    let fake = Fake::echo();
+    let t = TestNode::new(&app(5000.0, r#"[{"name": "a", "component": "A"}]"#), fake.clone()).await;
+    fake.lose_next("a");
+    let e = t.infer("p", &[("x", &[3.0, 4.0])]).await.err().unwrap();
+    assert!(matches!(e, NodeError::Unavailable { .. }), "{e}");
+    assert_eq!(e.http_status(), 503);
+    // The replica comes back and serves.
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while t.node.pipeline("p").unwrap().stages[0].replicas()[0].phase() != Phase::Ready {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .unwrap();
+    assert!(t.infer("p", &[("x", &[3.0, 4.0])]).await.is_ok());
+}
+
+/// A join that runs both candidates and answers with the first that arrived.
+struct First {
+    candidates: Vec<String>,
+    wait: Duration,
+    late: AtomicUsize,
+}
+
+impl JoinPolicy for First {
+    fn name(&self) -> &str {
+        "first"
+    }
+    fn candidates(&self) -> &[String] {
+        &self.candidates
+    }
+    fn context_input(&self) -> Option<&str> {
+        None
+    }
+    fn plan(&self, context: Option<String>) -> JoinPlan {
+        JoinPlan { chosen: vec![true; self.candidates.len()], weights: vec![1.0; self.candidates.len()], context }
+    }
+    fn cutoff(&self, dispatched: Instant, deadline: Instant, rest: Duration) -> Instant {
+        (dispatched + self.wait).min(deadline - rest)
+    }
+    fn combine(&self, _: u64, _: &JoinPlan, arrived: &[Option<Tensors>], _: u64) -> Result<HeapTensors, String> {
+        let (i, t) = arrived.iter().enumerate().find_map(|(i, t)| t.as_ref().map(|t| (i, t))).ok_or("none")?;
+        let mut h = HeapTensors::of(t);
+        h.0.push(out("from", &[i as f32]).0.remove(0));
+        Ok(h)
+    }
+    fn late(&self, _: u64, _: usize, _: &Tensors, _: u64) {
+        self.late.fetch_add(1, Relaxed);
+    }
+    fn timing(&self) -> JoinTiming {
+        JoinTiming::Fastest
+    }
+}
+
+#[tokio::test]
+async fn a_join_answers_at_its_cutoff_with_what_arrived_and_hears_the_straggler_late() {
+    let stages = r#"[{"name": "fast", "component": "F"}, {"name": "slow", "component": "S"},
+                     {"name": "after", "component": "X", "parents": ["fast", "slow"]}]"#;
+    let fake = Fake::new(|stage, inputs| {
+        Ok(if stage == "after" { HeapTensors::of(inputs) } else { out("y", &first(inputs)) })
+    })
+    .delay("slow", Duration::from_millis(400));
+    let join = Arc::new(First {
+        candidates: vec!["fast".into(), "slow".into()],
+        wait: Duration::from_millis(40),
+        late: AtomicUsize::new(0),
+    });
+    let j = join.clone();
+    let t = TestNode::with(&app(2000.0, stages), fake, move |b| b.join(j.clone()).unwrap()).await;
+    let t0 = Instant::now();
+    let ans = t.infer("p", &[("x", &[5.0, 6.0])]).await.unwrap();
+    assert!(t0.elapsed() < Duration::from_millis(300), "did not wait for the straggler: {:?}", t0.elapsed());
+    assert_eq!((floats(&ans.outputs, "y"), floats(&ans.outputs, "from")), (vec![5.0, 6.0], vec![0.0]));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(join.late.load(Relaxed), 1, "the straggler's answer reached the policy");
+}
+
+/// A hook that answers `x == [9, 9]` itself and remembers what ran.
+#[derive(Default)]
+struct Nines {
+    stored: Mutex<Vec<u128>>,
+}
+
+impl StageHook for Nines {
+    fn name(&self) -> &'static str {
+        "nines"
+    }
+    fn lookup(&self, inputs: &Tensors) -> Lookup {
+        if first(inputs) == [9.0, 9.0] {
+            Lookup::Hit(Arc::new(out("x", &[99.0, 99.0])))
+        } else {
+            Lookup::Miss(first(inputs)[0] as u128)
+        }
+    }
+    fn store(&self, memo: u128, _: &Tensors, _: &Versions) {
+        self.stored.lock().push(memo);
+    }
+    fn status(&self) -> serde_json::Value {
+        serde_json::json!({"stored": self.stored.lock().len()})
+    }
+    fn metrics(&self, t: &mut PromText, labels: &[(&str, &str)]) {
+        t.counter("nines_stored_total", "Results stored.", labels, self.stored.lock().len() as u64);
+    }
+}
+
+#[tokio::test]
+async fn a_stage_hook_answers_without_the_stage_and_sees_every_result() {
+    let fake = Fake::echo();
+    let hook = Arc::new(Nines::default());
+    let h = hook.clone();
+    let t = TestNode::with(&app(2000.0, r#"[{"name": "a", "component": "A"}]"#), fake.clone(), move |b| {
+        b.hook("a", h.clone()).unwrap()
+    })
+    .await;
+    let hit = t.infer("p", &[("x", &[9.0, 9.0])]).await.unwrap();
+    assert_eq!(floats(&hit.outputs, "x"), vec![99.0, 99.0]);
+    assert_eq!(fake.batches.load(Relaxed), 0, "no batch ran");
+    let miss = t.infer("p", &[("x", &[7.0, 1.0])]).await.unwrap();
+    assert_eq!(floats(&miss.outputs, "x"), vec![7.0, 1.0]);
+    assert_eq!(*hook.stored.lock(), vec![7], "its memo came back with the result");
+    let status = t.node.status();
+    assert_eq!(status["pipelines"][0]["stages"][0]["nines"]["stored"], 1);
+    assert!(t.node.prometheus().contains("nines_stored_total{pipeline=\"p\",stage=\"a\"} 1"));
+}
+
+#[tokio::test]
+async fn replica_sets_change_through_one_owner_to_the_counts_asked() {
+    let stages = r#"[{"name": "a", "component": "A", "replicas": 1, "min_replicas": 1, "max_replicas": 4}]"#;
+    let t = TestNode::new(&app(2000.0, stages), Fake::echo()).await;
+    let node = &t.node;
+    let p = node.pipeline("p").unwrap();
+    let c = node.scale("p", "a", 3).unwrap();
+    assert_eq!((c.from, c.to, c.added.len()), (1, 3, 2));
+    // An autoscaler that counted 1 asks for 2: it is not added to 3.
+    let c = node.change(&p, 0, Change::Scale(ScaleAction::Grow { to: 2, max: 4 }));
+    assert_eq!((c.from, c.to, c.added.len()), (3, 3, 0));
+    let c = node.scale("p", "a", 1).unwrap();
+    assert_eq!((c.to, c.draining.len()), (1, 2));
+    // A standby, then a scale that promotes it before starting another.
+    let c = node.change(&p, 0, Change::Scale(ScaleAction::AddStandby { max: 4 }));
+    assert_eq!(c.added.len(), 1);
+    let c = node.change(&p, 0, Change::Scale(ScaleAction::AddStandby { max: 4 }));
+    assert!(c.added.is_empty(), "one standby at a time");
+    let c = node.scale("p", "a", 3).unwrap();
+    assert_eq!((c.promoted, c.added.len(), c.to), (1, 1, 3));
+    assert!(matches!(node.scale("p", "a", 0), Err(NodeError::BadInput(_))));
+    assert!(matches!(node.scale("p", "zz", 2), Err(NodeError::UnknownStage { .. })));
+}

@@ -1,0 +1,155 @@
+//! What the edge serves from, and the settings of a whole node.
+//!
+//! [`App`] holds handles, not internals: the node (the request path and
+//! its reports) and the features that have routes of their own (feedback
+//! on selections, the store's trigger route, the dashboard's history).
+//! [`RunOptions`] are the checked settings of everything a node runs: the
+//! core's, the edge's listeners, the cluster's; features with settings of
+//! their own read them from the app's spec.
+
+use hyper::body::Incoming;
+use hyper::header::AUTHORIZATION;
+use slipstream_cluster::ClusterOptions;
+use slipstream_core::config::seconds;
+use slipstream_core::{Node, NodeConfig, NodeError, NodeOptions};
+use slipstream_history::History;
+use slipstream_select::Selections;
+use slipstream_triggers::Triggers;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The edge's settings: listeners, body limits, the admin token.
+#[derive(Clone, Debug)]
+pub struct EdgeOptions {
+    /// The address the listeners bind.
+    pub host: String,
+    /// The HTTP port (0: any free port).
+    pub port: u16,
+    /// The Open Inference Protocol over gRPC on this port (0: any free
+    /// port); None: no gRPC listener.
+    pub grpc_port: Option<u16>,
+    /// Tokio worker threads for the node.
+    pub threads: usize,
+    /// The largest request body (and gRPC message).
+    pub max_body_bytes: usize,
+    /// How long a graceful stop waits for requests in flight.
+    pub drain_timeout: Duration,
+    /// Bearer token the admin routes require. Without one they are open on
+    /// a loopback listener and refused on any other.
+    pub admin_token: Option<String>,
+}
+
+/// How the node logs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Nothing (embedded nodes, tests).
+    Off,
+    /// Human-readable lines on stderr.
+    Text,
+    /// One JSON object per line on stderr.
+    Json,
+}
+
+/// Everything a node runs with, checked.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    /// The core's settings.
+    pub node: NodeOptions,
+    /// The edge's.
+    pub edge: EdgeOptions,
+    /// Join a cluster on etcd (`docs/design/cluster.md`); None: one machine.
+    pub cluster: Option<ClusterOptions>,
+    /// How it logs.
+    pub log: LogFormat,
+}
+
+impl RunOptions {
+    /// Check `cfg` and build the options (no cluster; logging as `cfg` says).
+    pub fn from_config(cfg: &NodeConfig) -> Result<RunOptions, String> {
+        cfg.check()?;
+        let log = match cfg.log_format.as_str() {
+            "json" => LogFormat::Json,
+            _ => LogFormat::Text,
+        };
+        Ok(RunOptions {
+            node: cfg.node_options()?,
+            edge: EdgeOptions {
+                host: cfg.host.clone(),
+                port: cfg.port,
+                grpc_port: cfg.grpc_port(),
+                threads: cfg.node_threads,
+                max_body_bytes: cfg.max_body_bytes()?,
+                drain_timeout: seconds("drain_timeout_s", cfg.drain_timeout_s)?,
+                admin_token: cfg.admin_token.clone().filter(|t| !t.is_empty()),
+            },
+            cluster: None,
+            log,
+        })
+    }
+}
+
+impl Default for RunOptions {
+    /// The defaults of [`NodeConfig`], where each is declared.
+    fn default() -> Self {
+        RunOptions::from_config(&NodeConfig::default()).expect("the default configuration is valid")
+    }
+}
+
+/// What the edge serves from (see the module docs).
+pub(crate) struct App {
+    pub(crate) node: Arc<Node>,
+    pub(crate) edge: EdgeOptions,
+    pub(crate) selections: Arc<Selections>,
+    pub(crate) triggers: Arc<Triggers>,
+    pub(crate) history: Arc<History>,
+}
+
+impl App {
+    /// Admin routes change the node: they need the node's bearer token when
+    /// it has one, and are refused outright on a non-loopback listener
+    /// without one. `admin_open`: the listener is on loopback.
+    pub(crate) fn authorise_admin(&self, admin_open: bool, req: &hyper::Request<Incoming>) -> Result<(), NodeError> {
+        let Some(token) = self.edge.admin_token.as_deref() else {
+            return if admin_open {
+                Ok(())
+            } else {
+                Err(NodeError::Forbidden(format!(
+                    "admin routes are disabled: the node listens on {} without an admin token \
+                     (start it with --admin-token or SLIPSTREAM_ADMIN_TOKEN)",
+                    self.edge.host
+                )))
+            };
+        };
+        let given =
+            req.headers().get(AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        match given {
+            Some(g) if constant_time_eq(g.trim().as_bytes(), token.as_bytes()) => Ok(()),
+            Some(_) => Err(NodeError::Unauthorized("wrong admin token".into())),
+            None => Err(NodeError::Unauthorized("admin routes need 'Authorization: Bearer <admin token>'".into())),
+        }
+    }
+}
+
+/// Compare without an early exit, so timing does not reveal a prefix.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_become_options() {
+        let o = RunOptions::default();
+        assert_eq!((o.edge.port, o.edge.grpc_port, o.edge.max_body_bytes), (8000, Some(8001), 64 << 20));
+        assert_eq!(o.edge.drain_timeout, Duration::from_secs(30));
+        assert!(o.edge.admin_token.is_none() && o.cluster.is_none());
+        assert_eq!(o.log, LogFormat::Text);
+        let c = NodeConfig { log_format: "json".into(), admin_token: Some(String::new()), ..Default::default() };
+        let o = RunOptions::from_config(&c).unwrap();
+        assert_eq!((o.log, o.edge.admin_token), (LogFormat::Json, None));
+        let bad = NodeConfig { drain_timeout_s: -1.0, ..Default::default() };
+        assert!(RunOptions::from_config(&bad).unwrap_err().contains("drain_timeout_s"));
+    }
+}

@@ -1,0 +1,178 @@
+//! Where a deployment's replicas run: a balanced placement that moves as
+//! little as it can when nodes come and go.
+//!
+//! Each stage declares its replica count for the whole cluster. The
+//! placement keeps what the previous one had on nodes that are still
+//! members, takes replicas off nodes that left (or the fullest nodes, when
+//! a count shrank), gives missing ones to the nodes with the fewest of that
+//! stage (then the fewest replicas overall), and finally moves one replica
+//! at a time from a stage's fullest node to its emptiest while they differ
+//! by more than one; then the same over the nodes' totals (moving a stage
+//! the fullest node holds more of). A node that joins or rejoins therefore
+//! gets work, and a
+//! healthy cluster's placement does not churn. This is the simple balanced
+//! placement the cluster starts with; the planner's cost model
+//! (`docs/design/planner.md`) can replace the counts later. The record the
+//! cluster stores in etcd (epoch, deployment, writer) is the cluster's.
+
+use std::collections::BTreeMap;
+
+/// Per stage ("pipeline/stage"), replicas per node.
+pub type Assignment = BTreeMap<String, BTreeMap<String, u32>>;
+
+/// Place `want` (stage -> replicas in the cluster) on `nodes` (the live
+/// members), starting from `prev`.
+pub fn place(want: &BTreeMap<String, u32>, nodes: &[String], prev: Option<&Assignment>) -> Assignment {
+    let mut out = Assignment::new();
+    if nodes.is_empty() {
+        return out;
+    }
+    // Replicas per node over all stages, for spreading ties.
+    let mut total: BTreeMap<&str, u32> = nodes.iter().map(|n| (n.as_str(), 0)).collect();
+    let mut per_stage: Vec<(&String, BTreeMap<&str, u32>)> = Vec::new();
+    for (stage, &n) in want {
+        let mut counts: BTreeMap<&str, u32> = nodes.iter().map(|n| (n.as_str(), 0)).collect();
+        if let Some(p) = prev.and_then(|p| p.get(stage)) {
+            for (node, &c) in p {
+                if let Some(slot) = counts.get_mut(node.as_str()) {
+                    *slot = c;
+                }
+            }
+        }
+        // Too many (count lowered): off the fullest nodes.
+        while counts.values().sum::<u32>() > n {
+            let fullest =
+                *counts.iter().max_by_key(|(id, &c)| (c, std::cmp::Reverse(*id))).map(|(id, _)| id).expect("nodes");
+            *counts.get_mut(fullest).expect("present") -= 1;
+        }
+        for (id, c) in &counts {
+            *total.get_mut(id).expect("present") += c;
+        }
+        per_stage.push((stage, counts));
+    }
+    for (stage, counts) in &mut per_stage {
+        let n = want[*stage];
+        // Missing ones (new stage, nodes left): to the emptiest nodes.
+        while counts.values().sum::<u32>() < n {
+            let emptiest = *counts.iter().min_by_key(|(id, &c)| (c, total[*id], *id)).map(|(id, _)| id).expect("nodes");
+            *counts.get_mut(emptiest).expect("present") += 1;
+            *total.get_mut(emptiest).expect("present") += 1;
+        }
+        // Balance: one move at a time while two nodes differ by more than one.
+        loop {
+            let (&hi, &hc) = counts.iter().max_by_key(|(id, &c)| (c, std::cmp::Reverse(total[*id]))).expect("nodes");
+            let (&lo, &lc) = counts.iter().min_by_key(|(id, &c)| (c, total[*id], *id)).expect("nodes");
+            if hc <= lc + 1 {
+                break;
+            }
+            *counts.get_mut(hi).expect("present") -= 1;
+            *counts.get_mut(lo).expect("present") += 1;
+            *total.get_mut(hi).expect("present") -= 1;
+            *total.get_mut(lo).expect("present") += 1;
+        }
+    }
+    // Balance the nodes' totals too (a node that joins a balanced cluster
+    // gets work): move a replica from the fullest node to the emptiest, of
+    // a stage the fullest holds more of (so no stage gets less balanced),
+    // while their totals differ by more than one.
+    loop {
+        let (&hi, &ht) = total.iter().max_by_key(|(id, &t)| (t, std::cmp::Reverse(*id))).expect("nodes");
+        let (&lo, &lt) = total.iter().min_by_key(|(id, &t)| (t, *id)).expect("nodes");
+        if ht <= lt + 1 {
+            break;
+        }
+        let movable = per_stage
+            .iter_mut()
+            .filter(|(_, c)| c[hi] > c[lo])
+            .max_by_key(|(stage, c)| (c[hi] - c[lo], std::cmp::Reverse(*stage)));
+        let Some((_, counts)) = movable else { break };
+        *counts.get_mut(hi).expect("present") -= 1;
+        *counts.get_mut(lo).expect("present") += 1;
+        *total.get_mut(hi).expect("present") -= 1;
+        *total.get_mut(lo).expect("present") += 1;
+    }
+    for (stage, counts) in per_stage {
+        out.insert(stage.clone(), counts.iter().filter(|(_, &c)| c > 0).map(|(id, &c)| (id.to_string(), c)).collect());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn want(v: &[(&str, u32)]) -> BTreeMap<String, u32> {
+        v.iter().map(|(s, n)| (s.to_string(), *n)).collect()
+    }
+
+    fn nodes(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn sum(a: &Assignment, stage: &str) -> u32 {
+        a[stage].values().sum()
+    }
+
+    #[test]
+    fn spreads_evenly_and_keeps_counts() {
+        let a = place(&want(&[("p/a", 3), ("p/b", 1), ("p/c", 1), ("p/d", 1)]), &nodes(&["n1", "n2", "n3"]), None);
+        assert_eq!(a["p/a"].values().copied().collect::<Vec<_>>(), vec![1, 1, 1]);
+        for s in ["p/b", "p/c", "p/d"] {
+            assert_eq!(sum(&a, s), 1);
+        }
+        // The single-replica stages land on different nodes.
+        let homes: std::collections::BTreeSet<&String> =
+            ["p/b", "p/c", "p/d"].iter().flat_map(|s| a[*s].keys()).collect();
+        assert_eq!(homes.len(), 3, "{a:?}");
+    }
+
+    #[test]
+    fn a_lost_node_s_replicas_move_and_a_rejoin_takes_work_back() {
+        let w = want(&[("p/a", 3), ("p/b", 2)]);
+        let all = nodes(&["n1", "n2", "n3"]);
+        let a = place(&w, &all, None);
+        let b = place(&w, &nodes(&["n1", "n3"]), Some(&a));
+        assert_eq!(sum(&b, "p/a"), 3);
+        assert_eq!(sum(&b, "p/b"), 2);
+        assert!(b.values().all(|m| !m.contains_key("n2")));
+        // What survived stays where it was.
+        for (stage, m) in &a {
+            for (node, &c) in m {
+                if node != "n2" {
+                    assert!(b[stage].get(node).copied().unwrap_or(0) >= c, "{stage} moved off {node}: {a:?} -> {b:?}");
+                }
+            }
+        }
+        let c = place(&w, &all, Some(&b));
+        assert_eq!(c["p/a"].get("n2"), Some(&1), "the rejoined node gets a replica back: {c:?}");
+        // Stable: placing again changes nothing.
+        assert_eq!(place(&w, &all, Some(&c)), c);
+    }
+
+    #[test]
+    fn a_node_that_joins_a_balanced_cluster_gets_work() {
+        let w = want(&[("p/a", 3), ("p/b", 2), ("p/c", 2), ("p/d", 3)]);
+        let three = place(&w, &nodes(&["n1", "n2", "n3"]), None);
+        let four = place(&w, &nodes(&["n1", "n2", "n3", "n4"]), Some(&three));
+        let on = |a: &Assignment, n: &str| a.values().map(|m| m.get(n).copied().unwrap_or(0)).sum::<u32>();
+        let totals: Vec<u32> = ["n1", "n2", "n3", "n4"].iter().map(|n| on(&four, n)).collect();
+        assert!(totals.iter().max().unwrap() - totals.iter().min().unwrap() <= 1, "{totals:?} {four:?}");
+        for (stage, &n) in &w {
+            assert_eq!(sum(&four, stage), n);
+            let c: Vec<u32> =
+                ["n1", "n2", "n3", "n4"].iter().map(|x| four[stage].get(*x).copied().unwrap_or(0)).collect();
+            assert!(c.iter().max().unwrap() - c.iter().min().unwrap() <= 1, "{stage}: {c:?}");
+        }
+        assert_eq!(place(&w, &nodes(&["n1", "n2", "n3", "n4"]), Some(&four)), four, "stable");
+    }
+
+    #[test]
+    fn shrinking_takes_from_the_fullest_and_no_nodes_places_nothing() {
+        let w = want(&[("p/a", 4)]);
+        let two = nodes(&["n1", "n2"]);
+        let a = place(&w, &two, None);
+        let b = place(&want(&[("p/a", 1)]), &two, Some(&a));
+        assert_eq!(sum(&b, "p/a"), 1);
+        assert!(place(&w, &[], Some(&a)).is_empty());
+    }
+}
