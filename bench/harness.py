@@ -54,9 +54,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 EXAMPLES = ROOT / "examples"
 
-__all__ = ["EXAMPLES", "GHZ", "OHA", "REDIS_BENCHMARK", "RESULTS", "ROOT", "cpu_seconds", "describe_machine",
+__all__ = ["EXAMPLES", "GHZ", "OHA", "PERF_ANALYZER", "REDIS_BENCHMARK", "RESULTS", "ROOT", "cpu_seconds", "describe_machine",
            "example_module", "free_port", "ghz", "loadgen", "machine", "node", "oha", "parse_ghz", "parse_nvidia_smi",
-           "parse_oha", "parse_redis_benchmark", "percentile", "redis_benchmark", "tool", "write_results"]
+           "parse_oha", "parse_perf_analyzer", "parse_redis_benchmark", "perf_analyzer", "percentile", "redis_benchmark", "tool", "write_results"]
 
 
 # --------------------------------------------------------------------------
@@ -223,6 +223,7 @@ def tool(name: str, *fallbacks: Path) -> str | None:
 OHA = tool("oha", Path.home() / ".cargo" / "bin" / "oha")
 GHZ = tool("ghz", Path.home() / "go" / "bin" / "ghz")
 REDIS_BENCHMARK = tool("redis-benchmark", Path("/usr/bin/redis-benchmark"))
+PERF_ANALYZER = tool("perf_analyzer", ROOT / ".venv" / "opt" / "perf_analyzer" / "perf_analyzer")
 
 
 def _need(path: str | None, name: str, install: str) -> str:
@@ -297,6 +298,48 @@ def ghz(addr: str, *, proto: Path, call: str, data: Path, seconds: float, concur
     if not out.stdout.strip():
         raise RuntimeError(f"ghz failed: {out.stderr.strip()}")
     return parse_ghz(out.stdout)
+
+
+def parse_perf_analyzer(csv_text: str) -> list[dict[str, Any]]:
+    """perf_analyzer's ``-f`` CSV, one row per concurrency: ``concurrency``,
+    ``rps`` (inferences/s), latency percentiles in ms (``p50_ms`` ...
+    ``p99_ms``: its own, from the client's side) and the
+    server-side breakdown it derives from the statistics extension
+    (``server_queue_ms``, ``server_compute_input_ms``,
+    ``server_compute_infer_ms``, ``server_compute_output_ms``), per request."""
+    import csv
+    import io
+
+    rows = []
+    for r in csv.DictReader(io.StringIO(csv_text)):
+        us = {k.strip(): float(v) for k, v in r.items() if k and v not in (None, "")}
+        rows.append({"concurrency": int(us["Concurrency"]), "rps": us["Inferences/Second"],
+                     **{f"{p}_ms": us[f"{p} latency"] / 1e3 for p in ("p50", "p90", "p95", "p99")},
+                     **{f"server_{k.lower().replace(' ', '_')}_ms": us[f"Server {k}"] / 1e3
+                        for k in ("Queue", "Compute Input", "Compute Infer", "Compute Output")
+                        if f"Server {k}" in us}})
+    return rows
+
+
+def perf_analyzer(addr: str, model: str, *, protocol: str, shapes: Sequence[str], concurrency: int,
+                  interval_ms: int = 2000, input_data: str = "random") -> dict[str, Any]:
+    """One perf_analyzer run (Triton's tool, unchanged) against `addr`
+    (HOST:PORT) over `protocol` (http or grpc) at `concurrency`, inputs of
+    `shapes` (``x:1,2``) filled with `input_data` (``random`` or ``zero``),
+    until three windows of `interval_ms` agree; its row as
+    ``parse_perf_analyzer`` gives it."""
+    exe = _need(PERF_ANALYZER, "perf_analyzer", "scripts/install_perf_analyzer.sh (or set PERF_ANALYZER=path)")
+    env = {**os.environ, "LD_LIBRARY_PATH": str(Path(exe).parent / "lib")}
+    with tempfile.TemporaryDirectory(prefix="bench-pa-") as d:
+        out = Path(d) / "pa.csv"
+        cmd = [exe, "-m", model, "-u", addr, "-i", protocol, "--concurrency-range", f"{concurrency}:{concurrency}",
+               "--measurement-interval", str(interval_ms), "--input-data", input_data, "-f", str(out)]
+        for shape in shapes:
+            cmd += ["--shape", shape]
+        run = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if run.returncode != 0 or not out.exists():
+            raise RuntimeError(f"perf_analyzer failed ({run.returncode}): {run.stdout[-2000:]}{run.stderr[-2000:]}")
+        return parse_perf_analyzer(out.read_text())[0]
 
 
 def parse_redis_benchmark(text: str) -> dict[str, dict[str, float]]:

@@ -44,6 +44,8 @@ for target in "$@"; do
       want "test_dashboard.py loads /dashboard in headless Chromium" "has chromium || has chromium-browser" chromium
       want "test_prometheus.py scrapes a node with a real Prometheus" "has prometheus" prometheus
       want "the AudioQuery tests speak their questions" "has espeak-ng" espeak-ng
+      want "Triton's perf_analyzer (a gRPC test, bench/perf_analyzer.py) links it" \
+        "ldconfig -p | grep -q libb64.so.0d" libb64-0d
       ;;
     *)
       echo "bootstrap: unknown target '$target' (known: build, test)" >&2

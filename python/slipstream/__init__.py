@@ -82,6 +82,7 @@ from slipstream._internal.errors import (
 )
 from slipstream._internal.launch import Server, launch, serve
 from slipstream._internal.needs import loaded_versions
+from slipstream._internal.retry import RetryPolicy, RetryStats
 from slipstream._internal.store import Object
 
 __version__ = "0.1.0"
@@ -117,6 +118,8 @@ __all__ = [
     "Pool",
     "RequestError",
     "RequestTimeout",
+    "RetryPolicy",
+    "RetryStats",
     "Select",
     "ServeError",
     "Server",

@@ -310,10 +310,9 @@ def test_error_kinds_are_exception_classes(server: ss.Server) -> None:
     assert ss.Client(f"http://127.0.0.1:{port}").ready() is False
 
 
-def test_overload_is_overloaded_with_retry_after(server: ss.Server) -> None:
-    # A 150 ms SLO, taught that a batch takes ~100 ms, then a burst of 24:
-    # the node refuses what cannot meet the SLO (as in test_deadlines).
-    c = server.client()
+def burst(c: ss.Client, n: int = 24) -> list[BaseException | None]:
+    """A 150 ms SLO, taught that a batch takes ~100 ms, then a burst of `n`:
+    the node refuses what cannot meet the SLO (as in test_deadlines)."""
     for _ in range(3):
         c.infer("tight", {"x": [[1, 100]]})
 
@@ -324,12 +323,33 @@ def test_overload_is_overloaded_with_retry_after(server: ss.Server) -> None:
         except ss.Error as e:
             return e
 
-    with ThreadPoolExecutor(24) as pool:
-        results = list(pool.map(one, range(24)))
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def test_overload_is_overloaded_with_retry_after(server: ss.Server) -> None:
+    c = server.client(retry=None)
+    results = burst(c)
     refused = [e for e in results if isinstance(e, ss.Overloaded)]
     assert refused, results
-    assert all(e.status == 429 and e.retry_after is not None and e.retry_after >= 1 for e in refused)
+    # The node's wait in ms (its predicted drain time), not HTTP's whole seconds.
+    assert all(e.status == 429 and e.retry_after is not None and 0 < e.retry_after < 1.0 for e in refused)
     assert all(r is None or isinstance(r, (ss.Overloaded, ss.DeadlineExceeded)) for r in results), results
+    assert c.retry_stats.retries == 0
+    c.close()
+
+
+def test_refusals_are_retried_after_the_wait_within_the_budget(server: ss.Server) -> None:
+    """The same burst with the default policy: refused calls come back after
+    the node's wait, and no more retries are sent than the budget holds
+    (its burst of 10, plus a tenth of the calls)."""
+    c = server.client()
+    results = burst(c)
+    stats = c.retry_stats
+    assert stats.calls == 27 and 0 < stats.retries <= 10 + 27 * 0.1, stats
+    answered = sum(r is None for r in results)
+    assert answered > 0 and all(r is None or isinstance(r, (ss.Overloaded, ss.DeadlineExceeded))
+                                for r in results), results
     c.close()
 
 

@@ -62,6 +62,8 @@ def test_backlog_beyond_the_slo_is_refused_fast_with_retry_after(chain_node: Nod
     assert refused, "a 24-request burst of 100 ms batches of <= 8 cannot all meet a 150 ms SLO"
     assert served, "the requests that fit are admitted"
     assert all(int(h["retry-after"]) >= 1 for _, _, h in refused)
+    # The wait in ms (the predicted drain time), which Retry-After rounds up to seconds.
+    assert all(int(h["retry-after"]) == -(-int(h["x-slipstream-retry-after-ms"]) // 1000) for _, _, h in refused)
     assert max(t for _, t, _ in refused) < 0.1, "refusals are immediate, not queued"
     p = pipeline_status(chain_node, "tight")
     assert p["shed"] >= len(refused) and p["admitted"] >= len(served)

@@ -170,8 +170,10 @@ def test_unknown_model_is_not_found(client: Any, stub: Any) -> None:
     assert err.code() == grpc.StatusCode.NOT_FOUND and kind_of(err) == "unknown_pipeline"
     err = rpc_error(lambda: stub.ModelReady(service_pb2.ModelReadyRequest(name="nope")))
     assert err.code() == grpc.StatusCode.NOT_FOUND
-    # Calls of Triton's own extensions are not served.
-    err = rpc_error(lambda: stub.ModelConfig(service_pb2.ModelConfigRequest(name="chain")))
+    err = rpc_error(lambda: stub.ModelConfig(service_pb2.ModelConfigRequest(name="nope")))
+    assert err.code() == grpc.StatusCode.NOT_FOUND and kind_of(err) == "unknown_pipeline"
+    # Triton's other extensions (the model repository) are not served.
+    err = rpc_error(lambda: stub.RepositoryIndex(service_pb2.RepositoryIndexRequest()))
     assert err.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
@@ -299,3 +301,110 @@ def test_launch_reports_the_grpc_endpoint() -> None:
     with ss.launch(APPS / "chain.py", no_grpc=True) as server:
         assert server.grpc_url is None
         assert not any("gRPC" in line for line in server.log)
+
+
+def test_model_config_and_statistics_over_both_protocols(node: Node, client: Any) -> None:
+    """Triton's configuration and statistics extensions, as perf_analyzer
+    reads them: the same pipeline over HTTP JSON and gRPC, statistics
+    that count the requests answered."""
+    x = grpcclient.InferInput("x", [1, 2], "FP32")
+    x.set_data_from_numpy(np.float32([[1, 2]]))
+    for _ in range(5):
+        client.infer("chain", [x])
+    status, cfg = node.get("/v2/models/chain/config")
+    assert status == 200
+    assert cfg["name"] == "chain" and cfg["max_batch_size"] == 0
+    assert cfg["input"] == [{"name": "x", "data_type": "TYPE_FP32", "dims": [-1, 2]}], cfg["input"]
+    assert cfg["dynamic_batching"]["preferred_batch_size"][0] >= 1
+    assert any(k.startswith("stage.") for k in cfg["parameters"])
+    g = client.get_model_config("chain", as_json=True)["config"]
+    assert g["name"] == "chain" and g["input"][0]["data_type"] == "TYPE_FP32"
+    assert [int(d) for d in g["input"][0]["dims"]] == [-1, 2]
+
+    status, st = node.get("/v2/models/chain/stats")
+    assert status == 200
+    (s,) = st["model_stats"]
+    assert s["name"] == "chain" and int(s["inference_count"]) >= 5
+    inf = s["inference_stats"]
+    assert inf["success"]["count"] == s["inference_count"] and inf["success"]["ns"] > 0
+    assert inf["compute_infer"]["ns"] > 0 and inf["queue"]["count"] == s["inference_count"]
+    status, every = node.get("/v2/models/stats")
+    assert status == 200 and "chain" in {m["name"] for m in every["model_stats"]}
+    gs = client.get_inference_statistics("chain", as_json=True)["model_stats"][0]
+    assert gs["name"] == "chain" and int(gs["inference_count"]) >= int(s["inference_count"])
+    with pytest.raises(InferenceServerException) as e:
+        client.get_model_config("nope")
+    assert "StatusCode.NOT_FOUND" in str(e.value.status())
+    assert node.get("/v2/models/nope/config")[0] == 404
+
+
+def adjacent_free_ports() -> int:
+    """A port p with p and p + 1 free (the README's `--port 8000` / `--port 8001`)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p >= 65535:
+            continue
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+        return p
+    raise AssertionError("no two adjacent free ports")
+
+
+def test_nodes_with_port_alone_share_a_machine_and_serve_grpc_on_it() -> None:
+    """Two nodes on adjacent ports with `--port` alone both start (each
+    took no second port), each serves HTTP and gRPC on its one port, and
+    says so in its log and its status."""
+    p = adjacent_free_ports()
+    a = Node(str(APPS / "chain.py"), "--port", str(p))
+    b = Node(str(APPS / "chain.py"), "--port", str(p + 1))
+    try:
+        a.wait_ready()
+        b.wait_ready()
+        for n, port in ((a, p), (b, p + 1)):
+            listen = n.status()["listen"]
+            assert listen == {"http": f"127.0.0.1:{port}", "grpc": [f"127.0.0.1:{port}"]}, listen
+            assert f"gRPC listening on 127.0.0.1:{port}" in n.log()
+            c = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+            x = grpcclient.InferInput("x", [1, 2], "FP32")
+            x.set_data_from_numpy(np.float32([[3, 4]]))
+            assert c.infer("chain", [x]).as_numpy("y").tolist() == [[7.0, 9.0]]
+            c.close()
+            assert n.infer("chain", x=[[3, 4]])[0] == 200
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_status_lists_a_grpc_port_of_its_own_first() -> None:
+    import slipstream as ss
+
+    with ss.launch(APPS / "chain.py") as server:  # --port 0 --grpc-port 0
+        with ss.Client(server.url) as c:
+            listen = c.status()["listen"]
+        http = server.url.removeprefix("http://")
+        assert listen["http"] == http and listen["grpc"] == [server.grpc_url, http], listen
+
+
+def test_perf_analyzer_runs_unchanged_over_both_protocols(node: Node) -> None:
+    """Triton's perf_analyzer (installed by `make test`'s services) against
+    the node over HTTP and over gRPC on the same port: it reads the model
+    configuration, runs, and reports the server-side breakdown from the
+    statistics extension."""
+    from bench import harness
+
+    if harness.PERF_ANALYZER is None:
+        pytest.skip("perf_analyzer is not installed (scripts/install_perf_analyzer.sh)")
+    addr = node.url.removeprefix("http://")
+    for protocol in ("http", "grpc"):
+        row = harness.perf_analyzer(addr, "chain", protocol=protocol, shapes=["x:1,2"], concurrency=2,
+                                    interval_ms=500)
+        assert row["concurrency"] == 2 and row["rps"] > 50, (protocol, row)
+        assert row["server_compute_infer_ms"] > 0 and row["server_queue_ms"] >= 0, (protocol, row)

@@ -227,3 +227,21 @@ def test_a_temporary_store_goes_with_its_node_and_strays_are_swept() -> None:
     finally:
         for d in (stray, alive):
             shutil.rmtree(d, ignore_errors=True)
+
+
+def test_http_refuses_writes_to_the_nodes_own_records(node: Node) -> None:
+    """`/_slipstream/...` holds the node's records (failed triggers): a put or
+    a trigger there is a 400 over HTTP as in the Python client, and writes
+    nothing; reading and deleting stay open."""
+    for method, path in (("PUT", "/v1/store/objects/_slipstream/failed-triggers/x/1"),
+                         ("PUT", "/v1/store/objects/_slipstream"),
+                         ("POST", "/v1/store/trigger/_slipstream/x")):
+        status, headers, raw = node.request(method, path, b"{}", headers={"Content-Type": "application/json"})
+        assert status == 400, (method, path, status, raw)
+        assert b"node's own records" in raw
+    for key in ("/_slipstream/failed-triggers/x/1", "/_slipstream"):
+        assert node.request("GET", "/v1/store/objects" + key)[0] == 404, key
+    # A key that only starts with the same letters is the user's.
+    status, _, raw = node.request("PUT", "/v1/store/objects/_slipstreamish/a", b"1",
+                                  headers={"Content-Type": "application/json"})
+    assert status == 201, raw

@@ -30,7 +30,7 @@ def test_every_setting_has_a_flag_env_and_help() -> None:
         assert s.help and s.env == "SLIPSTREAM_" + s.name.upper()
     # The core's own defaults, with nothing given.
     cfg = config.resolve({}, environ={})
-    assert cfg["port"] == 8000 and cfg["request_timeout_s"] == 30.0 and cfg["admission"] is True
+    assert cfg["port"] is None and cfg["request_timeout_s"] == 30.0 and cfg["admission"] is True
     assert set(cfg.sources.values()) == {"default"}
 
 

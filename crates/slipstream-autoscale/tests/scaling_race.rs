@@ -21,10 +21,13 @@ const APP: &str = r#"{
   "profiles": [{"pipeline": "p", "stages": {"a": {"points": [{"batch": 1, "mean_ms": 10, "p99_ms": 10}, {"batch": 2, "mean_ms": 20, "p99_ms": 20}]}}}]
 }"#;
 
-/// Serving replicas of the stage (starting ones included; not standbys).
+/// Serving replicas of the stage (starting ones included; not standbys),
+/// counted under the owner's lock: replica by replica without it, a count
+/// could straddle a change (one replica read before a scale-down, another
+/// after the scale-up that followed) and see a total that never was.
 fn serving(node: &Node) -> usize {
     let p = node.pipeline("p").unwrap();
-    p.stages[0].replicas().iter().filter(|r| r.phase().will_serve() && !r.is_standby() && !r.leaving()).count()
+    node.census(&p, 0).0
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -120,6 +120,11 @@ fn help_text(lines: &[&str]) -> String {
     lines.iter().map(|l| l.trim()).collect::<Vec<_>>().join(" ")
 }
 
+/// The HTTP port when none is set.
+pub const DEFAULT_PORT: u16 = 8000;
+/// gRPC's own port when neither port is set (Triton's and KServe's layout).
+pub const DEFAULT_GRPC_PORT: u16 = 8001;
+
 /// The smallest pool requests are decoded into.
 const INGRESS_POOL_BYTES: usize = 1 << 30;
 
@@ -131,11 +136,14 @@ settings! {
     /// Address the HTTP and gRPC listeners bind (a non-loopback address
     /// needs `admin_token` for the admin routes).
     host: String = "127.0.0.1".into();
-    /// HTTP port (0: any free port).
-    port: u16 = 8000;
+    /// HTTP port (unset: 8000, with gRPC on 8001 too, Triton's layout; 0:
+    /// any free port). gRPC is also served on the HTTP port itself, so
+    /// nodes started with `--port` alone never collide.
+    port: Option<u16> = None;
     /// Serve the Open Inference Protocol over gRPC too.
     grpc: bool = true;
-    /// gRPC port (unset: 8001, or any free port when `port` is 0; 0: any free port).
+    /// A port of its own for gRPC (unset: 8001 when `port` is unset, else
+    /// none; 0: any free port).
     grpc_port: Option<u16> = None;
     /// The node's own threads (HTTP, scheduling); workers run in their own
     /// processes. (Not `threads`: workers read `SLIPSTREAM_THREADS` as their
@@ -263,13 +271,19 @@ impl NodeConfig {
         Ok(max_body as usize)
     }
 
-    /// The gRPC port (None: no gRPC listener).
+    /// The HTTP port.
+    pub fn http_port(&self) -> u16 {
+        self.port.unwrap_or(DEFAULT_PORT)
+    }
+
+    /// The port of gRPC's own listener (None: gRPC only on the HTTP port,
+    /// or not at all).
     pub fn grpc_port(&self) -> Option<u16> {
-        match (self.grpc, self.grpc_port) {
-            (false, _) => None,
-            (true, Some(p)) => Some(p),
-            (true, None) if self.port == 0 => Some(0),
-            (true, None) => Some(8001),
+        match (self.grpc, self.grpc_port, self.port) {
+            (false, _, _) => None,
+            (true, Some(p), _) => Some(p),
+            (true, None, None) => Some(DEFAULT_GRPC_PORT),
+            (true, None, Some(_)) => None,
         }
     }
 
@@ -297,7 +311,7 @@ mod tests {
         let c = NodeConfig::default();
         c.check().unwrap();
         let o = c.node_options().unwrap();
-        assert_eq!(c.port, 8000);
+        assert_eq!(c.http_port(), 8000);
         assert_eq!(o.request_timeout, Duration::from_secs(30));
         assert_eq!(c.max_body_bytes(), Ok(64 << 20));
         assert_eq!(o.replica_pool_bytes, 256 << 20);
@@ -339,12 +353,15 @@ mod tests {
     }
 
     #[test]
-    fn grpc_port_follows_the_http_port() {
-        let c = NodeConfig { port: 0, ..Default::default() };
-        assert_eq!(c.grpc_port(), Some(0));
+    fn grpc_has_its_own_port_only_in_the_default_layout_or_when_asked() {
+        let c = NodeConfig { port: Some(0), ..Default::default() };
+        assert_eq!((c.http_port(), c.grpc_port()), (0, None));
+        // The README's second node: --port 8001 alone takes no other port.
+        let c = NodeConfig { port: Some(8001), ..Default::default() };
+        assert_eq!((c.http_port(), c.grpc_port()), (8001, None));
         let c = NodeConfig { grpc: false, ..Default::default() };
         assert_eq!(c.grpc_port(), None);
-        let c = NodeConfig { grpc_port: Some(9001), port: 0, ..Default::default() };
+        let c = NodeConfig { grpc_port: Some(9001), port: Some(0), ..Default::default() };
         assert_eq!(c.grpc_port(), Some(9001));
     }
 }

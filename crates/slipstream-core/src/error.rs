@@ -156,13 +156,23 @@ impl NodeError {
         }
     }
 
-    /// Seconds a client should wait before retrying, for 429 and 503.
-    pub fn retry_after_s(&self) -> Option<u64> {
+    /// How long a client should wait before retrying, ms, for 429 and 503.
+    /// A refusal's wait is the predicted drain time: by how much the
+    /// request would have missed its deadline, that is how long until the
+    /// queues ahead of it have drained enough for it to make one (at least
+    /// a millisecond); unavailability asks for a second.
+    pub fn retry_after_ms(&self) -> Option<u64> {
         match self {
-            NodeError::Overloaded { over_ms, .. } => Some(over_ms.div_ceil(1000).max(1)),
-            e if e.http_status() == 503 => Some(1),
+            NodeError::Overloaded { over_ms, .. } => Some((*over_ms).max(1)),
+            e if e.http_status() == 503 => Some(1000),
             _ => None,
         }
+    }
+
+    /// [`NodeError::retry_after_ms`] in whole seconds, rounded up, for
+    /// HTTP's `Retry-After` (which has no finer unit).
+    pub fn retry_after_s(&self) -> Option<u64> {
+        self.retry_after_ms().map(|ms| ms.div_ceil(1000))
     }
 
     /// The one place where error kinds become HTTP statuses.

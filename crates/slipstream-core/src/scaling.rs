@@ -105,6 +105,15 @@ impl Node {
         Ok(self.change(&pipe, index, Change::Set(n)))
     }
 
+    /// How many replicas of stage `stage` serve and stand by on this node
+    /// (as [`Changed`] counts them), read under the owner's lock: a count
+    /// that no change is halfway through.
+    pub fn census(&self, pipe: &PipelineRt, stage: usize) -> (usize, usize) {
+        let _one_at_a_time = self.scaling.lock();
+        let c = census(&pipe.stages[stage]);
+        (c.serving.len(), c.standby)
+    }
+
     /// Apply `change` to stage `stage` of `pipe` (see the module docs).
     pub fn change(&self, pipe: &Arc<PipelineRt>, stage: usize, change: Change<'_>) -> Changed {
         let _one_at_a_time = self.scaling.lock();

@@ -25,8 +25,10 @@ pub struct EdgeOptions {
     pub host: String,
     /// The HTTP port (0: any free port).
     pub port: u16,
-    /// The Open Inference Protocol over gRPC on this port (0: any free
-    /// port); None: no gRPC listener.
+    /// Serve the Open Inference Protocol over gRPC on the HTTP port too
+    /// (a connection that opens with HTTP/2's preface is gRPC's).
+    pub grpc: bool,
+    /// A listener of gRPC's own on this port (0: any free port).
     pub grpc_port: Option<u16>,
     /// Tokio worker threads for the node.
     pub threads: usize,
@@ -75,7 +77,8 @@ impl RunOptions {
             node: cfg.node_options()?,
             edge: EdgeOptions {
                 host: cfg.host.clone(),
-                port: cfg.port,
+                port: cfg.http_port(),
+                grpc: cfg.grpc,
                 grpc_port: cfg.grpc_port(),
                 threads: cfg.node_threads,
                 max_body_bytes: cfg.max_body_bytes()?,

@@ -1,5 +1,6 @@
-//! The gRPC edge: the Open Inference Protocol (KServe v2) over HTTP/2 on its
-//! own port, so that `tritonclient.grpc` and the KServe SDK's
+//! The gRPC edge: the Open Inference Protocol (KServe v2) over HTTP/2, on
+//! the HTTP port and on a port of its own where one is set (see
+//! [`crate::conn`]), so that `tritonclient.grpc` and the KServe SDK's
 //! `InferenceGRPCClient` work unchanged. The protocol's messages and service
 //! trait come from `slipstream-kserve`; this module answers them with the
 //! same [`Node`] calls as the HTTP edge's v2 routes ([`crate::http`]):
@@ -37,9 +38,9 @@
 //! any handler runs: `OUT_OF_RANGE` ("decoded message length too large"),
 //! without the kind trailer.
 
-use crate::respond::{deadline_budget, DEADLINE_HEADER, ERROR_KIND_HEADER};
+use crate::respond::{deadline_budget, DEADLINE_HEADER, ERROR_KIND_HEADER, RETRY_AFTER_MS_HEADER};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::server::graceful::Watcher;
 use hyper_util::service::TowerToHyperService;
 use slipstream_core::arena::Tensors;
 use slipstream_core::codec;
@@ -108,8 +109,12 @@ pub(crate) fn code_of(e: &NodeError) -> Code {
 pub(crate) fn status_of(e: &NodeError) -> Status {
     let mut md = MetadataMap::new();
     md.insert(ERROR_KIND_HEADER, MetadataValue::from_static(e.kind()));
-    if let Some(s) = e.retry_after_s() {
+    if let (Some(s), Some(ms)) = (e.retry_after_s(), e.retry_after_ms()) {
         md.insert("retry-after", MetadataValue::from(s));
+        // gRPC's own pushback (its retry design, A6): clients that retry
+        // wait this long, and none retries when it is absent.
+        md.insert("grpc-retry-pushback-ms", MetadataValue::from(ms));
+        md.insert(RETRY_AFTER_MS_HEADER, MetadataValue::from(ms));
     }
     Status::with_metadata(code_of(e), e.to_string(), md)
 }
@@ -249,7 +254,7 @@ pub(crate) async fn bind(host: &str, port: u16) -> std::io::Result<TcpListener> 
     TcpListener::bind((host, port)).await
 }
 
-/// Accept on the gRPC listener, or never when there is none.
+/// Accept on gRPC's own listener, or never when there is none.
 pub(crate) async fn accept(listener: Option<&TcpListener>) -> std::io::Result<(TcpStream, SocketAddr)> {
     match listener {
         Some(l) => l.accept().await,
@@ -257,20 +262,18 @@ pub(crate) async fn accept(listener: Option<&TcpListener>) -> std::io::Result<(T
     }
 }
 
-/// Serve one accepted connection (HTTP/2 with prior knowledge, as gRPC
-/// clients speak it) until it closes or `graceful` shuts it down.
-pub(crate) fn spawn_connection(node: &Arc<Node>, max_body: usize, stream: TcpStream, graceful: &GracefulShutdown) {
-    let _ = stream.set_nodelay(true);
+/// Serve one connection (HTTP/2 with prior knowledge, as gRPC clients
+/// speak it) until it closes or the graceful shutdown `watcher` belongs to
+/// ends it. Connections come from gRPC's own port or from the HTTP port
+/// ([`crate::conn`]).
+pub(crate) async fn serve_connection(node: &Arc<Node>, max_body: usize, stream: TcpStream, watcher: Watcher) {
     let svc = TowerToHyperService::new(service(node.clone(), max_body));
     let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
         .timer(TokioTimer::new())
         .max_concurrent_streams(MAX_STREAMS)
         .adaptive_window(true)
         .serve_connection(TokioIo::new(stream), svc);
-    let watched = graceful.watch(conn);
-    tokio::spawn(async move {
-        let _ = watched.await;
-    });
+    let _ = watcher.watch(conn).await;
 }
 
 #[tonic::async_trait]
@@ -295,7 +298,7 @@ impl GrpcInferenceService for InferenceService {
         Ok(Response::new(ServerMetadataResponse {
             name: "slipstream".into(),
             version: env!("CARGO_PKG_VERSION").into(),
-            extensions: vec![],
+            extensions: crate::triton::EXTENSIONS.iter().map(|e| e.to_string()).collect(),
         }))
     }
 
@@ -311,6 +314,19 @@ impl GrpcInferenceService for InferenceService {
             inputs: tensor_meta(&p.spec.inputs),
             outputs: p.outputs().map_or(vec![], tensor_meta),
         }))
+    }
+
+    async fn model_config(&self, req: Request<ModelConfigRequest>) -> Result<Response<ModelConfigResponse>, Status> {
+        let p = self.node.pipeline(&req.get_ref().name).map_err(|e| status_of(&e))?;
+        Ok(Response::new(ModelConfigResponse { config: Some(crate::triton::model_config(&p)) }))
+    }
+
+    async fn model_statistics(
+        &self,
+        req: Request<ModelStatisticsRequest>,
+    ) -> Result<Response<ModelStatisticsResponse>, Status> {
+        let stats = crate::triton::model_stats(&self.node, Some(&req.get_ref().name)).map_err(|e| status_of(&e))?;
+        Ok(Response::new(ModelStatisticsResponse { model_stats: stats }))
     }
 
     async fn model_infer(&self, req: Request<ModelInferRequest>) -> Result<Response<ModelInferResponse>, Status> {

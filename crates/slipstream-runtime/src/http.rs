@@ -19,7 +19,9 @@
 //!   `POST /v1/admin/scale` with `{"pipeline", "stage", "replicas"}`
 //! - Open Inference Protocol (KServe v2): `POST /v2/models/{name}[/versions/{v}]/infer`,
 //!   `GET /v2/models/{name}`, `GET /v2/models/{name}/ready`, `GET /v2`,
-//!   `GET /v2/health/live`, `GET /v2/health/ready`
+//!   `GET /v2/health/live`, `GET /v2/health/ready`; Triton's extensions
+//!   `GET /v2/models/{name}/config` and `GET /v2/models[/{name}]/stats`
+//!   ([`crate::triton`])
 //! - object store: `/v1/store/...` (see [`crate::store_http`])
 //! - operations: `GET /healthz`, `GET /readyz` (ready while every stage of
 //!   every pipeline has a serving replica), `GET /metrics` (Prometheus)
@@ -182,8 +184,20 @@ async fn route(app: &App, admin_open: bool, req: hyper::Request<Incoming>) -> Re
         ["metrics"] => Ok(respond(200, "text/plain; version=0.0.4", vec![Bytes::from(node.prometheus())])),
         ["v2"] => Ok(json_resp(
             200,
-            &json!({"name": "slipstream", "version": env!("CARGO_PKG_VERSION"), "extensions": ["binary_tensor_data"]}),
+            &json!({"name": "slipstream", "version": env!("CARGO_PKG_VERSION"), "extensions": crate::triton::EXTENSIONS}),
         )),
+        // Triton's statistics and configuration extensions (crate::triton);
+        // as in Triton, `/v2/models/stats` is every model's statistics.
+        ["v2", "models", "stats"] if get => {
+            Ok(json_resp(200, &crate::triton::stats_json(&crate::triton::model_stats(node, None)?)))
+        }
+        ["v2", "models", name, "stats"] | ["v2", "models", name, "versions", _, "stats"] if get => {
+            Ok(json_resp(200, &crate::triton::stats_json(&crate::triton::model_stats(node, Some(name))?)))
+        }
+        ["v2", "models", name, "config"] | ["v2", "models", name, "versions", _, "config"] if get => {
+            let config = crate::triton::model_config(node.pipeline(name)?.as_ref());
+            Ok(json_resp(200, &crate::triton::config_json(&config)))
+        }
         ["v2", "models", name] | ["v2", "models", name, "versions", _] => {
             Ok(json_resp(200, &v2_metadata(node.pipeline(name)?.as_ref())))
         }

@@ -4,9 +4,10 @@
 //! - [`compose`]: the one place that names every feature (prediction
 //!   cache, model selection, autoscaler, store triggers, history, cluster);
 //! - [`lifecycle`]: start-up, serving and graceful shutdown;
-//! - the edge: [`http`] (routes), [`grpc`] (the Open Inference Protocol
+//! - the edge: [`conn`] (which protocol a connection speaks), [`http`] (routes), [`grpc`] (the Open Inference Protocol
 //!   over gRPC), [`stream`] (server-sent events), [`store_http`] (the
-//!   object store's routes), over one plumbing module ([`respond`]: bodies,
+//!   object store's routes), [`triton`] (Triton's configuration and
+//!   statistics extensions), over one plumbing module ([`respond`]: bodies,
 //!   responses, errors) and one decoder of query strings and paths
 //!   ([`query`]); [`app`]: what the edge serves from, and the node's
 //!   settings; [`logging`]: the log.
@@ -16,6 +17,7 @@
 
 mod app;
 mod compose;
+mod conn;
 mod grpc;
 mod http;
 mod lifecycle;
@@ -24,6 +26,7 @@ mod query;
 mod respond;
 mod store_http;
 mod stream;
+mod triton;
 
 pub use app::{EdgeOptions, LogFormat, RunOptions};
 pub use lifecycle::{run, run_blocking, RunError};

@@ -13,9 +13,6 @@
 
 use crate::app::RunOptions;
 use crate::compose::{self, ComposeError};
-use hyper::server::conn::http1;
-use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
 use hyper_util::server::graceful::GracefulShutdown;
 use slipstream_core::arena::Arena;
 use slipstream_core::codec::{self, BodyParts};
@@ -204,6 +201,22 @@ fn seed_store(spec: &AppSpec, store: &slipstream_store::Store) -> Result<(), Run
     Ok(())
 }
 
+/// Where the node listens, for its status (`listen`: the HTTP address and
+/// every address gRPC is served on, its own port first).
+struct Listeners {
+    http: SocketAddr,
+    grpc: Vec<SocketAddr>,
+}
+
+impl slipstream_core::ext::Service for Listeners {
+    fn status(&self, doc: &mut slipstream_core::ext::StatusDoc) {
+        let grpc: Vec<String> = self.grpc.iter().map(|a| a.to_string()).collect();
+        doc.set(&["listen"], serde_json::json!({"http": self.http.to_string(), "grpc": grpc}));
+    }
+
+    fn metrics(&self, _: &mut slipstream_core::prom::PromText) {}
+}
+
 /// Run a node until SIGINT/SIGTERM. Builds its own tokio runtime.
 pub fn run_blocking(
     spec: AppSpec,
@@ -264,7 +277,8 @@ pub async fn run(
     };
     let local = listener.local_addr()?;
     let admin_open = local.ip().is_loopback();
-    // The Open Inference Protocol over gRPC, on the same host (see grpc.rs).
+    // gRPC's own listener, where there is one (gRPC is served on the HTTP
+    // port too: see conn.rs).
     let grpc_listener = match edge.grpc_port {
         Some(port) => match crate::grpc::bind(&edge.host, port).await {
             Ok(l) => Some(l),
@@ -304,8 +318,13 @@ pub async fn run(
         stop: stop_rx.clone(),
     })?);
     node.set_listen_port(local.port());
+    let grpc_addrs: Vec<SocketAddr> = match grpc_listener.as_ref().and_then(|l| l.local_addr().ok()) {
+        Some(g) => vec![g, local],
+        None if edge.grpc => vec![local],
+        None => vec![],
+    };
+    node.register(Arc::new(Listeners { http: local, grpc: grpc_addrs.clone() }));
     let drain_timeout = edge.drain_timeout;
-    let max_body = edge.max_body_bytes;
     let http_addr = format!("{}:{}", edge.host, local.port());
     let installed = compose::install(&node, built, edge, &stop_rx);
     let app = installed.app.clone();
@@ -316,8 +335,8 @@ pub async fn run(
     };
     let mut redeploy = joined.as_ref().map(|j| j.redeploy.clone());
     let first_starts = node.start_replicas();
-    tracing::info!("listening on http://{local}");
-    if let Some(g) = grpc_listener.as_ref().and_then(|l| l.local_addr().ok()) {
+    tracing::info!("listening on http://{local}{}", if app.edge.grpc { " (HTTP and gRPC)" } else { "" });
+    if let Some(g) = grpc_addrs.first() {
         tracing::info!("gRPC listening on {g}");
     }
     tracing::info!(
@@ -368,21 +387,10 @@ pub async fn run(
                         continue;
                     }
                 };
-                let _ = stream.set_nodelay(true);
-                let a = app.clone();
-                let conn = http1::Builder::new()
-                    .keep_alive(true)
-                    .serve_connection(
-                        TokioIo::new(stream),
-                        service_fn(move |req| crate::http::handle(a.clone(), admin_open, req)),
-                    );
-                let watched = graceful.watch(conn);
-                tokio::spawn(async move {
-                    let _ = watched.await;
-                });
+                crate::conn::spawn_http_port(&app, admin_open, stream, &graceful);
             }
             conn = crate::grpc::accept(grpc_listener.as_ref()) => match conn {
-                Ok((stream, _)) => crate::grpc::spawn_connection(&node, max_body, stream, &graceful),
+                Ok((stream, _)) => crate::conn::spawn_grpc_port(&app, stream, &graceful),
                 Err(e) => {
                     tracing::warn!("gRPC accept failed: {e}");
                     tokio::time::sleep(Duration::from_millis(10)).await;

@@ -93,6 +93,11 @@ pub(crate) fn json_resp(status: u16, v: &Value) -> Resp {
 /// Header carrying an error's stable kind on every error response.
 pub(crate) const ERROR_KIND_HEADER: &str = "x-slipstream-error-kind";
 
+/// Header carrying a 429's or 503's wait in milliseconds beside HTTP's
+/// `Retry-After` (whole seconds, rounded up): a refusal under a 10 ms SLO
+/// asks for a wait of milliseconds, not a second.
+pub(crate) const RETRY_AFTER_MS_HEADER: &str = "x-slipstream-retry-after-ms";
+
 /// The error response: the pipeline API's body, or KServe v2's (`v2`).
 pub(crate) fn error_resp(e: &NodeError, v2: bool) -> Resp {
     let body = if v2 {
@@ -104,8 +109,9 @@ pub(crate) fn error_resp(e: &NodeError, v2: bool) -> Resp {
     };
     let mut r = json_resp(e.http_status(), &body);
     r.headers_mut().insert(ERROR_KIND_HEADER, HeaderValue::from_static(e.kind()));
-    if let Some(s) = e.retry_after_s() {
+    if let (Some(s), Some(ms)) = (e.retry_after_s(), e.retry_after_ms()) {
         r.headers_mut().insert("retry-after", HeaderValue::from(s));
+        r.headers_mut().insert(RETRY_AFTER_MS_HEADER, HeaderValue::from(ms));
     }
     r
 }

@@ -3,7 +3,9 @@
 //!
 //! Writes (put, delete, trigger) are authorised like the admin routes: the
 //! node's token when it has one, and refused on a non-loopback listener
-//! without one. Keys, selectors and sizes are checked before a byte is
+//! without one. Keys under `/_slipstream/` are the node's own records
+//! (failed triggers): clients read and delete them, never put them or fire
+//! a trigger with them. Keys, selectors and sizes are checked before a byte is
 //! written; a put is answered only once it is durable. Large values are
 //! answered straight from their memory-mapped blob file (no copy into the
 //! node's memory).
@@ -17,7 +19,7 @@ use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Method, Response, StatusCode};
 use serde_json::json;
 use slipstream_core::{Node, NodeError};
-use slipstream_store::{check_key, check_prefix, Body, Select, Write, TENSORS_CONTENT_TYPE};
+use slipstream_store::{check_client_write, check_key, check_prefix, Body, Select, Write, TENSORS_CONTENT_TYPE};
 use slipstream_triggers::Item;
 use std::time::Duration;
 
@@ -61,7 +63,7 @@ pub(crate) async fn route(app: &App, admin_open: bool, req: hyper::Request<Incom
         }
         ("trigger", Some(key)) if method == Method::POST => {
             app.authorise_admin(admin_open, &req)?;
-            check_key(&key)?;
+            check_client_write(&key)?;
             let parts = read_chunks(req, node.store().options().max_value as usize).await?;
             let value: Bytes = parts.concat().into();
             let fired = app.triggers.offer(node, &Item { seq: 0, key, version: 0, op: "trigger", value: Some(value) });
@@ -135,7 +137,7 @@ fn get(node: &Node, key: &str, query: &Query) -> Result<Resp, NodeError> {
 }
 
 async fn put(node: &Node, key: String, query: &Query, req: hyper::Request<Incoming>) -> Result<Resp, NodeError> {
-    check_key(&key)?;
+    check_client_write(&key)?;
     let if_version = query.u64("if_version")?;
     let content_type = match req.headers().get(CONTENT_TYPE) {
         None => "application/octet-stream".to_string(),

@@ -17,6 +17,23 @@ pub const TENSORS_CONTENT_TYPE: &str = "application/x-slipstream-tensors";
 /// Magic bytes that open a named-tensors value.
 pub const TENSORS_MAGIC: &[u8; 4] = b"SSTN";
 
+/// The node's own records (failed triggers and the like) live under this
+/// prefix: clients may read and delete them, never write them.
+pub const RESERVED_PREFIX: &str = "/_slipstream/";
+
+/// A key a client may write (put, or fire a trigger with): a valid key
+/// outside [`RESERVED_PREFIX`]. The node writes its own records with
+/// [`crate::Store::put`] directly.
+pub fn check_client_write(key: &str) -> Result<(), StoreError> {
+    check_key(key)?;
+    if format!("{key}/").starts_with(RESERVED_PREFIX) {
+        return Err(StoreError::BadRequest(format!(
+            "invalid key {key:?}: keys under {RESERVED_PREFIX} are the node's own records"
+        )));
+    }
+    Ok(())
+}
+
 /// Keys are paths: `/`, then non-empty segments joined by `/`; no `.` or
 /// `..` segment, no control characters, no trailing `/`.
 pub fn check_key(key: &str) -> Result<(), StoreError> {

@@ -27,7 +27,8 @@ mod check;
 
 pub use blob::StagedBlob;
 pub use check::{
-    check_key, check_prefix, check_tensors, check_tensors_head, MAX_KEY_BYTES, TENSORS_CONTENT_TYPE, TENSORS_MAGIC,
+    check_client_write, check_key, check_prefix, check_tensors, check_tensors_head, MAX_KEY_BYTES, RESERVED_PREFIX,
+    TENSORS_CONTENT_TYPE, TENSORS_MAGIC,
 };
 
 use parking_lot::Mutex;

@@ -45,7 +45,7 @@ pub const VALUE_INLINE_MAX: u64 = 1 << 20;
 /// Where failed triggers are recorded.
 pub const FAILED_PREFIX: &str = "/_slipstream/failed-triggers/";
 /// Keys under this prefix are the node's own and fire no triggers.
-pub const SYSTEM_PREFIX: &str = "/_slipstream/";
+pub const SYSTEM_PREFIX: &str = slipstream_store::RESERVED_PREFIX;
 /// Trigger requests in flight at once, node-wide.
 const IN_FLIGHT: usize = 64;
 

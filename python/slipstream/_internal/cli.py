@@ -42,6 +42,9 @@ def cmd_status(a: argparse.Namespace) -> int:
         return 0
     print(f"node {a.url}  ready={st['ready']}  uptime={st['uptime_s']:.0f}s  in-flight={st['inflight']}"
           f"  arena={st.get('arena_used_bytes', 0) / 1e6:.1f} MB")
+    listen = st.get("listen")
+    if listen:
+        print(f"listening: HTTP {listen['http']}  gRPC {', '.join(listen['grpc']) or 'off'}")
     c = st["copies"]
     print(f"payload copies: ingress={c['ingress']} gather={c['gather']} worker={c['worker']} egress={c['egress']}")
     store = st.get("store")

@@ -34,6 +34,10 @@ Why it looks the way it does:
   client and the CLI use too (``http_transport.py``): the synchronous
   client shares idle connections between threads, the asyncio client
   keeps at most ``max_connections``.
+- **Refusals are retried, politely** (``retry.py``): a 429 or 503 is
+  retried after the node's ``Retry-After`` plus jitter, within the call's
+  deadline and a budget of about one retry per ten calls; ``retry=None``
+  turns it off.
 - **Errors are the ``slipstream.Error`` tree**: the node's error kind (the
   ``x-slipstream-error-kind`` header) picks the class
   (``errors.error_from_response``), so callers catch ``ss.Overloaded`` and
@@ -42,6 +46,7 @@ Why it looks the way it does:
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import math
@@ -63,6 +68,7 @@ from slipstream._internal.http_transport import (
     StreamResponse,
     Transport,
 )
+from slipstream._internal.retry import Retrier, RetryPolicy, RetryStats, as_retrier, remaining
 from slipstream._internal.varlen import decode_var, encode_var, var_kind
 
 DEFAULT_URL = os.environ.get("SLIPSTREAM_URL", "http://127.0.0.1:8000")
@@ -291,7 +297,8 @@ def _text_outputs(desc: Mapping[str, Any] | None) -> dict[str, bool]:
 
 
 class _Base:
-    def __init__(self, url: str | None, timeout: float, max_connections: int):
+    def __init__(self, url: str | None, timeout: float, max_connections: int,
+                 retry: RetryPolicy | None | bool = True):
         url = (url or DEFAULT_URL).rstrip("/")
         if "://" not in url:
             url = "http://" + url
@@ -300,6 +307,7 @@ class _Base:
         self.url = url
         self.timeout = float(timeout)
         self.max_connections = int(max_connections)
+        self._retrier: Retrier | None = as_retrier(retry)
         # Pipeline descriptions, cached: dtypes of inputs given as lists,
         # and which BYTES outputs are text.
         self._desc: dict[str, dict[str, Any]] = {}
@@ -316,6 +324,35 @@ class _Base:
             headers[DEADLINE_HEADER] = f"{d:.3f}"
         path = f"/v2/models/{urllib.parse.quote(pipeline, safe='')}/infer"
         return path, headers, [head, *parts], _socket_wait(d, self.timeout)
+
+    @property
+    def retry_stats(self) -> RetryStats:
+        """What the retry policy did so far (all zero with ``retry=None``)."""
+        return self._retrier.stats if self._retrier is not None else RetryStats()
+
+    def _call_began(self, deadline_ms: float | None, timeout: float | None) -> tuple[float | None, float]:
+        """A call's deadline in ms (None: none) and the instant after which
+        it is not retried: its deadline, else the client's timeout."""
+        d = _deadline(deadline_ms, timeout)
+        if self._retrier is not None:
+            self._retrier.called()
+        return d, time.monotonic() + (d / 1000.0 if d is not None else self.timeout)
+
+    def _retry_wait(self, err: RequestError, attempt: int, ends: float, d: float | None,
+                    headers: dict[str, str]) -> tuple[float, float] | None:
+        """Whether to retry after ``err`` (see retry.py): the pause, and the
+        next try's socket wait, with ``headers`` carrying the deadline left
+        after the pause; None: raise ``err``."""
+        if self._retrier is None:
+            return None
+        pause = self._retrier.wait_before(err, attempt, remaining(ends))
+        if pause is None:
+            return None
+        if d is None:
+            return pause, self.timeout
+        left_ms = max((ends - time.monotonic() - pause) * 1000.0, 0.001)
+        headers[DEADLINE_HEADER] = f"{left_ms:.3f}"
+        return pause, _socket_wait(left_ms, self.timeout)
 
     def _needs_refresh(self, pipeline: str, head: Mapping[str, Any]) -> bool:
         """Whether to fetch the description again: a BYTES output it does not
@@ -508,10 +545,13 @@ class Client(_Base):
     ``url``: the node (default ``$SLIPSTREAM_URL``, else
     http://127.0.0.1:8000). ``timeout``: seconds to wait for an answer to a
     call without a deadline. ``max_connections``: idle connections kept for
-    reuse (more threads at once open more, which close after use)."""
+    reuse (more threads at once open more, which close after use).
+    ``retry``: how 429 and 503 are retried (``RetryPolicy``; the default
+    one when True; None: never; see ``retry.py``)."""
 
-    def __init__(self, url: str | None = None, *, timeout: float = 60.0, max_connections: int = 8):
-        super().__init__(url, timeout, max_connections)
+    def __init__(self, url: str | None = None, *, timeout: float = 60.0, max_connections: int = 8,
+                 retry: RetryPolicy | None | bool = True):
+        super().__init__(url, timeout, max_connections, retry)
         self._http = Transport(self.url, max_idle=self.max_connections)
 
     @property
@@ -535,9 +575,21 @@ class Client(_Base):
         of the node's error kind."""
         if pipeline not in self._desc and _needs_declared(inputs):
             self.metadata(pipeline)
-        path, headers, parts, wait = self._infer_parts(pipeline, inputs, outputs, deadline_ms, timeout)
-        resp = _raise_for_status(self._http.request("POST", path, headers=headers, body=parts, timeout=wait,
-                                                    aligned=True))
+        d, ends = self._call_began(deadline_ms, timeout)
+        path, headers, parts, wait = self._infer_parts(pipeline, inputs, outputs, d, None)
+        attempt = 0
+        while True:
+            try:
+                resp = _raise_for_status(self._http.request("POST", path, headers=headers, body=parts,
+                                                            timeout=wait, aligned=True))
+                break
+            except RequestError as e:
+                attempt += 1
+                again = self._retry_wait(e, attempt, ends, d, headers)
+                if again is None:
+                    raise
+                pause, wait = again
+                time.sleep(pause)
         head, tail = self._split(resp.headers, resp.body)
         if self._needs_refresh(pipeline, head):
             self.metadata(pipeline)
@@ -630,8 +682,9 @@ class AsyncClient(_Base):
     time; used from another loop, it starts afresh. Other arguments as
     ``Client``."""
 
-    def __init__(self, url: str | None = None, *, timeout: float = 60.0, max_connections: int = 16):
-        super().__init__(url, timeout, max_connections)
+    def __init__(self, url: str | None = None, *, timeout: float = 60.0, max_connections: int = 16,
+                 retry: RetryPolicy | None | bool = True):
+        super().__init__(url, timeout, max_connections, retry)
         self._http = AsyncTransport(self.url, max_connections=self.max_connections)
 
     @property
@@ -647,8 +700,21 @@ class AsyncClient(_Base):
         writable memory)."""
         if pipeline not in self._desc and _needs_declared(inputs):
             await self.metadata(pipeline)
-        path, headers, parts, wait = self._infer_parts(pipeline, inputs, outputs, deadline_ms, timeout)
-        resp = _raise_for_status(await self._http.request("POST", path, headers=headers, body=parts, timeout=wait))
+        d, ends = self._call_began(deadline_ms, timeout)
+        path, headers, parts, wait = self._infer_parts(pipeline, inputs, outputs, d, None)
+        attempt = 0
+        while True:
+            try:
+                resp = _raise_for_status(await self._http.request("POST", path, headers=headers, body=parts,
+                                                                  timeout=wait))
+                break
+            except RequestError as e:
+                attempt += 1
+                again = self._retry_wait(e, attempt, ends, d, headers)
+                if again is None:
+                    raise
+                pause, wait = again
+                await asyncio.sleep(pause)
         head, tail = self._split(resp.headers, memoryview(bytearray(resp.body)) if as_torch else resp.body)
         if self._needs_refresh(pipeline, head):
             await self.metadata(pipeline)

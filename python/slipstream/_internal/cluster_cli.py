@@ -184,7 +184,7 @@ def cmd_node(a: argparse.Namespace) -> int:
         etcd = Etcd(a.cluster)
     except EtcdError as e:
         return fail(str(e))
-    name = a.name or f"{os.uname().nodename}-{json.loads(node_options(a))['port']}"
+    name = a.name or f"{os.uname().nodename}-{json.loads(node_options(a))['port'] or 8000}"
     waiting_said = False
     while True:
         try:

@@ -348,6 +348,7 @@ _STORE_BY_STATUS: dict[int, type[StoreError]] = {
 
 #: The header of every error answer that names its kind.
 ERROR_KIND_HEADER = "x-slipstream-error-kind"
+RETRY_AFTER_MS_HEADER = "x-slipstream-retry-after-ms"
 
 
 def error_from_response(status: int | None, headers: Mapping[str, str], body: bytes | memoryview, *,
@@ -360,7 +361,7 @@ def error_from_response(status: int | None, headers: Mapping[str, str], body: by
     the flat ``{"error": message, "kind": kind}``); the class is the kind's
     in ``tree``, else the status's, else the tree's root. The message is
     the body's, on one line (the body itself when it is not JSON).
-    ``RequestError`` also gets ``retry_after`` (seconds) from its header;
+    ``RequestError`` also gets ``retry_after`` (seconds) from its headers;
     ``StoreError`` gets ``key`` and, for a conflict, the key's ``current``
     version (from the body, or the message's "the key is at N")."""
     raw = bytes(body)
@@ -395,8 +396,16 @@ def error_from_response(status: int | None, headers: Mapping[str, str], body: by
         return cls(message, status=status, key=key)
     request_cls = REQUEST_ERRORS.get(kind or "") or (_BY_STATUS.get(status) if status is not None else None) \
         or RequestError
-    return request_cls(message, kind=kind or request_cls.kind, status=status,
-                       retry_after=_seconds(headers.get("retry-after")))
+    return request_cls(message, kind=kind or request_cls.kind, status=status, retry_after=_retry_after(headers))
+
+
+def _retry_after(headers: Mapping[str, str]) -> float | None:
+    """Seconds to wait before a retry: the node's milliseconds
+    (``x-slipstream-retry-after-ms``), else HTTP's ``Retry-After``."""
+    ms = _seconds(headers.get(RETRY_AFTER_MS_HEADER))
+    if ms is not None and ms >= 0:
+        return ms / 1000.0
+    return _seconds(headers.get("retry-after"))
 
 
 def _seconds(value: str | None) -> float | None:

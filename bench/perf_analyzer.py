@@ -1,0 +1,76 @@
+"""Triton's perf_analyzer against a node, over HTTP and gRPC in one run:
+the two-stage echo chain (examples/echo.py, pipeline ``demo``) and
+examples/recsys.py, concurrency 1 to 64, each protocol in turn at each
+point on the same node (gRPC on the HTTP port: one node, one port).
+
+    make bench-perf-analyzer      # installs perf_analyzer first
+    python -m bench.perf_analyzer [--quick]
+
+perf_analyzer is Triton's own tool, run unchanged: it reads the pipeline's
+model configuration (``/v2/models/{name}/config``), sends KServe v2
+requests and reads the statistics extension (``/v2/models/{name}/stats``)
+for the server-side breakdown (queue, compute input, compute infer, per
+request). Writes bench/results/perf_analyzer.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from bench import harness
+
+PIPELINES = [
+    # (app, model, shapes, input data)
+    ("examples/echo.py", "demo", ["x:1,4"], "random"),
+    ("examples/recsys.py", "recsys", ["user:1,1", "history:1,8"], "zero"),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="concurrency 1, 8, 64 and 1 s windows")
+    ap.add_argument("--out", default=str(harness.RESULTS / "perf_analyzer"))
+    a = ap.parse_args()
+    machine = harness.machine()
+    levels = [1, 8, 64] if a.quick else [1, 2, 4, 8, 16, 32, 64]
+    interval = 1000 if a.quick else 2000
+    rows: list[dict[str, Any]] = []
+    for app, model, shapes, data in PIPELINES:
+        with harness.node(str(harness.ROOT / app)) as n:
+            addr = n.url.removeprefix("http://")
+            for c in levels:
+                for protocol in ("http", "grpc"):
+                    t0 = time.time()
+                    r = harness.perf_analyzer(addr, model, protocol=protocol, shapes=shapes, concurrency=c,
+                                              interval_ms=interval, input_data=data)
+                    r.update(pipeline=model, protocol=protocol)
+                    rows.append(r)
+                    print(f"{model:<7} {protocol:<4} c={c:<3} {r['rps']:>8.0f} infer/s  p50 {r['p50_ms']:6.2f} ms"
+                          f"  p99 {r['p99_ms']:6.2f} ms  server queue {r.get('server_queue_ms', 0):.2f} ms"
+                          f"  compute {r.get('server_compute_infer_ms', 0):.2f} ms  ({time.time() - t0:.0f} s)",
+                          flush=True)
+    md = ["# perf_analyzer over HTTP and gRPC", "",
+          "Triton's perf_analyzer (tritonclient 2.41.0's binary), unchanged, against one node; both protocols "
+          "at each point. Latencies are perf_analyzer's (client side); the server columns come from the "
+          "statistics extension, per request.", "",
+          "| pipeline | concurrency | HTTP infer/s | gRPC infer/s | gRPC/HTTP | HTTP p50 ms | gRPC p50 ms | "
+          "HTTP p99 ms | gRPC p99 ms | server queue ms (gRPC) | server compute ms (gRPC) |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for _, model, _, _ in PIPELINES:
+        for c in levels:
+            h = next(r for r in rows if r["pipeline"] == model and r["concurrency"] == c and r["protocol"] == "http")
+            g = next(r for r in rows if r["pipeline"] == model and r["concurrency"] == c and r["protocol"] == "grpc")
+            md.append(f"| {model} | {c} | {h['rps']:.0f} | {g['rps']:.0f} | {g['rps'] / max(h['rps'], 1e-9):.2f} | "
+                      f"{h['p50_ms']:.2f} | {g['p50_ms']:.2f} | {h['p99_ms']:.2f} | {g['p99_ms']:.2f} | "
+                      f"{g.get('server_queue_ms', float('nan')):.2f} | "
+                      f"{g.get('server_compute_infer_ms', float('nan')):.2f} |")
+    paths = harness.write_results(a.out, {"rows": rows, "levels": levels, "interval_ms": interval},
+                                  "\n".join(md), machine)
+    print("\n".join(md))
+    print(f"wrote {paths[0]} and {paths[1]}")
+
+
+if __name__ == "__main__":
+    main()
