@@ -8,9 +8,10 @@
 //! 2^62 or u64::MAX, names swapped, splices of two seeds), splits the body
 //! into random chunks as a socket would, and decodes it against several
 //! declared input sets. Stable Rust, no sanitizer runtime: it runs in
-//! `cargo test` (3 s by default) and `make test` runs it for a minute
-//! (`SLIPSTREAM_FUZZ_SECS=60`). Debug builds keep overflow checks on, so
-//! unchecked arithmetic on a client-stated size panics here.
+//! `cargo test` (3 s by default) and `make test` runs it for half a minute
+//! (`SLIPSTREAM_FUZZ_SECS=30`; `make test FUZZ_SECS=600` for longer). Debug
+//! builds keep overflow checks on, so unchecked arithmetic on a
+//! client-stated size panics here.
 //!
 //! The oracle, for every input:
 //! - no panic;
