@@ -10,7 +10,8 @@ perf_analyzer is Triton's own tool, run unchanged: it reads the pipeline's
 model configuration (``/v2/models/{name}/config``), sends KServe v2
 requests and reads the statistics extension (``/v2/models/{name}/stats``)
 for the server-side breakdown (queue, compute input, compute infer, per
-request). Writes bench/results/perf_analyzer.{json,md}.
+request). The node runs without admission control: perf_analyzer stops at
+the first refused request. Writes bench/results/perf_analyzer.{json,md}.
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ def main() -> None:
     interval = 1000 if a.quick else 2000
     rows: list[dict[str, Any]] = []
     for app, model, shapes, data in PIPELINES:
-        with harness.node(str(harness.ROOT / app)) as n:
+        # Admission off: perf_analyzer stops at its first failed request, and
+        # a closed loop of at most 64 requests offers no more than it is sent
+        # back; Triton, whose shape it expects, has no admission control.
+        with harness.node(str(harness.ROOT / app), "--no-admission") as n:
             addr = n.url.removeprefix("http://")
             for c in levels:
                 for protocol in ("http", "grpc"):
@@ -53,8 +57,8 @@ def main() -> None:
                           flush=True)
     md = ["# perf_analyzer over HTTP and gRPC", "",
           "Triton's perf_analyzer (tritonclient 2.41.0's binary), unchanged, against one node; both protocols "
-          "at each point. Latencies are perf_analyzer's (client side); the server columns come from the "
-          "statistics extension, per request.", "",
+          "at each point, admission off. Latencies are perf_analyzer's (client side); the server columns come "
+          "from the statistics extension, per request.", "",
           "| pipeline | concurrency | HTTP infer/s | gRPC infer/s | gRPC/HTTP | HTTP p50 ms | gRPC p50 ms | "
           "HTTP p99 ms | gRPC p99 ms | server queue ms (gRPC) | server compute ms (gRPC) |",
           "|---|---|---|---|---|---|---|---|---|---|---|"]
