@@ -33,7 +33,6 @@ use slipstream_kserve::inference::{
     ModelTransactionPolicy, ModelVersionPolicy, StatisticDuration,
 };
 use slipstream_types::TensorSpec;
-use std::collections::BTreeMap;
 
 /// Triton's name for a tensor element type (`TYPE_FP32`; strings are `TYPE_STRING`).
 fn data_type(spec: &TensorSpec) -> DataType {
@@ -142,18 +141,15 @@ pub(crate) fn model_stats(node: &Node, name: Option<&str>) -> Result<Vec<ModelSt
 /// Triton's JSON for a configuration (`GET /v2/models/{name}/config`).
 pub(crate) fn config_json(c: &ModelConfig) -> Value {
     let type_name = |t: i32| DataType::try_from(t).unwrap_or(DataType::TypeInvalid).as_str_name();
-    let params: Map<String, Value> = c
-        .parameters
-        .iter()
-        .map(|(k, v)| (k.clone(), json!({"string_value": v.string_value})))
-        .collect::<BTreeMap<_, _>>()
-        .into_iter()
-        .collect();
+    // serde_json's map keeps its keys sorted: the parameters come out in order.
+    let params: Map<String, Value> =
+        c.parameters.iter().map(|(k, v)| (k.clone(), json!({"string_value": v.string_value}))).collect();
+    let latest = c.version_policy.as_ref().and_then(|v| v.latest.as_ref()).map_or(1, |l| l.num_versions);
     json!({
         "name": c.name,
         "platform": c.platform,
         "backend": c.backend,
-        "version_policy": {"latest": {"num_versions": 1}},
+        "version_policy": {"latest": {"num_versions": latest}},
         "max_batch_size": c.max_batch_size,
         "input": c.input.iter().map(|i| json!({"name": i.name, "data_type": type_name(i.data_type), "dims": i.dims})).collect::<Vec<_>>(),
         "output": c.output.iter().map(|o| json!({"name": o.name, "data_type": type_name(o.data_type), "dims": o.dims})).collect::<Vec<_>>(),

@@ -44,8 +44,6 @@ pub const LOAD_PATIENCE: Duration = Duration::from_secs(300);
 pub const VALUE_INLINE_MAX: u64 = 1 << 20;
 /// Where failed triggers are recorded.
 pub const FAILED_PREFIX: &str = "/_slipstream/failed-triggers/";
-/// Keys under this prefix are the node's own and fire no triggers.
-pub const SYSTEM_PREFIX: &str = slipstream_store::RESERVED_PREFIX;
 /// Trigger requests in flight at once, node-wide.
 const IN_FLIGHT: usize = 64;
 
@@ -120,8 +118,8 @@ impl Triggers {
 
     /// Queue `item` for every pipeline watching its key; returns how many.
     pub fn offer(self: &Arc<Self>, node: &Arc<Node>, item: &Item) -> usize {
-        if item.key.starts_with(SYSTEM_PREFIX) {
-            return 0;
+        if item.key.starts_with(slipstream_store::RESERVED_PREFIX) {
+            return 0; // the node's own records fire no triggers
         }
         let mut n = 0;
         for w in self.watchers.iter().filter(|w| item.key.starts_with(&w.prefix)) {

@@ -338,16 +338,14 @@ class _Base:
             self._retrier.called()
         return d, time.monotonic() + (d / 1000.0 if d is not None else self.timeout)
 
-    def _retry_wait(self, err: RequestError, attempt: int, ends: float, d: float | None,
-                    headers: dict[str, str]) -> tuple[float, float] | None:
-        """Whether to retry after ``err`` (see retry.py): the pause, and the
+    def _retry_or_raise(self, err: RequestError, attempt: int, ends: float, d: float | None,
+                        headers: dict[str, str]) -> tuple[float, float]:
+        """Retry after ``err`` (see retry.py), or raise it: the pause, and the
         next try's socket wait, with ``headers`` carrying the deadline left
-        after the pause; None: raise ``err``."""
-        if self._retrier is None:
-            return None
-        pause = self._retrier.wait_before(err, attempt, remaining(ends))
+        after the pause."""
+        pause = None if self._retrier is None else self._retrier.wait_before(err, attempt, remaining(ends))
         if pause is None:
-            return None
+            raise err
         if d is None:
             return pause, self.timeout
         left_ms = max((ends - time.monotonic() - pause) * 1000.0, 0.001)
@@ -585,10 +583,7 @@ class Client(_Base):
                 break
             except RequestError as e:
                 attempt += 1
-                again = self._retry_wait(e, attempt, ends, d, headers)
-                if again is None:
-                    raise
-                pause, wait = again
+                pause, wait = self._retry_or_raise(e, attempt, ends, d, headers)
                 time.sleep(pause)
         head, tail = self._split(resp.headers, resp.body)
         if self._needs_refresh(pipeline, head):
@@ -710,10 +705,7 @@ class AsyncClient(_Base):
                 break
             except RequestError as e:
                 attempt += 1
-                again = self._retry_wait(e, attempt, ends, d, headers)
-                if again is None:
-                    raise
-                pause, wait = again
+                pause, wait = self._retry_or_raise(e, attempt, ends, d, headers)
                 await asyncio.sleep(pause)
         head, tail = self._split(resp.headers, memoryview(bytearray(resp.body)) if as_torch else resp.body)
         if self._needs_refresh(pipeline, head):

@@ -110,12 +110,12 @@ class Retrier:
             return None
         p = self.policy
         if attempt >= p.attempts:
-            self._count(gave_up=True)
+            self._gave_up()
             return None
         jitter = self.rng.uniform(0.0, min(p.max_backoff_s, p.backoff_s * 2 ** (attempt - 1)))
         wait = max(0.0, err.retry_after or 0.0) + jitter
         if remaining_s is not None and wait >= remaining_s:
-            self._count(gave_up=True)
+            self._gave_up()
             return None
         with self._lock:
             if self._tokens < 1.0:
@@ -125,9 +125,9 @@ class Retrier:
             self.stats.retries += 1
         return wait
 
-    def _count(self, *, gave_up: bool) -> None:
+    def _gave_up(self) -> None:
         with self._lock:
-            self.stats.gave_up += int(gave_up)
+            self.stats.gave_up += 1
 
 
 def as_retrier(retry: RetryPolicy | None | bool) -> Retrier | None:
