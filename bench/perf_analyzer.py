@@ -29,6 +29,24 @@ PIPELINES = [
 ]
 
 
+def measure(addr: str, model: str, protocol: str, shapes: list[str], c: int, interval: int,
+            data: str) -> dict[str, Any]:
+    """One perf_analyzer point; when its windows do not agree, once more with
+    windows twice as long (perf_analyzer's own advice). The row says which
+    window it took; a point that never settles has no figures (``stable``
+    False) and is left out of the medians."""
+    for window in (interval, 2 * interval):
+        try:
+            r = harness.perf_analyzer(addr, model, protocol=protocol, shapes=shapes, concurrency=c,
+                                      interval_ms=window, input_data=data)
+            return {**r, "window_ms": window, "stable": True}
+        except RuntimeError as e:
+            if "stable measurement" not in str(e):
+                raise
+            print(f"{model} {protocol} c={c}: no stable measurement in {window} ms windows", flush=True)
+    return {"concurrency": c, "stable": False, "rps": float("nan"), "p50_ms": float("nan"), "p99_ms": float("nan")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="concurrency 1, 8, 64 and 1 s windows")
@@ -49,8 +67,7 @@ def main() -> None:
                 for run in range(a.repeat):
                     for protocol in ("http", "grpc"):
                         t0 = time.time()
-                        r = harness.perf_analyzer(addr, model, protocol=protocol, shapes=shapes, concurrency=c,
-                                                  interval_ms=interval, input_data=data)
+                        r = measure(addr, model, protocol, shapes, c, interval, data)
                         r.update(pipeline=model, protocol=protocol, run=run)
                         runs.append(r)
                         print(f"{model:<7} {protocol:<4} c={c:<3} {r['rps']:>8.0f} infer/s  p50 {r['p50_ms']:6.2f} ms"
@@ -62,7 +79,8 @@ def main() -> None:
     for _, model, _, _ in PIPELINES:
         for c in levels:
             for protocol in ("http", "grpc"):
-                same = [r for r in runs if (r["pipeline"], r["concurrency"], r["protocol"]) == (model, c, protocol)]
+                same = [r for r in runs if (r["pipeline"], r["concurrency"], r["protocol"]) == (model, c, protocol)
+                        and r["stable"]]
                 figures = {k for r in same for k, v in r.items() if isinstance(v, float)}
                 rows.append({"pipeline": model, "concurrency": c, "protocol": protocol, "runs": len(same),
                              **{k: harness.percentile([r[k] for r in same if k in r], 50) for k in figures}})
@@ -71,17 +89,18 @@ def main() -> None:
           f"at each point, admission off; medians of {a.repeat} runs per point, the protocols alternating. "
           "Latencies are perf_analyzer's (client side); the server columns come from the statistics extension, "
           "per request.", "",
-          "| pipeline | concurrency | HTTP infer/s | gRPC infer/s | gRPC/HTTP | HTTP p50 ms | gRPC p50 ms | "
+          "| pipeline | concurrency | HTTP infer/s (runs) | gRPC infer/s (runs) | gRPC/HTTP | HTTP p50 ms | gRPC p50 ms | "
           "HTTP p99 ms | gRPC p99 ms | server queue ms (gRPC) | server compute ms (gRPC) |",
           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for _, model, _, _ in PIPELINES:
         for c in levels:
             h = next(r for r in rows if r["pipeline"] == model and r["concurrency"] == c and r["protocol"] == "http")
             g = next(r for r in rows if r["pipeline"] == model and r["concurrency"] == c and r["protocol"] == "grpc")
-            md.append(f"| {model} | {c} | {h['rps']:.0f} | {g['rps']:.0f} | {g['rps'] / max(h['rps'], 1e-9):.2f} | "
-                      f"{h['p50_ms']:.2f} | {g['p50_ms']:.2f} | {h['p99_ms']:.2f} | {g['p99_ms']:.2f} | "
-                      f"{g.get('server_queue_ms', float('nan')):.2f} | "
-                      f"{g.get('server_compute_infer_ms', float('nan')):.2f} |")
+            f = lambda x, k: x.get(k, float("nan"))  # noqa: E731 (a point with no stable run has no figures)
+            md.append(f"| {model} | {c} | {f(h, 'rps'):.0f} ({h['runs']}) | {f(g, 'rps'):.0f} ({g['runs']}) | "
+                      f"{f(g, 'rps') / max(f(h, 'rps'), 1e-9):.2f} | "
+                      f"{f(h, 'p50_ms'):.2f} | {f(g, 'p50_ms'):.2f} | {f(h, 'p99_ms'):.2f} | {f(g, 'p99_ms'):.2f} | "
+                      f"{f(g, 'server_queue_ms'):.2f} | {f(g, 'server_compute_infer_ms'):.2f} |")
     paths = harness.write_results(a.out, {"rows": rows, "runs": runs, "levels": levels, "interval_ms": interval,
                                           "repeat": a.repeat},
                                   "\n".join(md), machine)
