@@ -64,7 +64,15 @@ def test_backlog_beyond_the_slo_is_refused_fast_with_retry_after(chain_node: Nod
     assert all(int(h["retry-after"]) >= 1 for _, _, h in refused)
     # The wait in ms (the predicted drain time), which Retry-After rounds up to seconds.
     assert all(int(h["retry-after"]) == -(-int(h["x-slipstream-retry-after-ms"]) // 1000) for _, _, h in refused)
-    assert max(t for _, t, _ in refused) < 0.1, "refusals are immediate, not queued"
+    # Refused at ingress (the admission gate's kind, counted as shed below),
+    # not queued and dropped late. Timed against the served answers, which
+    # carry the same client and machine noise plus a 100 ms batch: a refusal
+    # that waited behind a batch could not beat them. (An absolute bound
+    # failed under CI's load: one refusal took 357 ms in a 24-thread client.)
+    assert all(h.get("x-slipstream-error-kind") == "overloaded" for _, _, h in refused)
+    refusal_times = sorted(t for _, t, _ in refused)
+    assert refusal_times[len(refusal_times) // 2] < min(t for _, t, _ in served), \
+        "refusals are immediate, not queued"
     p = pipeline_status(chain_node, "tight")
     assert p["shed"] >= len(refused) and p["admitted"] >= len(served)
 
