@@ -159,6 +159,10 @@ settings! {
     worker_start_timeout_s: f64 = 300.0, flag = "--worker-start-timeout";
     /// Shared-memory pool per replica, MiB (the ingress pool is at least 1024).
     pool_mb: u64 = 256;
+    /// Refusals (429) a second answered to connections that come back
+    /// before the `Retry-After` they were given; the rest of those wait
+    /// their turn, up to a second (0: answer every refusal at once).
+    refusal_rate: u64 = 1000;
     /// Bearer token for the admin routes (scale, reset-metrics, store writes).
     admin_token: Option<String> = None;
     /// How the node logs to stderr: human-readable lines, or one JSON object per line.

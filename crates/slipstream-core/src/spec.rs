@@ -152,8 +152,12 @@ fn deadline_policy() -> String {
 fn default_fixed_wait() -> f64 {
     2.0
 }
+/// Off: the batcher is work-conserving unless a deployment asks it to wait
+/// (docs/design/scheduling.md, "Why delayed batching is off by default":
+/// a 2 ms wait halved the no-op chain's capacity and made its closed-loop
+/// throughput swing between runs).
 fn default_max_wait() -> f64 {
-    2.0
+    0.0
 }
 fn yes() -> bool {
     true

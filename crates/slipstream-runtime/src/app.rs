@@ -7,6 +7,7 @@
 //! core's, the edge's listeners, the cluster's; features with settings of
 //! their own read them from the app's spec.
 
+use crate::pacing::RefusalPacer;
 use hyper::body::Incoming;
 use hyper::header::AUTHORIZATION;
 use slipstream_cluster::ClusterOptions;
@@ -36,6 +37,8 @@ pub struct EdgeOptions {
     pub max_body_bytes: usize,
     /// How long a graceful stop waits for requests in flight.
     pub drain_timeout: Duration,
+    /// Held refusals answered a second (see [`crate::pacing`]).
+    pub refusal_rate: u32,
     /// Bearer token the admin routes require. Without one they are open on
     /// a loopback listener and refused on any other.
     pub admin_token: Option<String>,
@@ -84,6 +87,8 @@ impl RunOptions {
                 max_body_bytes: cfg.max_body_bytes()?,
                 drain_timeout: seconds("drain_timeout_s", cfg.drain_timeout_s)?,
                 admin_token: cfg.admin_token.clone().filter(|t| !t.is_empty()),
+                refusal_rate: u32::try_from(cfg.refusal_rate)
+                    .map_err(|_| format!("refusal_rate is too large: {}", cfg.refusal_rate))?,
             },
             cluster: None,
             log,
@@ -105,6 +110,8 @@ pub(crate) struct App {
     pub(crate) selections: Arc<Selections>,
     pub(crate) triggers: Arc<Triggers>,
     pub(crate) history: Arc<History>,
+    /// Refusals to clients that ignore `Retry-After` wait their turn.
+    pub(crate) pacer: Arc<RefusalPacer>,
 }
 
 impl App {

@@ -18,6 +18,7 @@
 //! goes through the node's public API.
 
 use crate::app::{App, EdgeOptions};
+use crate::pacing::RefusalPacer;
 use slipstream_autoscale::Autoscaler;
 use slipstream_cache::PredictionCache;
 use slipstream_core::arena::Arena;
@@ -113,7 +114,9 @@ pub(crate) fn install(
     // loading show on it too.
     tokio::spawn(slipstream_history::run(history.clone(), node.clone(), stop.clone()));
     tokio::spawn(slipstream_cache::follow_models(node.clone(), built.caches, stop.clone()));
-    let app = Arc::new(App { node: node.clone(), edge, selections, triggers, history });
+    let pacer = Arc::new(RefusalPacer::new(edge.refusal_rate, crate::pacing::MAX_HOLD));
+    node.register(pacer.clone());
+    let app = Arc::new(App { node: node.clone(), edge, selections, triggers, history, pacer });
     Installed { app, autoscaler }
 }
 

@@ -9,6 +9,7 @@
 //! is there when the default layout or `--grpc-port` asks for it.
 
 use crate::app::App;
+use crate::pacing::ConnMemory;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
@@ -57,12 +58,13 @@ pub(crate) fn spawn_http_port(app: &Arc<App>, admin_open: bool, stream: TcpStrea
     let watcher = graceful.watcher();
     tokio::spawn(async move {
         if app.edge.grpc && opens_http2(&stream).await {
-            return crate::grpc::serve_connection(&app.node, app.edge.max_body_bytes, stream, watcher).await;
+            return crate::grpc::serve_connection(&app, stream, watcher).await;
         }
         let a = app.clone();
+        let told = Arc::new(ConnMemory::default());
         let conn = http1::Builder::new().keep_alive(true).serve_connection(
             TokioIo::new(stream),
-            service_fn(move |req| crate::http::handle(a.clone(), admin_open, req)),
+            service_fn(move |req| crate::http::handle(a.clone(), admin_open, told.clone(), req)),
         );
         let _ = watcher.watch(conn).await;
     });
@@ -71,6 +73,6 @@ pub(crate) fn spawn_http_port(app: &Arc<App>, admin_open: bool, stream: TcpStrea
 /// Serve a connection accepted on gRPC's own port.
 pub(crate) fn spawn_grpc_port(app: &Arc<App>, stream: TcpStream, graceful: &GracefulShutdown) {
     let _ = stream.set_nodelay(true);
-    let (node, max_body, watcher) = (app.node.clone(), app.edge.max_body_bytes, graceful.watcher());
-    tokio::spawn(async move { crate::grpc::serve_connection(&node, max_body, stream, watcher).await });
+    let (app, watcher) = (app.clone(), graceful.watcher());
+    tokio::spawn(async move { crate::grpc::serve_connection(&app, stream, watcher).await });
 }

@@ -38,6 +38,8 @@
 //! any handler runs: `OUT_OF_RANGE` ("decoded message length too large"),
 //! without the kind trailer.
 
+use crate::app::App;
+use crate::pacing::{ConnMemory, RefusalPacer};
 use crate::respond::{deadline_budget, DEADLINE_HEADER, ERROR_KIND_HEADER, RETRY_AFTER_MS_HEADER};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::Watcher;
@@ -241,12 +243,25 @@ async fn stream_answer(node: &Node, req: ModelInferRequest, arrival: Arrival, ou
 /// The service, answering from one node.
 pub(crate) struct InferenceService {
     node: Arc<Node>,
+    /// Refusals to a connection that did not wait as told are held
+    /// ([`crate::pacing`]); one service per connection, so `told` is the
+    /// connection's.
+    pacer: Arc<RefusalPacer>,
+    told: ConnMemory,
 }
 
-/// The service as a tower service over HTTP/2 requests, with `max_body`
-/// (the node's body limit) as its largest message.
-fn service(node: Arc<Node>, max_body: usize) -> GrpcInferenceServiceServer<InferenceService> {
-    GrpcInferenceServiceServer::new(InferenceService { node }).max_decoding_message_size(max_body)
+impl InferenceService {
+    /// The status an inference error is answered with, once any hold is over.
+    async fn refusal(&self, e: NodeError) -> Status {
+        status_of(&self.pacer.pace(&self.told, e).await)
+    }
+}
+
+/// The service for one connection as a tower service over HTTP/2
+/// requests, with the node's body limit as its largest message.
+fn service(app: &App) -> GrpcInferenceServiceServer<InferenceService> {
+    let svc = InferenceService { node: app.node.clone(), pacer: app.pacer.clone(), told: ConnMemory::default() };
+    GrpcInferenceServiceServer::new(svc).max_decoding_message_size(app.edge.max_body_bytes)
 }
 
 /// Bind the gRPC listener on the node's host (`port` 0: any free port).
@@ -266,8 +281,8 @@ pub(crate) async fn accept(listener: Option<&TcpListener>) -> std::io::Result<(T
 /// speak it) until it closes or the graceful shutdown `watcher` belongs to
 /// ends it. Connections come from gRPC's own port or from the HTTP port
 /// ([`crate::conn`]).
-pub(crate) async fn serve_connection(node: &Arc<Node>, max_body: usize, stream: TcpStream, watcher: Watcher) {
-    let svc = TowerToHyperService::new(service(node.clone(), max_body));
+pub(crate) async fn serve_connection(app: &App, stream: TcpStream, watcher: Watcher) {
+    let svc = TowerToHyperService::new(service(app));
     let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
         .timer(TokioTimer::new())
         .max_concurrent_streams(MAX_STREAMS)
@@ -331,7 +346,10 @@ impl GrpcInferenceService for InferenceService {
 
     async fn model_infer(&self, req: Request<ModelInferRequest>) -> Result<Response<ModelInferResponse>, Status> {
         let arrival = arrival_of(req.metadata()).map_err(|e| status_of(&e))?;
-        let (resp, fallback) = infer(&self.node, req.into_inner(), arrival, None).await.map_err(|e| status_of(&e))?;
+        let (resp, fallback) = match infer(&self.node, req.into_inner(), arrival, None).await {
+            Ok(r) => r,
+            Err(e) => return Err(self.refusal(e).await),
+        };
         let mut r = Response::new(resp);
         if let Some(why) = fallback {
             r.metadata_mut().insert(FALLBACK_KEY, MetadataValue::from_static(why));

@@ -29,6 +29,7 @@
 //!   polls, `GET /v1/history?since=SEQ` (`slipstream-history`)
 
 use crate::app::App;
+use crate::pacing::ConnMemory;
 use crate::query::Query;
 use crate::respond::{arrival_of, error_resp, json_resp, read_body, respond, Resp};
 use bytes::Bytes;
@@ -42,11 +43,20 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 /// Entry point for every HTTP request. `admin_open`: the listener is on
-/// loopback, so admin routes need a token only if one is set.
-pub(crate) async fn handle(app: Arc<App>, admin_open: bool, req: hyper::Request<Incoming>) -> Result<Resp, Infallible> {
+/// loopback, so admin routes need a token only if one is set. `conn`: what
+/// the request's connection was told (a refusal to a connection that did
+/// not wait as told is held, see [`crate::pacing`]).
+pub(crate) async fn handle(
+    app: Arc<App>,
+    admin_open: bool,
+    conn: Arc<ConnMemory>,
+    req: hyper::Request<Incoming>,
+) -> Result<Resp, Infallible> {
     let v2 = req.uri().path().starts_with("/v2");
-    let result = route(&app, admin_open, req).await;
-    Ok(result.unwrap_or_else(|e| error_resp(&e, v2)))
+    Ok(match route(&app, admin_open, req).await {
+        Ok(r) => r,
+        Err(e) => error_resp(&app.pacer.pace(&conn, e).await, v2),
+    })
 }
 
 async fn route(app: &App, admin_open: bool, req: hyper::Request<Incoming>) -> Result<Resp, NodeError> {

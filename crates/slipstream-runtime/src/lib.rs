@@ -22,6 +22,7 @@ mod grpc;
 mod http;
 mod lifecycle;
 mod logging;
+mod pacing;
 mod query;
 mod respond;
 mod store_http;

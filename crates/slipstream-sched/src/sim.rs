@@ -527,7 +527,7 @@ mod tests {
             max_miss_rate: 0.01,
             preempt_slice_ns: 0,
             policy: BatchPolicy::DeadlineAware,
-            max_wait_ns: 2_000_000,
+            max_wait_ns: 0,
             admission: true,
             seed: 7,
         }

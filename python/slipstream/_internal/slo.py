@@ -205,7 +205,7 @@ def scheduler_slice_us(cores: float) -> float:
 
 
 def model_config(pipe: Pipeline, prof: dict[str, Any], rate: float, *, cores: float, duration_s: float,
-                 policy: str = "deadline", fixed_wait_ms: float = 2.0, max_wait_ms: float = 2.0,
+                 policy: str = "deadline", fixed_wait_ms: float = 2.0, max_wait_ms: float = 0.0,
                  admission: bool = True, burst: int = 1, seed: int = 1, **overheads: Any) -> dict[str, Any]:
     if pipe.slo is None:
         raise ConfigError(f"pipeline {pipe.name!r} declares no SLO")
