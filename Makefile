@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CARGO ?= $(shell command -v cargo 2>/dev/null || echo $$HOME/.cargo/bin/cargo)
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup build lint test test-services test-beside-py test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-cluster bench-plan bench-grpc bench-perf-analyzer bench-stream bench-gpu bench-clipper bench-espn data data-small demo clean fmt
+.PHONY: setup build lint test test-services test-beside-py test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-cluster bench-plan bench-grpc bench-perf-analyzer bench-overload bench-stream bench-gpu bench-clipper bench-espn data data-small demo clean fmt
 
 setup: $(VENV)/.installed
 
@@ -158,6 +158,9 @@ GHZ ?= $(shell command -v ghz 2>/dev/null || echo $$HOME/go/bin/ghz)
 bench-perf-analyzer: setup
 	@scripts/install_perf_analyzer.sh >/dev/null
 	$(PY) -m bench.perf_analyzer
+
+bench-overload: setup
+	$(PY) -m bench.overload
 
 bench-grpc: setup
 	@test -x $(GHZ) || GOFLAGS=-mod=mod go install github.com/bojand/ghz/cmd/ghz@v0.120.0

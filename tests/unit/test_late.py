@@ -402,7 +402,9 @@ def test_budget_cut_answers_with_what_was_reranked(workdir: Path) -> None:
     r = s.search(qv, qt, budget_s=0.05)
     took = time.perf_counter() - t0
     gate.event.set()
-    assert took < 0.5, f"the budget was not honoured ({took:.3f} s)"
+    # Not honoured, it would wait for the disk (10 s); a busy CI machine has
+    # taken 0.8 s to return at a 50 ms budget.
+    assert took < 5.0, f"the budget was not honoured ({took:.3f} s)"
     assert r.reranked.tolist() == [0] * 4 and r.target.tolist() == [20] * 4 and r.cut.all()
     np.testing.assert_array_equal(r.ids, single)
     assert np.isnan(r.maxsim).all()

@@ -162,7 +162,7 @@ settings! {
     /// Refusals (429) a second answered to connections that come back
     /// before the `Retry-After` they were given; the rest of those wait
     /// their turn, up to a second (0: answer every refusal at once).
-    refusal_rate: u64 = 1000;
+    refusal_rate: u64 = 5000;
     /// Bearer token for the admin routes (scale, reset-metrics, store writes).
     admin_token: Option<String> = None;
     /// How the node logs to stderr: human-readable lines, or one JSON object per line.

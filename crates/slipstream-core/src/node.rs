@@ -355,12 +355,15 @@ impl Node {
         if self.is_draining() {
             return Err(NodeError::ShuttingDown);
         }
-        let ticket = pipe.ticket(self.next_request_id(), arrival.at, arrival.budget)?;
+        let mut ticket = pipe.ticket(self.next_request_id(), arrival.at, arrival.budget)?;
         if !self.admission {
             return Ok(Ok(ticket));
         }
         match pipe.admit(&ticket) {
-            Ok(()) => Ok(Ok(ticket)),
+            Ok(share) => {
+                ticket.share = share;
+                Ok(Ok(ticket))
+            }
             Err(over) => {
                 let m = &pipe.metrics;
                 m.shed.fetch_add(1, Relaxed);
@@ -447,7 +450,7 @@ impl Node {
             return Err(NodeError::Unavailable { stage: st.name.clone(), reason: "no replica here".into() });
         };
         let now = Instant::now();
-        let ticket = Ticket { id, arrival: now, deadline, route: vec![first; pipe.stages.len()] };
+        let ticket = Ticket { id, arrival: now, deadline, route: vec![first; pipe.stages.len()], share: 1.0 };
         let (req, rx) = Request::for_stage(pipe.clone(), stage, inputs, ticket);
         let give_up = deadline.max(now + pipe.timeout.min(Duration::from_secs(3600)));
         Ok(StageRun { req, rx: Some(rx), give_up })

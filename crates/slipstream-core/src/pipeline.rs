@@ -373,6 +373,9 @@ pub(crate) struct Ticket {
     pub(crate) arrival: Instant,
     pub(crate) deadline: Instant,
     pub(crate) route: Vec<Arc<Replica>>,
+    /// The share of its budget its predicted time used at admission (1
+    /// without admission control), for the gate's books.
+    pub(crate) share: f64,
 }
 
 /// Why a pipeline could not be built.
@@ -642,13 +645,14 @@ impl PipelineRt {
                     .ok_or_else(|| NodeError::Unavailable { stage: s.name.clone(), reason: "it has no replica".into() })
             })
             .collect::<Result<_, _>>()?;
-        Ok(Ticket { id, arrival, deadline: arrival + budget.map_or(slo, |b| b.min(slo)), route })
+        Ok(Ticket { id, arrival, deadline: arrival + budget.map_or(slo, |b| b.min(slo)), route, share: 1.0 })
     }
 
     /// Admission control: can a request with this ticket, arriving now,
     /// finish by its deadline? (See [`AdmissionGate::decide`].) Err carries
-    /// the predicted overshoot.
-    pub(crate) fn admit(&self, t: &Ticket) -> Result<(), Duration> {
+    /// the predicted overshoot; Ok, the share of the budget the prediction
+    /// uses.
+    pub(crate) fn admit(&self, t: &Ticket) -> Result<f64, Duration> {
         let now = self.now_ns();
         let mut loads: Vec<ReplicaLoad> = t.route.iter().map(|r| r.load()).collect();
         for join in self.joins.iter().filter(|j| j.policy.timing() == JoinTiming::Fastest) {

@@ -69,6 +69,8 @@ pub struct Request {
     pub(crate) deadline_ns: u64,
     /// One replica per stage, chosen at ingress.
     pub(crate) route: Vec<Arc<Replica>>,
+    /// The share of its budget its predicted time used at admission.
+    pub(crate) share: f64,
     /// Whether this request was already retried after a worker died.
     pub(crate) retried: AtomicBool,
     /// Set for one stage's work run on behalf of another node (see
@@ -115,7 +117,7 @@ impl Request {
         chunks: Option<Chunks>,
     ) -> (Arc<Request>, oneshot::Receiver<Reply>) {
         let (tx, rx) = oneshot::channel();
-        let Ticket { id, arrival, deadline, route } = ticket;
+        let Ticket { id, arrival, deadline, route, share } = ticket;
         let n = pipe.stages.len();
         let state = State {
             inputs,
@@ -135,6 +137,7 @@ impl Request {
             deadline,
             deadline_ns,
             route,
+            share,
             retried: AtomicBool::new(false),
             only,
             done: AtomicBool::new(false),
@@ -623,7 +626,7 @@ impl Admitted {
                 matches!(e, NodeError::DeadlineExceeded { .. } | NodeError::Timeout { .. }).then_some(false)
             }
         };
-        pipe.gate.lock().on_finish(pipe.now_ns(), met);
+        pipe.gate.lock().on_finish_with(pipe.now_ns(), met, req.share);
     }
 }
 
@@ -639,6 +642,6 @@ impl Drop for Admitted {
         let pipe = &self.req.pipe;
         pipe.metrics.cancelled.fetch_add(1, Relaxed);
         let late = Instant::now() > self.req.deadline;
-        pipe.gate.lock().on_finish(pipe.now_ns(), late.then_some(false));
+        pipe.gate.lock().on_finish_with(pipe.now_ns(), late.then_some(false), self.req.share);
     }
 }

@@ -12,7 +12,8 @@ use tokio::net::TcpStream;
 use tokio::sync::Notify;
 
 use crate::arrival::{ArrivalGen, RateSchedule};
-use crate::h1::Conn;
+use crate::h1::{Conn, Reply};
+use crate::retry::Retrier;
 use crate::stats::{ErrKind, Percentiles, WindowStats};
 use crate::target::Target;
 use crate::timer::PreciseTimer;
@@ -29,6 +30,8 @@ struct Job {
     at: Instant,
     /// Scheduled inside the measured window (after warmup).
     measured: bool,
+    /// Sends before this one (retries of a refused arrival).
+    attempt: u32,
 }
 
 /// Outcome of one request, as recorded.
@@ -61,6 +64,7 @@ struct Shared {
     /// Start of the measured window (timeline offsets count from here).
     warm_end: Instant,
     stats: Mutex<WindowStats>,
+    retrier: Retrier,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -171,6 +175,34 @@ impl Shared {
         }
     }
 
+    /// Send `job` again after `wait` if the retry policy says so (its
+    /// outcome is then recorded when the last send ends); false: record it.
+    fn retry(self: &Arc<Self>, job: &Job, reply: &Reply, now: Instant) -> bool {
+        let left = (job.at + self.timeout).saturating_duration_since(now);
+        let Some(wait) = self.retrier.next(reply.status, job.attempt, left, reply.retry_after_ms) else {
+            return false;
+        };
+        if job.measured {
+            lock(&self.stats).retries += 1;
+        }
+        let again = Job { attempt: job.attempt + 1, ..*job };
+        let sh = Arc::clone(self);
+        let requeue = move || {
+            lock(&sh.queue).push_back(again);
+            sh.notify.notify_one();
+            sh.grow();
+        };
+        if wait.is_zero() {
+            requeue();
+        } else {
+            self.handle.spawn(async move {
+                tokio::time::sleep(wait).await;
+                requeue();
+            });
+        }
+        true
+    }
+
     fn close(&self) {
         self.closed.store(true, Ordering::Release);
         self.notify.notify_waiters();
@@ -213,18 +245,28 @@ async fn serve_connection(sh: &Arc<Shared>) {
             },
         };
         let now = Instant::now();
-        let late = now.saturating_duration_since(job.at) > LATE;
+        // A retry is sent when its wait ends, not on the schedule.
+        let late = job.attempt == 0 && now.saturating_duration_since(job.at) > LATE;
         let deadline = job.at + sh.timeout;
         if now >= deadline {
             // Waited in the queue past its timeout: never sent.
             sh.finish(&job, late, Err(ErrKind::Timeout), now, now);
             continue;
         }
+        if job.attempt == 0 {
+            sh.retrier.on_first_attempt();
+        }
         let res =
             tokio::time::timeout_at(deadline.into(), conn.exchange(&sh.target.request, sh.target.head_request)).await;
         let done_at = Instant::now();
         let (outcome, keep) = match res {
             Ok(Ok(reply)) if (200..300).contains(&reply.status) => (Ok(()), reply.keep_alive),
+            Ok(Ok(reply)) if sh.retrier.enabled() && sh.retry(&job, &reply, done_at) => {
+                if !reply.keep_alive {
+                    return;
+                }
+                continue;
+            }
             Ok(Ok(reply)) => (Err(ErrKind::Status(reply.status)), reply.keep_alive),
             Ok(Err(_)) => (Err(ErrKind::Io), false),
             // A timed-out HTTP/1.1 connection still owes a response: drop it
@@ -257,7 +299,7 @@ async fn pace(sh: Arc<Shared>, mut gen: ArrivalGen, start: Instant, warm_end: In
         while next <= now && next < end {
             let m = next >= warm_end;
             measured += u64::from(m);
-            batch.push(Job { at: next, measured: m });
+            batch.push(Job { at: next, measured: m, attempt: 0 });
             next = at(gen.next_offset());
         }
         sh.dispatch(&mut batch, measured);
@@ -284,6 +326,8 @@ pub(crate) struct RateRun<'a> {
     pub(crate) timeline_us: Option<u64>,
     /// Keep every OK latency in the timeline's buckets.
     pub(crate) timeline_latencies: bool,
+    /// What a refused arrival does.
+    pub(crate) retry: crate::RetryConfig,
 }
 
 pub(crate) fn build_runtime(threads: usize) -> Result<tokio::runtime::Runtime, LoadgenError> {
@@ -322,6 +366,7 @@ pub(crate) fn run_rate(p: &RateRun<'_>, progress: &mut dyn FnMut(&str)) -> Resul
         sent: AtomicU64::new(0),
         warm_end,
         stats: Mutex::new(WindowStats::new().with_timeline(p.timeline_us)),
+        retrier: Retrier::new(p.retry.clone(), p.seed),
     });
     let gen = match &p.schedule {
         Some(s) => ArrivalGen::scheduled(p.arrival, s.clone(), p.seed),
@@ -412,6 +457,7 @@ fn make_report(sh: &Shared, p: &RateRun<'_>) -> RunReport {
             _ => 0,
         },
         late_sends: s.late_sends,
+        retries: s.retries,
         max_connections_used: sh.peak_open.load(Ordering::Relaxed),
         timeline: s.buckets(p.slo_us, p.timeline_latencies),
     }

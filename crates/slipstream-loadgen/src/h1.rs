@@ -31,6 +31,9 @@ pub(crate) struct Reply {
     pub(crate) status: u16,
     /// Whether the connection may carry another request.
     pub(crate) keep_alive: bool,
+    /// How long the server asked the client to wait before it retries, ms
+    /// (`x-slipstream-retry-after-ms`, else `Retry-After` in seconds).
+    pub(crate) retry_after_ms: Option<u64>,
 }
 
 /// How the response body is delimited, and how much of it is left.
@@ -62,6 +65,7 @@ struct Head {
     len: usize,
     body: Body,
     keep_alive: bool,
+    retry_after_ms: Option<u64>,
 }
 
 fn has_token(value: &[u8], token: &str) -> bool {
@@ -82,7 +86,14 @@ fn parse_head(buf: &[u8], head_request: bool) -> io::Result<Option<Head>> {
     let mut keep_alive = http11;
     let mut length: Option<u64> = None;
     let mut transfer_encoding: Option<bool> = None; // Some(ends with chunked)
+    let (mut after_ms, mut after_s) = (None, None);
+    let number = |v: &[u8]| std::str::from_utf8(v).ok().and_then(|s| s.trim().parse::<u64>().ok());
     for h in resp.headers.iter() {
+        if h.name.eq_ignore_ascii_case("x-slipstream-retry-after-ms") {
+            after_ms = number(h.value);
+        } else if h.name.eq_ignore_ascii_case("retry-after") {
+            after_s = number(h.value);
+        }
         if h.name.eq_ignore_ascii_case("content-length") {
             let v = std::str::from_utf8(h.value)
                 .ok()
@@ -121,7 +132,8 @@ fn parse_head(buf: &[u8], head_request: bool) -> io::Result<Option<Head>> {
     if body == Body::UntilEof {
         keep_alive = false;
     }
-    Ok(Some(Head { status, len, body, keep_alive }))
+    let retry_after_ms = after_ms.or(after_s.map(|s| s.saturating_mul(1000)));
+    Ok(Some(Head { status, len, body, keep_alive, retry_after_ms }))
 }
 
 impl Body {
@@ -273,7 +285,7 @@ impl Conn {
             }
             self.start = 0;
             self.end = 0;
-            return Ok(Reply { status: head.status, keep_alive });
+            return Ok(Reply { status: head.status, keep_alive, retry_after_ms: head.retry_after_ms });
         }
     }
 
@@ -319,6 +331,12 @@ mod tests {
         assert!(!h.keep_alive);
         let h = head("HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 1\r\n\r\n");
         assert!(h.keep_alive);
+        let h = head("HTTP/1.1 429 Busy\r\nRetry-After: 2\r\nContent-Length: 0\r\n\r\n");
+        assert_eq!(h.retry_after_ms, Some(2000));
+        let h =
+            head("HTTP/1.1 429 Busy\r\nretry-after: 1\r\nX-Slipstream-Retry-After-Ms: 7\r\nContent-Length: 0\r\n\r\n");
+        assert_eq!(h.retry_after_ms, Some(7), "the millisecond header is the finer one");
+        assert_eq!(head("HTTP/1.1 429 Busy\r\nRetry-After: soon\r\n\r\n").retry_after_ms, None);
         let h = parse_head(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n", true).unwrap().unwrap();
         assert_eq!(h.body, Body::Empty);
         assert!(parse_head(b"HTTP/1.1 200 OK\r\nContent-Len", false).unwrap().is_none());
@@ -395,14 +413,14 @@ mod tests {
             let mut c =
                 scripted(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 3\r\n\r\nabc").await;
             let r = c.exchange(req, false).await.unwrap();
-            assert_eq!(r, Reply { status: 201, keep_alive: true });
+            assert_eq!(r, Reply { status: 201, keep_alive: true, retry_after_ms: None });
 
             let mut c = scripted(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nwiki\r\n0\r\n\r\n").await;
             assert_eq!(c.exchange(req, false).await.unwrap().status, 200);
 
             let mut c = scripted(b"HTTP/1.1 200 OK\r\n\r\nuntil the end").await;
             let r = c.exchange(req, false).await.unwrap();
-            assert_eq!(r, Reply { status: 200, keep_alive: false });
+            assert_eq!(r, Reply { status: 200, keep_alive: false, retry_after_ms: None });
 
             let mut c = scripted(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nshort").await;
             assert!(c.exchange(req, false).await.is_err());

@@ -67,6 +67,7 @@
 mod arrival;
 mod engine;
 mod h1;
+mod retry;
 mod stats;
 mod target;
 mod timer;
@@ -78,6 +79,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 pub use arrival::Arrival;
+pub use retry::{RetryConfig, RetryMode};
 pub use stats::{Bucket, Percentiles};
 
 /// What to send, and at which rates.
@@ -126,6 +128,9 @@ pub struct BenchConfig {
     /// With a timeline, also return every OK latency per bucket
     /// (`Bucket::latencies_ms`), for exact percentiles over any window.
     pub timeline_latencies: bool,
+    /// What a refused arrival does (by default: nothing; see [`RetryConfig`]).
+    /// Its latency still counts from its first scheduled send.
+    pub retry: RetryConfig,
 }
 
 impl Default for BenchConfig {
@@ -148,6 +153,7 @@ impl Default for BenchConfig {
             slo_ms: 0.0,
             timeline_ms: 0.0,
             timeline_latencies: false,
+            retry: RetryConfig::default(),
         }
     }
 }
@@ -178,6 +184,8 @@ pub struct RunReport {
     pub slower_than_slo: u64,
     /// Measured arrivals whose send started > 1 ms after schedule.
     pub late_sends: u64,
+    /// Sends beyond the first among the measured arrivals (`BenchConfig::retry`).
+    pub retries: u64,
     /// Peak number of open connections during the run (warmup included).
     pub max_connections_used: usize,
     /// The measured window in buckets of `BenchConfig::timeline_ms` (empty
@@ -276,6 +284,7 @@ fn prepare(cfg: &BenchConfig) -> Result<Prepared, LoadgenError> {
     let duration = check_secs("duration_s", cfg.duration_s, false)?;
     let warmup = check_secs("warmup_s", cfg.warmup_s, true)?;
     let timeout = check_secs("timeout_s", cfg.timeout_s, false)?;
+    cfg.retry.check().map_err(LoadgenError::BadConfig)?;
     if cfg.max_connections == 0 {
         return Err(LoadgenError::BadConfig("max_connections must be >= 1".into()));
     }
@@ -300,6 +309,7 @@ fn rate_run<'a>(cfg: &BenchConfig, p: &'a Prepared, rate: f64, index: usize) -> 
         slo_us: (cfg.slo_ms > 0.0).then_some((cfg.slo_ms * 1e3) as u64),
         timeline_us: (cfg.timeline_ms > 0.0).then_some((cfg.timeline_ms * 1e3).max(1.0) as u64),
         timeline_latencies: cfg.timeline_latencies,
+        retry: cfg.retry.clone(),
     }
 }
 

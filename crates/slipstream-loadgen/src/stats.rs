@@ -104,6 +104,7 @@ pub(crate) struct WindowStats {
     pub(crate) errors: u64,
     pub(crate) by_kind: BTreeMap<ErrKind, u64>,
     pub(crate) late_sends: u64,
+    pub(crate) retries: u64,
     /// Bucket width (µs) and buckets, when a timeline is asked for.
     pub(crate) timeline: Option<(u64, Vec<RawBucket>)>,
 }
@@ -116,6 +117,7 @@ impl WindowStats {
             errors: 0,
             by_kind: BTreeMap::new(),
             late_sends: 0,
+            retries: 0,
             timeline: None,
         }
     }

@@ -6,8 +6,9 @@
 //! the client's own resending) took the CPU the workers needed. `Retry-After`
 //! only helps clients that read it, so the edge remembers, per connection,
 //! until when it told the client to wait. A refusal on a connection in good
-//! standing (the first, or one after the client waited as told) is answered
-//! at once; a refusal on a connection that came back early is *held*: its
+//! standing (the first, or one after the client waited as told, and at
+//! least a quarter of a second) is answered at once; a refusal on a
+//! connection that came back early is *held*: its
 //! answer waits for a slot of a node-wide refusal rate
 //! ([`RefusalPacer`], a GCRA schedule: one slot every `1/rate` s, a
 //! connection waits at most `max_hold`). Holding costs a parked future, not
@@ -30,6 +31,10 @@ use std::time::{Duration, Instant};
 
 /// The longest a refusal is held.
 pub(crate) const MAX_HOLD: Duration = Duration::from_secs(1);
+/// How long a connection is remembered as refused: a refusal within this
+/// of the last one's answer (or within the `Retry-After` it was given, if
+/// longer) is held.
+const MEMORY: Duration = Duration::from_millis(250);
 
 /// The node-wide schedule of held refusals, and its counts.
 #[derive(Debug)]
@@ -69,22 +74,26 @@ impl RefusalPacer {
     }
 
     /// How long to hold a refusal `e` on connection `conn` before answering
-    /// it (zero for errors other than a 429, and for a connection in good
-    /// standing), and remember what the connection is told.
-    pub(crate) fn hold_for(&self, conn: &ConnMemory, e: &NodeError) -> Duration {
+    /// it: None for errors other than a 429 and for a connection in good
+    /// standing, else the wait for its slot on the schedule (zero when the
+    /// schedule is free). Remembers what the connection is told.
+    pub(crate) fn hold_for(&self, conn: &ConnMemory, e: &NodeError) -> Option<Duration> {
         if !matches!(e, NodeError::Overloaded { .. }) {
-            return Duration::ZERO;
+            return None;
         }
         let now = self.now_ns();
-        let told_ms = e.retry_after_ms().unwrap_or(1);
-        let wait_ns = if now < conn.told_until_ns.load(Relaxed) { self.slot(now) } else { 0 };
-        // The client is told to wait from when it gets the answer.
-        conn.told_until_ns.store(now + wait_ns + told_ms * 1_000_000, Relaxed);
+        let told_ns = e.retry_after_ms().unwrap_or(1) * 1_000_000;
+        let early = now < conn.told_until_ns.load(Relaxed);
+        let wait_ns = if early { self.slot(now) } else { 0 };
+        // Remembered from when the client gets the answer, for at least
+        // MEMORY: a refusal says "a few ms" when the queue is short, and a
+        // busy client takes that long to come back anyway.
+        conn.told_until_ns.store(now + wait_ns + told_ns.max(MEMORY.as_nanos() as u64), Relaxed);
         if wait_ns > 0 {
             self.held.fetch_add(1, Relaxed);
             self.held_ns.fetch_add(wait_ns, Relaxed);
         }
-        Duration::from_nanos(wait_ns)
+        early.then(|| Duration::from_nanos(wait_ns))
     }
 
     /// The next slot of the held refusals' schedule, as a wait from `now`.
@@ -100,8 +109,7 @@ impl RefusalPacer {
 
     /// Hold a refusal as [`Self::hold_for`] says, then hand it back.
     pub(crate) async fn pace(&self, conn: &ConnMemory, e: NodeError) -> NodeError {
-        let wait = self.hold_for(conn, &e);
-        if !wait.is_zero() {
+        if let Some(wait) = self.hold_for(conn, &e).filter(|w| !w.is_zero()) {
             tokio::time::sleep(wait).await;
         }
         e
@@ -142,18 +150,18 @@ mod tests {
     fn a_connection_in_good_standing_is_answered_at_once() {
         let p = RefusalPacer::new(1000, MAX_HOLD);
         let (a, b) = (ConnMemory::default(), ConnMemory::default());
-        assert_eq!(p.hold_for(&a, &overloaded(50)), Duration::ZERO);
-        assert_eq!(p.hold_for(&b, &overloaded(50)), Duration::ZERO, "another connection is another client");
-        assert_eq!(p.hold_for(&a, &NodeError::Cancelled), Duration::ZERO, "only 429s are held");
+        assert_eq!(p.hold_for(&a, &overloaded(50)), None);
+        assert_eq!(p.hold_for(&b, &overloaded(50)), None, "another connection is another client");
+        assert_eq!(p.hold_for(&a, &NodeError::Cancelled), None, "only 429s are held");
     }
 
     #[test]
     fn coming_back_early_is_held_on_the_node_wide_schedule() {
         let p = RefusalPacer::new(1000, MAX_HOLD);
         let conns: Vec<ConnMemory> = (0..10).map(|_| ConnMemory::default()).collect();
-        conns.iter().for_each(|c| assert!(p.hold_for(c, &overloaded(50)).is_zero()));
+        conns.iter().for_each(|c| assert_eq!(p.hold_for(c, &overloaded(50)), None));
         // Each came back at once: held one millisecond apart, in turn.
-        let waits: Vec<Duration> = conns.iter().map(|c| p.hold_for(c, &overloaded(50))).collect();
+        let waits: Vec<Duration> = conns.iter().map(|c| p.hold_for(c, &overloaded(50)).expect("held")).collect();
         for w in waits.windows(2) {
             let gap = w[1].saturating_sub(w[0]);
             assert!(gap > Duration::from_micros(900) && gap <= Duration::from_millis(1), "{waits:?}");
@@ -169,19 +177,27 @@ mod tests {
         let c = ConnMemory::default();
         p.hold_for(&c, &overloaded(1000));
         for _ in 0..20 {
-            assert!(p.hold_for(&c, &overloaded(1000)) <= Duration::from_millis(200));
+            assert!(p.hold_for(&c, &overloaded(1000)).expect("held") <= Duration::from_millis(200));
         }
         let off = RefusalPacer::new(0, MAX_HOLD);
         off.hold_for(&c, &overloaded(1000));
-        assert!(off.hold_for(&c, &overloaded(1000)).is_zero());
+        assert_eq!(off.hold_for(&c, &overloaded(1000)), Some(Duration::ZERO));
     }
 
     #[test]
     fn a_client_that_waited_as_told_is_in_good_standing_again() {
         let p = RefusalPacer::new(1000, MAX_HOLD);
         let c = ConnMemory::default();
-        assert!(p.hold_for(&c, &overloaded(1)).is_zero());
+        assert_eq!(p.hold_for(&c, &overloaded(1)), None);
+        // Told 1 ms, but remembered for MEMORY: coming back after 3 ms is early.
         std::thread::sleep(Duration::from_millis(3));
-        assert!(p.hold_for(&c, &overloaded(1)).is_zero());
+        assert_eq!(p.hold_for(&c, &overloaded(1)), Some(Duration::ZERO), "held, on a free schedule");
+        std::thread::sleep(MEMORY + Duration::from_millis(10));
+        assert_eq!(p.hold_for(&c, &overloaded(1)), None);
+        // A Retry-After longer than MEMORY is what counts.
+        let d = ConnMemory::default();
+        p.hold_for(&d, &overloaded(MEMORY.as_millis() as u64 + 200));
+        std::thread::sleep(MEMORY + Duration::from_millis(10));
+        assert!(p.hold_for(&d, &overloaded(1)).is_some());
     }
 }

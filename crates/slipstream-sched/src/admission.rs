@@ -19,6 +19,17 @@
 //! `h` from its floor to 1 and back within a fraction of a second, settling
 //! at a miss rate well above the target.
 //!
+//! A cut needs the misses to be the queue's doing. Each outcome comes with
+//! the share of its budget its prediction used at admission; requests
+//! admitted with at most half the headroom ("far" from the limit) should
+//! not miss because of the queue. When they miss at least half as often as
+//! the interval as a whole (and there are enough of them to tell), the
+//! misses come from somewhere admission cannot reach, such as the CPU taken
+//! by a storm of requests the node is refusing, and a cut would only refuse
+//! more: on the no-op chain at 1.5x its capacity the gate cut to its floor
+//! and the goodput fell from 15,000 to 2,200 a second while the misses went
+//! on. Such intervals neither cut nor raise.
+//!
 //! Recovery after a load spike is asymmetric on purpose. The average rises
 //! with weight 0.25 (about the last half second) but falls with weight 0.5,
 //! a clean interval never cuts, and the raise is proportional to the gap:
@@ -65,6 +76,12 @@ pub const MIN_HEADROOM: f64 = 0.25;
 /// writes the answer), and that grows when the machine is overloaded.
 const MET_SHARE: f64 = 0.95;
 
+/// Outcomes admitted with at most this share of the headroom are "far"
+/// from the limit; the fewest far outcomes that tell whether misses are
+/// the queue's doing.
+const FAR_SHARE: f64 = 0.5;
+const FAR_MIN: u64 = 10;
+
 /// Busy time over which a completion rate is measured, ns.
 const WINDOW_NS: u64 = 20_000_000;
 
@@ -78,6 +95,8 @@ pub struct AdmissionGate {
     interval_start: u64,
     interval_done: u64,
     interval_missed: u64,
+    interval_far_done: u64,
+    interval_far_missed: u64,
     /// Admitted and not finished.
     inflight: u64,
     /// Completions per ns of busy time (EWMA over windows); 0 while unknown.
@@ -98,6 +117,8 @@ impl AdmissionGate {
             interval_start: 0,
             interval_done: 0,
             interval_missed: 0,
+            interval_far_done: 0,
+            interval_far_missed: 0,
             inflight: 0,
             rate: 0.0,
             window_busy: 0,
@@ -124,11 +145,18 @@ impl AdmissionGate {
     /// An admitted request left the pipeline at `now`: answered within its
     /// deadline (`Some(true)`), missed it (`Some(false)`: answered late,
     /// dropped late or timed out), or failed for another reason (`None`).
+    /// Counted as admitted near the limit (see [`Self::on_finish_with`]).
     pub fn on_finish(&mut self, now: u64, met: Option<bool>) {
+        self.on_finish_with(now, met, 1.0);
+    }
+
+    /// As [`Self::on_finish`], for a request whose prediction used `share`
+    /// of its budget at admission ([`Self::decide`]'s `Ok`).
+    pub fn on_finish_with(&mut self, now: u64, met: Option<bool>, share: f64) {
         self.advance(now);
         self.inflight = self.inflight.saturating_sub(1);
         if let Some(met) = met {
-            self.on_outcome(now, met);
+            self.on_outcome(now, met, share);
         }
         self.window_done += 1;
         if self.window_busy >= WINDOW_NS {
@@ -170,12 +198,13 @@ impl AdmissionGate {
     /// deadline? Its predicted time in the pipeline is the larger of the
     /// route's (queues times profiled latency) and the gate's own measured
     /// one (Little's law), and must fit within the headroom share of the
-    /// budget; a request whose route is idle is always admitted. `Err`
-    /// carries the predicted overshoot, ns.
-    pub fn decide(&self, p: crate::Prediction, budget_ns: u64) -> Result<(), u64> {
+    /// budget; a request whose route is idle is always admitted. `Ok`
+    /// carries the share of the budget the prediction uses (for
+    /// [`Self::on_finish_with`]), `Err` the predicted overshoot, ns.
+    pub fn decide(&self, p: crate::Prediction, budget_ns: u64) -> Result<f64, u64> {
         let predicted = p.ns.max(self.sojourn_ns());
         if !p.queued || self.admits(predicted, budget_ns) {
-            Ok(())
+            Ok(if budget_ns == 0 { 1.0 } else { predicted as f64 / budget_ns as f64 })
         } else {
             Err(predicted.saturating_sub((self.headroom * budget_ns as f64) as u64))
         }
@@ -188,23 +217,33 @@ impl AdmissionGate {
 
     /// An admitted request finished at `now`: within its deadline or not
     /// (dropped late and timed out count as not).
-    fn on_outcome(&mut self, now: u64, met: bool) {
+    fn on_outcome(&mut self, now: u64, met: bool, share: f64) {
         self.interval_done += 1;
         self.interval_missed += u64::from(!met);
+        if share <= FAR_SHARE * self.headroom {
+            self.interval_far_done += 1;
+            self.interval_far_missed += u64::from(!met);
+        }
         if now.saturating_sub(self.interval_start) < INTERVAL_NS || self.interval_done < INTERVAL_MIN {
             return;
         }
         let rate = self.interval_missed as f64 / self.interval_done as f64;
         let weight = if rate > self.miss_avg { LEARN } else { FORGET };
         self.miss_avg += weight * (rate - self.miss_avg);
+        let far_rate = self.interval_far_missed as f64 / self.interval_far_done.max(1) as f64;
+        let unexplained = self.interval_far_done >= FAR_MIN && far_rate >= 0.5 * rate;
         if rate > self.target && self.miss_avg > self.target {
-            self.headroom = (self.headroom * (1.0 - DECREASE)).max(MIN_HEADROOM);
+            if !unexplained {
+                self.headroom = (self.headroom * (1.0 - DECREASE)).max(MIN_HEADROOM);
+            }
         } else if self.miss_avg <= self.target / 2.0 {
             self.headroom = (self.headroom + INCREASE.max(RECOVER * (1.0 - self.headroom))).min(1.0);
         }
         self.interval_start = now;
         self.interval_done = 0;
         self.interval_missed = 0;
+        self.interval_far_done = 0;
+        self.interval_far_missed = 0;
     }
 }
 
@@ -234,9 +273,9 @@ mod tests {
     fn decides_on_the_larger_estimate_and_always_admits_an_idle_route() {
         use crate::Prediction;
         let mut g = AdmissionGate::new(0.01);
-        assert_eq!(g.decide(Prediction { ns: 40, queued: true }, 50), Ok(()));
+        assert_eq!(g.decide(Prediction { ns: 40, queued: true }, 50), Ok(0.8));
         assert_eq!(g.decide(Prediction { ns: 60, queued: true }, 50), Err(10));
-        assert_eq!(g.decide(Prediction { ns: 60, queued: false }, 50), Ok(()));
+        assert_eq!(g.decide(Prediction { ns: 60, queued: false }, 50), Ok(1.2));
         // Little's law: 40 in flight, finishing 1 per ms -> ~40 ms, above the route's 10 ms.
         let ms = 1_000_000;
         forty_in_flight_one_per_ms(&mut g);
@@ -360,6 +399,28 @@ mod tests {
         }
         let est = g.sojourn_ns() as f64 / ms as f64;
         assert!(est > 30.0 && est < 50.0, "{est} ms");
+    }
+
+    #[test]
+    fn misses_that_the_queue_does_not_explain_do_not_cut() {
+        // Every interval misses 10%, far from the limit as often as near it.
+        let mut g = AdmissionGate::new(0.01);
+        for k in 1..=20u64 {
+            for i in 0..40u64 {
+                let share = if i % 2 == 0 { 0.1 } else { 0.9 };
+                g.on_finish_with((k * 100 + i) * MS / 10 + (k - 1) * 100 * MS, Some(i % 10 != 0), share);
+            }
+        }
+        assert_eq!(g.headroom(), 1.0, "cutting would refuse more and miss as much");
+        // The same misses, all near the limit: the queue's doing, so it cuts.
+        let mut g = AdmissionGate::new(0.01);
+        for k in 1..=20u64 {
+            for i in 0..40u64 {
+                let (share, met) = if i % 5 == 0 { (0.9, false) } else { (0.1, true) };
+                g.on_finish_with((k * 100 + i) * MS / 10 + (k - 1) * 100 * MS, Some(met), share);
+            }
+        }
+        assert!(g.headroom() < 0.5, "{}", g.headroom());
     }
 
     #[test]

@@ -177,6 +177,8 @@ struct Req {
     sinks_left: usize,
     done: bool,
     measured: bool,
+    /// The share of its budget its prediction used at admission.
+    share: f64,
 }
 
 struct Sim<'a> {
@@ -235,18 +237,22 @@ impl Sim<'_> {
             sinks_left: self.dag.sinks.len(),
             done: false,
             measured,
+            share: 1.0,
         });
         if measured {
             self.res.arrivals += 1;
         }
         if self.cfg.admission {
             let loads: Vec<ReplicaLoad> = route.iter().enumerate().map(|(s, &r)| self.load(s, r)).collect();
-            if self.gate.decide(self.dag.predict(&loads, t), self.cfg.slo_ns).is_err() {
-                self.reqs[id].done = true;
-                if measured {
-                    self.res.refused += 1;
+            match self.gate.decide(self.dag.predict(&loads, t), self.cfg.slo_ns) {
+                Ok(share) => self.reqs[id].share = share,
+                Err(_) => {
+                    self.reqs[id].done = true;
+                    if measured {
+                        self.res.refused += 1;
+                    }
+                    return;
                 }
-                return;
             }
         }
         self.gate.on_admit(self.now);
@@ -257,7 +263,8 @@ impl Sim<'_> {
     fn finished(&mut self, id: usize, end: Option<u64>) {
         let q = &self.reqs[id];
         let met = end.is_some_and(|e| AdmissionGate::counts_as_met(e - q.arrival, q.deadline - q.arrival));
-        self.gate.on_finish(self.now, Some(met));
+        let share = q.share;
+        self.gate.on_finish_with(self.now, Some(met), share);
     }
 
     /// Extra time `work_ns` of CPU work spends preempted under this load's
