@@ -11,7 +11,7 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
-use slipstream_loadgen::{run, run_one, Arrival, BenchConfig};
+use slipstream_loadgen::{run, run_one, Arrival, BenchConfig, RetryConfig, RetryMode};
 
 /// Starts a server on 127.0.0.1:0 in its own thread and runtime; replies
 /// `status` with the request body echoed back. Lives until the test exits.
@@ -30,6 +30,9 @@ fn start_server(status: StatusCode) -> SocketAddr {
                         let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
                         let mut resp = Response::new(Full::new(body));
                         *resp.status_mut() = status;
+                        if status == StatusCode::TOO_MANY_REQUESTS {
+                            resp.headers_mut().insert("x-slipstream-retry-after-ms", "30".parse().unwrap());
+                        }
                         Ok::<_, Infallible>(resp)
                     });
                     let _ =
@@ -82,6 +85,28 @@ fn status_503_is_counted_by_kind() {
     assert_eq!(r.sent, 500);
     assert_eq!(r.errors_by_kind.get("status_503"), Some(&r.sent));
     assert_eq!(r.achieved_rps, 0.0);
+}
+
+#[test]
+fn refused_arrivals_are_retried_as_the_policy_says() {
+    let addr = start_server(StatusCode::TOO_MANY_REQUESTS);
+    let with = |mode, attempts| BenchConfig {
+        arrival: Arrival::Uniform,
+        retry: RetryConfig { mode, attempts, ..RetryConfig::default() },
+        ..config(addr, 200.0)
+    };
+    // At once, up to three sends each: two retries per arrival.
+    let r = run_one(&with(RetryMode::Now, 3), 200.0, &mut |_| {}).unwrap();
+    assert_eq!(r.ok, 0);
+    assert_eq!(r.errors_by_kind.get("status_429"), Some(&r.sent), "one outcome per arrival: {:?}", r.errors_by_kind);
+    assert_eq!(r.retries, 2 * r.sent);
+    // Honouring the 30 ms the server asks for, within a budget of a tenth.
+    let r = run_one(&with(RetryMode::Honor, 3), 200.0, &mut |_| {}).unwrap();
+    assert_eq!(r.errors_by_kind.get("status_429"), Some(&r.sent));
+    assert!(r.retries >= 1 && r.retries <= r.sent / 10 + 40, "{} retries of {} arrivals", r.retries, r.sent);
+    // Retried or not, a refusal's latency is not an OK latency.
+    let r = run_one(&with(RetryMode::None, 3), 200.0, &mut |_| {}).unwrap();
+    assert_eq!(r.retries, 0);
 }
 
 #[test]
