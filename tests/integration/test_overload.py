@@ -40,19 +40,21 @@ def refuse(conn: http.client.HTTPConnection) -> tuple[int, float, str]:
     return r.status, time.monotonic() - t0, r.getheader("x-slipstream-error-kind") or ""
 
 
+def connect(node: Node) -> http.client.HTTPConnection:
+    url = urlparse(node.url)
+    return http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+
+
 def test_a_connection_that_comes_back_early_has_its_refusals_paced() -> None:
     # Ten held refusals answered a second: one slot every 100 ms.
     with Node(str(APPS / "patient.py"), "--refusal-rate", "10") as node:
         busy = busy_replica(node, 4000)
-        url = urlparse(node.url)
-        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
-        tries = [refuse(conn) for _ in range(4)]
+        tries = [refuse(conn) for conn in [connect(node)] for _ in range(4)]
         assert all(s == 429 and kind == "overloaded" for s, _, kind in tries), tries
         # The first in good standing, the second to a free slot, then one slot each.
         assert tries[2][1] >= 0.07 and tries[3][1] >= 0.07, tries
         # Another connection is another client: refused at once.
-        other = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
-        status, took, _ = refuse(other)
+        status, took, _ = refuse(connect(node))
         assert status == 429 and took < tries[2][1], (took, tries)
         held = node.status()["overload"]
         assert held["held_refusals"] >= 2 and held["refusal_rate"] == 10
@@ -63,9 +65,7 @@ def test_a_connection_that_comes_back_early_has_its_refusals_paced() -> None:
 def test_refusals_are_answered_at_once_when_pacing_is_off() -> None:
     with Node(str(APPS / "patient.py"), "--refusal-rate", "0") as node:
         busy = busy_replica(node, 3000)
-        url = urlparse(node.url)
-        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
-        tries = [refuse(conn) for _ in range(4)]
+        tries = [refuse(conn) for conn in [connect(node)] for _ in range(4)]
         assert all(s == 429 for s, _, _ in tries), tries
         assert node.status()["overload"]["held_refusals"] == 0
         busy.join(10)
