@@ -404,7 +404,9 @@ def test_perf_analyzer_runs_unchanged_over_both_protocols(node: Node) -> None:
         pytest.skip("perf_analyzer is not installed (scripts/install_perf_analyzer.sh)")
     addr = node.url.removeprefix("http://")
     for protocol in ("http", "grpc"):
+        # The figures are the benchmark's business: windows on a busy CI
+        # machine need not agree within perf_analyzer's 10% for this check.
         row = harness.perf_analyzer(addr, "chain", protocol=protocol, shapes=["x:1,2"], concurrency=2,
-                                    interval_ms=500)
+                                    interval_ms=500, stability_percent=100)
         assert row["concurrency"] == 2 and row["rps"] > 50, (protocol, row)
         assert row["server_compute_infer_ms"] > 0 and row["server_queue_ms"] >= 0, (protocol, row)

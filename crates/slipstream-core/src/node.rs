@@ -20,6 +20,7 @@ use crate::pipeline::{PipelineRt, Ticket};
 use crate::replica::{Job, Phase, Replica};
 use crate::request::{Admitted, Chunks, Reply, Request};
 use parking_lot::Mutex;
+use slipstream_sched::Priority;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, OnceLock};
@@ -94,12 +95,14 @@ pub struct Arrival {
     pub at: Instant,
     /// The budget it asked for (the SLO's target bounds it).
     pub budget: Option<Duration>,
+    /// Its class for admission (`x-slipstream-priority`).
+    pub priority: Priority,
 }
 
 impl Arrival {
     /// A request arriving now.
     pub fn now(budget: Option<Duration>) -> Arrival {
-        Arrival { at: Instant::now(), budget }
+        Arrival { at: Instant::now(), budget, priority: Priority::Normal }
     }
 }
 
@@ -359,7 +362,7 @@ impl Node {
         if !self.admission {
             return Ok(Ok(ticket));
         }
-        match pipe.admit(&ticket) {
+        match pipe.admit(&ticket, arrival.priority) {
             Ok(share) => {
                 ticket.share = share;
                 Ok(Ok(ticket))

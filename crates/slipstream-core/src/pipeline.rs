@@ -22,7 +22,9 @@ use crate::replica::{Job, Phase, RemoteAt, Replica};
 use crate::spec::{AppSpec, PipelineSpec, SpecError, StageSpec};
 use parking_lot::{Mutex, RwLock};
 use serde_json::{json, Value};
-use slipstream_sched::{choose_replica, AdmissionGate, BatchFormer, BatchPolicy, Dag, LatencyProfile, ReplicaLoad};
+use slipstream_sched::{
+    choose_replica, AdmissionGate, BatchFormer, BatchPolicy, Dag, LatencyProfile, Priority, ReplicaLoad,
+};
 use slipstream_shm::Pool;
 use slipstream_types::TensorSpec;
 use std::collections::BTreeMap;
@@ -652,7 +654,7 @@ impl PipelineRt {
     /// finish by its deadline? (See [`AdmissionGate::decide`].) Err carries
     /// the predicted overshoot; Ok, the share of the budget the prediction
     /// uses.
-    pub(crate) fn admit(&self, t: &Ticket) -> Result<f64, Duration> {
+    pub(crate) fn admit(&self, t: &Ticket, class: Priority) -> Result<f64, Duration> {
         let now = self.now_ns();
         let mut loads: Vec<ReplicaLoad> = t.route.iter().map(|r| r.load()).collect();
         for join in self.joins.iter().filter(|j| j.policy.timing() == JoinTiming::Fastest) {
@@ -667,7 +669,7 @@ impl PipelineRt {
         }
         let prediction = self.dag.predict(&loads, now);
         let budget = self.ns_at(t.deadline).saturating_sub(now);
-        self.gate.lock().decide(prediction, budget).map_err(Duration::from_nanos)
+        self.gate.lock().decide_for(prediction, budget, class).map_err(Duration::from_nanos)
     }
 
     /// Route the stages that declare affinity to the replica holding the

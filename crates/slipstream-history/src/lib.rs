@@ -131,6 +131,10 @@ struct After {
     /// Send the replica events after this seq (that of sample `since`, when
     /// still kept; 0 otherwise: all events kept).
     events_after: u64,
+    /// ... up to this one, the newest sample's: an event newer than the
+    /// newest sample goes out with the next one, so that a reader that
+    /// asks from this sample on is not sent it twice.
+    events_upto: u64,
     /// The newest sample's seq (0 before the first).
     newest: u64,
     /// `samples` is everything kept: the reader replaces what it has.
@@ -163,6 +167,7 @@ impl History {
         After {
             samples: ring.iter().filter(|s| s.seq > since).cloned().collect(),
             events_after,
+            events_upto: ring.back().map_or(u64::MAX, |s| s.events_seq),
             newest,
             reset: since == 0,
         }
@@ -173,7 +178,8 @@ impl History {
     /// them (pipelines, stages, SLOs, which error kinds map to which status).
     pub fn since(&self, node: &Node, since: u64) -> Value {
         let a = self.after(since);
-        let events: Vec<Event> = node.events().recent().into_iter().filter(|e| e.seq > a.events_after).collect();
+        let events: Vec<Event> =
+            node.events().recent().into_iter().filter(|e| e.seq > a.events_after && e.seq <= a.events_upto).collect();
         let samples: Vec<&Sample> = a.samples.iter().map(|s| &**s).collect();
         json!({
             "seq": a.newest,
@@ -498,6 +504,10 @@ mod tests {
             [KEEP as u64 + 3, KEEP as u64 + 4, KEEP as u64 + 5]
         );
         assert_eq!((tail.events_after, tail.reset), ((KEEP as u64 + 2) / 10, false));
+        // Events up to the newest sample's: a later one comes with the next
+        // sample, not now and again then.
+        assert_eq!((all.events_upto, tail.events_upto), ((KEEP as u64 + 5) / 10, (KEEP as u64 + 5) / 10));
+        assert_eq!(History::default().after(0).events_upto, u64::MAX, "no sample yet: every event");
         assert!(h.after(KEEP as u64 + 5).samples.is_empty());
         // A reader that saw a later seq (another node, or this one before a
         // restart) gets everything, marked as a reset.

@@ -40,7 +40,9 @@
 
 use crate::app::App;
 use crate::pacing::{ConnMemory, RefusalPacer};
-use crate::respond::{deadline_budget, DEADLINE_HEADER, ERROR_KIND_HEADER, RETRY_AFTER_MS_HEADER};
+use crate::respond::{
+    deadline_budget, priority_of, DEADLINE_HEADER, ERROR_KIND_HEADER, PRIORITY_HEADER, RETRY_AFTER_MS_HEADER,
+};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::Watcher;
 use hyper_util::service::TowerToHyperService;
@@ -121,8 +123,9 @@ pub(crate) fn status_of(e: &NodeError) -> Status {
     Status::with_metadata(code_of(e), e.to_string(), md)
 }
 
-/// When the call arrived and the budget it asked for: the tighter of its
-/// `grpc-timeout` (the client's deadline) and `x-slipstream-deadline-ms`.
+/// When the call arrived, the budget it asked for (the tighter of its
+/// `grpc-timeout`, the client's deadline, and `x-slipstream-deadline-ms`)
+/// and its class (`x-slipstream-priority`).
 fn arrival_of(md: &MetadataMap) -> Result<Arrival, NodeError> {
     let at = Instant::now();
     let timeout = call_timeout(md)?;
@@ -131,7 +134,7 @@ fn arrival_of(md: &MetadataMap) -> Result<Arrival, NodeError> {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
     };
-    Ok(Arrival { at, budget })
+    Ok(Arrival { at, budget, priority: priority_of(md.get(PRIORITY_HEADER).map(|v| v.as_encoded_bytes()))? })
 }
 
 fn call_timeout(md: &MetadataMap) -> Result<Option<Duration>, NodeError> {
@@ -372,6 +375,8 @@ impl GrpcInferenceService for InferenceService {
         let call_deadline = call_timeout(req.metadata()).map_err(|e| status_of(&e))?.map(|t| Instant::now() + t);
         let each = deadline_budget(req.metadata().get(DEADLINE_HEADER).map(|v| v.as_encoded_bytes()))
             .map_err(|e| status_of(&e))?;
+        let priority = priority_of(req.metadata().get(PRIORITY_HEADER).map(|v| v.as_encoded_bytes()))
+            .map_err(|e| status_of(&e))?;
         let mut inbound = req.into_inner();
         let (tx, rx) = mpsc::channel(64);
         let node = self.node.clone();
@@ -391,7 +396,7 @@ impl GrpcInferenceService for InferenceService {
                                 (a, b) => a.or(b),
                             };
                             let (node, out) = (node.clone(), tx.clone());
-                            running.spawn(async move { stream_answer(&node, r, Arrival { at, budget }, out).await });
+                            running.spawn(async move { stream_answer(&node, r, Arrival { at, budget, priority }, out).await });
                         }
                         Ok(None) => open = false,
                         // A message that could not be decoded (too large,

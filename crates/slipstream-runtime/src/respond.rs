@@ -17,6 +17,7 @@ use hyper::{Response, StatusCode};
 use serde_json::{json, Value};
 use slipstream_core::codec::BodyParts;
 use slipstream_core::{Arrival, NodeError};
+use slipstream_sched::Priority;
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -154,10 +155,25 @@ pub(crate) async fn read_chunks(req: hyper::Request<Incoming>, limit: usize) -> 
 /// Header by which a client asks for a deadline tighter than the SLO, in ms from arrival.
 pub(crate) const DEADLINE_HEADER: &str = "x-slipstream-deadline-ms";
 
-/// When an HTTP request arrived and the budget it asked for.
+/// Header by which a client gives its request's class for admission:
+/// `high`, `normal` (the default) or `low` (shed first under overload).
+pub(crate) const PRIORITY_HEADER: &str = "x-slipstream-priority";
+
+/// When an HTTP request arrived, the budget it asked for and its class.
 pub(crate) fn arrival_of(req: &hyper::Request<Incoming>) -> Result<Arrival, NodeError> {
     let budget = deadline_budget(req.headers().get(DEADLINE_HEADER).map(|v| v.as_bytes()))?;
-    Ok(Arrival { at: Instant::now(), budget })
+    let priority = priority_of(req.headers().get(PRIORITY_HEADER).map(|v| v.as_bytes()))?;
+    Ok(Arrival { at: Instant::now(), budget, priority })
+}
+
+/// The class a request gives in [`PRIORITY_HEADER`] (an HTTP header, or
+/// gRPC metadata of the same name); `normal` when it gives none.
+pub(crate) fn priority_of(value: Option<&[u8]>) -> Result<Priority, NodeError> {
+    let Some(v) = value else { return Ok(Priority::Normal) };
+    std::str::from_utf8(v)
+        .ok()
+        .and_then(Priority::parse)
+        .ok_or_else(|| NodeError::BadRequest(format!("{PRIORITY_HEADER} must be high, normal or low")))
 }
 
 /// The budget a request asks for in [`DEADLINE_HEADER`] (an HTTP header, or

@@ -52,6 +52,13 @@
 //! node; this estimate sees it, because it is measured. Admission uses the
 //! larger of the two.
 //!
+//! Priority classes (DAGOR's business priority, as a request header): under
+//! overload the low class is shed first. A `Low` request must fit within
+//! half the headroom, a `High` one within the headroom raised halfway to
+//! 1, a `Normal` one within the headroom itself. Admission is decided once,
+//! at ingress, for the whole DAG (stages on other nodes do not admit
+//! again), so a request's class is honoured consistently along its graph.
+//!
 //! Pure logic: the caller reports admissions and outcomes, with its clock.
 
 /// Fraction of `h` cut after an interval with too many misses.
@@ -81,6 +88,37 @@ const MET_SHARE: f64 = 0.95;
 /// the queue's doing.
 const FAR_SHARE: f64 = 0.5;
 const FAR_MIN: u64 = 10;
+
+/// A request's class for admission (see the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Priority {
+    High,
+    #[default]
+    Normal,
+    Low,
+}
+
+impl Priority {
+    /// From its name (`high`, `normal`, `low`), as requests give it.
+    pub fn parse(name: &str) -> Option<Priority> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "high" => Some(Priority::High),
+            "normal" => Some(Priority::Normal),
+            "low" => Some(Priority::Low),
+            _ => None,
+        }
+    }
+
+    /// The share of the budget a request of this class may be predicted
+    /// to use, given the gate's headroom `h`.
+    fn headroom(self, h: f64) -> f64 {
+        match self {
+            Priority::High => h + (1.0 - h) / 2.0,
+            Priority::Normal => h,
+            Priority::Low => h / 2.0,
+        }
+    }
+}
 
 /// Busy time over which a completion rate is measured, ns.
 const WINDOW_NS: u64 = 20_000_000;
@@ -202,11 +240,17 @@ impl AdmissionGate {
     /// carries the share of the budget the prediction uses (for
     /// [`Self::on_finish_with`]), `Err` the predicted overshoot, ns.
     pub fn decide(&self, p: crate::Prediction, budget_ns: u64) -> Result<f64, u64> {
+        self.decide_for(p, budget_ns, Priority::Normal)
+    }
+
+    /// [`Self::decide`] for a request of class `class`.
+    pub fn decide_for(&self, p: crate::Prediction, budget_ns: u64, class: Priority) -> Result<f64, u64> {
         let predicted = p.ns.max(self.sojourn_ns());
-        if !p.queued || self.admits(predicted, budget_ns) {
+        let limit = class.headroom(self.headroom) * budget_ns as f64;
+        if !p.queued || predicted as f64 <= limit {
             Ok(if budget_ns == 0 { 1.0 } else { predicted as f64 / budget_ns as f64 })
         } else {
-            Err(predicted.saturating_sub((self.headroom * budget_ns as f64) as u64))
+            Err(predicted.saturating_sub(limit as u64))
         }
     }
 
@@ -421,6 +465,35 @@ mod tests {
             }
         }
         assert!(g.headroom() < 0.5, "{}", g.headroom());
+    }
+
+    #[test]
+    fn the_low_class_is_shed_first_and_the_high_class_last() {
+        use crate::Prediction;
+        let mut g = AdmissionGate::new(0.01);
+        let p = |ns| Prediction { ns, queued: true };
+        assert_eq!(g.decide_for(p(40), 100, Priority::Low), Ok(0.4));
+        assert!(g.decide_for(p(51), 100, Priority::Low).is_err());
+        assert!(g.decide_for(p(100), 100, Priority::Normal).is_ok());
+        // Cut the headroom to 0.6 (interval after interval of misses near the limit).
+        for k in 1..=3u64 {
+            for i in 0..40u64 {
+                g.on_finish_with((k * 100 + i) * MS / 10 + (k - 1) * 100 * MS, Some(i % 4 != 0), 0.9);
+            }
+        }
+        let h = g.headroom();
+        assert!(h < 0.9, "{h}");
+        let at = |share: f64| p((share * 100.0) as u64);
+        assert!(g.decide_for(at(h * 0.9), 100, Priority::Normal).is_ok());
+        assert!(g.decide_for(at(h * 0.9), 100, Priority::Low).is_err());
+        assert!(g.decide_for(at(h * 1.05), 100, Priority::Normal).is_err());
+        assert!(g.decide_for(at(h * 1.05), 100, Priority::High).is_ok());
+        assert!(
+            g.decide_for(Prediction { ns: 500, queued: false }, 100, Priority::Low).is_ok(),
+            "an idle route admits"
+        );
+        assert_eq!(Priority::parse(" LOW "), Some(Priority::Low));
+        assert_eq!(Priority::parse("urgent"), None);
     }
 
     #[test]

@@ -35,7 +35,7 @@ mod router;
 pub mod scale;
 mod sim;
 
-pub use admission::{AdmissionGate, MIN_HEADROOM};
+pub use admission::{AdmissionGate, Priority, MIN_HEADROOM};
 pub use former::{take_batch, BatchDecision, BatchFormer, BatchPolicy, Taken};
 pub use predict::{Dag, Prediction, ReplicaLoad};
 pub use profile::LatencyProfile;

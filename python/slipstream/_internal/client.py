@@ -73,6 +73,8 @@ from slipstream._internal.varlen import decode_var, encode_var, var_kind
 
 DEFAULT_URL = os.environ.get("SLIPSTREAM_URL", "http://127.0.0.1:8000")
 DEADLINE_HEADER = "x-slipstream-deadline-ms"
+PRIORITY_HEADER = "x-slipstream-priority"
+PRIORITIES = ("high", "normal", "low")
 FALLBACK_HEADER = "x-slipstream-fallback"
 REQUEST_ID_HEADER = "x-slipstream-request-id"
 
@@ -315,13 +317,17 @@ class _Base:
         self._refreshed: set[str] = set()
 
     def _infer_parts(self, pipeline: str, inputs: Mapping[str, Any], outputs: Sequence[str] | None,
-                     deadline_ms: float | None, timeout: float | None
+                     deadline_ms: float | None, timeout: float | None, priority: str | None = None
                      ) -> tuple[str, dict[str, str], list[bytes | memoryview], float]:
+        if priority is not None and priority not in PRIORITIES:
+            raise BadRequest(f"priority is one of {', '.join(PRIORITIES)}, got {priority!r}", status=None)
         head, parts = encode_request(inputs, outputs, _declared_inputs(self._desc.get(pipeline)))
         headers = {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(head))}
         d = _deadline(deadline_ms, timeout)
         if d is not None:
             headers[DEADLINE_HEADER] = f"{d:.3f}"
+        if priority is not None:
+            headers[PRIORITY_HEADER] = priority
         path = f"/v2/models/{urllib.parse.quote(pipeline, safe='')}/infer"
         return path, headers, [head, *parts], _socket_wait(d, self.timeout)
 
@@ -561,7 +567,7 @@ class Client(_Base):
 
     def infer(self, pipeline: str, inputs: Mapping[str, Any], *, deadline_ms: float | None = None,
               timeout: float | None = None, outputs: Sequence[str] | None = None,
-              as_torch: bool = False) -> Outputs:
+              as_torch: bool = False, priority: str | None = None) -> Outputs:
         """Run ``inputs`` (name -> numpy array, list, str/bytes array or torch
         tensor; first dimension: rows) through ``pipeline``; returns its
         outputs (name -> numpy array, or torch tensor with ``as_torch``).
@@ -569,12 +575,14 @@ class Client(_Base):
         ``deadline_ms`` / ``timeout`` (seconds): the request's deadline on
         the node, if tighter than the pipeline's SLO (the tighter of the two
         when both are given); past it, ``DeadlineExceeded``. ``outputs``:
-        only these outputs. Raises the ``slipstream.RequestError`` subclass
-        of the node's error kind."""
+        only these outputs. ``priority``: ``"high"``, ``"normal"`` (the
+        node's default) or ``"low"``, the request's class for admission:
+        under overload the low class is refused first. Raises the
+        ``slipstream.RequestError`` subclass of the node's error kind."""
         if pipeline not in self._desc and _needs_declared(inputs):
             self.metadata(pipeline)
         d, ends = self._call_began(deadline_ms, timeout)
-        path, headers, parts, wait = self._infer_parts(pipeline, inputs, outputs, d, None)
+        path, headers, parts, wait = self._infer_parts(pipeline, inputs, outputs, d, None, priority)
         attempt = 0
         while True:
             try:
@@ -689,14 +697,14 @@ class AsyncClient(_Base):
 
     async def infer(self, pipeline: str, inputs: Mapping[str, Any], *, deadline_ms: float | None = None,
                     timeout: float | None = None, outputs: Sequence[str] | None = None,
-                    as_torch: bool = False) -> Outputs:
+                    as_torch: bool = False, priority: str | None = None) -> Outputs:
         """As ``Client.infer``. The numpy outputs are read-only views over the
         answer's bytes (``as_torch`` copies the body once to give torch
         writable memory)."""
         if pipeline not in self._desc and _needs_declared(inputs):
             await self.metadata(pipeline)
         d, ends = self._call_began(deadline_ms, timeout)
-        path, headers, parts, wait = self._infer_parts(pipeline, inputs, outputs, d, None)
+        path, headers, parts, wait = self._infer_parts(pipeline, inputs, outputs, d, None, priority)
         attempt = 0
         while True:
             try:
