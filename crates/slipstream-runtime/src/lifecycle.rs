@@ -419,8 +419,16 @@ pub async fn run(
     }
     let _ = tokio::time::timeout(Duration::from_secs(5), graceful.shutdown()).await;
     let _ = stop_tx.send(true);
+    // One deadline for all the replica tasks, not ten seconds each: a
+    // remote replica's task can wait on the data plane, which closes only
+    // below, and three of them held a cluster node's exit past the 30 s
+    // its supervisor waits. What has not ended by then is aborted.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     for t in node.take_tasks() {
-        let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+        let abort = t.abort_handle();
+        if tokio::time::timeout_at(deadline, t).await.is_err() {
+            abort.abort();
+        }
     }
     drop(joined); // the data plane served other nodes' work until now
     arena.unlink_all();
