@@ -7,11 +7,10 @@
 //! only helps clients that read it, so the edge remembers, per connection,
 //! until when it told the client to wait. A refusal on a connection in good
 //! standing (the first, or one after the client waited as told, and at
-//! least 20 ms) is answered at once; a refusal on a
-//! connection that came back early is *held*: its
-//! answer waits for a slot of a node-wide refusal rate
-//! ([`RefusalPacer`], a GCRA schedule: one slot every `1/rate` s, a
-//! connection waits at most `max_hold`). Holding costs a parked future, not
+//! least 20 ms) is answered at once; a refusal on a connection that came
+//! back early is *held*: its answer waits for a slot of a node-wide refusal
+//! rate ([`RefusalPacer`], a GCRA schedule: one slot every `1/rate` s, a
+//! connection waits at most [`MAX_HOLD`]). Holding costs a parked future, not
 //! CPU, and it turns a client that ignores `Retry-After` into one that waits
 //! anyway: the population that ignores it is paced to the refusal rate
 //! however large it is, and the CPU goes to the requests that are admitted.
@@ -38,7 +37,7 @@ pub(crate) const MAX_HOLD: Duration = Duration::from_secs(1);
 /// other users' requests on the connection stays in good standing (at
 /// 250 ms, a pool offered 4x an off-CPU pipeline's capacity, honouring
 /// `Retry-After`, was held behind its own connections and kept 39% of the
-/// peak goodput; at 20 ms, 88-92%).
+/// peak goodput; at 20 ms, 94%: bench/results/overload.md).
 const MEMORY: Duration = Duration::from_millis(20);
 
 /// The node-wide schedule of held refusals, and its counts.
@@ -56,8 +55,8 @@ pub(crate) struct RefusalPacer {
     held_ns: AtomicU64,
 }
 
-/// What one connection was told: answer at once until `told_until` (ns
-/// since the pacer's epoch), which a refusal moves forward.
+/// What one connection was told: a refusal before `told_until_ns` (ns since
+/// the pacer's epoch) came back early and is held; each refusal moves it.
 #[derive(Debug, Default)]
 pub(crate) struct ConnMemory {
     told_until_ns: AtomicU64,
