@@ -261,7 +261,7 @@ async fn serve_connection(sh: &Arc<Shared>) {
         let done_at = Instant::now();
         let (outcome, keep) = match res {
             Ok(Ok(reply)) if (200..300).contains(&reply.status) => (Ok(()), reply.keep_alive),
-            Ok(Ok(reply)) if sh.retrier.enabled() && sh.retry(&job, &reply, done_at) => {
+            Ok(Ok(reply)) if sh.retry(&job, &reply, done_at) => {
                 if !reply.keep_alive {
                     return;
                 }

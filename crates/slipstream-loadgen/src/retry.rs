@@ -92,10 +92,6 @@ impl Retrier {
         Retrier { cfg, tokens, rng: AtomicU64::new(seed | 1) }
     }
 
-    pub(crate) fn enabled(&self) -> bool {
-        self.cfg.mode != RetryMode::None
-    }
-
     /// A first attempt was sent: it earns the budget its share.
     pub(crate) fn on_first_attempt(&self) {
         if self.cfg.mode == RetryMode::Honor {

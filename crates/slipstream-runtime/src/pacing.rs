@@ -44,10 +44,8 @@ const MEMORY: Duration = Duration::from_millis(20);
 #[derive(Debug)]
 pub(crate) struct RefusalPacer {
     epoch: Instant,
-    /// Held refusals answered a second, as configured.
+    /// Held refusals answered a second (0: never hold).
     rate: u32,
-    /// Time between two held refusals' answers, ns (0: never hold).
-    interval_ns: u64,
     max_hold_ns: u64,
     /// When the next held refusal may be answered, ns since `epoch`.
     next_ns: Mutex<u64>,
@@ -68,7 +66,6 @@ impl RefusalPacer {
         RefusalPacer {
             epoch: Instant::now(),
             rate,
-            interval_ns: if rate == 0 { 0 } else { 1_000_000_000 / u64::from(rate) },
             max_hold_ns: max_hold.as_nanos() as u64,
             next_ns: Mutex::new(0),
             held: AtomicU64::new(0),
@@ -105,12 +102,10 @@ impl RefusalPacer {
 
     /// The next slot of the held refusals' schedule, as a wait from `now`.
     fn slot(&self, now: u64) -> u64 {
-        if self.interval_ns == 0 {
-            return 0;
-        }
+        let Some(interval_ns) = 1_000_000_000u64.checked_div(u64::from(self.rate)) else { return 0 };
         let mut next = self.next_ns.lock();
         let at = (*next).max(now).min(now + self.max_hold_ns);
-        *next = at + self.interval_ns;
+        *next = at + interval_ns;
         at - now
     }
 

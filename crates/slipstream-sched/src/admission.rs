@@ -225,10 +225,16 @@ impl AdmissionGate {
         self.headroom
     }
 
-    /// Admit a request predicted to finish `predicted_ns` from now with
-    /// `budget_ns` left before its deadline?
+    /// Admit a (normal) request predicted to finish `predicted_ns` from now
+    /// with `budget_ns` left before its deadline?
     pub fn admits(&self, predicted_ns: u64, budget_ns: u64) -> bool {
-        predicted_ns as f64 <= self.headroom * budget_ns as f64
+        predicted_ns as f64 <= self.limit(budget_ns, Priority::Normal)
+    }
+
+    /// How much of `budget_ns` a request of class `class` may be predicted
+    /// to take, ns.
+    fn limit(&self, budget_ns: u64, class: Priority) -> f64 {
+        class.headroom(self.headroom) * budget_ns as f64
     }
 
     /// The admission step, shared by the node and the simulator: admit a
@@ -246,7 +252,7 @@ impl AdmissionGate {
     /// [`Self::decide`] for a request of class `class`.
     pub fn decide_for(&self, p: crate::Prediction, budget_ns: u64, class: Priority) -> Result<f64, u64> {
         let predicted = p.ns.max(self.sojourn_ns());
-        let limit = class.headroom(self.headroom) * budget_ns as f64;
+        let limit = self.limit(budget_ns, class);
         if !p.queued || predicted as f64 <= limit {
             Ok(if budget_ns == 0 { 1.0 } else { predicted as f64 / budget_ns as f64 })
         } else {
