@@ -13,15 +13,18 @@ X = {"x": ss.Tensor("float32", (-1, 1))}
 @ss.component(inputs=X)
 class Wait:
     """Waits x ms per batch without holding the worker (a remote call, say);
-    fails the batch on x == 13. One batch at a time, so overlapping is
+    fails the batch on x == 13; says when its wait began and ended (the
+worker's monotonic clock). One batch at a time, so overlapping is
     the worker's doing, not batching's."""
 
     async def __call__(self, batch: ss.Batch) -> dict:
         x = batch["x"]
         if (x == 13).any():
             raise ValueError("13 is unlucky")
+        began = time.monotonic()
         await asyncio.sleep(float(x[0, 0]) / 1000.0)
-        return {"x": x, "pid": np.full((batch.rows, 1), os.getpid(), dtype=np.int64)}
+        span = np.full((batch.rows, 2), (began, time.monotonic()), dtype=np.float64)
+        return {"x": x, "pid": np.full((batch.rows, 1), os.getpid(), dtype=np.int64), "span": span}
 
 
 @ss.component(inputs=X)
@@ -36,7 +39,7 @@ class Block:
 @ss.component(max_batch_size=8)
 class Plus:
     def __call__(self, batch: ss.Batch) -> dict:
-        return {"y": batch["x"] + 1, "pid": batch["pid"]}
+        return {"y": batch["x"] + 1, "pid": batch["pid"], "span": batch["span"]}
 
 
 waiting = ss.Pipeline("waiting", Wait >> Plus, inputs=X)

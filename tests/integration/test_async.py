@@ -32,8 +32,14 @@ def test_async_batches_overlap_on_one_worker(node) -> None:  # type: ignore[no-u
     n, ms = 16, 200.0
     took, outs = _burst(client, "waiting", n, ms)
     # One replica, one request per batch: run one by one this would take
-    # n x 200 ms = 3.2 s; overlapped it takes about one wait.
-    assert took < 4 * ms / 1000, f"{n} waits of {ms} ms took {took:.2f} s"
+    # n x 200 ms = 3.2 s. The waits themselves, timed in the worker, say
+    # whether they overlapped (a loaded machine may spread the arrivals,
+    # but not serialise them: run one by one, at most one is in flight);
+    # the wall clock is a loose second check.
+    spans = sorted((float(o["span"][0, 0]), float(o["span"][0, 1])) for o in outs)
+    most = max(sum(1 for b, e in spans if b <= t < e) for t, _ in spans)
+    assert most >= 2, f"at most {most} of {n} waits were in flight at once: {spans}"
+    assert took < n * ms / 1000 / 2, f"{n} waits of {ms} ms took {took:.2f} s"
     assert all(float(o["y"][0, 0]) == ms + 1 for o in outs)
     assert len({int(o["pid"][0, 0]) for o in outs}) == 1  # one worker did them all
     status = client.status()
