@@ -105,6 +105,21 @@ def test_wrong_row_count_or_type_raises_and_frees(pools: Pools) -> None:
         run_batch(Mixed(), pools, msg)
 
 
+def test_outputs_in_another_byte_order_are_served_in_the_machines(pools: Pools) -> None:
+    x = np.ones((2, 2), dtype=np.float32)
+    msg = {"id": 4, "rows": [2], "inputs": {"x": put_input(pools, x)}}
+    foreign = ">" if np.little_endian else "<"
+
+    class Swapped:
+        def __call__(self, batch):  # type: ignore[no-untyped-def]
+            return {"y": np.array([[1.5], [-2.0]], dtype=f"{foreign}f4"), "n": np.array([7, 8], dtype=f"{foreign}i8")}
+
+    reply = run_batch(Swapped(), pools, msg)
+    assert reply["outputs"]["y"]["dtype"] == "float32" and reply["outputs"]["n"]["dtype"] == "int64"
+    np.testing.assert_array_equal(pools.array(reply["outputs"]["y"]), [[1.5], [-2.0]])
+    np.testing.assert_array_equal(pools.array(reply["outputs"]["n"]), [7, 8])
+
+
 def test_protocol_round_trip() -> None:
     msgs = [{"op": "ready", "pid": 1}, {"op": "batch", "id": 2, "rows": [1], "inputs": {}}]
     stream = io.BytesIO(b"".join(protocol.encode(m) for m in msgs))

