@@ -15,6 +15,10 @@
 //! (`concurrency` > 1): its connection is split, and a reader task hands
 //! its frames over a channel, so that waiting for them can be raced
 //! against new work without losing a half-read frame.
+//!
+//! The node reads a worker's frames through a buffer: a frame is a length
+//! and a body, and reading them unbuffered took a `recv` each (and a third
+//! that found nothing yet), for every batch.
 
 use crate::arena::{request_rows, Arena, CopyCounters, TensorRef, Tensors};
 use crate::drive::{
@@ -31,6 +35,7 @@ use std::path::PathBuf;
 use std::process::ExitStatus;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, BufReader};
 use tokio::net::unix::OwnedWriteHalf;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::process::{Child, Command};
@@ -70,7 +75,7 @@ impl Launcher for WorkerLauncher {
 /// split, with a reader task, while it runs several.
 enum Conn {
     Whole {
-        conn: UnixStream,
+        conn: BufReader<UnixStream>,
         buf: Vec<u8>,
     },
     Split {
@@ -131,7 +136,7 @@ impl Worker {
         let deadline = tokio::time::Instant::now() + launch.start_timeout;
         let mut conn = tokio::select! {
             r = tokio::time::timeout_at(deadline, listener.accept()) => match r {
-                Ok(Ok((conn, _))) => conn,
+                Ok(Ok((conn, _))) => BufReader::new(conn),
                 Ok(Err(e)) => return Err(format!("accept failed: {e}")),
                 Err(_) => return Err(format!("worker did not connect within {:?}", launch.start_timeout)),
             },
@@ -192,7 +197,10 @@ impl Worker {
         let Worker { child, conn } = self;
         let conn = match conn {
             Conn::Whole { conn, mut buf } => {
-                let (mut rd, wr) = conn.into_split();
+                // What the buffer holds already is read first.
+                let held = std::io::Cursor::new(conn.buffer().to_vec());
+                let (rd, wr) = conn.into_inner().into_split();
+                let mut rd = held.chain(BufReader::new(rd));
                 let (tx, rx) = mpsc::unbounded_channel();
                 let reader = tokio::spawn(async move {
                     loop {

@@ -41,8 +41,10 @@ pub enum OutputOrigin {
     Borrowed,
 }
 
-/// One output tensor of a batch.
+/// One output tensor of a batch. (Read through [`wire::OutputFields`]:
+/// serde's `flatten` buffers every field first.)
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(from = "wire::OutputFields")]
 pub struct OutputDesc {
     #[serde(flatten)]
     pub desc: TensorDesc,
@@ -50,9 +52,12 @@ pub struct OutputDesc {
     pub origin: OutputOrigin,
 }
 
-/// Worker -> node.
+/// Worker -> node. (Read through [`wire::FromWorkerFields`]: an
+/// internally tagged enum buffers the whole message before it looks at
+/// the tag, which made reading a worker's reply the node's largest cost
+/// per batch after the socket itself.)
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "op", rename_all = "snake_case")]
+#[serde(tag = "op", rename_all = "snake_case", try_from = "wire::FromWorkerFields")]
 pub enum FromWorker {
     /// The component is constructed and the worker serves batches.
     Ready { pid: u32 },
@@ -75,6 +80,84 @@ pub enum FromWorker {
     Error { id: u64, kind: String, message: String },
     /// The worker cannot start (import error, constructor raised, bad config).
     Fatal { message: String },
+}
+
+/// The flat shapes worker messages are read through, in one pass.
+pub mod wire {
+    use super::{FromWorker, OutputDesc, OutputOrigin};
+    use serde::Deserialize;
+    use slipstream_types::{DType, TensorDesc};
+    use std::collections::BTreeMap;
+
+    /// An [`OutputDesc`] as written: the descriptor's fields and the origin.
+    #[derive(Deserialize)]
+    pub struct OutputFields {
+        pool: u32,
+        offset: u64,
+        nbytes: u64,
+        dtype: DType,
+        shape: Vec<u64>,
+        #[serde(default)]
+        origin: OutputOrigin,
+    }
+
+    impl From<OutputFields> for OutputDesc {
+        fn from(f: OutputFields) -> OutputDesc {
+            let desc = TensorDesc { pool: f.pool, offset: f.offset, nbytes: f.nbytes, dtype: f.dtype, shape: f.shape };
+            OutputDesc { desc, origin: f.origin }
+        }
+    }
+
+    #[derive(Clone, Copy, Debug, Deserialize)]
+    #[serde(rename_all = "snake_case")]
+    enum Op {
+        Ready,
+        Result,
+        Chunk,
+        Error,
+        Fatal,
+    }
+
+    /// Every field any [`FromWorker`] message has; `op` says which must be there.
+    #[derive(Deserialize)]
+    pub struct FromWorkerFields {
+        op: Op,
+        pid: Option<u32>,
+        id: Option<u64>,
+        outputs: Option<BTreeMap<String, OutputDesc>>,
+        compute_us: Option<u64>,
+        #[serde(default)]
+        versions: BTreeMap<String, u64>,
+        kind: Option<String>,
+        message: Option<String>,
+    }
+
+    impl TryFrom<FromWorkerFields> for FromWorker {
+        type Error = String;
+
+        fn try_from(f: FromWorkerFields) -> Result<FromWorker, String> {
+            fn need<T>(v: Option<T>, op: Op, field: &str) -> Result<T, String> {
+                v.ok_or_else(|| format!("missing field `{field}` in a `{op:?}` message"))
+            }
+            let op = f.op;
+            Ok(match op {
+                Op::Ready => FromWorker::Ready { pid: need(f.pid, op, "pid")? },
+                Op::Result => FromWorker::Result {
+                    id: need(f.id, op, "id")?,
+                    outputs: need(f.outputs, op, "outputs")?,
+                    compute_us: need(f.compute_us, op, "compute_us")?,
+                    versions: f.versions,
+                },
+                Op::Chunk => FromWorker::Chunk { id: need(f.id, op, "id")?, outputs: need(f.outputs, op, "outputs")? },
+                Op::Error => FromWorker::Error {
+                    id: need(f.id, op, "id")?,
+                    kind: need(f.kind, op, "kind")?,
+                    message: need(f.message, op, "message")?,
+                },
+                Op::Fatal => FromWorker::Fatal { message: need(f.message, op, "message")? },
+            })
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -181,6 +264,38 @@ mod tests {
         let e: FromWorker =
             serde_json::from_str(r#"{"op":"error","id":1,"kind":"component_error","message":"boom"}"#).unwrap();
         assert!(matches!(e, FromWorker::Error { id: 1, .. }));
+        let no_origin =
+            r#"{"op":"chunk","id":4,"outputs":{"y":{"pool":1,"offset":0,"nbytes":4,"dtype":"int32","shape":[1]}}}"#;
+        match serde_json::from_str::<FromWorker>(no_origin).unwrap() {
+            FromWorker::Chunk { outputs, .. } => assert_eq!(outputs["y"].origin, OutputOrigin::Copied),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn every_worker_message_round_trips_and_a_missing_field_is_named() {
+        let out = OutputDesc {
+            desc: TensorDesc { pool: 1, offset: 8, nbytes: 4, dtype: DType::Float32, shape: vec![1] },
+            origin: OutputOrigin::Borrowed,
+        };
+        let outputs: BTreeMap<String, OutputDesc> = [("y".to_string(), out)].into();
+        let versions: BTreeMap<String, u64> = [("m".to_string(), 3)].into();
+        let all = [
+            FromWorker::Ready { pid: 9 },
+            FromWorker::Result { id: 1, outputs: outputs.clone(), compute_us: 5, versions },
+            FromWorker::Result { id: 2, outputs: outputs.clone(), compute_us: 5, versions: BTreeMap::new() },
+            FromWorker::Chunk { id: 3, outputs },
+            FromWorker::Error { id: 4, kind: "component_error".into(), message: "boom".into() },
+            FromWorker::Fatal { message: "no model".into() },
+        ];
+        for m in all {
+            let text = serde_json::to_string(&m).unwrap();
+            assert_eq!(serde_json::from_str::<FromWorker>(&text).unwrap(), m, "{text}");
+        }
+        let err = serde_json::from_str::<FromWorker>(r#"{"op":"result","id":1,"outputs":{}}"#).unwrap_err();
+        assert!(err.to_string().contains("missing field `compute_us`"), "{err}");
+        let err = serde_json::from_str::<FromWorker>(r#"{"op":"teleport","id":1}"#).unwrap_err();
+        assert!(err.to_string().contains("unknown variant `teleport`"), "{err}");
     }
 
     #[tokio::test]
