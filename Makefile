@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CARGO ?= $(shell command -v cargo 2>/dev/null || echo $$HOME/.cargo/bin/cargo)
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup build lint test test-services test-beside-py test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-cluster bench-plan bench-grpc bench-perf-analyzer bench-overload bench-false-refusals bench-stream bench-gpu bench-clipper bench-espn data data-small demo clean fmt
+.PHONY: setup build lint test test-services test-beside-py test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-cluster bench-plan bench-grpc bench-perf-analyzer bench-overload bench-false-refusals bench-late-admits bench-stream bench-gpu bench-clipper bench-espn data data-small demo clean fmt
 
 setup: $(VENV)/.installed
 
@@ -164,6 +164,9 @@ bench-overload: setup
 
 bench-false-refusals: setup
 	$(PY) -m bench.false_refusals
+
+bench-late-admits: setup
+	$(PY) -m bench.late_admits
 
 bench-grpc: setup
 	@test -x $(GHZ) || GOFLAGS=-mod=mod go install github.com/bojand/ghz/cmd/ghz@v0.120.0
