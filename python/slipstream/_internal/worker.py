@@ -47,7 +47,6 @@ from slipstream._internal.dtypes import DTYPES, NUMERIC_DTYPES, VAR_DTYPES
 from slipstream._internal.needs import Replica, loaded_versions
 from slipstream._internal.varlen import decode_var, encode_var, var_kind
 
-
 #: Served dtype name -> numpy dtype (parsing the name costs more than the
 #: view it makes, on every input of every batch).
 _DTYPE = {n: np.dtype(n) for n in NUMERIC_DTYPES}
