@@ -363,8 +363,8 @@ impl Node {
             return Ok(Ok(ticket));
         }
         match pipe.admit(&ticket, arrival.priority) {
-            Ok(share) => {
-                ticket.share = share;
+            Ok((share, found_queue)) => {
+                (ticket.share, ticket.found_queue) = (share, found_queue);
                 Ok(Ok(ticket))
             }
             Err(over) => {
@@ -453,7 +453,14 @@ impl Node {
             return Err(NodeError::Unavailable { stage: st.name.clone(), reason: "no replica here".into() });
         };
         let now = Instant::now();
-        let ticket = Ticket { id, arrival: now, deadline, route: vec![first; pipe.stages.len()], share: 1.0 };
+        let ticket = Ticket {
+            id,
+            arrival: now,
+            deadline,
+            route: vec![first; pipe.stages.len()],
+            share: 1.0,
+            found_queue: false,
+        };
         let (req, rx) = Request::for_stage(pipe.clone(), stage, inputs, ticket);
         let give_up = deadline.max(now + pipe.timeout.min(Duration::from_secs(3600)));
         Ok(StageRun { req, rx: Some(rx), give_up })

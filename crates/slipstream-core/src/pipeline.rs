@@ -378,6 +378,10 @@ pub(crate) struct Ticket {
     /// The share of its budget its predicted time used at admission (1
     /// without admission control), for the gate's books.
     pub(crate) share: f64,
+    /// Requests were waiting in a queue on its route at admission (the
+    /// gate learns the pipeline's capacity only while most requests find
+    /// one).
+    pub(crate) found_queue: bool,
 }
 
 /// Why a pipeline could not be built.
@@ -647,14 +651,24 @@ impl PipelineRt {
                     .ok_or_else(|| NodeError::Unavailable { stage: s.name.clone(), reason: "it has no replica".into() })
             })
             .collect::<Result<_, _>>()?;
-        Ok(Ticket { id, arrival, deadline: arrival + budget.map_or(slo, |b| b.min(slo)), route, share: 1.0 })
+        Ok(Ticket {
+            id,
+            arrival,
+            deadline: arrival + budget.map_or(slo, |b| b.min(slo)),
+            route,
+            share: 1.0,
+            found_queue: false,
+        })
     }
 
     /// Admission control: can a request with this ticket, arriving now,
     /// finish by its deadline? (See [`AdmissionGate::decide`].) Err carries
     /// the predicted overshoot; Ok, the share of the budget the prediction
     /// uses.
-    pub(crate) fn admit(&self, t: &Ticket, class: Priority) -> Result<f64, Duration> {
+    /// Ok: the share of its budget the prediction uses, and whether
+    /// requests were waiting in a queue on its route. Err: by how much it
+    /// is predicted to miss.
+    pub(crate) fn admit(&self, t: &Ticket, class: Priority) -> Result<(f64, bool), Duration> {
         let now = self.now_ns();
         let mut loads: Vec<ReplicaLoad> = t.route.iter().map(|r| r.load()).collect();
         for join in self.joins.iter().filter(|j| j.policy.timing() == JoinTiming::Fastest) {
@@ -669,7 +683,8 @@ impl PipelineRt {
         }
         let prediction = self.dag.predict(&loads, now);
         let budget = self.ns_at(t.deadline).saturating_sub(now);
-        self.gate.lock().decide_for(prediction, budget, class).map_err(Duration::from_nanos)
+        let share = self.gate.lock().decide_for(prediction, budget, class).map_err(Duration::from_nanos)?;
+        Ok((share, loads.iter().any(|l| l.queued > 0)))
     }
 
     /// Route the stages that declare affinity to the replica holding the

@@ -117,7 +117,7 @@ impl Request {
         chunks: Option<Chunks>,
     ) -> (Arc<Request>, oneshot::Receiver<Reply>) {
         let (tx, rx) = oneshot::channel();
-        let Ticket { id, arrival, deadline, route, share } = ticket;
+        let Ticket { id, arrival, deadline, route, share, .. } = ticket;
         let n = pipe.stages.len();
         let state = State {
             inputs,
@@ -563,9 +563,10 @@ impl Admitted {
     /// root stages.
     /// `chunks`: a streaming request's chunk channel.
     pub(crate) fn enter(pipe: &Arc<PipelineRt>, inputs: Tensors, ticket: Ticket, chunks: Option<Chunks>) -> Admitted {
+        let found_queue = ticket.found_queue;
         let (req, rx) = Request::new(pipe.clone(), inputs, ticket, chunks);
         pipe.metrics.admitted.fetch_add(1, Relaxed);
-        pipe.gate.lock().on_admit(pipe.now_ns());
+        pipe.gate.lock().on_admit(pipe.now_ns(), found_queue);
         let admitted = Admitted { req: req.clone(), rx: Some(rx), settled: false };
         req.start();
         admitted

@@ -242,8 +242,8 @@ impl Sim<'_> {
         if measured {
             self.res.arrivals += 1;
         }
+        let loads: Vec<ReplicaLoad> = route.iter().enumerate().map(|(s, &r)| self.load(s, r)).collect();
         if self.cfg.admission {
-            let loads: Vec<ReplicaLoad> = route.iter().enumerate().map(|(s, &r)| self.load(s, r)).collect();
             match self.gate.decide(self.dag.predict(&loads, t), self.cfg.slo_ns) {
                 Ok(share) => self.reqs[id].share = share,
                 Err(_) => {
@@ -255,7 +255,7 @@ impl Sim<'_> {
                 }
             }
         }
-        self.gate.on_admit(self.now);
+        self.gate.on_admit(self.now, loads.iter().any(|l| l.queued > 0));
         self.at(t + self.cfg.ingress_ns / 2, Event::Enter(id));
     }
 
