@@ -186,7 +186,7 @@ def loadgen(url: str, body: bytes, rates: Sequence[float], duration_s: float, *,
             arrival: str = "poisson", burst: int = 1, schedule: Sequence[tuple[float, float]] = (),
             max_connections: int = 512, timeout_s: float = 10.0, seed: int = 1, slo_ms: float = 0.0,
             timeline_ms: float = 0.0, timeline_latencies: bool = False, content_type: str = "application/json",
-            retry: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+            retry: dict[str, Any] | None = None, threads: int = 1) -> list[dict[str, Any]]:
     """The project's open-loop generator (``slipstream._core.bench``, in this
     process): POST `body` to `url` at each of `rates` in turn (or one run on
     the piecewise-constant `schedule` of (from_s, rate)), `duration_s`
@@ -196,7 +196,8 @@ def loadgen(url: str, body: bytes, rates: Sequence[float], duration_s: float, *,
     errors_by_kind, latency_ms (p50, p90, p99, p999, max, mean), late_sends,
     slower_than_slo (with `slo_ms`), timeline (with `timeline_ms`), retries
     (sends beyond the first, with `retry`: ``{"mode": "now" | "honor",
-    "attempts": ..., ...}``, see ``slipstream-loadgen``'s ``RetryConfig``). The
+    "attempts": ..., ...}``, see ``slipstream-loadgen``'s ``RetryConfig``). `threads`: the
+    generator's own (1 by default: on a small machine it shares the cores). The
     first report also has ``wall_start``: the wall-clock time its measured
     window began (the generator starts 20 ms after the call, then warms up).
     """
@@ -205,7 +206,7 @@ def loadgen(url: str, body: bytes, rates: Sequence[float], duration_s: float, *,
     cfg = {"url": url, "method": "POST", "body": list(body), "content_type": content_type, "headers": [],
            "rates": list(rates) or [1.0], "schedule": [list(s) for s in schedule], "duration_s": duration_s,
            "warmup_s": warmup_s, "arrival": {"kind": arrival, "burst": burst} if arrival == "bursty"
-           else {"kind": arrival}, "max_connections": max_connections, "timeout_s": timeout_s, "threads": 1,
+           else {"kind": arrival}, "max_connections": max_connections, "timeout_s": timeout_s, "threads": threads,
            "seed": seed, "slo_ms": slo_ms, "timeline_ms": timeline_ms, "timeline_latencies": timeline_latencies,
            "retry": retry or {"mode": "none"}}
     called = time.time()
