@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from typing import Any
 
@@ -79,10 +78,6 @@ def echo_floor(rates: list[float], duration: float) -> dict[float, dict[str, flo
         proc.wait()
 
 
-def _median(runs: list[dict[float, dict[str, float]]], rate: float) -> dict[str, float]:
-    return {k: statistics.median(r[rate][k] for r in runs) for k in runs[0][rate]}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", default="2000,5000")
@@ -105,8 +100,8 @@ def main() -> int:
             f = echo_floor(rates, a.duration)
             if f:
                 floor.append(f)
-    med = {b: {str(r): _median(runs[b], r) for r in rates} for b in builds}
-    floor_med = {str(r): _median(floor, r) for r in rates} if floor else {}
+    med = {b: {str(r): harness.medians([run[r] for run in runs[b]]) for r in rates} for b in builds}
+    floor_med = {str(r): harness.medians([f[r] for f in floor]) for r in rates} if floor else {}
     md = ["# CPU per request: the two-stage no-op chain, admission off", "",
           f"Median of {a.repeat} run(s) of {a.duration:g} s per rate"
           + (f"; baseline from `{a.baseline}`, served in alternation with this build" if a.baseline else "")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from typing import Any
 
 from bench import harness
@@ -57,8 +56,7 @@ def main() -> None:
                           f"refused {100 * r['refused_share']:.3f}%", flush=True)
     finally:
         proc.kill()
-    med = {name: {k: statistics.median(r[k] for r in rs) for k in ("rps", "ok_rps", "p50_ms", "p99_ms", "refused_share")}
-           for name, rs in runs.items()}
+    med = {name: harness.medians(rs, ("rps", "ok_rps", "p50_ms", "p99_ms", "refused_share")) for name, rs in runs.items()}
     ratio = med["chain"]["p99_ms"] / med["echo"]["p99_ms"]
     passed = med["chain"]["refused_share"] < 0.001 and ratio <= 2.0
     result = {"rate": a.rate, "seconds": a.seconds, "concurrency": a.concurrency, "runs": runs, "median": med,

@@ -38,6 +38,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -161,6 +162,12 @@ def percentile(values: Iterable[float] | np.ndarray, q: float) -> float:
 
 # --------------------------------------------------------------------------
 # Nodes
+
+
+def medians(runs: Sequence[dict[str, Any]], keys: Iterable[str] | None = None) -> dict[str, float]:
+    """Each of `keys` (default: every key of the first run) as its median
+    over `runs`, the repeats of one point."""
+    return {k: statistics.median(r[k] for r in runs) for k in (keys if keys is not None else runs[0])}
 
 
 def node(app: Any, *flags: str, env: dict[str, str] | None = None, echo: bool = False,

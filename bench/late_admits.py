@@ -81,7 +81,7 @@ def main() -> None:
               f"admitted p99 {r['p99_ms']:.1f} ms (the node's own {r['node_p99_ms']:.1f} ms), "
               f"refused {100 * r['refused_share']:.1f}%, late sends {r['late_sends']}", flush=True)
     keys = ("answered_rps", "p50_ms", "p99_ms", "node_p99_ms", "refused_share")
-    med = {k: statistics.median(r[k] for r in runs) for k in keys}
+    med = harness.medians(runs, keys)
     valid = [r for r in runs if r["late_share"] <= LATE_SHARE]
     judged = statistics.median(r["p99_ms"] for r in valid) if valid else None
     ok = judged is not None and judged <= SLO_MS

@@ -14,7 +14,7 @@ X = {"x": ss.Tensor("float32", (-1, 1))}
 class Wait:
     """Waits x ms per batch without holding the worker (a remote call, say);
     fails the batch on x == 13; says when its wait began and ended (the
-worker's monotonic clock). One batch at a time, so overlapping is
+    worker's monotonic clock). One batch at a time, so overlapping is
     the worker's doing, not batching's."""
 
     async def __call__(self, batch: ss.Batch) -> dict:

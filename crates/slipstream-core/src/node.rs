@@ -453,14 +453,7 @@ impl Node {
             return Err(NodeError::Unavailable { stage: st.name.clone(), reason: "no replica here".into() });
         };
         let now = Instant::now();
-        let ticket = Ticket {
-            id,
-            arrival: now,
-            deadline,
-            route: vec![first; pipe.stages.len()],
-            share: 1.0,
-            found_queue: false,
-        };
+        let ticket = Ticket::new(id, now, deadline, vec![first; pipe.stages.len()]);
         let (req, rx) = Request::for_stage(pipe.clone(), stage, inputs, ticket);
         let give_up = deadline.max(now + pipe.timeout.min(Duration::from_secs(3600)));
         Ok(StageRun { req, rx: Some(rx), give_up })

@@ -384,6 +384,14 @@ pub(crate) struct Ticket {
     pub(crate) found_queue: bool,
 }
 
+impl Ticket {
+    /// A ticket not yet through admission (its books as without admission
+    /// control: the whole budget, no queue seen).
+    pub(crate) fn new(id: u64, arrival: Instant, deadline: Instant, route: Vec<Arc<Replica>>) -> Ticket {
+        Ticket { id, arrival, deadline, route, share: 1.0, found_queue: false }
+    }
+}
+
 /// Why a pipeline could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
@@ -651,23 +659,14 @@ impl PipelineRt {
                     .ok_or_else(|| NodeError::Unavailable { stage: s.name.clone(), reason: "it has no replica".into() })
             })
             .collect::<Result<_, _>>()?;
-        Ok(Ticket {
-            id,
-            arrival,
-            deadline: arrival + budget.map_or(slo, |b| b.min(slo)),
-            route,
-            share: 1.0,
-            found_queue: false,
-        })
+        Ok(Ticket::new(id, arrival, arrival + budget.map_or(slo, |b| b.min(slo)), route))
     }
 
     /// Admission control: can a request with this ticket, arriving now,
-    /// finish by its deadline? (See [`AdmissionGate::decide`].) Err carries
-    /// the predicted overshoot; Ok, the share of the budget the prediction
-    /// uses.
-    /// Ok: the share of its budget the prediction uses, and whether
-    /// requests were waiting in a queue on its route. Err: by how much it
-    /// is predicted to miss.
+    /// finish by its deadline? (See [`AdmissionGate::decide`].) Ok: the
+    /// share of its budget the prediction uses, and whether requests were
+    /// waiting in a queue on its route. Err: by how much it is predicted to
+    /// miss.
     pub(crate) fn admit(&self, t: &Ticket, class: Priority) -> Result<(f64, bool), Duration> {
         let now = self.now_ns();
         let mut loads: Vec<ReplicaLoad> = t.route.iter().map(|r| r.load()).collect();
@@ -684,7 +683,7 @@ impl PipelineRt {
         let prediction = self.dag.predict(&loads, now);
         let budget = self.ns_at(t.deadline).saturating_sub(now);
         let share = self.gate.lock().decide_for(prediction, budget, class).map_err(Duration::from_nanos)?;
-        Ok((share, loads.iter().any(|l| l.queued > 0)))
+        Ok((share, slipstream_sched::found_queue(&loads)))
     }
 
     /// Route the stages that declare affinity to the replica holding the

@@ -10,10 +10,11 @@
 //! retry throttling). Either way a retry is sent only while the arrival's
 //! timeout has not run out, and at most `attempts` sends in all.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 /// How an arrival that was refused is retried.
@@ -83,13 +84,13 @@ impl RetryConfig {
 pub(crate) struct Retrier {
     cfg: RetryConfig,
     tokens: Mutex<f64>,
-    rng: AtomicU64,
+    rng: Mutex<StdRng>,
 }
 
 impl Retrier {
     pub(crate) fn new(cfg: RetryConfig, seed: u64) -> Retrier {
         let tokens = Mutex::new(cfg.budget_burst);
-        Retrier { cfg, tokens, rng: AtomicU64::new(seed | 1) }
+        Retrier { cfg, tokens, rng: Mutex::new(StdRng::seed_from_u64(seed)) }
     }
 
     /// A first attempt was sent: it earns the budget its share.
@@ -118,7 +119,8 @@ impl Retrier {
             RetryMode::Now => Duration::ZERO,
             RetryMode::Honor => {
                 let ceiling = (self.cfg.base_ms * 2f64.powi(attempt.min(30) as i32)).min(self.cfg.max_ms);
-                let backoff = Duration::from_secs_f64(ceiling * self.unit() / 1e3);
+                let unit: f64 = self.rng.lock().unwrap_or_else(|e| e.into_inner()).random();
+                let backoff = Duration::from_secs_f64(ceiling * unit / 1e3);
                 backoff.max(Duration::from_millis(retry_after_ms.unwrap_or(0)))
             }
         };
@@ -133,15 +135,6 @@ impl Retrier {
             *t -= 1.0;
         }
         Some(wait)
-    }
-
-    /// A uniform draw in [0, 1) (SplitMix64 over a shared counter).
-    fn unit(&self) -> f64 {
-        let mut z = self.rng.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed).wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (z >> 11) as f64 / (1u64 << 53) as f64
     }
 }
 

@@ -45,10 +45,11 @@
 //! admitted and not yet finished, over the rate at which the pipeline
 //! finishes requests *while it is saturated*: completions per unit of busy
 //! time, over windows in which most admitted requests found requests
-//! waiting in a queue on their route. The per-stage model (queues times profiled batch latency)
-//! misses what the profile does not know, such as replicas slowed down by
-//! CPU contention with each other and with the node; this estimate sees
-//! it, because it is measured. Admission uses the larger of the two.
+//! waiting in a queue on their route. The per-stage model (queues times
+//! profiled batch latency) misses what the profile does not know, such as
+//! replicas slowed down by CPU contention with each other and with the
+//! node; this estimate sees it, because it is measured. Admission uses the
+//! larger of the two.
 //!
 //! Only saturated windows count because below capacity the completion rate
 //! is not the pipeline's capacity: with a few requests in flight at a time

@@ -37,7 +37,7 @@ mod sim;
 
 pub use admission::{AdmissionGate, Priority, MIN_HEADROOM};
 pub use former::{take_batch, BatchDecision, BatchFormer, BatchPolicy, Taken};
-pub use predict::{Dag, Prediction, ReplicaLoad};
+pub use predict::{found_queue, Dag, Prediction, ReplicaLoad};
 pub use profile::LatencyProfile;
 pub use queue::EdfQueue;
 pub use router::choose_replica;

@@ -96,6 +96,13 @@ impl ReplicaLoad {
     }
 }
 
+/// Whether requests wait in a queue on `route` (not only a batch running):
+/// the sign of a saturated pipeline that the admission gate learns its
+/// capacity from ([`crate::AdmissionGate::on_admit`]).
+pub fn found_queue(route: &[ReplicaLoad]) -> bool {
+    route.iter().any(|l| l.queued > 0)
+}
+
 /// A pipeline's stage graph: for each stage its parents and children.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Dag {

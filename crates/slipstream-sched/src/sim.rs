@@ -21,7 +21,7 @@
 
 use crate::admission::AdmissionGate;
 use crate::former::{take_batch, BatchFormer, BatchPolicy};
-use crate::predict::{Dag, ReplicaLoad};
+use crate::predict::{found_queue, Dag, ReplicaLoad};
 use crate::profile::LatencyProfile;
 use crate::queue::EdfQueue;
 use crate::router::choose_replica;
@@ -255,7 +255,7 @@ impl Sim<'_> {
                 }
             }
         }
-        self.gate.on_admit(self.now, loads.iter().any(|l| l.queued > 0));
+        self.gate.on_admit(self.now, found_queue(&loads));
         self.at(t + self.cfg.ingress_ns / 2, Event::Enter(id));
     }
 
