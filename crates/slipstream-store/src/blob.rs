@@ -139,6 +139,12 @@ impl Blobs {
         Ok(staged)
     }
 
+    /// The durable blob file `id` (held for a version not yet named), to
+    /// be named by a commit: kept if it commits, unlinked if not.
+    pub(crate) fn adopt(&self, id: u64, size: u64) -> StagedBlob {
+        StagedBlob { id, size, path: self.path(id), kept: false }
+    }
+
     /// Map blob `id`, checking it holds the `size` bytes its version says.
     pub(crate) fn map(&self, id: u64, size: u64) -> Result<memmap2::Mmap, StoreError> {
         let path = self.path(id);

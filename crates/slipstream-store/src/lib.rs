@@ -52,6 +52,11 @@ const INLINE: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("inline
 const FEED: TableDefinition<u64, &[u8]> = TableDefinition::new("feed");
 /// Counters of the store's own: `blob_next` (blob ids are never reused), the trigger cursor.
 const COUNTERS: TableDefinition<&str, u64> = TableDefinition::new("counters");
+/// (key, version, digest) -> [`Held`] as JSON: bytes held durably for a
+/// version a cluster commit has not named yet (see [`Store::hold`]).
+const HELD: TableDefinition<(&str, u64, &str), &[u8]> = TableDefinition::new("held");
+/// (key, version, digest) -> a held value stored inline.
+const HELD_INLINE: TableDefinition<(&str, u64, &str), &[u8]> = TableDefinition::new("held_inline");
 
 #[derive(Clone, Debug, thiserror::Error)]
 pub enum StoreError {
@@ -71,6 +76,8 @@ pub enum StoreError {
     Io(String),
     #[error("the store is closed")]
     Closed,
+    #[error("version {version} of {key} is held on other nodes ({holders:?}), not here")]
+    Elsewhere { key: String, version: u64, digest: String, holders: Vec<String> },
 }
 
 impl StoreError {
@@ -83,7 +90,7 @@ impl StoreError {
             StoreError::TooLarge { .. } => "payload_too_large",
             StoreError::Gone { .. } => "gone",
             StoreError::InUse(_) => "store_in_use",
-            StoreError::Io(_) | StoreError::Closed => "store_unavailable",
+            StoreError::Io(_) | StoreError::Closed | StoreError::Elsewhere { .. } => "store_unavailable",
         }
     }
 }
@@ -181,6 +188,24 @@ struct Record {
     blob: Option<u64>,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     deleted: bool,
+    /// The value's digest (versions committed through a cluster).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    digest: Option<String>,
+    /// The nodes the cluster commit named as holding the value.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    holders: Vec<String>,
+    /// The value is not on this node (a replicated record whose bytes are
+    /// held elsewhere until fetched).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    absent: bool,
+}
+
+/// Bytes held for an uncommitted cluster version (the value of [`HELD`]).
+#[derive(Serialize, Deserialize)]
+struct Held {
+    size: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    blob: Option<u64>,
 }
 
 impl Record {
@@ -201,6 +226,20 @@ pub struct Meta {
     pub deleted: bool,
     /// The blob file holding the value, when it is one.
     pub path: Option<PathBuf>,
+    /// The value's digest (SHA-256, hex), for versions committed through a cluster.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    /// The nodes holding the value (a cluster's versions); empty on one node.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub holders: Vec<String>,
+    /// Whether the value's bytes are on this node (false: held elsewhere,
+    /// fetched on first read).
+    #[serde(skip_serializing_if = "is_true")]
+    pub local: bool,
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
 }
 
 /// One entry of the change feed.
@@ -260,6 +299,32 @@ pub struct Write {
     pub content_type: String,
     /// Only if the key's latest version is this (0: never written).
     pub if_version: Option<u64>,
+    /// A version a cluster committed, applied here as it was decided there
+    /// (`if_version` is then ignored); None: this store decides.
+    pub replicated: Option<Replicated>,
+}
+
+impl Write {
+    /// A put this store decides (the version after the latest).
+    pub fn put(key: String, value: Staged, content_type: String, if_version: Option<u64>) -> Write {
+        Write { key, value: Some(value), content_type, if_version, replicated: None }
+    }
+}
+
+/// A version decided by the cluster's commit (etcd), applied to this
+/// node's store: its number and timestamp are the commit's, and its value
+/// is here (given with the write, or held beforehand by [`Store::hold`]) or
+/// on `holders` (an absent record, fetched on first read and filled in by
+/// applying it again with the value).
+#[derive(Clone, Debug)]
+pub struct Replicated {
+    pub version: u64,
+    /// Unix time in microseconds.
+    pub ts_us: u64,
+    pub size: u64,
+    pub digest: String,
+    pub holders: Vec<String>,
+    pub deleted: bool,
 }
 
 /// An acknowledged write.
@@ -325,6 +390,12 @@ impl Store {
                 if let Some(b) = Record::decode(v.value())?.blob {
                     referenced.insert(b);
                 }
+            }
+            txn.open_table(HELD_INLINE).map_err(io)?;
+            for row in txn.open_table(HELD).map_err(io)?.iter().map_err(io)? {
+                let (_, v) = row.map_err(io)?;
+                let h: Held = serde_json::from_slice(v.value()).map_err(io)?;
+                referenced.extend(h.blob);
             }
             (seq, first, referenced, blob_next)
         };
@@ -405,12 +476,88 @@ impl Store {
             check_tensors(value)?;
         }
         let staged = self.stage(&[value])?;
-        self.write(Write { key: key.into(), value: Some(staged), content_type: content_type.into(), if_version })
+        self.write(Write::put(key.into(), staged, content_type.into(), if_version))
     }
 
     /// Write a tombstone version.
     pub fn delete(&self, key: &str, if_version: Option<u64>) -> Result<Committed, StoreError> {
-        self.write(Write { key: key.into(), value: None, content_type: String::new(), if_version })
+        self.write(Write { key: key.into(), value: None, content_type: String::new(), if_version, replicated: None })
+    }
+
+    /// Hold `value` durably for version `version` of `key`, which a
+    /// cluster commit (elsewhere) may name next, under `digest` (the
+    /// caller has checked it). Applying that version ([`Replicated`])
+    /// then takes these bytes; if the version is already applied here
+    /// without its value, it is filled in now.
+    pub fn hold(&self, key: &str, version: u64, digest: &str, value: Staged) -> Result<(), StoreError> {
+        check_key(key)?;
+        let txn = self.inner.db.begin_write().map_err(io)?;
+        let mut kept = None;
+        {
+            let mut versions = txn.open_table(VERSIONS).map_err(io)?;
+            let mut inline = txn.open_table(INLINE).map_err(io)?;
+            let existing = versions.get((key, version)).map_err(io)?.map(|r| Record::decode(r.value()));
+            match existing.transpose()? {
+                Some(rec) if !rec.absent || rec.digest.as_deref() != Some(digest) => return Ok(()),
+                Some(mut rec) => {
+                    kept = place_value(&mut inline, key, version, value, &mut rec)?;
+                    rec.absent = false;
+                    versions.insert((key, version), serde_json::to_vec(&rec).map_err(io)?.as_slice()).map_err(io)?;
+                }
+                None => {
+                    let size = value.size();
+                    let blob = match value {
+                        Staged::Inline(bytes) => {
+                            txn.open_table(HELD_INLINE)
+                                .map_err(io)?
+                                .insert((key, version, digest), bytes.as_slice())
+                                .map_err(io)?;
+                            None
+                        }
+                        Staged::Blob(b) => {
+                            let id = b.id();
+                            kept = Some(b);
+                            Some(id)
+                        }
+                    };
+                    let h = serde_json::to_vec(&Held { size, blob }).map_err(io)?;
+                    txn.open_table(HELD).map_err(io)?.insert((key, version, digest), h.as_slice()).map_err(io)?;
+                }
+            }
+            if let Some(b) = &kept {
+                let mut counters = txn.open_table(COUNTERS).map_err(io)?;
+                if b.id() + 1 > counters.get("blob_next").map_err(io)?.map_or(0, |v| v.value()) {
+                    counters.insert("blob_next", b.id() + 1).map_err(io)?;
+                }
+            }
+        }
+        txn.commit().map_err(io)?;
+        if let Some(b) = kept {
+            b.keep();
+        }
+        Ok(())
+    }
+
+    /// The bytes of version `version` of `key` if they are on this node
+    /// and their digest is `digest`: committed here, or held for it.
+    pub fn value_of(&self, key: &str, version: u64, digest: &str) -> Result<Option<Body>, StoreError> {
+        match self.get(key, Select::Version(version)) {
+            Ok((meta, body)) if meta.digest.as_deref() == Some(digest) => return Ok(Some(body)),
+            Ok(_) | Err(StoreError::NotFound(_)) | Err(StoreError::Elsewhere { .. }) => {}
+            Err(e) => return Err(e),
+        }
+        let txn = self.inner.db.begin_read().map_err(io)?;
+        let Some(h) = txn.open_table(HELD).map_err(io)?.get((key, version, digest)).map_err(io)? else {
+            return Ok(None);
+        };
+        let h: Held = serde_json::from_slice(h.value()).map_err(io)?;
+        match h.blob {
+            Some(id) => self.inner.blobs.map(id, h.size).map(|m| Some(Body::Mapped(m))),
+            None => {
+                let t = txn.open_table(HELD_INLINE).map_err(io)?;
+                Ok(t.get((key, version, digest)).map_err(io)?.map(|v| Body::Inline(v.value().to_vec())))
+            }
+        }
     }
 
     /// The metadata of the selected version; `pin`: keep its blob file
@@ -433,6 +580,14 @@ impl Store {
         self.read(key, select, |txn, meta, rec| {
             if meta.deleted {
                 return Err(StoreError::NotFound(format!("{key} was deleted at version {}", meta.version)));
+            }
+            if rec.absent {
+                return Err(StoreError::Elsewhere {
+                    key: key.to_string(),
+                    version: meta.version,
+                    digest: rec.digest.unwrap_or_default(),
+                    holders: rec.holders,
+                });
             }
             let body = match rec.blob {
                 Some(id) => match self.inner.blobs.map(id, rec.size) {
@@ -667,6 +822,92 @@ enum Outcome {
     Refused(StoreError),
 }
 
+/// The tables a replicated write touches.
+struct Tables<'a, 't> {
+    blobs: &'a blob::Blobs,
+    versions: &'a mut VersionsTable<'t>,
+    inline: &'a mut VersionsTable<'t>,
+    held: &'a mut HeldTable<'t>,
+    held_inline: &'a mut HeldTable<'t>,
+}
+
+type HeldTable<'t> = redb::Table<'t, (&'static str, u64, &'static str), &'static [u8]>;
+
+/// What applying a replicated version did (its record, number, and the
+/// blob file a commit must keep).
+enum Applied {
+    New(Record, u64, Option<StagedBlob>),
+    Filled(Record, u64, Option<StagedBlob>),
+    Exists(Record, u64, Option<StagedBlob>),
+}
+
+impl Record {
+    fn new(ts: u64, ct: String) -> Record {
+        Record { ts, size: 0, ct, blob: None, deleted: false, digest: None, holders: Vec::new(), absent: false }
+    }
+}
+
+/// Put `value` where `rec` can name it: inline in the table, or its blob
+/// file (returned: the commit keeps it).
+fn place_value(
+    inline: &mut VersionsTable<'_>,
+    key: &str,
+    version: u64,
+    value: Staged,
+    rec: &mut Record,
+) -> Result<Option<StagedBlob>, StoreError> {
+    rec.size = value.size();
+    match value {
+        Staged::Inline(bytes) => {
+            inline.insert((key, version), bytes.as_slice()).map_err(io)?;
+            Ok(None)
+        }
+        Staged::Blob(b) => {
+            rec.blob = Some(b.id());
+            Ok(Some(b))
+        }
+    }
+}
+
+/// The value held for (key, version, digest), taken out of the held tables.
+fn take_held(
+    t: &mut Tables<'_, '_>,
+    key: &str,
+    version: u64,
+    digest: &str,
+) -> Result<Option<Staged>, StoreError> {
+    let Some(h) = t.held.remove((key, version, digest)).map_err(io)? else { return Ok(None) };
+    let h: Held = serde_json::from_slice(h.value()).map_err(io)?;
+    let inline = t.held_inline.remove((key, version, digest)).map_err(io)?.map(|v| v.value().to_vec());
+    Ok(match (h.blob, inline) {
+        // The file stays where it is; the version names it now. (Should
+        // the commit fail, the file is unlinked while the rolled-back held
+        // row still names it: that version is then fetched from a holder.)
+        (Some(id), _) => Some(Staged::Blob(t.blobs.adopt(id, h.size))),
+        (None, Some(bytes)) => Some(Staged::Inline(bytes)),
+        (None, None) => None,
+    })
+}
+
+/// Drop what is held for versions of `key` up to `version` (puts that lost
+/// their commit to another, or were applied already).
+fn drop_held_below(t: &mut Tables<'_, '_>, key: &str, version: u64, garbage: &mut Vec<u64>) -> Result<(), StoreError> {
+    let stale: Vec<(u64, String)> = t
+        .held
+        .range((key, 0, "")..=(key, version, "\u{10ffff}"))
+        .map_err(io)?
+        .map(|row| row.map(|(k, _)| (k.value().1, k.value().2.to_string())).map_err(io))
+        .collect::<Result<_, _>>()?;
+    for (v, d) in stale {
+        if let Some(h) = t.held.remove((key, v, d.as_str())).map_err(io)? {
+            let h: Held = serde_json::from_slice(h.value()).map_err(io)?;
+            garbage.extend(h.blob);
+        }
+        t.held_inline.remove((key, v, d.as_str())).map_err(io)?;
+    }
+    Ok(())
+}
+
 impl Inner {
     fn pool_of(&self, key: &str) -> &Pool {
         static ROOT: std::sync::OnceLock<Pool> = std::sync::OnceLock::new();
@@ -687,6 +928,9 @@ impl Inner {
             content_type: r.ct.clone(),
             deleted: r.deleted,
             path: r.blob.map(|id| self.blobs.path(id)),
+            digest: r.digest.clone(),
+            holders: r.holders.clone(),
+            local: !r.absent,
         }
     }
 
@@ -779,13 +1023,44 @@ impl Inner {
             let mut counters = txn.open_table(COUNTERS).map_err(io)?;
             let mut seq = last_seq(&feed)?;
             let mut blob_next = 0u64;
-            for w in writes {
+            let mut held = txn.open_table(HELD).map_err(io)?;
+            let mut held_inline = txn.open_table(HELD_INLINE).map_err(io)?;
+            for mut w in writes {
                 let key = w.key.as_str();
                 let latest = heads.get(key).map_err(io)?.map(|v| v.value()).unwrap_or(0);
                 let prev = match versions.get((key, latest)).map_err(io)? {
                     Some(r) => Some(Record::decode(r.value())?),
                     None => None,
                 };
+                if let Some(rep) = w.replicated.take() {
+                    let mut tables = Tables {
+                        blobs: &self.blobs,
+                        versions: &mut versions,
+                        inline: &mut inline,
+                        held: &mut held,
+                        held_inline: &mut held_inline,
+                    };
+                    let out = self.apply_replicated(&mut tables, &w.key, rep, w.value, w.content_type, latest, &mut garbage)?;
+                    let (rec, version, blob) = match out {
+                        Applied::Filled(rec, version, blob) | Applied::Exists(rec, version, blob) => {
+                            let meta = self.meta_of(key, version, &rec);
+                            outcomes.push(Outcome::Done(Committed { meta, seq }, blob));
+                            continue;
+                        }
+                        Applied::New(rec, version, blob) => (rec, version, blob),
+                    };
+                    blob_next = blob_next.max(blob.as_ref().map_or(0, |b| b.id() + 1));
+                    versions.insert((key, version), serde_json::to_vec(&rec).map_err(io)?.as_slice()).map_err(io)?;
+                    heads.insert(key, version).map_err(io)?;
+                    seq += 1;
+                    let change =
+                        Change { seq, key: key.to_string(), version, timestamp: secs(rec.ts), deleted: rec.deleted };
+                    feed.insert(seq, serde_json::to_vec(&change).map_err(io)?.as_slice()).map_err(io)?;
+                    self.retain_count(&mut versions, &mut inline, key, version, &mut garbage)?;
+                    let meta = self.meta_of(key, version, &rec);
+                    outcomes.push(Outcome::Done(Committed { meta, seq }, blob));
+                    continue;
+                }
                 if let Some(expected) = w.if_version {
                     if expected != latest {
                         outcomes.push(Outcome::Refused(StoreError::Conflict { key: w.key, expected, current: latest }));
@@ -798,15 +1073,17 @@ impl Inner {
                 }
                 let version = latest + 1;
                 let ts = now_us().max(prev.as_ref().map_or(0, |p| p.ts + 1));
-                let (rec, blob) = match w.value {
-                    None => (Record { ts, size: 0, ct: String::new(), blob: None, deleted: true }, None),
-                    Some(Staged::Inline(bytes)) => {
-                        inline.insert((key, version), bytes.as_slice()).map_err(io)?;
-                        (Record { ts, size: bytes.len() as u64, ct: w.content_type, blob: None, deleted: false }, None)
+                let mut rec = Record::new(ts, w.content_type);
+                let blob = match w.value {
+                    None => {
+                        rec.deleted = true;
+                        rec.ct = String::new();
+                        None
                     }
-                    Some(Staged::Blob(b)) => {
-                        blob_next = blob_next.max(b.id() + 1);
-                        (Record { ts, size: b.size(), ct: w.content_type, blob: Some(b.id()), deleted: false }, Some(b))
+                    Some(v) => {
+                        let b = place_value(&mut inline, key, version, v, &mut rec)?;
+                        blob_next = blob_next.max(b.as_ref().map_or(0, |b| b.id() + 1));
+                        b
                     }
                 };
                 versions.insert((key, version), serde_json::to_vec(&rec).map_err(io)?.as_slice()).map_err(io)?;
@@ -814,14 +1091,7 @@ impl Inner {
                 seq += 1;
                 let change = Change { seq, key: key.to_string(), version, timestamp: secs(ts), deleted: rec.deleted };
                 feed.insert(seq, serde_json::to_vec(&change).map_err(io)?.as_slice()).map_err(io)?;
-                // Retention by count, now, in the same transaction.
-                let keep = self.pool_of(key).keep_versions;
-                if version > keep {
-                    let cut = version - keep;
-                    for (v, r) in records(&versions, key, cut)? {
-                        remove_version(&mut versions, &mut inline, key, v, &r, &mut garbage)?;
-                    }
-                }
+                self.retain_count(&mut versions, &mut inline, key, version, &mut garbage)?;
                 let meta = self.meta_of(key, version, &rec);
                 outcomes.push(Outcome::Done(Committed { meta, seq }, blob));
             }
@@ -852,6 +1122,88 @@ impl Inner {
         self.blobs.doom(garbage);
         self.seq.send_replace(seq);
         Ok(outcomes)
+    }
+
+    /// Retention by count for `key` after `version` committed, in the
+    /// same transaction.
+    fn retain_count(
+        &self,
+        versions: &mut VersionsTable<'_>,
+        inline: &mut VersionsTable<'_>,
+        key: &str,
+        version: u64,
+        garbage: &mut Vec<u64>,
+    ) -> Result<(), StoreError> {
+        let keep = self.pool_of(key).keep_versions;
+        if version > keep {
+            for (v, r) in records(versions, key, version - keep)? {
+                remove_version(versions, inline, key, v, &r, garbage)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Apply a version the cluster committed (see [`Replicated`]): a new
+    /// record when it is past the latest; the value filled in when the
+    /// record exists without it; nothing when it is already here (a
+    /// replay after a restart, or a version retention already removed).
+    /// Its value comes with the write, or from bytes held for it, which
+    /// are consumed; bytes held for earlier versions of the key are
+    /// dropped (puts that lost their commit).
+    #[allow(clippy::too_many_arguments)]
+    fn apply_replicated(
+        &self,
+        t: &mut Tables<'_, '_>,
+        key: &str,
+        rep: Replicated,
+        value: Option<Staged>,
+        content_type: String,
+        latest: u64,
+        garbage: &mut Vec<u64>,
+    ) -> Result<Applied, StoreError> {
+        let mut value = value;
+        if value.is_none() && !rep.deleted {
+            value = take_held(t, key, rep.version, &rep.digest)?;
+        }
+        drop_held_below(t, key, rep.version, garbage)?;
+        if rep.version <= latest {
+            let existing = t.versions.get((key, rep.version)).map_err(io)?.map(|r| Record::decode(r.value()));
+            let Some(mut rec) = existing.transpose()? else {
+                // Removed by retention already: nothing to do (a value
+                // given or held drops here, its blob file unlinked).
+                let rec = Record { absent: true, ..Record::new(rep.ts_us, content_type) };
+                return Ok(Applied::Exists(rec, rep.version, None));
+            };
+            match value {
+                Some(v) if rec.absent && rec.digest.as_deref() == Some(rep.digest.as_str()) => {
+                    let blob = place_value(t.inline, key, rep.version, v, &mut rec)?;
+                    rec.absent = false;
+                    t.versions.insert((key, rep.version), serde_json::to_vec(&rec).map_err(io)?.as_slice()).map_err(io)?;
+                    Ok(Applied::Filled(rec, rep.version, blob))
+                }
+                // The blob, if any, drops unkept (unlinked).
+                _ => Ok(Applied::Exists(rec, rep.version, None)),
+            }
+        } else {
+            let mut rec = Record::new(rep.ts_us, content_type);
+            rec.digest = Some(rep.digest);
+            rec.holders = rep.holders;
+            let blob = if rep.deleted {
+                rec.deleted = true;
+                rec.ct = String::new();
+                None
+            } else {
+                rec.size = rep.size;
+                match value {
+                    Some(v) => place_value(t.inline, key, rep.version, v, &mut rec)?,
+                    None => {
+                        rec.absent = true;
+                        None
+                    }
+                }
+            };
+            Ok(Applied::New(rec, rep.version, blob))
+        }
     }
 
     /// Age-based retention: in pools with `keep_age`, remove versions older

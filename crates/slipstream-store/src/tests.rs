@@ -265,3 +265,74 @@ fn blob_ids_are_not_reused_after_a_restart() {
     let name = |p: &Path| u64::from_str_radix(p.file_name().unwrap().to_str().unwrap(), 16).unwrap();
     assert_eq!(name(&next), 4, "ids 1-3 were handed out before the restart");
 }
+
+fn rep(version: u64, ts_us: u64, size: u64, digest: &str) -> Replicated {
+    Replicated { version, ts_us, size, digest: digest.into(), holders: vec!["a".into(), "b".into()], deleted: false }
+}
+
+fn apply(s: &Store, key: &str, r: Replicated, value: Option<&[u8]>) -> Committed {
+    let value = value.map(|v| s.stage(&[v]).unwrap());
+    s.write(Write { key: key.into(), value, content_type: "text/plain".into(), if_version: None, replicated: Some(r) })
+        .unwrap()
+}
+
+#[test]
+fn replicated_versions_keep_the_clusters_numbers_and_fill_in_when_fetched() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path());
+    // Held first (small and large), then named by the commit: the value is here.
+    s.hold("/m/x", 4, "d4", s.stage(&[b"four"]).unwrap()).unwrap();
+    let big = vec![9u8; 5000];
+    s.hold("/m/y", 1, "dy", s.stage(&[&big]).unwrap()).unwrap();
+    assert_eq!(s.value_of("/m/x", 4, "d4").unwrap().unwrap().as_ref(), b"four", "a held value serves peers");
+    assert!(s.value_of("/m/x", 4, "other").unwrap().is_none());
+    let c = apply(&s, "/m/x", rep(4, 1_000_000, 4, "d4"), None);
+    assert_eq!((c.meta.version, c.meta.timestamp, c.meta.local), (4, 1.0, true));
+    assert_eq!(bytes(&s, "/m/x", Select::Latest), b"four");
+    apply(&s, "/m/y", rep(1, 5, 5000, "dy"), None);
+    assert_eq!(bytes(&s, "/m/y", Select::Latest), big);
+    // Named without bytes here: the record says where they are until filled.
+    apply(&s, "/m/x", rep(6, 2_000_000, 3, "d6"), None);
+    match s.get("/m/x", Select::Latest) {
+        Err(StoreError::Elsewhere { version: 6, digest, holders, .. }) => {
+            assert_eq!((digest.as_str(), holders.len()), ("d6", 2))
+        }
+        other => panic!("expected Elsewhere, got {:?}", other.map(|(m, _)| m)),
+    }
+    assert!(!s.meta("/m/x", Select::Latest, false).unwrap().local);
+    // A replay changes nothing; bytes with the wrong digest fill nothing.
+    apply(&s, "/m/x", rep(4, 1_000_000, 4, "d4"), Some(b"FOUR"));
+    assert_eq!(bytes(&s, "/m/x", Select::Version(4)), b"four");
+    apply(&s, "/m/x", rep(6, 2_000_000, 3, "zz"), Some(b"bad"));
+    assert!(matches!(s.get("/m/x", Select::Latest), Err(StoreError::Elsewhere { .. })));
+    apply(&s, "/m/x", rep(6, 2_000_000, 3, "d6"), Some(b"six"));
+    assert_eq!(bytes(&s, "/m/x", Select::Latest), b"six");
+    // The feed saw each version once, in order.
+    let (changes, _) = s.changes("/m/", 0, 100).unwrap();
+    let seen: Vec<(String, u64)> = changes.iter().map(|c| (c.key.clone(), c.version)).collect();
+    assert_eq!(seen, vec![("/m/x".into(), 4), ("/m/y".into(), 1), ("/m/x".into(), 6)]);
+    // Bytes held for a put that lost its commit go when a later version lands.
+    s.hold("/m/x", 7, "loser", s.stage(&[&big]).unwrap()).unwrap();
+    s.hold("/m/x", 8, "late", s.stage(&[b"8"]).unwrap()).unwrap();
+    apply(&s, "/m/x", rep(8, 3_000_000, 1, "late"), None);
+    assert!(s.value_of("/m/x", 7, "loser").unwrap().is_none());
+    assert_eq!(bytes(&s, "/m/x", Select::Latest), b"8");
+    // A hold that arrives after its version was applied without bytes fills it.
+    apply(&s, "/m/z", rep(2, 4_000_000, 3, "dz"), None);
+    s.hold("/m/z", 2, "dz", s.stage(&[b"zed"]).unwrap()).unwrap();
+    assert_eq!(bytes(&s, "/m/z", Select::Latest), b"zed");
+}
+
+#[test]
+fn held_bytes_survive_a_reopen() {
+    let d = tempfile::tempdir().unwrap();
+    let big = vec![3u8; 5000];
+    {
+        let s = open(d.path());
+        s.hold("/m/x", 1, "d1", s.stage(&[&big]).unwrap()).unwrap();
+    }
+    let s = open(d.path());
+    assert_eq!(s.value_of("/m/x", 1, "d1").unwrap().unwrap().as_ref(), big.as_slice());
+    apply(&s, "/m/x", rep(1, 5, 5000, "d1"), None);
+    assert_eq!(bytes(&s, "/m/x", Select::Latest), big);
+}
