@@ -201,7 +201,7 @@ impl NodeError {
                     S::Conflict { .. } => 409,
                     S::Gone { .. } => 410,
                     S::TooLarge { .. } => 413,
-                    S::InUse(_) | S::Io(_) | S::Closed => 503,
+                    S::InUse(_) | S::Io(_) | S::Closed | S::Elsewhere { .. } => 503,
                 }
             }
         }

@@ -158,7 +158,7 @@ async fn put(node: &Node, key: String, query: &Query, req: hyper::Request<Incomi
     let store = node.store().clone();
     let c = blocking(move || {
         let staged = store.stage(&parts)?;
-        store.write(Write { key, value: Some(staged), content_type, if_version })
+        store.write(Write::put(key, staged, content_type, if_version))
     })
     .await?;
     Ok(json_resp(201, &serde_json::to_value(&c).expect("serialises")))
