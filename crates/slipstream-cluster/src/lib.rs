@@ -24,6 +24,7 @@
 mod agent;
 mod remote;
 mod serve;
+mod store;
 mod wire;
 
 use parking_lot::Mutex;
@@ -65,6 +66,13 @@ pub struct ClusterOptions {
     pub ttl_s: u64,
     /// The deployment this node runs (its id, from the `deploy` record).
     pub deploy: String,
+    /// Copies of each value in the cluster store (capped at the live members).
+    #[serde(default = "default_store_replicas")]
+    pub store_replicas: usize,
+}
+
+fn default_store_replicas() -> usize {
+    2
 }
 
 fn default_cluster() -> String {
@@ -209,6 +217,8 @@ pub struct Cluster {
     server: std::sync::OnceLock<slipstream_peer::ServerStats>,
     /// Members whose data plane failed here: node -> (its lease then, since when).
     suspects: Mutex<BTreeMap<String, (i64, std::time::Instant)>>,
+    /// The cluster store on this node (set once it has loaded).
+    store: std::sync::OnceLock<Arc<store::ClusterStore>>,
     /// The node's pipelines (fixed for its life) and event log.
     pipelines: Vec<Arc<PipelineRt>>,
     events: Arc<slipstream_core::events::Events>,
@@ -303,6 +313,7 @@ impl Cluster {
             "data_plane": self.peers.counters(),
             "data_plane_served": server.map(|s| s.counters()),
             "peer_connections": {"out": self.peers.connections(), "in": server.map_or(0, |s| s.connections())},
+            "store": self.store.get().map(|s| s.status()),
         })
     }
 }
@@ -332,7 +343,11 @@ impl Service for Cluster {
         doc.set(&["cluster"], self.status());
     }
 
-    fn metrics(&self, _: &mut PromText) {}
+    fn metrics(&self, t: &mut PromText) {
+        if let Some(s) = self.store.get() {
+            s.metrics(t);
+        }
+    }
 }
 
 /// Start the data plane, join the cluster and follow it; `http` is where
@@ -365,6 +380,7 @@ pub async fn start(node: &Arc<Node>, opts: ClusterOptions, http: String) -> Resu
         redeploy: redeploy_tx,
         server: std::sync::OnceLock::new(),
         suspects: Mutex::new(BTreeMap::new()),
+        store: std::sync::OnceLock::new(),
         pipelines: node.pipelines().values().cloned().collect(),
         events: node.events().clone(),
         opts,
@@ -385,6 +401,18 @@ pub async fn start(node: &Arc<Node>, opts: ClusterOptions, http: String) -> Resu
         .await
         .map_err(|e| format!("cannot join the cluster through etcd at {}: {e}", cluster.opts.etcd))?;
     let (leave, stop) = watch::channel(false);
+    // The store is shared from here on: every committed version is applied
+    // before the node serves a read.
+    let shared = store::ClusterStore::start(
+        cluster.clone(),
+        etcd.clone(),
+        node.store().clone(),
+        cluster.opts.store_replicas,
+        stop.clone(),
+    )
+    .await?;
+    let _ = cluster.store.set(shared.clone());
+    node.set_shared_store(shared);
     let tasks = vec![
         tokio::spawn(agent::membership(etcd.clone(), node.clone(), cluster.clone(), lease, stop.clone())),
         tokio::spawn(agent::follow(etcd, node.clone(), cluster.clone(), stop)),

@@ -21,6 +21,12 @@ pub(crate) async fn serve_call(
     from: String,
     inc: Incoming<ArenaBuf>,
 ) -> Outgoing {
+    if crate::store::is_store_call(&inc.meta) {
+        return match cluster.store.get() {
+            Some(s) => s.clone().serve(&from, inc).await,
+            None => Outgoing::error("the cluster store is not loaded yet here"),
+        };
+    }
     let meta: CallMeta = match serde_json::from_slice(&inc.meta) {
         Ok(m) => m,
         Err(e) => return Outgoing::error(format!("malformed call from {from}: {e}")),

@@ -11,6 +11,9 @@
 //!   metrics (the autoscaler, store triggers, the model follower, the
 //!   cluster agent, the dashboard's sampler); each runs its own task, with
 //!   the node's public API as its only handle;
+//! - [`SharedStore`]: the store a cluster shares (its writes committed
+//!   through etcd, its values held on other nodes); one node has none and
+//!   its store is the node's own;
 //! - [`crate::drive::Launcher`]: what drives a replica: the core's own for
 //!   a worker process on this machine ([`crate::worker::WorkerLauncher`]),
 //!   the cluster's for a replica on another node; both run the same loop
@@ -21,6 +24,7 @@
 //! them all and installs each here.
 
 use crate::arena::{HeapTensors, Tensors};
+use slipstream_store::{Committed, StoreError};
 use crate::prom::PromText;
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
@@ -57,6 +61,38 @@ pub trait StageHook: Send + Sync {
     fn status(&self) -> Value;
     /// Its samples in `/metrics`, labelled with the stage's `labels`.
     fn metrics(&self, t: &mut PromText, labels: &[(&str, &str)]);
+}
+
+/// A store call's answer, later.
+pub type StoreFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = Result<T, StoreError>> + Send>>;
+
+/// A write through the shared store: a put (`value` Some: its parts) or a
+/// delete.
+pub struct SharedWrite {
+    /// The key written.
+    pub key: String,
+    /// The value's parts (None: a delete, which writes a tombstone).
+    pub value: Option<Vec<bytes::Bytes>>,
+    /// The value's media type.
+    pub content_type: String,
+    /// Only if the key's latest version is this (0: never written).
+    pub if_version: Option<u64>,
+}
+
+/// The store a cluster shares (see the module docs). The node's own
+/// [`slipstream_store::Store`] stays the place reads are served from: the
+/// shared store keeps it current (every committed version applied in
+/// order) and fills in values held elsewhere on demand.
+pub trait SharedStore: Send + Sync {
+    /// Commit a write for the whole cluster; answered once it is
+    /// committed and applied to this node's store.
+    fn write(&self, w: SharedWrite) -> StoreFuture<Committed>;
+    /// Bring this node's store up to the cluster's latest commit of `key`
+    /// (a read after an acknowledged write through any node sees it).
+    fn sync(&self, key: &str) -> StoreFuture<()>;
+    /// Fetch the value of `key`'s version `version` from a node holding
+    /// it and keep it here (the record said [`StoreError::Elsewhere`]).
+    fn fetch(&self, key: &str, version: u64) -> StoreFuture<()>;
 }
 
 /// A background service's reporting (see the module docs).

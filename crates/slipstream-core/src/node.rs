@@ -58,6 +58,7 @@ pub struct Node {
     local: Arc<dyn Launcher>,
     /// What drives replicas on other nodes (set once, by the cluster).
     remote: OnceLock<Arc<dyn Launcher>>,
+    shared: OnceLock<Arc<dyn crate::ext::SharedStore>>,
     stop: watch::Receiver<bool>,
     tasks: Mutex<Vec<JoinHandle<()>>>,
     /// The features that report in status and metrics.
@@ -145,6 +146,7 @@ impl Node {
             admission: parts.admission,
             local: parts.local,
             remote: OnceLock::new(),
+            shared: OnceLock::new(),
             stop: parts.stop,
             tasks: Mutex::new(Vec::new()),
             services: Mutex::new(Vec::new()),
@@ -206,6 +208,17 @@ impl Node {
     /// Drive replicas on other nodes with `launcher` (once; later calls are ignored).
     pub fn set_remote_launcher(&self, launcher: Arc<dyn Launcher>) {
         let _ = self.remote.set(launcher);
+    }
+
+    /// Share the store through `shared` (a cluster's; once, later calls
+    /// are ignored): writes commit there, reads sync with it first.
+    pub fn set_shared_store(&self, shared: Arc<dyn crate::ext::SharedStore>) {
+        let _ = self.shared.set(shared);
+    }
+
+    /// The cluster's shared store, if the node is in one.
+    pub fn shared_store(&self) -> Option<&Arc<dyn crate::ext::SharedStore>> {
+        self.shared.get()
     }
 
     /// The node's stop signal (true once it has drained).

@@ -236,7 +236,25 @@ impl Etcd {
         expected_mod_revision: i64,
         lease: Option<i64>,
     ) -> Result<Result<i64, Option<Kv>>, EtcdError> {
+        self.txn_if(key, expected_mod_revision, &[(key, value)], &[], lease).await
+    }
+
+    /// One transaction: if `key`'s mod_revision is `expected` (0: the key
+    /// must not exist), put every `(key, value)` of `puts` (attached to
+    /// `lease` if given) and delete every key of `deletes`, atomically.
+    /// Ok(Ok(revision)) on success; Ok(Err(`key`'s current kv or None))
+    /// when the comparison failed. Never sent twice (see [`Etcd::put_if`]).
+    pub async fn txn_if(
+        &self,
+        key: &str,
+        expected_mod_revision: i64,
+        puts: &[(&str, &[u8])],
+        deletes: &[&str],
+        lease: Option<i64>,
+    ) -> Result<Result<i64, Option<Kv>>, EtcdError> {
         let k = b64(key.as_bytes());
+        let mut success: Vec<Value> = puts.iter().map(|(pk, v)| json!({ "request_put": put_request(pk, v, lease) })).collect();
+        success.extend(deletes.iter().map(|d| json!({ "request_delete_range": { "key": b64(d.as_bytes()) } })));
         let body = json!({
             "compare": [{
                 "key": k,
@@ -244,7 +262,7 @@ impl Etcd {
                 "result": "EQUAL",
                 "mod_revision": expected_mod_revision.to_string(),
             }],
-            "success": [{ "request_put": put_request(key, value, lease) }],
+            "success": success,
             "failure": [{ "request_range": { "key": k } }],
         });
         let r: wire::TxnResponse = match (self.call("/v3/kv/txn", body, Retry::No).await, lease) {

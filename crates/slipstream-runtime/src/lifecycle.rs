@@ -177,9 +177,15 @@ fn sweep_dead_ephemeral_stores() {
     }
 }
 
-/// Put each seed file whose key has no live version.
-fn seed_store(spec: &AppSpec, store: &slipstream_store::Store) -> Result<(), RunError> {
+/// Put each seed file whose key has no live version: into the cluster's
+/// shared store when the node is in one (the first node to seed a key
+/// wins; the others find it there), else into the node's own.
+async fn seed_store(spec: &AppSpec, node: &Node) -> Result<(), RunError> {
+    let store = node.store();
     for seed in &spec.store.seed {
+        if let Some(shared) = node.shared_store() {
+            shared.sync(&seed.key).await?;
+        }
         match store.meta(&seed.key, slipstream_store::Select::Latest, false) {
             Ok(_) => continue,
             Err(slipstream_store::StoreError::NotFound(_)) => {}
@@ -189,7 +195,21 @@ fn seed_store(spec: &AppSpec, store: &slipstream_store::Store) -> Result<(), Run
             pipeline: "-".into(),
             reason: format!("store seed {}: cannot read {}: {e}", seed.key, seed.path.display()),
         })?;
-        let c = store.put(&seed.key, &data, &seed.content_type, None)?;
+        let c = match node.shared_store() {
+            Some(shared) => {
+                let w = slipstream_core::ext::SharedWrite {
+                    key: seed.key.clone(),
+                    value: Some(vec![data.clone().into()]),
+                    content_type: seed.content_type.clone(),
+                    if_version: Some(0),
+                };
+                match shared.write(w).await {
+                    Err(slipstream_store::StoreError::Conflict { .. }) => continue, // another node seeded it
+                    r => r?,
+                }
+            }
+            None => store.put(&seed.key, &data, &seed.content_type, None)?,
+        };
         tracing::info!(
             "store: put {} version {} ({} bytes) from {}",
             seed.key,
@@ -265,8 +285,6 @@ pub async fn run(
     let arena = Arc::new(Arena::new(node_opts.shm_dir.clone(), node_opts.ingress_pool_bytes)?);
     let built = compose::pipelines(&spec, &node_opts, &arena, cluster.is_none())?;
     let store = open_store(&spec, &node_opts)?;
-    let feed_start = store.store.seq();
-    seed_store(&spec, &store.store)?;
 
     // Listen before the workers start: they read their objects from the
     // store through this node while they load.
@@ -333,6 +351,10 @@ pub async fn run(
         Some(c) => Some(slipstream_cluster::start(&node, c, http_addr).await.map_err(RunError::Cluster)?),
         None => None,
     };
+    // Triggers fire for changes from here on: in a cluster, after the
+    // versions committed before this node joined were loaded.
+    let feed_start = store.store.seq();
+    seed_store(&spec, &node).await?;
     let mut redeploy = joined.as_ref().map(|j| j.redeploy.clone());
     let first_starts = node.start_replicas();
     tracing::info!("listening on http://{local}{}", if app.edge.grpc { " (HTTP and gRPC)" } else { "" });

@@ -19,7 +19,11 @@ use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Method, Response, StatusCode};
 use serde_json::json;
 use slipstream_core::{Node, NodeError};
-use slipstream_store::{check_client_write, check_key, check_prefix, Body, Select, Write, TENSORS_CONTENT_TYPE};
+use slipstream_core::ext::{SharedStore, SharedWrite};
+use slipstream_store::{
+    check_client_write, check_key, check_prefix, Body, Select, Store, StoreError, Write, RESERVED_PREFIX,
+    TENSORS_CONTENT_TYPE,
+};
 use slipstream_triggers::Item;
 use std::time::Duration;
 
@@ -42,7 +46,7 @@ pub(crate) async fn route(app: &App, admin_open: bool, req: hyper::Request<Incom
     };
     match (op.as_str(), key) {
         ("objects", Some(key)) => match method {
-            Method::GET => get(node, &key, &query),
+            Method::GET => get(node, &key, &query).await,
             Method::PUT => {
                 app.authorise_admin(admin_open, &req)?;
                 put(node, key, &query, req).await
@@ -51,13 +55,22 @@ pub(crate) async fn route(app: &App, admin_open: bool, req: hyper::Request<Incom
                 app.authorise_admin(admin_open, &req)?;
                 check_key(&key)?;
                 let if_version = query.u64("if_version")?;
-                let store = node.store().clone();
-                let c = blocking(move || store.delete(&key, if_version)).await?;
+                let c = match shared_for(node, &key) {
+                    Some(shared) => {
+                        let w = SharedWrite { key, value: None, content_type: String::new(), if_version };
+                        shared.write(w).await?
+                    }
+                    None => {
+                        let store = node.store().clone();
+                        blocking(move || store.delete(&key, if_version)).await?
+                    }
+                };
                 Ok(json_resp(200, &serde_json::to_value(&c).expect("serialises")))
             }
             _ => Err(wrong()),
         },
         ("versions", Some(key)) if method == Method::GET => {
+            sync(node, &key, &query).await?;
             let versions = node.store().versions(&key)?;
             Ok(json_resp(200, &json!({"key": key, "versions": versions})))
         }
@@ -110,13 +123,62 @@ fn select(query: &Query) -> Result<Select, NodeError> {
     }
 }
 
-fn get(node: &Node, key: &str, query: &Query) -> Result<Resp, NodeError> {
+/// The cluster's shared store, for `key` (the node's reserved keys stay
+/// its own).
+fn shared_for<'a>(node: &'a Node, key: &str) -> Option<&'a std::sync::Arc<dyn SharedStore>> {
+    node.shared_store().filter(|_| !key.starts_with(RESERVED_PREFIX))
+}
+
+/// In a cluster, bring this node's store up to the cluster's latest commit
+/// of `key` first, unless the caller accepts a possibly stale answer
+/// (`stale=1`: this node's own view, which follows the cluster within
+/// milliseconds while it is connected).
+async fn sync(node: &Node, key: &str, query: &Query) -> Result<(), NodeError> {
+    match shared_for(node, key) {
+        Some(shared) if !query.has("stale") => Ok(shared.sync(key).await?),
+        _ => Ok(()),
+    }
+}
+
+/// Read the selected version here; in a cluster, a value held on other
+/// nodes is fetched from one of them (and kept) first.
+async fn read<T: Send + 'static>(
+    node: &Node,
+    key: &str,
+    f: impl Fn(&Store) -> Result<T, StoreError> + Send + Sync + 'static,
+) -> Result<T, NodeError> {
+    let f = std::sync::Arc::new(f);
+    for _ in 0..3 {
+        let (store, f) = (node.store().clone(), f.clone());
+        match blocking(move || Ok(f(&store))).await? {
+            Err(StoreError::Elsewhere { version, .. }) => match shared_for(node, key) {
+                Some(shared) => shared.fetch(key, version).await?,
+                None => break,
+            },
+            r => return Ok(r?),
+        }
+    }
+    Err(NodeError::Store(StoreError::Io(format!("{key}: its value could not be brought to this node"))))
+}
+
+async fn get(node: &Node, key: &str, query: &Query) -> Result<Resp, NodeError> {
     let sel = select(query)?;
+    sync(node, key, query).await?;
     if query.has("meta") {
-        let meta = node.store().meta(key, sel, true)?;
+        // The caller is about to map the blob file: it must be here.
+        let k = key.to_string();
+        let meta = read(node, key, move |s| {
+            let m = s.meta(&k, sel, true)?;
+            if m.local || m.deleted {
+                return Ok(m);
+            }
+            Err(StoreError::Elsewhere { key: m.key, version: m.version, digest: String::new(), holders: vec![] })
+        })
+        .await?;
         return Ok(json_resp(200, &serde_json::to_value(&meta).expect("serialises")));
     }
-    let (meta, body) = node.store().get(key, sel)?;
+    let k = key.to_string();
+    let (meta, body) = read(node, key, move |s| s.get(&k, sel)).await?;
     let bytes = match body {
         Body::Inline(v) => Bytes::from(v),
         Body::Mapped(m) => Bytes::from_owner(m),
@@ -155,12 +217,17 @@ async fn put(node: &Node, key: String, query: &Query, req: hyper::Request<Incomi
         let total: usize = parts.iter().map(|p| p.len()).sum();
         slipstream_store::check_tensors_head(&head_bytes(&parts), total as u64)?;
     }
-    let store = node.store().clone();
-    let c = blocking(move || {
-        let staged = store.stage(&parts)?;
-        store.write(Write::put(key, staged, content_type, if_version))
-    })
-    .await?;
+    let c = match shared_for(node, &key) {
+        Some(shared) => shared.write(SharedWrite { key, value: Some(parts), content_type, if_version }).await?,
+        None => {
+            let store = node.store().clone();
+            blocking(move || {
+                let staged = store.stage(&parts)?;
+                store.write(Write::put(key, staged, content_type, if_version))
+            })
+            .await?
+        }
+    };
     Ok(json_resp(201, &serde_json::to_value(&c).expect("serialises")))
 }
 

@@ -251,6 +251,10 @@ pub struct Change {
     /// Unix time in seconds.
     pub timestamp: f64,
     pub deleted: bool,
+    /// A cluster's change another node answers for (fires its triggers);
+    /// watchers see it like any other.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub quiet: bool,
 }
 
 /// Which version a read wants.
@@ -325,6 +329,9 @@ pub struct Replicated {
     pub digest: String,
     pub holders: Vec<String>,
     pub deleted: bool,
+    /// Its change is marked quiet in the feed: another node answers for it
+    /// (fires its triggers).
+    pub quiet: bool,
 }
 
 /// An acknowledged write.
@@ -460,6 +467,27 @@ impl Store {
         let (reply_tx, reply_rx) = sync_channel(1);
         tx.send((w, reply_tx)).map_err(|_| StoreError::Closed)?;
         reply_rx.recv().map_err(|_| StoreError::Closed)?
+    }
+
+    /// Commit `writes` in their order (one group commit when they arrive
+    /// together), blocking until each is decided; their outcomes in order.
+    pub fn write_all(&self, writes: Vec<Write>) -> Vec<Result<Committed, StoreError>> {
+        let Some(tx) = self.writes.lock().clone() else {
+            return writes.iter().map(|_| Err(StoreError::Closed)).collect();
+        };
+        let mut waits = Vec::with_capacity(writes.len());
+        for w in writes {
+            if let Err(e) = check_key(&w.key) {
+                waits.push(Err(e));
+                continue;
+            }
+            let (reply_tx, reply_rx) = sync_channel(1);
+            waits.push(match tx.send((w, reply_tx)) {
+                Ok(()) => Ok(reply_rx),
+                Err(_) => Err(StoreError::Closed),
+            });
+        }
+        waits.into_iter().map(|w| w.and_then(|rx| rx.recv().map_err(|_| StoreError::Closed)?)).collect()
     }
 
     /// Stage and commit a put of `value` (convenience for callers that hold
@@ -1033,6 +1061,7 @@ impl Inner {
                     None => None,
                 };
                 if let Some(rep) = w.replicated.take() {
+                    let rep_quiet = rep.quiet;
                     let mut tables = Tables {
                         blobs: &self.blobs,
                         versions: &mut versions,
@@ -1041,6 +1070,7 @@ impl Inner {
                         held_inline: &mut held_inline,
                     };
                     let out = self.apply_replicated(&mut tables, &w.key, rep, w.value, w.content_type, latest, &mut garbage)?;
+                    let quiet = rep_quiet;
                     let (rec, version, blob) = match out {
                         Applied::Filled(rec, version, blob) | Applied::Exists(rec, version, blob) => {
                             let meta = self.meta_of(key, version, &rec);
@@ -1054,7 +1084,7 @@ impl Inner {
                     heads.insert(key, version).map_err(io)?;
                     seq += 1;
                     let change =
-                        Change { seq, key: key.to_string(), version, timestamp: secs(rec.ts), deleted: rec.deleted };
+                        Change { seq, key: key.to_string(), version, timestamp: secs(rec.ts), deleted: rec.deleted, quiet };
                     feed.insert(seq, serde_json::to_vec(&change).map_err(io)?.as_slice()).map_err(io)?;
                     self.retain_count(&mut versions, &mut inline, key, version, &mut garbage)?;
                     let meta = self.meta_of(key, version, &rec);
@@ -1089,7 +1119,8 @@ impl Inner {
                 versions.insert((key, version), serde_json::to_vec(&rec).map_err(io)?.as_slice()).map_err(io)?;
                 heads.insert(key, version).map_err(io)?;
                 seq += 1;
-                let change = Change { seq, key: key.to_string(), version, timestamp: secs(ts), deleted: rec.deleted };
+                let change =
+                    Change { seq, key: key.to_string(), version, timestamp: secs(ts), deleted: rec.deleted, quiet: false };
                 feed.insert(seq, serde_json::to_vec(&change).map_err(io)?.as_slice()).map_err(io)?;
                 self.retain_count(&mut versions, &mut inline, key, version, &mut garbage)?;
                 let meta = self.meta_of(key, version, &rec);

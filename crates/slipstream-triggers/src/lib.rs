@@ -328,7 +328,9 @@ pub async fn follow(node: Arc<Node>, triggers: Arc<Triggers>, mut stop: watch::R
         let full = match batch {
             Ok(Ok((changes, read_to))) => {
                 let full = changes.len() == 1000;
-                for c in changes {
+                // A cluster's change fires on one node, its first holder;
+                // the others see it quiet.
+                for c in changes.into_iter().filter(|c| !c.quiet) {
                     let op = if c.deleted { "delete" } else { "put" };
                     triggers.offer(&node, &Item { seq: c.seq, key: c.key, version: c.version, op, value: None });
                 }

@@ -210,6 +210,7 @@ def cmd_node(a: argparse.Namespace) -> int:
         spec["worker_argv"][0] = sys.executable
         cluster = {"etcd": a.cluster, "name": name, "cluster": a.cluster_name, "token": token,
                    "data_listen": a.data_listen, "ttl_s": a.ttl, "deploy": d["id"],
+                   "store_replicas": a.store_replicas,
                    **({"advertise": a.advertise} if a.advertise else {})}
         print(f"slipstream: node {name}: running deployment {d['id']} ({app})", file=sys.stderr)
         try:
@@ -236,6 +237,17 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "frames (default: $SLIPSTREAM_CLUSTER_TOKEN)")
 
 
+def _positive(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def add_cluster_commands(sub: Any) -> None:
     """Register ``deploy`` and ``node`` on the command line's subparsers."""
     d = sub.add_parser("deploy", help="put an app's pipelines into a cluster (nodes place and run them)")
@@ -255,4 +267,7 @@ def add_cluster_commands(sub: Any) -> None:
                    help="the address other nodes reach this one's data plane at (default: the listen address)")
     n.add_argument("--ttl", type=int, default=3, metavar="SECONDS",
                    help="membership lease: a node that stops renewing it leaves the cluster after this long")
+    n.add_argument("--store-replicas", type=_positive, default=2, metavar="N",
+                   help="copies of each value in the cluster's store (a put is acknowledged once all N hold it; "
+                        "fewer when fewer nodes are up)")
     n.set_defaults(fn=cmd_node)

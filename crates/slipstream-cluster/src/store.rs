@@ -1,0 +1,687 @@
+//! One object store across the cluster (`docs/design/store.md`, "Across
+//! the cluster"): the nodes that run the stages are the store, etcd orders
+//! its versions, bytes stay on the nodes.
+//!
+//! - **etcd holds metadata only**, under `/slipstream/<cluster>/store/`:
+//!   `head<key>` (the key's latest version's record, the thing a commit
+//!   compares) and `ver<key>@<version>` (every version's record, which
+//!   every node follows). A record names the version, its commit
+//!   timestamp, size, media type, SHA-256 digest and the nodes holding its
+//!   bytes; it is signed with the cluster key like every other record.
+//! - **A put** through any node: the node (the coordinator) hashes the
+//!   value, reads the key's head, sends the bytes to the replica set
+//!   (rendezvous hashing of the key, or of its affinity group, over the
+//!   live members: RF nodes), each of which checks the digest and holds
+//!   them durably ([`slipstream_store::Store::hold`]); once W have, one
+//!   etcd transaction compares the head's revision with the one read and
+//!   writes the new head and version record. That transaction is the
+//!   order of versions; the put is answered after it (and after this node
+//!   applied it). A put that loses the compare is tried again
+//!   (unconditional) or refused as a conflict (conditional).
+//! - **Every node applies every committed version, in order** (the
+//!   follower: a load of `ver` then a watch from the revision after it):
+//!   its own store is a mirror of the cluster's, so reads by version or by
+//!   time, listings, the change feed, the cache's invalidation and triggers
+//!   work on it unchanged. A holder's version takes its held bytes; on
+//!   the others the version's record says where the bytes are, and the
+//!   first read fetches them from a holder over the data plane, checks the
+//!   digest and keeps them.
+//! - **Reads see acknowledged writes**: a latest read first asks etcd for
+//!   the key's head and waits until this node applied it (a few ms after
+//!   the commit on a healthy cluster).
+//!
+//! The node's reserved keys (`/_slipstream/...`) stay local to each node.
+
+use crate::{open, seal, Cluster};
+use bytes::Bytes;
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use slipstream_core::ext::{SharedStore, SharedWrite, StoreFuture};
+use slipstream_core::prom::PromText;
+use slipstream_etcd::{Etcd, EtcdError, Kv, WatchEvent};
+use slipstream_peer::{Incoming, OutTensor, Outgoing};
+use slipstream_store::{Committed, Replicated, Select, Store, StoreError, Write};
+use slipstream_types::DType;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::watch;
+
+/// The record kind objects are sealed as.
+const KIND: &str = "object";
+/// How long a read waits for this node to apply a commit it learned of.
+const SYNC_PATIENCE: Duration = Duration::from_secs(5);
+/// Commits a put tries before it gives up on a key others keep changing.
+const MAX_ATTEMPTS: u32 = 32;
+/// The tag every store call's meta starts with (see [`is_store_call`]).
+const CALL_TAG: &[u8] = b"{\"store\":";
+
+/// One version as etcd records it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub(crate) struct ObjectRecord {
+    pub(crate) key: String,
+    pub(crate) version: u64,
+    /// Commit timestamp, unix µs (monotonic per key).
+    pub(crate) ts_us: u64,
+    pub(crate) size: u64,
+    pub(crate) ct: String,
+    /// SHA-256 of the value, hex.
+    pub(crate) digest: String,
+    /// The nodes that held the bytes durably when it committed.
+    pub(crate) holders: Vec<String>,
+    pub(crate) deleted: bool,
+}
+
+/// A store call on the data plane.
+#[derive(Serialize, Deserialize)]
+#[serde(tag = "store", rename_all = "lowercase")]
+enum StoreCall {
+    /// Hold the value (the frame's tensors, in order) for this version.
+    Hold { key: String, version: u64, digest: String },
+    /// Answer the value of this version, if held here.
+    Read { key: String, version: u64, digest: String },
+}
+
+/// Whether a data-plane call's meta is a store call (the batch calls'
+/// meta never starts with this tag).
+pub(crate) fn is_store_call(meta: &[u8]) -> bool {
+    meta.starts_with(CALL_TAG)
+}
+
+#[derive(Default)]
+struct Counters {
+    puts: AtomicU64,
+    conflicts_retried: AtomicU64,
+    applied: AtomicU64,
+    fetches: AtomicU64,
+    fetched_bytes: AtomicU64,
+    holds_served: AtomicU64,
+    reads_served: AtomicU64,
+    refused_records: AtomicU64,
+}
+
+/// The cluster's shared store on this node.
+pub(crate) struct ClusterStore {
+    cluster: Arc<Cluster>,
+    etcd: Etcd,
+    store: Arc<Store>,
+    /// `/slipstream/<cluster>/store/`.
+    root: String,
+    /// Copies of each value (the replica set's size).
+    replicas: usize,
+    /// The etcd revision this node's store has applied.
+    applied: watch::Sender<i64>,
+    /// One fetch per version at a time.
+    fetching: Mutex<HashMap<(String, u64), Arc<tokio::sync::Mutex<()>>>>,
+    counters: Counters,
+    /// Itself, for the futures the [`SharedStore`] calls return.
+    me: std::sync::Weak<ClusterStore>,
+}
+
+fn unavailable(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Io(format!("cluster store: {e}"))
+}
+
+fn now_us() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
+}
+
+/// SHA-256 of the parts, hex.
+pub(crate) fn digest_of<B: AsRef<[u8]>>(parts: &[B]) -> String {
+    let mut h = Sha256::new();
+    for p in parts {
+        h.update(p.as_ref());
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The rendezvous (highest random weight) order of `members` for `group`:
+/// a member's rank for a group does not depend on the others, so a member
+/// joining or leaving moves only the groups it ranks first in.
+pub(crate) fn rendezvous<'a>(group: &str, members: impl Iterator<Item = &'a str>) -> Vec<String> {
+    let mut scored: Vec<([u8; 8], &str)> = members
+        .map(|m| {
+            let mut h = Sha256::new();
+            h.update(group.as_bytes());
+            h.update([0]);
+            h.update(m.as_bytes());
+            let d = h.finalize();
+            (d[..8].try_into().expect("8 bytes"), m)
+        })
+        .collect();
+    scored.sort_by(|a, b| b.cmp(a));
+    scored.into_iter().map(|(_, m)| m.to_string()).collect()
+}
+
+impl ClusterStore {
+    /// Load every committed version into this node's store, then follow
+    /// new ones (in a task, until `stop`).
+    pub(crate) async fn start(
+        cluster: Arc<Cluster>,
+        etcd: Etcd,
+        store: Arc<Store>,
+        replicas: usize,
+        stop: watch::Receiver<bool>,
+    ) -> Result<Arc<ClusterStore>, String> {
+        let root = format!("{}store/", cluster.opts.root());
+        let me = Arc::new_cyclic(|me| ClusterStore {
+            cluster,
+            etcd,
+            store,
+            root,
+            replicas: replicas.max(1),
+            applied: watch::channel(0).0,
+            fetching: Mutex::new(HashMap::new()),
+            counters: Counters::default(),
+            me: me.clone(),
+        });
+        let rev = me.load().await?;
+        tokio::spawn(me.clone().follow(rev, stop));
+        Ok(me)
+    }
+
+    fn head_key(&self, key: &str) -> String {
+        format!("{}head{key}", self.root)
+    }
+
+    fn ver_key(&self, key: &str, version: u64) -> String {
+        format!("{}ver{key}@{version:020}", self.root)
+    }
+
+    fn decode(&self, kv: &Kv) -> Option<ObjectRecord> {
+        match open::<ObjectRecord>(&self.cluster.key, KIND, &kv.value) {
+            Ok(r) => Some(r),
+            Err(why) => {
+                self.counters.refused_records.fetch_add(1, Relaxed);
+                tracing::warn!("cluster store: ignoring the record at {}: {why}", kv.key);
+                None
+            }
+        }
+    }
+
+    /// Apply every version record under `ver` (as of now); its revision.
+    async fn load(&self) -> Result<i64, String> {
+        let (kvs, rev) = self
+            .etcd
+            .get_prefix(&format!("{}ver", self.root))
+            .await
+            .map_err(|e| format!("cannot read the cluster store's records: {e}"))?;
+        let records: Vec<ObjectRecord> = kvs.iter().filter_map(|kv| self.decode(kv)).collect();
+        let n = records.len();
+        self.apply(records).await.map_err(|e| format!("cannot apply the cluster store's records: {e}"))?;
+        self.applied.send_replace(rev);
+        if n > 0 {
+            tracing::info!("cluster store: {n} version(s) loaded as of etcd revision {rev}");
+        }
+        Ok(rev)
+    }
+
+    /// Follow the version records from after `rev`, applying them in order.
+    async fn follow(self: Arc<Self>, rev: i64, mut stop: watch::Receiver<bool>) {
+        let mut events = self.etcd.watch_prefix(&format!("{}ver", self.root), rev + 1);
+        loop {
+            let first = tokio::select! {
+                e = events.recv() => e,
+                _ = stop.wait_for(|s| *s) => return,
+            };
+            let Some(first) = first else { return };
+            let mut batch = vec![first];
+            while batch.len() < 256 {
+                match events.try_recv() {
+                    Ok(e) => batch.push(e),
+                    Err(_) => break,
+                }
+            }
+            let mut records = Vec::new();
+            let mut upto = 0;
+            let mut resync = false;
+            for e in batch {
+                match e {
+                    WatchEvent::Put(kv) => {
+                        upto = upto.max(kv.mod_revision);
+                        records.extend(self.decode(&kv));
+                    }
+                    // Old versions' records leave etcd with retention; the
+                    // node's own retention removes them here.
+                    WatchEvent::Delete { mod_revision, .. } => upto = upto.max(mod_revision),
+                    WatchEvent::Resync => resync = true,
+                }
+            }
+            // Retried until it applies: a version is never skipped.
+            let mut wait = Duration::from_millis(50);
+            loop {
+                let done = match self.apply(records.clone()).await {
+                    Ok(()) if resync => self.load().await.map(|_| ()),
+                    r => r.map_err(|e| e.to_string()),
+                };
+                match done {
+                    Ok(()) => break,
+                    Err(e) => {
+                        tracing::warn!("cluster store: applying committed versions failed ({e}); retrying");
+                        tokio::time::sleep(wait).await;
+                        wait = (wait * 2).min(Duration::from_secs(2));
+                    }
+                }
+            }
+            self.applied.send_if_modified(|r| {
+                let moved = upto > *r;
+                *r = (*r).max(upto);
+                moved
+            });
+        }
+    }
+
+    /// Apply `records` to this node's store, in order, in one group commit.
+    async fn apply(&self, records: Vec<ObjectRecord>) -> Result<(), StoreError> {
+        if records.is_empty() {
+            return Ok(());
+        }
+        let me = self.cluster.me().to_string();
+        let n = records.len() as u64;
+        let writes: Vec<Write> = records
+            .into_iter()
+            .map(|r| Write {
+                // Triggers fire for a change on its first holder only.
+                replicated: Some(Replicated {
+                    version: r.version,
+                    ts_us: r.ts_us,
+                    size: r.size,
+                    quiet: r.holders.first() != Some(&me),
+                    digest: r.digest,
+                    holders: r.holders,
+                    deleted: r.deleted,
+                }),
+                key: r.key,
+                value: None,
+                content_type: r.ct,
+                if_version: None,
+            })
+            .collect();
+        let store = self.store.clone();
+        tokio::task::spawn_blocking(move || store.write_all(writes))
+            .await
+            .map_err(unavailable)?
+            .into_iter()
+            .collect::<Result<Vec<_>, _>>()?;
+        self.counters.applied.fetch_add(n, Relaxed);
+        Ok(())
+    }
+
+    /// Wait until this node applied etcd revision `rev`.
+    async fn applied_to(&self, rev: i64) -> Result<(), StoreError> {
+        let mut rx = self.applied.subscribe();
+        let reached = matches!(tokio::time::timeout(SYNC_PATIENCE, rx.wait_for(|r| *r >= rev)).await, Ok(Ok(_)));
+        match reached {
+            true => Ok(()),
+            false => Err(unavailable(format!(
+                "this node has not applied the cluster's commit at etcd revision {rev} after {SYNC_PATIENCE:?}"
+            ))),
+        }
+    }
+
+    /// The replica set for `key`: RF live members by rendezvous order of
+    /// its affinity group (or the key itself), and the copies a commit
+    /// needs (W = RF, at most the live members).
+    fn replica_set(&self, key: &str) -> Result<Vec<String>, StoreError> {
+        let view = self.cluster.view();
+        let group = slipstream_store::affinity_of(&self.store.options().pools, key)
+            .map_or_else(|| key.to_string(), |(pool, g)| format!("{pool}\0{g}"));
+        let live = view.members.keys().map(String::as_str).filter(|m| !view.suspects.contains(*m));
+        let mut set = rendezvous(&group, live);
+        set.truncate(self.replicas);
+        if set.is_empty() {
+            return Err(unavailable("no live member to hold the value"));
+        }
+        Ok(set)
+    }
+
+    /// Commit one write for the cluster (see the module docs).
+    async fn commit(self: Arc<Self>, w: SharedWrite) -> Result<Committed, StoreError> {
+        slipstream_store::check_key(&w.key)?;
+        let key = w.key.clone();
+        let value: Option<Arc<Vec<Bytes>>> = w.value.map(Arc::new);
+        let (digest, size) = match &value {
+            Some(parts) => {
+                let p = parts.clone();
+                let d = tokio::task::spawn_blocking(move || digest_of(&p)).await.map_err(unavailable)?;
+                (d, parts.iter().map(|b| b.len() as u64).sum())
+            }
+            None => (String::new(), 0),
+        };
+        let head_key = self.head_key(&key);
+        let mut wait = Duration::from_millis(2);
+        for _ in 0..MAX_ATTEMPTS {
+            let head = self.etcd.get(&head_key).await.map_err(unavailable)?;
+            let (mod_rev, prev) = match &head {
+                Some(kv) => (
+                    kv.mod_revision,
+                    Some(self.decode(kv).ok_or_else(|| unavailable(format!("{key}: its head record is not signed")))?),
+                ),
+                None => (0, None),
+            };
+            let latest = prev.as_ref().map_or(0, |p| p.version);
+            if let Some(expected) = w.if_version {
+                if expected != latest {
+                    return Err(StoreError::Conflict { key, expected, current: latest });
+                }
+            }
+            if value.is_none() && prev.as_ref().is_none_or(|p| p.deleted) {
+                return Err(StoreError::NotFound(format!("no live value to delete at {key}")));
+            }
+            let version = latest + 1;
+            let set = self.replica_set(&key)?;
+            let holders = match &value {
+                Some(parts) => self.replicate(&key, version, &digest, parts, &set).await?,
+                None => set,
+            };
+            let rec = ObjectRecord {
+                key: key.clone(),
+                version,
+                ts_us: now_us().max(prev.as_ref().map_or(0, |p| p.ts_us + 1)),
+                size,
+                ct: if value.is_some() { w.content_type.clone() } else { String::new() },
+                digest: digest.clone(),
+                holders,
+                deleted: value.is_none(),
+            };
+            let sealed = seal(&self.cluster.key, KIND, &rec);
+            let ver_key = self.ver_key(&key, version);
+            let keep = self.pool_keep(&key);
+            let old = (version > keep).then(|| self.ver_key(&key, version - keep));
+            let deletes: Vec<&str> = old.iter().map(String::as_str).collect();
+            let puts = [(head_key.as_str(), sealed.as_slice()), (ver_key.as_str(), sealed.as_slice())];
+            match self.etcd.txn_if(&head_key, mod_rev, &puts, &deletes, None).await {
+                Ok(Ok(rev)) => {
+                    self.counters.puts.fetch_add(1, Relaxed);
+                    self.applied_to(rev).await?;
+                    let store = self.store.clone();
+                    let meta = tokio::task::spawn_blocking(move || store.meta(&key, Select::Version(version), false))
+                        .await
+                        .map_err(unavailable)??;
+                    return Ok(Committed { meta, seq: self.store.seq() });
+                }
+                Ok(Err(current)) => {
+                    if let Some(expected) = w.if_version {
+                        let current = current.as_ref().and_then(|kv| self.decode(kv)).map_or(0, |r| r.version);
+                        return Err(StoreError::Conflict { key, expected, current });
+                    }
+                    self.counters.conflicts_retried.fetch_add(1, Relaxed);
+                    tokio::time::sleep(wait.mul_f64(rand_unit())).await;
+                    wait = (wait * 2).min(Duration::from_millis(100));
+                }
+                Err(EtcdError::Unreachable(why)) => {
+                    return Err(unavailable(format!(
+                        "etcd did not answer the commit of {key} ({why}); it may or may not have happened"
+                    )))
+                }
+                Err(e) => return Err(unavailable(e)),
+            }
+        }
+        Err(unavailable(format!("{key}: gave up after {MAX_ATTEMPTS} commits lost to concurrent writers")))
+    }
+
+    /// Versions of `key` etcd keeps (its pool's `keep_versions`).
+    fn pool_keep(&self, key: &str) -> u64 {
+        let pools = &self.store.options().pools;
+        pools.iter().filter(|p| key.starts_with(&p.prefix)).max_by_key(|p| p.prefix.len()).map_or(16, |p| p.keep_versions)
+    }
+
+    /// Send the value to every node of `set`; the nodes that hold it
+    /// durably (all of them, or the put fails: W = RF).
+    async fn replicate(
+        self: &Arc<Self>,
+        key: &str,
+        version: u64,
+        digest: &str,
+        parts: &Arc<Vec<Bytes>>,
+        set: &[String],
+    ) -> Result<Vec<String>, StoreError> {
+        let size: u64 = parts.iter().map(|b| b.len() as u64).sum();
+        let patience = transfer_patience(size);
+        let view = self.cluster.view();
+        let mut tasks = Vec::with_capacity(set.len());
+        for node in set {
+            let (me, parts, view, node) = (self.clone(), parts.clone(), view.clone(), node.clone());
+            let (key, digest) = (key.to_string(), digest.to_string());
+            tasks.push(tokio::spawn(async move {
+                let r = if node == me.cluster.me() {
+                    let store = me.store.clone();
+                    tokio::task::spawn_blocking(move || {
+                        store.stage(&parts).and_then(|v| store.hold(&key, version, &digest, v))
+                    })
+                    .await
+                    .map_err(|e| e.to_string())
+                    .and_then(|r| r.map_err(|e| e.to_string()))
+                } else {
+                    match view.members.get(&node) {
+                        None => Err("not a member".to_string()),
+                        Some(m) => {
+                            let call = StoreCall::Hold { key, version, digest };
+                            let tensors = parts.iter().map(|p| raw_tensor(p.clone())).collect();
+                            let msg = Outgoing::call(serde_json::to_vec(&call).expect("serialises"), tensors);
+                            me.cluster.peers.call(m.data, msg, patience).await.map(|_| ()).map_err(|e| e.to_string())
+                        }
+                    }
+                };
+                (node, r)
+            }));
+        }
+        let mut results = Vec::with_capacity(tasks.len());
+        for t in tasks {
+            results.push(t.await.map_err(unavailable)?);
+        }
+        let mut held = Vec::new();
+        let mut failed = Vec::new();
+        for (node, r) in results {
+            match r {
+                Ok(()) => held.push(node),
+                Err(e) => failed.push(format!("{node}: {e}")),
+            }
+        }
+        if held.len() < set.len() {
+            return Err(unavailable(format!(
+                "{key}: {} of {} replica node(s) took the value ({}); not committed",
+                held.len(),
+                set.len(),
+                failed.join("; ")
+            )));
+        }
+        Ok(held)
+    }
+
+    /// Fetch a version's bytes from a holder and keep them here.
+    async fn fetch_one(self: Arc<Self>, key: String, version: u64) -> Result<(), StoreError> {
+        let lock = self.fetching.lock().entry((key.clone(), version)).or_default().clone();
+        let _one = lock.lock().await;
+        let result = self.clone().fetch_locked(&key, version).await;
+        self.fetching.lock().remove(&(key, version));
+        result
+    }
+
+    async fn fetch_locked(self: Arc<Self>, key: &str, version: u64) -> Result<(), StoreError> {
+        let store = self.store.clone();
+        let k = key.to_string();
+        let meta = tokio::task::spawn_blocking(move || store.meta(&k, Select::Version(version), false))
+            .await
+            .map_err(unavailable)??;
+        if meta.local || meta.deleted {
+            return Ok(());
+        }
+        let digest = meta.digest.clone().ok_or_else(|| unavailable(format!("{key} v{version} has no digest")))?;
+        let view = self.cluster.view();
+        let mut errors = Vec::new();
+        // Holders this node does not suspect first.
+        let mut holders: Vec<&String> = meta.holders.iter().filter(|h| h.as_str() != self.cluster.me()).collect();
+        holders.sort_by_key(|h| view.suspects.contains(h.as_str()));
+        let started = Instant::now();
+        for h in holders {
+            let Some(m) = view.members.get(h.as_str()) else {
+                errors.push(format!("{h}: not a live member"));
+                continue;
+            };
+            let call = StoreCall::Read { key: key.to_string(), version, digest: digest.clone() };
+            let msg = Outgoing::call(serde_json::to_vec(&call).expect("serialises"), vec![]);
+            let mut inc = match self.cluster.peers.call(m.data, msg, transfer_patience(meta.size)).await {
+                Ok(inc) => inc,
+                Err(e) => {
+                    errors.push(format!("{h}: {e}"));
+                    continue;
+                }
+            };
+            let Some(bytes) = inc.tensor_data(0).map(<[u8]>::to_vec) else {
+                errors.push(format!("{h}: an answer without the value"));
+                continue;
+            };
+            let (store, k, d) = (self.store.clone(), key.to_string(), digest.clone());
+            let rep = Replicated {
+                version,
+                ts_us: (meta.timestamp * 1e6).round() as u64,
+                size: meta.size,
+                digest: digest.clone(),
+                holders: meta.holders.clone(),
+                deleted: false,
+                quiet: true,
+            };
+            let ct = meta.content_type.clone();
+            let filled = tokio::task::spawn_blocking(move || {
+                if digest_of(&[&bytes]) != d {
+                    return Err(StoreError::Io("the bytes do not match the version's digest".into()));
+                }
+                let value = store.stage(&[&bytes])?;
+                store.write(Write { key: k, value: Some(value), content_type: ct, if_version: None, replicated: Some(rep) })
+            })
+            .await
+            .map_err(unavailable)?;
+            match filled {
+                Ok(_) => {
+                    self.counters.fetches.fetch_add(1, Relaxed);
+                    self.counters.fetched_bytes.fetch_add(meta.size, Relaxed);
+                    tracing::debug!("fetched {key} v{version} ({} bytes) from {h} in {:?}", meta.size, started.elapsed());
+                    return Ok(());
+                }
+                Err(e) => errors.push(format!("{h}: {e}")),
+            }
+        }
+        Err(unavailable(format!("no holder of {key} v{version} gave its bytes ({})", errors.join("; "))))
+    }
+
+    /// Answer a store call from another node.
+    pub(crate) async fn serve(self: Arc<Self>, from: &str, mut inc: Incoming<crate::wire::ArenaBuf>) -> Outgoing {
+        let call: StoreCall = match serde_json::from_slice(&inc.meta) {
+            Ok(c) => c,
+            Err(e) => return Outgoing::error(format!("malformed store call from {from}: {e}")),
+        };
+        match call {
+            StoreCall::Hold { key, version, digest } => {
+                let mut parts = Vec::with_capacity(inc.tensors.len());
+                for i in 0..inc.tensors.len() {
+                    parts.push(inc.tensor_data(i).map(<[u8]>::to_vec).unwrap_or_default());
+                }
+                let store = self.store.clone();
+                let held = tokio::task::spawn_blocking(move || {
+                    if digest_of(&parts) != digest {
+                        return Err(StoreError::BadRequest("the bytes do not match their digest".into()));
+                    }
+                    store.stage(&parts).and_then(|v| store.hold(&key, version, &digest, v))
+                })
+                .await;
+                match held {
+                    Ok(Ok(())) => {
+                        self.counters.holds_served.fetch_add(1, Relaxed);
+                        Outgoing::reply(b"{}".to_vec(), vec![])
+                    }
+                    Ok(Err(e)) => Outgoing::error(e.to_string()),
+                    Err(e) => Outgoing::error(e.to_string()),
+                }
+            }
+            StoreCall::Read { key, version, digest } => {
+                let store = self.store.clone();
+                match tokio::task::spawn_blocking(move || store.value_of(&key, version, &digest)).await {
+                    Ok(Ok(Some(body))) => {
+                        self.counters.reads_served.fetch_add(1, Relaxed);
+                        Outgoing::reply(b"{}".to_vec(), vec![raw_tensor(Bytes::from_owner(body))])
+                    }
+                    Ok(Ok(None)) => Outgoing::error("not held here"),
+                    Ok(Err(e)) => Outgoing::error(e.to_string()),
+                    Err(e) => Outgoing::error(e.to_string()),
+                }
+            }
+        }
+    }
+
+    /// The status block (`cluster.store`).
+    pub(crate) fn status(&self) -> serde_json::Value {
+        let c = &self.counters;
+        serde_json::json!({
+            "replicas": self.replicas,
+            "applied_revision": *self.applied.borrow(),
+            "puts": c.puts.load(Relaxed),
+            "conflicts_retried": c.conflicts_retried.load(Relaxed),
+            "versions_applied": c.applied.load(Relaxed),
+            "fetches": c.fetches.load(Relaxed),
+            "fetched_bytes": c.fetched_bytes.load(Relaxed),
+            "holds_served": c.holds_served.load(Relaxed),
+            "reads_served": c.reads_served.load(Relaxed),
+            "refused_records": c.refused_records.load(Relaxed),
+        })
+    }
+
+    pub(crate) fn metrics(&self, t: &mut PromText) {
+        let c = &self.counters;
+        for (name, help, v) in [
+            ("slipstream_cluster_store_puts_total", "Writes this node committed for the cluster.", &c.puts),
+            ("slipstream_cluster_store_fetches_total", "Values fetched from another node.", &c.fetches),
+            ("slipstream_cluster_store_fetched_bytes_total", "Bytes fetched from other nodes.", &c.fetched_bytes),
+            ("slipstream_cluster_store_applied_total", "Committed versions applied to this node's store.", &c.applied),
+        ] {
+            t.counter(name, help, &[], v.load(Relaxed));
+        }
+    }
+}
+
+/// A value's bytes as a data-plane tensor.
+fn raw_tensor(data: Bytes) -> OutTensor {
+    OutTensor { name: String::new(), dtype: DType::Uint8, shape: vec![data.len() as u64], data }
+}
+
+/// How long moving `size` bytes between nodes may take (10 s, plus 20 ms per MB).
+fn transfer_patience(size: u64) -> Duration {
+    Duration::from_secs(10) + Duration::from_millis(size / 50_000)
+}
+
+/// A number in [0.5, 1) for jitter (not for secrets).
+fn rand_unit() -> f64 {
+    let n = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    0.5 + f64::from(n % 1000) / 2000.0
+}
+
+impl ClusterStore {
+    fn arc(&self) -> Arc<ClusterStore> {
+        self.me.upgrade().expect("the cluster store is alive while it is called")
+    }
+}
+
+impl SharedStore for ClusterStore {
+    fn write(&self, w: SharedWrite) -> StoreFuture<Committed> {
+        let me = self.arc();
+        Box::pin(me.commit(w))
+    }
+
+    fn sync(&self, key: &str) -> StoreFuture<()> {
+        let me = self.arc();
+        let head_key = self.head_key(key);
+        Box::pin(async move {
+            match me.etcd.get(&head_key).await.map_err(unavailable)? {
+                Some(kv) => me.applied_to(kv.mod_revision).await,
+                None => Ok(()),
+            }
+        })
+    }
+
+    fn fetch(&self, key: &str, version: u64) -> StoreFuture<()> {
+        let me = self.arc();
+        Box::pin(me.fetch_one(key.to_string(), version))
+    }
+}
