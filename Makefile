@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CARGO ?= $(shell command -v cargo 2>/dev/null || echo $$HOME/.cargo/bin/cargo)
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup build lint test test-services test-beside-py test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-cluster bench-plan bench-grpc bench-perf-analyzer bench-overload bench-false-refusals bench-late-admits bench-stream bench-gpu bench-clipper bench-espn data data-small demo clean fmt
+.PHONY: setup build lint test test-services test-beside-py test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-cluster bench-plan bench-grpc bench-perf-analyzer bench-overload bench-false-refusals bench-late-admits bench-cluster-store bench-stream bench-gpu bench-clipper bench-espn data data-small demo clean fmt
 
 setup: $(VENV)/.installed
 
@@ -150,6 +150,11 @@ bench-surge: setup
 # same-machine reader mapping a blob file: bench/results/store.{json,md}.
 bench-store: setup
 	$(PY) -m bench.store
+
+# The cluster's one store (etcd and three nodes here) beside one node and Redis: put
+# latency at 1, 2 and 3 copies, get from a peer vs local (bench/results/cluster_store.md).
+bench-cluster-store: setup
+	$(PY) -m bench.cluster_store
 
 # The Open Inference Protocol over gRPC (ghz) vs HTTP (oha, JSON and binary) on the
 # no-op chain, same concurrency and duration: bench/results/grpc.{json,md}.

@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 
 import pytest
+import slipstream as ss
 from slipstream.testing import Etcd, deploy, start_node
 
 from tests.conftest import APPS, Node, wait_for
@@ -143,6 +145,64 @@ def test_a_partition_leaves_no_request_hanging_and_heals(netns: Netns) -> None:
         wait_for(lambda: n1.status()["cluster"]["members"]["n3"]["ready"], timeout=60)
         status, body = n1.infer("diamond", x=[[4.0, 2.0]])
         assert status == 200, body
+    finally:
+        for n in nodes.values():
+            n.stop()
+        etcd.stop()
+        netns.heal()
+
+
+def _store_call_in(netns: Netns, url: str, code: str) -> subprocess.CompletedProcess[str]:
+    """Run `code` (with `s`, an ss.store.Store on `url`) inside the namespace:
+    the partitioned node's own loopback is reachable only from there."""
+    prog = f"import sys, slipstream as ss\ns = ss.store.Store({url!r}, timeout=20)\n{code}"
+    return subprocess.run([*netns.wrap, sys.executable, "-c", prog], capture_output=True, text=True, timeout=60)
+
+
+def test_a_partitioned_node_cannot_commit_and_catches_up_when_healed(netns: Netns) -> None:
+    """No split brain: a node cut off from etcd refuses writes (503) rather
+    than fork a key's history, while the others commit; healed, it applies
+    what they committed."""
+    etcd = Etcd(1, host=netns.host_ip)
+    nodes: dict[str, Node] = {}
+    try:
+        out = deploy(etcd, CLUSTER_APP, wait=0)
+        assert out.returncode == 0, out.stdout + out.stderr
+        data = ("--data-listen", f"{netns.host_ip}:0")
+        nodes["n1"] = start_node(etcd, "n1", *data)
+        nodes["n2"] = start_node(etcd, "n2", *data)
+        nodes["n3"] = start_node(etcd, "n3", "--data-listen", f"{netns.ns_ip}:0", wrap=netns.wrap)
+        n1 = nodes["n1"]
+        wait_for(lambda: len(n1.status()["cluster"]["members"]) == 3 and n1.is_ready(), timeout=60)
+        first = ss.store.Store(n1.url).put("/p/key", b"before")
+        assert first.version == 1
+        n3_url = nodes["n3"].url
+        seen = _store_call_in(netns, n3_url, "print(s.get('/p/key').bytes().decode())")
+        assert seen.stdout.strip() == "before", seen.stderr
+        netns.partition()
+        refused = _store_call_in(netns, n3_url, """
+try:
+    s.put('/p/key', b'from the cut-off node', if_version=1)
+except ss.StoreUnavailable as e:
+    print('refused:', e)
+    sys.exit(0)
+sys.exit(3)
+""")
+        assert refused.returncode == 0, (refused.stdout, refused.stderr)
+        # It still serves what it holds, marked as possibly stale.
+        stale = _store_call_in(netns, n3_url, f"""
+import urllib.request
+with urllib.request.urlopen({n3_url!r} + '/v1/store/objects/p/key', timeout=20) as r:
+    print(r.read().decode(), '|', r.headers.get('x-slipstream-stale'))
+""")
+        assert stale.stdout.strip() == "before | etcd unreachable from this node", (stale.stdout, stale.stderr)
+        assert ss.store.Store(n1.url).put("/p/key", b"after", if_version=1).version == 2
+        netns.heal()
+        wait_for(lambda: "n3" in n1.status()["cluster"]["members"], timeout=30)
+        healed = _store_call_in(netns, n3_url, "o = s.get('/p/key'); print(o.version, o.bytes().decode())")
+        assert healed.stdout.strip() == "2 after", (healed.stdout, healed.stderr)
+        history = [v.version for v in ss.store.Store(n1.url).versions("/p/key")]
+        assert history == [1, 2], history
     finally:
         for n in nodes.values():
             n.stop()

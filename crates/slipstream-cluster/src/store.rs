@@ -669,13 +669,17 @@ impl SharedStore for ClusterStore {
         Box::pin(me.commit(w))
     }
 
-    fn sync(&self, key: &str) -> StoreFuture<()> {
+    fn sync(&self, key: &str) -> StoreFuture<bool> {
         let me = self.arc();
         let head_key = self.head_key(key);
         Box::pin(async move {
-            match me.etcd.get(&head_key).await.map_err(unavailable)? {
-                Some(kv) => me.applied_to(kv.mod_revision).await,
-                None => Ok(()),
+            match me.etcd.get(&head_key).await {
+                Ok(Some(kv)) => me.applied_to(kv.mod_revision).await.map(|()| true),
+                Ok(None) => Ok(true),
+                Err(e) => {
+                    tracing::debug!("cluster store: serving {head_key} from this node's view: {e}");
+                    Ok(false)
+                }
             }
         })
     }

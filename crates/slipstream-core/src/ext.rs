@@ -89,7 +89,9 @@ pub trait SharedStore: Send + Sync {
     fn write(&self, w: SharedWrite) -> StoreFuture<Committed>;
     /// Bring this node's store up to the cluster's latest commit of `key`
     /// (a read after an acknowledged write through any node sees it).
-    fn sync(&self, key: &str) -> StoreFuture<()>;
+    /// Ok(false): the cluster could not be asked (etcd unreachable from
+    /// here), so this node's view, possibly stale, is all there is.
+    fn sync(&self, key: &str) -> StoreFuture<bool>;
     /// Fetch the value of `key`'s version `version` from a node holding
     /// it and keep it here (the record said [`StoreError::Elsewhere`]).
     fn fetch(&self, key: &str, version: u64) -> StoreFuture<()>;

@@ -132,12 +132,21 @@ fn shared_for<'a>(node: &'a Node, key: &str) -> Option<&'a std::sync::Arc<dyn Sh
 /// In a cluster, bring this node's store up to the cluster's latest commit
 /// of `key` first, unless the caller accepts a possibly stale answer
 /// (`stale=1`: this node's own view, which follows the cluster within
-/// milliseconds while it is connected).
-async fn sync(node: &Node, key: &str, query: &Query) -> Result<(), NodeError> {
+/// milliseconds while it is connected). Ok(false): etcd could not be
+/// asked, so the answer is this node's view and may be stale.
+async fn sync(node: &Node, key: &str, query: &Query) -> Result<bool, NodeError> {
     match shared_for(node, key) {
         Some(shared) if !query.has("stale") => Ok(shared.sync(key).await?),
-        _ => Ok(()),
+        _ => Ok(true),
     }
+}
+
+/// Mark an answer served from this node's view while etcd was unreachable.
+fn mark_stale(mut r: Resp, current: bool) -> Resp {
+    if !current {
+        r.headers_mut().insert("x-slipstream-stale", HeaderValue::from_static("etcd unreachable from this node"));
+    }
+    r
 }
 
 /// Read the selected version here; in a cluster, a value held on other
@@ -163,7 +172,7 @@ async fn read<T: Send + 'static>(
 
 async fn get(node: &Node, key: &str, query: &Query) -> Result<Resp, NodeError> {
     let sel = select(query)?;
-    sync(node, key, query).await?;
+    let current = sync(node, key, query).await?;
     if query.has("meta") {
         // The caller is about to map the blob file: it must be here.
         let k = key.to_string();
@@ -175,7 +184,7 @@ async fn get(node: &Node, key: &str, query: &Query) -> Result<Resp, NodeError> {
             Err(StoreError::Elsewhere { key: m.key, version: m.version, digest: String::new(), holders: vec![] })
         })
         .await?;
-        return Ok(json_resp(200, &serde_json::to_value(&meta).expect("serialises")));
+        return Ok(mark_stale(json_resp(200, &serde_json::to_value(&meta).expect("serialises")), current));
     }
     let k = key.to_string();
     let (meta, body) = read(node, key, move |s| s.get(&k, sel)).await?;
@@ -195,7 +204,7 @@ async fn get(node: &Node, key: &str, query: &Query) -> Result<Resp, NodeError> {
         "x-slipstream-timestamp",
         HeaderValue::from_str(&format!("{:.6}", meta.timestamp)).expect("a number is a valid header"),
     );
-    Ok(r)
+    Ok(mark_stale(r, current))
 }
 
 async fn put(node: &Node, key: String, query: &Query, req: hyper::Request<Incoming>) -> Result<Resp, NodeError> {
