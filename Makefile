@@ -149,11 +149,13 @@ bench-surge: setup
 # fsync on every write), 1 KB to 100 MB values, 1 and 8 clients, plus a
 # same-machine reader mapping a blob file: bench/results/store.{json,md}.
 bench-store: setup
+	@scripts/bootstrap.sh bench
 	$(PY) -m bench.store
 
 # The cluster's one store (etcd and three nodes here) beside one node and Redis: put
 # latency at 1, 2 and 3 copies, get from a peer vs local (bench/results/cluster_store.md).
 bench-cluster-store: setup
+	@scripts/bootstrap.sh bench
 	$(PY) -m bench.cluster_store
 
 # The Open Inference Protocol over gRPC (ghz) vs HTTP (oha, JSON and binary) on the

@@ -7,6 +7,8 @@
 #                                venv module, curl and CA certificates for
 #                                rustup, and Rust itself
 #   scripts/bootstrap.sh test    the programs the tests start (`make test`)
+#   scripts/bootstrap.sh bench   the services benchmarks compare with or run on
+#                                (`make bench-store`, `make bench-cluster-store`)
 #
 # What is already there is skipped; each group still missing is printed on
 # one line with the reason it is needed, then apt installs them all at once
@@ -29,7 +31,7 @@ want() {
   fi
 }
 
-[ $# -gt 0 ] || { echo "usage: scripts/bootstrap.sh build|test..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/bootstrap.sh build|test|bench..." >&2; exit 2; }
 for target in "$@"; do
   case $target in
     build)
@@ -47,8 +49,12 @@ for target in "$@"; do
       want "Triton's perf_analyzer (a gRPC test, bench/perf_analyzer.py) links it" \
         "ldconfig -p | grep -q libb64.so.0d" libb64-0d
       ;;
+    bench)
+      want "the store benchmarks run the same loads against a real Redis" "has redis-server" redis-server
+      want "the cluster benchmarks start a real etcd" "has etcd" etcd-server
+      ;;
     *)
-      echo "bootstrap: unknown target '$target' (known: build, test)" >&2
+      echo "bootstrap: unknown target '$target' (known: build, test, bench)" >&2
       exit 2
       ;;
   esac
