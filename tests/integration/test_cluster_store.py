@@ -8,6 +8,7 @@ The promise tested is the one docs/design/store.md states."""
 from __future__ import annotations
 
 import hashlib
+import shutil
 import signal
 import threading
 import time
@@ -138,11 +139,109 @@ def test_a_value_with_two_copies_survives_a_killed_holder(cluster: dict[str, Nod
     victim = holders[0]
     reader = next(n for n in NAMES if n not in holders)
     assert store_status(cluster[reader])["fetches"] >= 0
+    killed = time.monotonic()
     cluster[victim].stop(signal.SIGKILL)
     got = store(cluster[reader]).get("/cs/model/w")
     assert got.bytes() == value
-    # Puts go on with the survivors once the dead node's lease expires.
+    # Repaired: once the dead node's lease expires, the repairer copies every
+    # version it held to the node the replica set names now, and records it.
     survivors = [n for n in NAMES if n != victim]
-    wait_for(lambda: len(cluster[survivors[0]].status()["cluster"]["members"]) == 2, timeout=20)
+
+    def two_live_holders() -> bool:
+        for key in ("/cs/model/w", "/cs/blob/1", "/cs/doc/1"):
+            versions = cluster[survivors[0]].get(f"/v1/store/versions{key}")[1]["versions"]
+            if set(versions[-1]["holders"]) != set(survivors):
+                return False
+        return True
+
+    wait_for(two_live_holders, timeout=30)
+    repaired_in = time.monotonic() - killed
+    repair = next(store_status(cluster[n])["repair"] for n in survivors if store_status(cluster[n])["repair"]["passes"])
+    print(f"re-replicated {repair['repaired_versions']} version(s), {repair['repaired_bytes']} bytes, "
+          f"{repaired_in:.2f} s after the kill (lease 2 s; the pass itself took {repair['last_repair_ms']} ms)")
+    assert repair["repaired_versions"] >= 1 and repair["lost_versions"] == 0
+    # The new holder has the bytes: the other survivor's copy alone serves them.
+    for n in survivors:
+        assert store(cluster[n]).get("/cs/model/w").bytes() == value
+    # Puts go on with the survivors.
     v = store(cluster[survivors[0]]).put("/cs/model/w", b"after")
     assert store(cluster[survivors[1]]).get("/cs/model/w").bytes() == b"after" and v.version == 2
+
+
+BUNDLED_APP = '''
+"""Deployed from a directory that is removed right after: the nodes run it
+from the bundle the deployment carried."""
+from pathlib import Path
+
+import numpy as np
+import slipstream as ss
+from helper import FACTOR_KEY, scale_of  # a sibling module: in the bundle too
+
+
+@ss.component(max_batch_size=8, needs={"factor": FACTOR_KEY}, inputs={"x": ss.Tensor("float32", (-1,))},
+              outputs={"y": ss.Tensor("float32", (-1,))})
+class Scale:
+    def __init__(self, factor: ss.Object) -> None:
+        self.k = scale_of(factor.text())
+
+    def __call__(self, batch: ss.Batch) -> dict:
+        return {"y": batch["x"] * self.k}
+
+
+@ss.component(max_batch_size=8, watch="/jobs/", outputs={"seen": ss.Tensor("int64", (-1,))})
+class Recorder:
+    """Logs every trigger it runs as one key per (key, version)."""
+
+    def __init__(self) -> None:
+        self.store = ss.store.Store()
+
+    def __call__(self, batch: ss.Batch) -> dict:
+        for key, version in zip(batch["key"], batch["version"], strict=True):
+            self.store.put(f"/log{key}/{int(version)}", b"fired")
+        return {"seen": np.asarray(batch["version"], dtype=np.int64)}
+
+
+scaled = ss.Pipeline("scaled", Scale, seed={FACTOR_KEY: str(Path(__file__).parent / "factor.txt")})
+triggered = ss.Pipeline("triggered", Recorder)
+'''
+
+
+def test_a_deployment_runs_where_its_files_are_not_and_triggers_fire_once(tmp_path: Any) -> None:
+    """The app, a module it imports and its seed exist only in a directory
+    that is deleted after `deploy`; two nodes, each with its own cache
+    (as on two machines), run it from the bundle, the seed reaches both
+    through the cluster store, and a put through either node fires the
+    watching pipeline once per version, cluster-wide."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "app.py").write_text(BUNDLED_APP)
+    (src / "helper.py").write_text('FACTOR_KEY = "/cfg/factor"\n\n\ndef scale_of(text):\n    return float(text)\n')
+    (src / "factor.txt").write_text("3")
+    etcd = Etcd(1)
+    nodes: list[Node] = []
+    try:
+        out = deploy(etcd, src / "app.py", wait=0, cwd=tmp_path)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "bundled" in out.stderr, out.stderr
+        shutil.rmtree(src)
+        for name in ("b1", "b2"):
+            cache = tmp_path / f"cache-{name}"
+            nodes.append(start_node(etcd, name, env={"XDG_CACHE_HOME": str(cache)}))
+        for n in nodes:
+            wait_for(lambda n=n: n.is_ready() and len(n.status()["cluster"]["members"]) == 2, timeout=90)
+        for n in nodes:
+            status, body = n.infer("scaled", x=[1.0, 2.0])
+            assert status == 200 and body["outputs"]["y"] == [3.0, 6.0], body
+            assert store(n).get("/cfg/factor").bytes() == b"3"
+        for i in range(6):
+            store(nodes[i % 2]).put("/jobs/a", f"job {i}".encode())
+        reader = store(nodes[0])
+        wait_for(lambda: len(reader.keys("/log/jobs/a/")) >= 6, timeout=30)
+        time.sleep(1.0)  # a second fire of any version would land by now
+        fired = sorted(int(m.key.rsplit("/", 1)[1]) for m in reader.keys("/log/jobs/a/"))
+        assert fired == [1, 2, 3, 4, 5, 6], fired
+        assert all(len(reader.versions(f"/log/jobs/a/{v}")) == 1 for v in fired), "a version fired twice"
+    finally:
+        for n in nodes:
+            n.stop()
+        etcd.stop()

@@ -32,6 +32,8 @@
 //!
 //! The node's reserved keys (`/_slipstream/...`) stay local to each node.
 
+mod repair;
+
 use crate::{open, seal, Cluster};
 use bytes::Bytes;
 use parking_lot::Mutex;
@@ -116,6 +118,7 @@ pub(crate) struct ClusterStore {
     /// One fetch per version at a time.
     fetching: Mutex<HashMap<(String, u64), Arc<tokio::sync::Mutex<()>>>>,
     counters: Counters,
+    repair: repair::RepairCounters,
     /// Itself, for the futures the [`SharedStore`] calls return.
     me: std::sync::Weak<ClusterStore>,
 }
@@ -175,10 +178,12 @@ impl ClusterStore {
             applied: watch::channel(0).0,
             fetching: Mutex::new(HashMap::new()),
             counters: Counters::default(),
+            repair: repair::RepairCounters::default(),
             me: me.clone(),
         });
         let rev = me.load().await?;
-        tokio::spawn(me.clone().follow(rev, stop));
+        tokio::spawn(me.clone().follow(rev, stop.clone()));
+        tokio::spawn(repair::run(me.clone(), stop));
         Ok(me)
     }
 
@@ -540,7 +545,7 @@ impl ClusterStore {
                 ts_us: (meta.timestamp * 1e6).round() as u64,
                 size: meta.size,
                 digest: digest.clone(),
-                holders: meta.holders.clone(),
+                holders: Vec::new(),
                 deleted: false,
                 quiet: true,
             };
@@ -625,6 +630,7 @@ impl ClusterStore {
             "holds_served": c.holds_served.load(Relaxed),
             "reads_served": c.reads_served.load(Relaxed),
             "refused_records": c.refused_records.load(Relaxed),
+            "repair": self.repair.status(),
         })
     }
 
@@ -638,6 +644,7 @@ impl ClusterStore {
         ] {
             t.counter(name, help, &[], v.load(Relaxed));
         }
+        self.repair.metrics(t);
     }
 }
 

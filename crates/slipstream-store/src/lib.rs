@@ -327,6 +327,7 @@ pub struct Replicated {
     pub ts_us: u64,
     pub size: u64,
     pub digest: String,
+    /// (Empty when filling in a value: the holders recorded stay.)
     pub holders: Vec<String>,
     pub deleted: bool,
     /// Its change is marked quiet in the feed: another node answers for it
@@ -1205,15 +1206,28 @@ impl Inner {
                 let rec = Record { absent: true, ..Record::new(rep.ts_us, content_type) };
                 return Ok(Applied::Exists(rec, rep.version, None));
             };
-            match value {
-                Some(v) if rec.absent && rec.digest.as_deref() == Some(rep.digest.as_str()) => {
+            let same = rec.digest.as_deref() == Some(rep.digest.as_str());
+            // The cluster's repair moved the version to other holders.
+            // (A fill, which does not know, says none.)
+            let moved = same && !rep.holders.is_empty() && rec.holders != rep.holders;
+            if moved {
+                rec.holders = rep.holders;
+            }
+            let (blob, filled) = match value {
+                Some(v) if rec.absent && same => {
                     let blob = place_value(t.inline, key, rep.version, v, &mut rec)?;
                     rec.absent = false;
-                    t.versions.insert((key, rep.version), serde_json::to_vec(&rec).map_err(io)?.as_slice()).map_err(io)?;
-                    Ok(Applied::Filled(rec, rep.version, blob))
+                    (blob, true)
                 }
                 // The blob, if any, drops unkept (unlinked).
-                _ => Ok(Applied::Exists(rec, rep.version, None)),
+                _ => (None, false),
+            };
+            if filled || moved {
+                t.versions.insert((key, rep.version), serde_json::to_vec(&rec).map_err(io)?.as_slice()).map_err(io)?;
+            }
+            match filled {
+                true => Ok(Applied::Filled(rec, rep.version, blob)),
+                false => Ok(Applied::Exists(rec, rep.version, None)),
             }
         } else {
             let mut rec = Record::new(rep.ts_us, content_type);

@@ -1,10 +1,11 @@
 """A cluster of nodes on etcd: ``slipstream deploy`` and ``slipstream node``.
 
 ``deploy`` builds the app's spec (as ``serve`` does) and puts it into etcd
-under ``/slipstream/<cluster>/deploy``, signed with the cluster token.
-``node`` joins the cluster: it waits for a deployment, checks that the app
-file it names is here and unchanged (every node runs the same code: a
-shared file system or the same image), and runs the node on it; the node's
+under ``/slipstream/<cluster>/deploy``, signed with the cluster token,
+with the app's files and seeds as a bundle (``app_bundle.py``). ``node``
+joins the cluster: it waits for a deployment, fetches and checks its
+bundle (or, deployed with ``--no-bundle``, checks that the app file it
+names is here and unchanged), and runs the node on it; the node's
 agent takes it from there (membership, placement, routing across nodes;
 docs/design/cluster.md). When a new deployment replaces the one it runs,
 the node drains, stops, and ``node`` starts it again on the new one.
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from slipstream._internal import app_bundle
 from slipstream._internal.errors import RequestError, from_core
 from slipstream._internal.http_transport import Transport
 from slipstream._internal.serve_cli import add_node_args, add_spec_args, build_spec, node_options
@@ -74,10 +76,21 @@ class Etcd:
         return base64.b64decode(kvs[0].get("value", "")) if kvs else None
 
     def get_prefix(self, prefix: str) -> dict[str, bytes]:
-        raw = prefix.encode()
-        end = raw[:-1] + bytes([raw[-1] + 1])
-        kvs = self._call("/v3/kv/range", {"key": _b64(raw), "range_end": _b64(end)}).get("kvs") or []
+        kvs = self._call("/v3/kv/range", _range(prefix)).get("kvs") or []
         return {base64.b64decode(kv["key"]).decode(): base64.b64decode(kv.get("value", "")) for kv in kvs}
+
+    def keys(self, prefix: str) -> list[str]:
+        kvs = self._call("/v3/kv/range", {**_range(prefix), "keys_only": True}).get("kvs") or []
+        return [base64.b64decode(kv["key"]).decode() for kv in kvs]
+
+    def delete(self, key: str) -> None:
+        self._call("/v3/kv/deleterange", {"key": _b64(key.encode())})
+
+
+def _range(prefix: str) -> dict[str, str]:
+    """The etcd range of every key starting with `prefix`."""
+    raw = prefix.encode()
+    return {"key": _b64(raw), "range_end": _b64(raw[:-1] + bytes([raw[-1] + 1]))}
 
 
 def _b64(b: bytes) -> str:
@@ -135,11 +148,22 @@ def cmd_deploy(a: argparse.Namespace) -> int:
         a.app = str(app) + (":" + a.app.split(":", 1)[1] if ":" in a.app else "")
         spec = build_spec(a)
         body = json.dumps(spec, sort_keys=True)
-        deploy_id = hashlib.sha256((body + _file_sha256(app)).encode()).hexdigest()[:12]
-        record = {"id": deploy_id, "spec": spec, "app": str(app), "app_sha256": _file_sha256(app),
-                  "at": time.time()}
+        record = {"spec": spec, "app": str(app), "app_sha256": _file_sha256(app), "at": time.time()}
+        if a.bundle:
+            # The files travel with the deployment (app_bundle.py): written
+            # before the record that names them.
+            data, layout = app_bundle.pack(app, spec["store"]["seed"])
+            app_bundle.publish(etcd, _root(a), data, layout)
+            record["bundle"] = layout
+            print(f"bundled {app.parent} ({layout['size'] / 1024:.0f} KiB with {len(layout['seeds'])} seed(s))",
+                  file=sys.stderr)
+        digest = layout["sha256"] if a.bundle else _file_sha256(app)
+        deploy_id = hashlib.sha256((body + digest).encode()).hexdigest()[:12]
+        record["id"] = deploy_id
         etcd.put(_root(a) + "deploy", seal(token, "deploy", record))
-    except EtcdError as e:
+        if a.bundle:
+            app_bundle.prune(etcd, _root(a), layout["sha256"])
+    except (EtcdError, app_bundle.BundleError) as e:
         return fail(str(e))
     stages = sum(len(p["stages"]) for p in spec["pipelines"])
     print(f"deployed {deploy_id}: {len(spec['pipelines'])} pipeline(s), {stages} stage(s) to cluster "
@@ -202,11 +226,20 @@ def cmd_node(a: argparse.Namespace) -> int:
             d = unseal(token, "deploy", raw)
         except (EtcdError, ValueError, KeyError) as e:
             return fail(f"cluster '{a.cluster_name}': {e}")
-        app = Path(d["app"])
-        if not app.is_file() or _file_sha256(app) != d["app_sha256"]:
-            return fail(f"deployment {d['id']} runs {app}, which this machine lacks or holds in another version; "
-                        "every node needs the same app files (a shared file system or the same image)")
         spec = d["spec"]
+        if "bundle" in d:
+            try:
+                where = app_bundle.fetch(etcd, _root(a), d["bundle"])
+            except (EtcdError, app_bundle.BundleError, OSError) as e:
+                return fail(f"deployment {d['id']}: cannot fetch its files: {e}")
+            spec = app_bundle.relocate(spec, d["bundle"], where)
+            app = where / d["bundle"]["app"]
+        else:
+            app = Path(d["app"])
+            if not app.is_file() or _file_sha256(app) != d["app_sha256"]:
+                return fail(f"deployment {d['id']} runs {app}, which this machine lacks or holds in another "
+                            "version; deployed with --no-bundle, every node needs the same app files "
+                            "(a shared file system or the same image)")
         spec["worker_argv"][0] = sys.executable
         cluster = {"etcd": a.cluster, "name": name, "cluster": a.cluster_name, "token": token,
                    "data_listen": a.data_listen, "ttl_s": a.ttl, "deploy": d["id"],
@@ -255,6 +288,9 @@ def add_cluster_commands(sub: Any) -> None:
     add_cluster_args(d)
     d.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                    help="wait until every stage has a ready replica in the cluster")
+    d.add_argument("--no-bundle", dest="bundle", action="store_false",
+                   help="do not carry the app's files and seeds to the nodes (every node then needs the same "
+                        "files at the same paths: a shared file system or the same image)")
     d.set_defaults(fn=cmd_deploy)
 
     n = sub.add_parser("node", help="run a node that joins a cluster on etcd and serves its deployment")

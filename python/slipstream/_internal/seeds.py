@@ -51,6 +51,10 @@ def declare_seed(key: Any, value: Any, where: str) -> Seed:
     if not isinstance(value, (str, os.PathLike)):
         raise ConfigError(f"{where}: seed {key!r} takes a file path, got {type(value).__name__}")
     path = os.path.abspath(os.fspath(value))
+    if not os.path.isfile(path) and os.environ.get("SLIPSTREAM_WORKER") == "1":
+        # A worker reads the key from the store (its node seeded it, from
+        # where the deployment put the file); the file need not be here.
+        return Seed(key, path, content_type or "application/octet-stream")
     if not os.path.isfile(path):
         raise ConfigError(f"{where}: seed {key!r}: no such file {path}")
     try:
