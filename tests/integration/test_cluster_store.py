@@ -22,7 +22,7 @@ from slipstream.testing import Etcd, deploy, start_node
 
 from tests.conftest import APPS, Node, wait_for
 
-CLUSTER_APP = str(APPS / "cluster.py")
+CLUSTER_APP = str(APPS / "cluster_store.py")
 NAMES = ("n1", "n2", "n3")
 
 
@@ -74,6 +74,27 @@ def test_a_put_through_one_node_is_read_through_the_others(cluster: dict[str, No
     assert fetched >= 1
     store(cluster[outsider]).get("/cs/blob/1")
     assert store_status(cluster[outsider])["fetches"] == fetched
+
+
+def test_requests_for_a_group_run_on_the_nodes_holding_it(cluster: dict[str, Node]) -> None:
+    """Affinity across nodes: a group's objects live on the group's replica
+    set (RF nodes, rendezvous-hashed), and a request that reads the group
+    runs on a replica there, through whichever node it arrives."""
+    for n in cluster.values():  # every node sees a ready replica of the stage on every node
+        wait_for(lambda n=n: all(m["ready"].get("where/Where") for m in n.status()["cluster"]["members"].values()),
+                 timeout=60)
+    a = store(cluster["n1"])
+    for g in range(6):
+        for i in range(3):
+            a.put(f"/corpus/g{g}/doc{i}", f"group {g} doc {i}".encode())
+    for g in range(6):
+        holders = set(cluster["n2"].get(f"/v1/store/versions/corpus/g{g}/doc0")[1]["versions"][-1]["holders"])
+        assert len(holders) == 2, holders
+        for via in NAMES:
+            status, body = cluster[via].infer("where", doc=[f"/corpus/g{g}/doc1"])
+            assert status == 200, body
+            assert body["outputs"]["node"][0] in holders, (g, via, body["outputs"], holders)
+            assert body["outputs"]["members"][0] == 3
 
 
 def test_versions_deletes_and_reads_by_time_agree_on_every_node(cluster: dict[str, Node]) -> None:

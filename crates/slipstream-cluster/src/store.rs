@@ -39,7 +39,7 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use slipstream_core::ext::{SharedStore, SharedWrite, StoreFuture};
+use slipstream_core::ext::{GroupHome, SharedStore, SharedWrite, StoreFuture};
 use slipstream_core::prom::PromText;
 use slipstream_etcd::{Etcd, EtcdError, Kv, WatchEvent};
 use slipstream_peer::{Incoming, OutTensor, Outgoing};
@@ -129,6 +129,11 @@ fn unavailable(e: impl std::fmt::Display) -> StoreError {
 
 fn now_us() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
+}
+
+/// The rendezvous key of pool `pool`'s affinity group `group`.
+fn group_key(pool: &str, group: &str) -> String {
+    format!("{pool}\0{group}")
 }
 
 /// SHA-256 of the parts, hex.
@@ -330,11 +335,16 @@ impl ClusterStore {
     /// its affinity group (or the key itself), and the copies a commit
     /// needs (W = RF, at most the live members).
     fn replica_set(&self, key: &str) -> Result<Vec<String>, StoreError> {
-        let view = self.cluster.view();
         let group = slipstream_store::affinity_of(&self.store.options().pools, key)
-            .map_or_else(|| key.to_string(), |(pool, g)| format!("{pool}\0{g}"));
+            .map_or_else(|| key.to_string(), |(pool, g)| group_key(&pool, &g));
+        self.replica_set_of(&group)
+    }
+
+    /// The replica set of a rendezvous key (a group's, or a key's).
+    fn replica_set_of(&self, group: &str) -> Result<Vec<String>, StoreError> {
+        let view = self.cluster.view();
         let live = view.members.keys().map(String::as_str).filter(|m| !view.suspects.contains(*m));
-        let mut set = rendezvous(&group, live);
+        let mut set = rendezvous(group, live);
         set.truncate(self.replicas);
         if set.is_empty() {
             return Err(unavailable("no live member to hold the value"));
@@ -694,5 +704,11 @@ impl SharedStore for ClusterStore {
     fn fetch(&self, key: &str, version: u64) -> StoreFuture<()> {
         let me = self.arc();
         Box::pin(me.fetch_one(key.to_string(), version))
+    }
+
+    fn group_home(&self, pool: &str, group: &str) -> GroupHome {
+        let set = self.replica_set_of(&group_key(pool, group)).unwrap_or_default();
+        let me = self.cluster.me();
+        GroupHome { here: set.iter().any(|n| n == me), elsewhere: set.into_iter().filter(|n| n != me).collect() }
     }
 }

@@ -95,6 +95,18 @@ pub trait SharedStore: Send + Sync {
     /// Fetch the value of `key`'s version `version` from a node holding
     /// it and keep it here (the record said [`StoreError::Elsewhere`]).
     fn fetch(&self, key: &str, version: u64) -> StoreFuture<()>;
+    /// Where the affinity group `group` of pool `pool` lives: whether this
+    /// node holds it, and which other nodes do (by name). Requests that
+    /// read the group are routed to a replica on one of them.
+    fn group_home(&self, pool: &str, group: &str) -> GroupHome;
+}
+
+/// The nodes holding an affinity group (see [`SharedStore::group_home`]).
+pub struct GroupHome {
+    /// This node is one of them.
+    pub here: bool,
+    /// The others, by name.
+    pub elsewhere: Vec<String>,
 }
 
 /// A background service's reporting (see the module docs).

@@ -439,7 +439,7 @@ impl Node {
         mut ticket: Ticket,
         chunks: Option<Chunks>,
     ) -> Result<Tensors, NodeError> {
-        pipe.route_by_affinity(&mut ticket, &tensors, &self.store.options().pools);
+        pipe.route_by_affinity(&mut ticket, &tensors, &self.store.options().pools, self.shared_store());
         self.inflight.fetch_add(1, Relaxed);
         let _inflight = InFlight(self);
         let result = Admitted::enter(pipe, tensors, ticket, chunks).outcome().await;

@@ -142,15 +142,16 @@ impl StageRt {
     /// The replica for a request of affinity group `group`: the one that was
     /// given the group before, while it serves and its queue is short (at
     /// most two full batches), else the shortest queue, which then holds it.
-    fn sticky(&self, group: &str, tiebreak: u64) -> Option<Arc<Replica>> {
+    /// Only replicas `at_home` are candidates while one of them accepts.
+    fn sticky(&self, group: &str, tiebreak: u64, at_home: &dyn Fn(&Replica) -> bool) -> Option<Arc<Replica>> {
         let set = self.replicas();
         let mut map = self.sticky.lock();
         if let Some(r) = map.get(group).and_then(|id| set.iter().find(|r| r.id == *id)) {
-            if r.phase() == Phase::Ready && r.load().accepting && r.queue_len() <= 2 * self.max_batch {
+            if r.phase() == Phase::Ready && r.load().accepting && r.queue_len() <= 2 * self.max_batch && at_home(r) {
                 return Some(r.clone());
             }
         }
-        let r = self.choose(tiebreak, None)?;
+        let r = self.choose_among(&set, tiebreak, at_home).or_else(|| self.choose(tiebreak, None))?;
         if map.len() >= 100_000 {
             map.clear(); // a bound on memory; groups re-stick on their next request
         }
@@ -688,14 +689,28 @@ impl PipelineRt {
 
     /// Route the stages that declare affinity to the replica holding the
     /// affinity group of the object their input names (see [`StageRt::sticky`]).
-    pub(crate) fn route_by_affinity(&self, t: &mut Ticket, inputs: &Tensors, pools: &[slipstream_store::Pool]) {
+    /// In a cluster, only replicas on nodes holding the group are candidates
+    /// (any replica when none of them serves the stage).
+    pub(crate) fn route_by_affinity(
+        &self,
+        t: &mut Ticket,
+        inputs: &Tensors,
+        pools: &[slipstream_store::Pool],
+        shared: Option<&Arc<dyn crate::ext::SharedStore>>,
+    ) {
         for s in self.stages.iter().filter(|s| s.affinity.is_some()) {
             let name = s.affinity.as_deref().expect("filtered");
             let Some(key) = inputs.iter().find(|(n, _)| n == name).and_then(|(_, t)| t.first_string()) else {
                 continue;
             };
             let Some((pool, group)) = slipstream_store::affinity_of(pools, &key) else { continue };
-            if let Some(r) = s.sticky(&format!("{pool}{group}"), t.id) {
+            let home = shared.map(|sh| sh.group_home(&pool, &group));
+            let at_home = |r: &Replica| match (&home, &r.remote) {
+                (None, _) => true,
+                (Some(h), None) => h.here,
+                (Some(h), Some(at)) => h.elsewhere.contains(&at.node),
+            };
+            if let Some(r) = s.sticky(&format!("{pool}{group}"), t.id, &at_home) {
                 t.route[s.index] = r;
             }
         }
