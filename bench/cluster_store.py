@@ -27,6 +27,7 @@ recorded (run it on an idle machine).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -63,16 +64,29 @@ def holders(url: str, key: str) -> list[str]:
     return list(versions[-1].get("holders", []))
 
 
-def timed(f: Any, n: int) -> dict[str, float]:
+def timed(ops: list[Any]) -> dict[str, float]:
+    """Run each zero-argument op in turn; p50/p99 of their times."""
     took = []
-    for i in range(n):
+    for op in ops:
         t0 = time.perf_counter()
-        f(i)
+        op()
         took.append(time.perf_counter() - t0)
-    return {"p50_ms": percentile(took, 50) * 1e3, "p99_ms": percentile(took, 99) * 1e3, "ops": n}
+    return {"p50_ms": percentile(took, 50) * 1e3, "p99_ms": percentile(took, 99) * 1e3, "ops": len(ops)}
 
 
-def stale_get(c: HttpClient, key: str, buf: memoryview) -> None:
+def puts(c: HttpClient | RedisClient, keys: list[str], value: bytes) -> dict[str, float]:
+    return timed([functools.partial(c.put, k, value) for k in keys])
+
+
+def gets(via: dict[str, HttpClient | RedisClient], keys: list[str], buf: memoryview,
+         stale: bool = False) -> dict[str, float]:
+    """Each key read through its client in `via`."""
+    if stale:
+        return timed([functools.partial(stale_get, via[k], k, buf) for k in keys])
+    return timed([functools.partial(via[k].get, k, buf) for k in keys])
+
+
+def stale_get(c: Any, key: str, buf: memoryview) -> None:
     c.c.request("GET", "/v1/store/objects" + key + "?stale=1")
     r = c.c.getresponse()
     got = r.readinto(buf)
@@ -100,24 +114,23 @@ def cluster_point(rf: int, rep: int, quick: bool) -> dict[str, Any]:
             buf = memoryview(bytearray(size))
             c1 = HttpClient(addr_of(nodes["n1"].url))
             keys = [f"/bench/r{rep}/{label}/{i}" for i in range(n)]
-            point: dict[str, Any] = {"put": timed(lambda i: c1.put(keys[i], value), n)}
+            point: dict[str, Any] = {"put": puts(c1, keys, value)}
             c1.close()
             # Read each key through a node holding no copy of it (when RF < 3).
             outsiders = {}
             for k in keys:
                 hs = holders(nodes["n1"].url, k)
                 outsiders[k] = next((name for name in nodes if name not in hs), None)
+            clients: dict[str, HttpClient | RedisClient] = {name: HttpClient(addr_of(nodes[name].url))
+                                                            for name in nodes}
             if all(outsiders.values()):
-                clients = {name: HttpClient(addr_of(nodes[name].url)) for name in nodes}
-                point["get_peer"] = timed(lambda i: clients[outsiders[keys[i]]].get(keys[i], buf), n)
-                point["get_local"] = timed(lambda i: clients[outsiders[keys[i]]].get(keys[i], buf), n)
-                point["get_local_stale"] = timed(lambda i: stale_get(clients[outsiders[keys[i]]], keys[i], buf), n)
-                for c in clients.values():
-                    c.close()
+                via = {k: clients[str(o)] for k, o in outsiders.items()}
+                point["get_peer"] = gets(via, keys, buf)
             else:
-                c = HttpClient(addr_of(nodes["n2"].url))
-                point["get_local"] = timed(lambda i: c.get(keys[i], buf), n)
-                point["get_local_stale"] = timed(lambda i: stale_get(c, keys[i], buf), n)
+                via = {k: clients["n2"] for k in keys}
+            point["get_local"] = gets(via, keys, buf)
+            point["get_local_stale"] = gets(via, keys, buf, stale=True)
+            for c in clients.values():
                 c.close()
             out[label] = point
             log(f"  RF {rf} {label}: " + ", ".join(f"{k} p50 {v['p50_ms']:.2f} ms" for k, v in point.items()))
@@ -137,8 +150,7 @@ def single_point(rep: int, quick: bool) -> dict[str, Any]:
             value = np.random.default_rng(rep).integers(0, 255, size=size, dtype=np.uint8).tobytes()
             buf = memoryview(bytearray(size))
             keys = [f"/bench/r{rep}/{label}/{i}" for i in range(n)]
-            out[label] = {"put": timed(lambda i: c.put(keys[i], value), n),
-                          "get_local": timed(lambda i: c.get(keys[i], buf), n)}
+            out[label] = {"put": puts(c, keys, value), "get_local": gets(dict.fromkeys(keys, c), keys, buf)}
         c.close()
     return out
 
@@ -157,8 +169,7 @@ def redis_point(rep: int, quick: bool, fsync: bool) -> dict[str, Any]:
                 value = np.random.default_rng(rep).integers(0, 255, size=size, dtype=np.uint8).tobytes()
                 buf = memoryview(bytearray(size))
                 keys = [f"/bench/r{rep}/{label}/{i}" for i in range(n)]
-                out[label] = {"put": timed(lambda i: c.put(keys[i], value), n),
-                              "get_local": timed(lambda i: c.get(keys[i], buf), n)}
+                out[label] = {"put": puts(c, keys, value), "get_local": gets(dict.fromkeys(keys, c), keys, buf)}
                 c.command(b"FLUSHALL")
             c.close()
             return out

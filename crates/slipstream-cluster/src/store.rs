@@ -104,6 +104,9 @@ struct Counters {
     refused_records: AtomicU64,
 }
 
+/// Held while a version's bytes are fetched (one fetch per version at a time).
+type FetchLock = Arc<tokio::sync::Mutex<()>>;
+
 /// The cluster's shared store on this node.
 pub(crate) struct ClusterStore {
     cluster: Arc<Cluster>,
@@ -116,7 +119,7 @@ pub(crate) struct ClusterStore {
     /// The etcd revision this node's store has applied.
     applied: watch::Sender<i64>,
     /// One fetch per version at a time.
-    fetching: Mutex<HashMap<(String, u64), Arc<tokio::sync::Mutex<()>>>>,
+    fetching: Mutex<HashMap<(String, u64), FetchLock>>,
     counters: Counters,
     repair: repair::RepairCounters,
     /// Itself, for the futures the [`SharedStore`] calls return.
@@ -440,7 +443,11 @@ impl ClusterStore {
     /// Versions of `key` etcd keeps (its pool's `keep_versions`).
     fn pool_keep(&self, key: &str) -> u64 {
         let pools = &self.store.options().pools;
-        pools.iter().filter(|p| key.starts_with(&p.prefix)).max_by_key(|p| p.prefix.len()).map_or(16, |p| p.keep_versions)
+        pools
+            .iter()
+            .filter(|p| key.starts_with(&p.prefix))
+            .max_by_key(|p| p.prefix.len())
+            .map_or(16, |p| p.keep_versions)
     }
 
     /// Send the value to every node of `set`; the nodes that hold it
@@ -565,7 +572,13 @@ impl ClusterStore {
                     return Err(StoreError::Io("the bytes do not match the version's digest".into()));
                 }
                 let value = store.stage(&[&bytes])?;
-                store.write(Write { key: k, value: Some(value), content_type: ct, if_version: None, replicated: Some(rep) })
+                store.write(Write {
+                    key: k,
+                    value: Some(value),
+                    content_type: ct,
+                    if_version: None,
+                    replicated: Some(rep),
+                })
             })
             .await
             .map_err(unavailable)?;
@@ -573,7 +586,11 @@ impl ClusterStore {
                 Ok(_) => {
                     self.counters.fetches.fetch_add(1, Relaxed);
                     self.counters.fetched_bytes.fetch_add(meta.size, Relaxed);
-                    tracing::debug!("fetched {key} v{version} ({} bytes) from {h} in {:?}", meta.size, started.elapsed());
+                    tracing::debug!(
+                        "fetched {key} v{version} ({} bytes) from {h} in {:?}",
+                        meta.size,
+                        started.elapsed()
+                    );
                     return Ok(());
                 }
                 Err(e) => errors.push(format!("{h}: {e}")),

@@ -24,9 +24,9 @@
 //! them all and installs each here.
 
 use crate::arena::{HeapTensors, Tensors};
-use slipstream_store::{Committed, StoreError};
 use crate::prom::PromText;
 use serde_json::{Map, Value};
+use slipstream_store::{Committed, StoreError};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 

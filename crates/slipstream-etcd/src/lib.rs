@@ -253,7 +253,8 @@ impl Etcd {
         lease: Option<i64>,
     ) -> Result<Result<i64, Option<Kv>>, EtcdError> {
         let k = b64(key.as_bytes());
-        let mut success: Vec<Value> = puts.iter().map(|(pk, v)| json!({ "request_put": put_request(pk, v, lease) })).collect();
+        let mut success: Vec<Value> =
+            puts.iter().map(|(pk, v)| json!({ "request_put": put_request(pk, v, lease) })).collect();
         success.extend(deletes.iter().map(|d| json!({ "request_delete_range": { "key": b64(d.as_bytes()) } })));
         let body = json!({
             "compare": [{

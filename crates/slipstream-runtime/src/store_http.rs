@@ -18,8 +18,8 @@ use hyper::body::Incoming;
 use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Method, Response, StatusCode};
 use serde_json::json;
-use slipstream_core::{Node, NodeError};
 use slipstream_core::ext::{SharedStore, SharedWrite};
+use slipstream_core::{Node, NodeError};
 use slipstream_store::{
     check_client_write, check_key, check_prefix, Body, Select, Store, StoreError, Write, RESERVED_PREFIX,
     TENSORS_CONTENT_TYPE,

@@ -899,12 +899,7 @@ fn place_value(
 }
 
 /// The value held for (key, version, digest), taken out of the held tables.
-fn take_held(
-    t: &mut Tables<'_, '_>,
-    key: &str,
-    version: u64,
-    digest: &str,
-) -> Result<Option<Staged>, StoreError> {
+fn take_held(t: &mut Tables<'_, '_>, key: &str, version: u64, digest: &str) -> Result<Option<Staged>, StoreError> {
     let Some(h) = t.held.remove((key, version, digest)).map_err(io)? else { return Ok(None) };
     let h: Held = serde_json::from_slice(h.value()).map_err(io)?;
     let inline = t.held_inline.remove((key, version, digest)).map_err(io)?.map(|v| v.value().to_vec());
@@ -1070,7 +1065,8 @@ impl Inner {
                         held: &mut held,
                         held_inline: &mut held_inline,
                     };
-                    let out = self.apply_replicated(&mut tables, &w.key, rep, w.value, w.content_type, latest, &mut garbage)?;
+                    let out =
+                        self.apply_replicated(&mut tables, &w.key, rep, w.value, w.content_type, latest, &mut garbage)?;
                     let quiet = rep_quiet;
                     let (rec, version, blob) = match out {
                         Applied::Filled(rec, version, blob) | Applied::Exists(rec, version, blob) => {
@@ -1084,8 +1080,14 @@ impl Inner {
                     versions.insert((key, version), serde_json::to_vec(&rec).map_err(io)?.as_slice()).map_err(io)?;
                     heads.insert(key, version).map_err(io)?;
                     seq += 1;
-                    let change =
-                        Change { seq, key: key.to_string(), version, timestamp: secs(rec.ts), deleted: rec.deleted, quiet };
+                    let change = Change {
+                        seq,
+                        key: key.to_string(),
+                        version,
+                        timestamp: secs(rec.ts),
+                        deleted: rec.deleted,
+                        quiet,
+                    };
                     feed.insert(seq, serde_json::to_vec(&change).map_err(io)?.as_slice()).map_err(io)?;
                     self.retain_count(&mut versions, &mut inline, key, version, &mut garbage)?;
                     let meta = self.meta_of(key, version, &rec);
@@ -1120,8 +1122,14 @@ impl Inner {
                 versions.insert((key, version), serde_json::to_vec(&rec).map_err(io)?.as_slice()).map_err(io)?;
                 heads.insert(key, version).map_err(io)?;
                 seq += 1;
-                let change =
-                    Change { seq, key: key.to_string(), version, timestamp: secs(ts), deleted: rec.deleted, quiet: false };
+                let change = Change {
+                    seq,
+                    key: key.to_string(),
+                    version,
+                    timestamp: secs(ts),
+                    deleted: rec.deleted,
+                    quiet: false,
+                };
                 feed.insert(seq, serde_json::to_vec(&change).map_err(io)?.as_slice()).map_err(io)?;
                 self.retain_count(&mut versions, &mut inline, key, version, &mut garbage)?;
                 let meta = self.meta_of(key, version, &rec);

@@ -267,7 +267,15 @@ fn blob_ids_are_not_reused_after_a_restart() {
 }
 
 fn rep(version: u64, ts_us: u64, size: u64, digest: &str) -> Replicated {
-    Replicated { version, ts_us, size, digest: digest.into(), holders: vec!["a".into(), "b".into()], deleted: false, quiet: false }
+    Replicated {
+        version,
+        ts_us,
+        size,
+        digest: digest.into(),
+        holders: vec!["a".into(), "b".into()],
+        deleted: false,
+        quiet: false,
+    }
 }
 
 fn apply(s: &Store, key: &str, r: Replicated, value: Option<&[u8]>) -> Committed {

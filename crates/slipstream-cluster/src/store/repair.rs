@@ -189,7 +189,8 @@ impl ClusterStore {
             }
             let Some(m) = view.members.get(&node) else { continue };
             let call = StoreCall::Hold { key: rec.key.clone(), version, digest: rec.digest.clone() };
-            let msg = Outgoing::call(serde_json::to_vec(&call).expect("serialises"), vec![super::raw_tensor(body.clone())]);
+            let msg =
+                Outgoing::call(serde_json::to_vec(&call).expect("serialises"), vec![super::raw_tensor(body.clone())]);
             match self.cluster.peers.call(m.data, msg, super::transfer_patience(rec.size)).await {
                 Ok(_) => holders.push(node),
                 Err(e) => tracing::warn!("cluster store: repair of {} v{version} to {node} failed: {e}", rec.key),
