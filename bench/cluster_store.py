@@ -64,6 +64,11 @@ def holders(url: str, key: str) -> list[str]:
     return list(versions[-1].get("holders", []))
 
 
+def joined(n: Node, members: int) -> bool:
+    """`n` is ready and sees `members` members."""
+    return n.is_ready() and len(n.status()["cluster"]["members"]) == members
+
+
 def timed(ops: list[Any]) -> dict[str, float]:
     """Run each zero-argument op in turn; p50/p99 of their times."""
     took = []
@@ -107,13 +112,10 @@ def cluster_point(rf: int, rep: int, quick: bool) -> dict[str, Any]:
         for name in ("n1", "n2", "n3"):
             nodes[name] = start_node(etcd, name, "--store-replicas", str(rf))
         for n in nodes.values():
-            wait_for(lambda n=n: n.is_ready() and len(n.status()["cluster"]["members"]) == 3, timeout=120)
-        for label, size in SIZES.items():
-            n = ops_for(label, quick)
-            value = np.random.default_rng(rep).integers(0, 255, size=size, dtype=np.uint8).tobytes()
-            buf = memoryview(bytearray(size))
+            wait_for(functools.partial(joined, n, 3), timeout=120)
+        for label in SIZES:
+            keys, value, buf = workload(label, rep, quick)
             c1 = HttpClient(addr_of(nodes["n1"].url))
-            keys = [f"/bench/r{rep}/{label}/{i}" for i in range(n)]
             point: dict[str, Any] = {"put": puts(c1, keys, value)}
             c1.close()
             # Read each key through a node holding no copy of it (when RF < 3).
@@ -141,18 +143,28 @@ def cluster_point(rf: int, rep: int, quick: bool) -> dict[str, Any]:
     return out
 
 
-def single_point(rep: int, quick: bool) -> dict[str, Any]:
+def workload(label: str, rep: int, quick: bool) -> tuple[list[str], bytes, memoryview]:
+    """The keys, value and read buffer of one size's point."""
+    size = SIZES[label]
+    value = np.random.default_rng(rep).integers(0, 255, size=size, dtype=np.uint8).tobytes()
+    return [f"/bench/r{rep}/{label}/{i}" for i in range(ops_for(label, quick))], value, memoryview(bytearray(size))
+
+
+def one_server(c: HttpClient | RedisClient, rep: int, quick: bool) -> dict[str, Any]:
+    """Puts then gets of each size through one client of one server."""
     out: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as d, Node(str(APP), "--store", d) as node:
-        c = HttpClient(addr_of(node.url))
-        for label, size in SIZES.items():
-            n = ops_for(label, quick)
-            value = np.random.default_rng(rep).integers(0, 255, size=size, dtype=np.uint8).tobytes()
-            buf = memoryview(bytearray(size))
-            keys = [f"/bench/r{rep}/{label}/{i}" for i in range(n)]
-            out[label] = {"put": puts(c, keys, value), "get_local": gets(dict.fromkeys(keys, c), keys, buf)}
-        c.close()
+    for label in SIZES:
+        keys, value, buf = workload(label, rep, quick)
+        out[label] = {"put": puts(c, keys, value), "get_local": gets(dict.fromkeys(keys, c), keys, buf)}
+        if isinstance(c, RedisClient):
+            c.command(b"FLUSHALL")
+    c.close()
     return out
+
+
+def single_point(rep: int, quick: bool) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as d, Node(str(APP), "--store", d) as node:
+        return one_server(HttpClient(addr_of(node.url)), rep, quick)
 
 
 def redis_point(rep: int, quick: bool, fsync: bool) -> dict[str, Any]:
@@ -162,17 +174,9 @@ def redis_point(rep: int, quick: bool, fsync: bool) -> dict[str, Any]:
         proc = subprocess.Popen([REDIS, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", d,
                                  "--proto-max-bulk-len", "1gb", *args], stdout=subprocess.DEVNULL)
         try:
-            c = wait_for(lambda: _try_redis(port), timeout=20)
-            out = {}
-            for label, size in SIZES.items():
-                n = ops_for(label, quick)
-                value = np.random.default_rng(rep).integers(0, 255, size=size, dtype=np.uint8).tobytes()
-                buf = memoryview(bytearray(size))
-                keys = [f"/bench/r{rep}/{label}/{i}" for i in range(n)]
-                out[label] = {"put": puts(c, keys, value), "get_local": gets(dict.fromkeys(keys, c), keys, buf)}
-                c.command(b"FLUSHALL")
-            c.close()
-            return out
+            client = wait_for(lambda: _try_redis(port), timeout=20)
+            assert client is not None
+            return one_server(client, rep, quick)
         finally:
             proc.terminate()
             proc.wait(10)

@@ -14,6 +14,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import slipstream as ss
@@ -84,7 +85,10 @@ def netns() -> Iterator[Netns]:
     ns.close()
 
 
-def test_a_partition_leaves_no_request_hanging_and_heals(netns: Netns) -> None:
+@contextmanager
+def cluster_across(netns: Netns) -> Iterator[dict[str, Node]]:
+    """etcd and nodes n1, n2 on this side and n3 in the namespace, running
+    the cluster app; stopped (and the partition healed) on exit."""
     etcd = Etcd(1, host=netns.host_ip)
     nodes: dict[str, Node] = {}
     try:
@@ -94,6 +98,16 @@ def test_a_partition_leaves_no_request_hanging_and_heals(netns: Netns) -> None:
         nodes["n1"] = start_node(etcd, "n1", *data)
         nodes["n2"] = start_node(etcd, "n2", *data)
         nodes["n3"] = start_node(etcd, "n3", "--data-listen", f"{netns.ns_ip}:0", wrap=netns.wrap)
+        yield nodes
+    finally:
+        for n in nodes.values():
+            n.stop()
+        etcd.stop()
+        netns.heal()
+
+
+def test_a_partition_leaves_no_request_hanging_and_heals(netns: Netns) -> None:
+    with cluster_across(netns) as nodes:
         n1 = nodes["n1"]
         wait_for(lambda: len(n1.status()["cluster"]["members"]) == 3 and n1.request("GET", "/readyz")[0] == 200,
                  timeout=60)
@@ -145,11 +159,6 @@ def test_a_partition_leaves_no_request_hanging_and_heals(netns: Netns) -> None:
         wait_for(lambda: n1.status()["cluster"]["members"]["n3"]["ready"], timeout=60)
         status, body = n1.infer("diamond", x=[[4.0, 2.0]])
         assert status == 200, body
-    finally:
-        for n in nodes.values():
-            n.stop()
-        etcd.stop()
-        netns.heal()
 
 
 def _store_call_in(netns: Netns, url: str, code: str) -> subprocess.CompletedProcess[str]:
@@ -163,15 +172,7 @@ def test_a_partitioned_node_cannot_commit_and_catches_up_when_healed(netns: Netn
     """No split brain: a node cut off from etcd refuses writes (503) rather
     than fork a key's history, while the others commit; healed, it applies
     what they committed."""
-    etcd = Etcd(1, host=netns.host_ip)
-    nodes: dict[str, Node] = {}
-    try:
-        out = deploy(etcd, CLUSTER_APP, wait=0)
-        assert out.returncode == 0, out.stdout + out.stderr
-        data = ("--data-listen", f"{netns.host_ip}:0")
-        nodes["n1"] = start_node(etcd, "n1", *data)
-        nodes["n2"] = start_node(etcd, "n2", *data)
-        nodes["n3"] = start_node(etcd, "n3", "--data-listen", f"{netns.ns_ip}:0", wrap=netns.wrap)
+    with cluster_across(netns) as nodes:
         n1 = nodes["n1"]
         wait_for(lambda: len(n1.status()["cluster"]["members"]) == 3 and n1.is_ready(), timeout=60)
         first = ss.store.Store(n1.url).put("/p/key", b"before")
@@ -203,8 +204,3 @@ with urllib.request.urlopen({n3_url!r} + '/v1/store/objects/p/key', timeout=20) 
         assert healed.stdout.strip() == "2 after", (healed.stdout, healed.stderr)
         history = [v.version for v in ss.store.Store(n1.url).versions("/p/key")]
         assert history == [1, 2], history
-    finally:
-        for n in nodes.values():
-            n.stop()
-        etcd.stop()
-        netns.heal()

@@ -898,6 +898,26 @@ fn place_value(
     }
 }
 
+/// Write `rec` as version `version` of `key`, make it the latest, and note
+/// the change in the feed at `seq`.
+#[allow(clippy::too_many_arguments)]
+fn name_version(
+    heads: &mut redb::Table<'_, &'static str, u64>,
+    versions: &mut VersionsTable<'_>,
+    feed: &mut redb::Table<'_, u64, &'static [u8]>,
+    key: &str,
+    version: u64,
+    rec: &Record,
+    seq: u64,
+    quiet: bool,
+) -> Result<(), StoreError> {
+    versions.insert((key, version), serde_json::to_vec(rec).map_err(io)?.as_slice()).map_err(io)?;
+    heads.insert(key, version).map_err(io)?;
+    let change = Change { seq, key: key.to_string(), version, timestamp: secs(rec.ts), deleted: rec.deleted, quiet };
+    feed.insert(seq, serde_json::to_vec(&change).map_err(io)?.as_slice()).map_err(io)?;
+    Ok(())
+}
+
 /// The value held for (key, version, digest), taken out of the held tables.
 fn take_held(t: &mut Tables<'_, '_>, key: &str, version: u64, digest: &str) -> Result<Option<Staged>, StoreError> {
     let Some(h) = t.held.remove((key, version, digest)).map_err(io)? else { return Ok(None) };
@@ -1077,18 +1097,8 @@ impl Inner {
                         Applied::New(rec, version, blob) => (rec, version, blob),
                     };
                     blob_next = blob_next.max(blob.as_ref().map_or(0, |b| b.id() + 1));
-                    versions.insert((key, version), serde_json::to_vec(&rec).map_err(io)?.as_slice()).map_err(io)?;
-                    heads.insert(key, version).map_err(io)?;
                     seq += 1;
-                    let change = Change {
-                        seq,
-                        key: key.to_string(),
-                        version,
-                        timestamp: secs(rec.ts),
-                        deleted: rec.deleted,
-                        quiet,
-                    };
-                    feed.insert(seq, serde_json::to_vec(&change).map_err(io)?.as_slice()).map_err(io)?;
+                    name_version(&mut heads, &mut versions, &mut feed, key, version, &rec, seq, quiet)?;
                     self.retain_count(&mut versions, &mut inline, key, version, &mut garbage)?;
                     let meta = self.meta_of(key, version, &rec);
                     outcomes.push(Outcome::Done(Committed { meta, seq }, blob));
@@ -1119,18 +1129,8 @@ impl Inner {
                         b
                     }
                 };
-                versions.insert((key, version), serde_json::to_vec(&rec).map_err(io)?.as_slice()).map_err(io)?;
-                heads.insert(key, version).map_err(io)?;
                 seq += 1;
-                let change = Change {
-                    seq,
-                    key: key.to_string(),
-                    version,
-                    timestamp: secs(ts),
-                    deleted: rec.deleted,
-                    quiet: false,
-                };
-                feed.insert(seq, serde_json::to_vec(&change).map_err(io)?.as_slice()).map_err(io)?;
+                name_version(&mut heads, &mut versions, &mut feed, key, version, &rec, seq, false)?;
                 self.retain_count(&mut versions, &mut inline, key, version, &mut garbage)?;
                 let meta = self.meta_of(key, version, &rec);
                 outcomes.push(Outcome::Done(Committed { meta, seq }, blob));
