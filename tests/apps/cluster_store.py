@@ -1,8 +1,10 @@
-"""Test app for the cluster store: a stage that reads an affinity group
-(pool ``/corpus/``, group = the second path segment) and says which node
-ran it and how many objects the group held there."""
+"""Test app for the cluster store: ``where``, a stage that reads an
+affinity group (pool ``/corpus/``, group = the second path segment) and
+says which node ran it and how many objects the group held there; and
+``triggered``, a pipeline watching ``/jobs/`` that logs each firing."""
 
 import os
+import time
 
 import numpy as np
 import slipstream as ss
@@ -20,3 +22,31 @@ class Where:
 
 where = ss.Pipeline("where", Where, slo=ss.SLO(p99_ms=3000),
                     pools=[ss.Pool("/corpus/", affinity=r"^/corpus/([^/]+)/")])
+
+
+@ss.component(max_batch_size=8, watch="/jobs/", outputs={"seen": ss.Tensor("int64", (-1,))})
+class Recorder:
+    """Logs every trigger it runs as one key per (key, version):
+    ``/log<key>/<version>``, whose versions count the times it fired. A
+    value starting with ``slow`` takes 0.25 s to fire."""
+
+    def __init__(self) -> None:
+        self.store = ss.store.Store()
+
+    def __call__(self, batch: ss.Batch) -> dict:
+        for key, version, value in zip(batch["key"], batch["version"], batch["value"], strict=True):
+            if bytes(value).startswith(b"slow"):  # a firing that takes a while
+                time.sleep(0.25)
+            deadline = time.monotonic() + 20
+            while True:  # through a node's loss (its lease not yet expired), puts are refused for a moment
+                try:
+                    self.store.put(f"/log{key}/{int(version)}", b"fired")
+                    break
+                except ss.StoreUnavailable:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+        return {"seen": np.asarray(batch["version"], dtype=np.int64)}
+
+
+triggered = ss.Pipeline("triggered", Recorder, slo=ss.SLO(p99_ms=30000))

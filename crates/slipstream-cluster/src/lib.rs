@@ -417,6 +417,13 @@ pub async fn start(node: &Arc<Node>, opts: ClusterOptions, http: String) -> Resu
         tokio::spawn(agent::membership(etcd.clone(), node.clone(), cluster.clone(), lease, stop.clone())),
         tokio::spawn(agent::follow(etcd, node.clone(), cluster.clone(), stop)),
     ];
+    // Until the view holds this node, the store has no replica set to
+    // write to (the seeds are put next).
+    let mut views = cluster.view.subscribe();
+    let me = cluster.me().to_string();
+    if tokio::time::timeout(cluster.opts.ttl() * 3, views.wait_for(|v| v.members.contains_key(&me))).await.is_err() {
+        tracing::warn!("this node's membership record has not come back from etcd's watch yet");
+    }
     tracing::info!(
         "joined cluster '{}' as {} (etcd {}, data plane {data_addr}, merging tensors under {} bytes)",
         cluster.opts.cluster,

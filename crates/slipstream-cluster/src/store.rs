@@ -42,7 +42,7 @@ use sha2::{Digest, Sha256};
 use slipstream_core::ext::{GroupHome, SharedStore, SharedWrite, StoreFuture};
 use slipstream_core::prom::PromText;
 use slipstream_etcd::{Etcd, EtcdError, Kv, WatchEvent};
-use slipstream_peer::{Incoming, OutTensor, Outgoing};
+use slipstream_peer::{Incoming, OutTensor, Outgoing, PeerError};
 use slipstream_store::{Committed, Replicated, Select, Store, StoreError, Write};
 use slipstream_types::DType;
 use std::collections::HashMap;
@@ -53,6 +53,8 @@ use tokio::sync::watch;
 
 /// The record kind objects are sealed as.
 const KIND: &str = "object";
+/// The record kind of the triggers' settled revision.
+const TRIGGERS_KIND: &str = "triggers-settled";
 /// How long a read waits for this node to apply a commit it learned of.
 const SYNC_PATIENCE: Duration = Duration::from_secs(5);
 /// Commits a put tries before it gives up on a key others keep changing.
@@ -195,6 +197,12 @@ impl ClusterStore {
         Ok(me)
     }
 
+    /// Where the trigger leader records up to which commit (etcd revision)
+    /// the cluster's triggers have settled.
+    fn triggers_key(&self) -> String {
+        format!("{}triggers-settled", self.root)
+    }
+
     fn head_key(&self, key: &str) -> String {
         format!("{}head{key}", self.root)
     }
@@ -221,7 +229,8 @@ impl ClusterStore {
             .get_prefix(&format!("{}ver", self.root))
             .await
             .map_err(|e| format!("cannot read the cluster store's records: {e}"))?;
-        let records: Vec<ObjectRecord> = kvs.iter().filter_map(|kv| self.decode(kv)).collect();
+        let records: Vec<(ObjectRecord, i64)> =
+            kvs.iter().filter_map(|kv| self.decode(kv).map(|r| (r, kv.mod_revision))).collect();
         let n = records.len();
         self.apply(records).await.map_err(|e| format!("cannot apply the cluster store's records: {e}"))?;
         self.applied.send_replace(rev);
@@ -254,7 +263,7 @@ impl ClusterStore {
                 match e {
                     WatchEvent::Put(kv) => {
                         upto = upto.max(kv.mod_revision);
-                        records.extend(self.decode(&kv));
+                        records.extend(self.decode(&kv).map(|r| (r, kv.mod_revision)));
                     }
                     // Old versions' records leave etcd with retention; the
                     // node's own retention removes them here.
@@ -286,22 +295,21 @@ impl ClusterStore {
         }
     }
 
-    /// Apply `records` to this node's store, in order, in one group commit.
-    async fn apply(&self, records: Vec<ObjectRecord>) -> Result<(), StoreError> {
+    /// Apply `records` (each with the etcd revision that wrote it) to this
+    /// node's store, in order, in one group commit.
+    async fn apply(&self, records: Vec<(ObjectRecord, i64)>) -> Result<(), StoreError> {
         if records.is_empty() {
             return Ok(());
         }
-        let me = self.cluster.me().to_string();
         let n = records.len() as u64;
         let writes: Vec<Write> = records
             .into_iter()
-            .map(|r| Write {
-                // Triggers fire for a change on its first holder only.
+            .map(|(r, rev)| Write {
                 replicated: Some(Replicated {
                     version: r.version,
                     ts_us: r.ts_us,
                     size: r.size,
-                    quiet: r.holders.first() != Some(&me),
+                    rev: rev.max(0) as u64,
                     digest: r.digest,
                     holders: r.holders,
                     deleted: r.deleted,
@@ -391,7 +399,19 @@ impl ClusterStore {
             let version = latest + 1;
             let set = self.replica_set(&key)?;
             let holders = match &value {
-                Some(parts) => self.replicate(&key, version, &digest, parts, &set).await?,
+                Some(parts) => match self.replicate(&key, version, &digest, parts, &set).await {
+                    Ok(h) => h,
+                    // A node of the set is unreachable (dead, its lease not yet
+                    // expired): it is suspected now, and the next try's set
+                    // goes around it.
+                    Err((e, true)) => {
+                        tracing::debug!("{e}; trying another replica set");
+                        tokio::time::sleep(wait.mul_f64(rand_unit())).await;
+                        wait = (wait * 2).min(Duration::from_millis(100));
+                        continue;
+                    }
+                    Err((e, false)) => return Err(e),
+                },
                 None => set,
             };
             let rec = ObjectRecord {
@@ -413,7 +433,12 @@ impl ClusterStore {
             match self.etcd.txn_if(&head_key, mod_rev, &puts, &deletes, None).await {
                 Ok(Ok(rev)) => {
                     self.counters.puts.fetch_add(1, Relaxed);
-                    self.applied_to(rev).await?;
+                    // Committed: the answer says so even if this node is slow
+                    // to apply it (a read here then waits for it).
+                    if let Err(e) = self.applied_to(rev).await {
+                        tracing::warn!("{key} v{version} committed; {e}");
+                        return Ok(Committed { meta: self.meta_of(&rec), seq: 0 });
+                    }
                     let store = self.store.clone();
                     let meta = tokio::task::spawn_blocking(move || store.meta(&key, Select::Version(version), false))
                         .await
@@ -440,6 +465,22 @@ impl ClusterStore {
         Err(unavailable(format!("{key}: gave up after {MAX_ATTEMPTS} commits lost to concurrent writers")))
     }
 
+    /// What a reader learns of the version `rec` records (before this node applied it).
+    fn meta_of(&self, rec: &ObjectRecord) -> slipstream_store::Meta {
+        slipstream_store::Meta {
+            key: rec.key.clone(),
+            version: rec.version,
+            timestamp: rec.ts_us as f64 / 1e6,
+            size: rec.size,
+            content_type: rec.ct.clone(),
+            deleted: rec.deleted,
+            path: None,
+            digest: Some(rec.digest.clone()),
+            holders: rec.holders.clone(),
+            local: rec.holders.iter().any(|h| h == self.cluster.me()),
+        }
+    }
+
     /// Versions of `key` etcd keeps (its pool's `keep_versions`).
     fn pool_keep(&self, key: &str) -> u64 {
         let pools = &self.store.options().pools;
@@ -451,7 +492,8 @@ impl ClusterStore {
     }
 
     /// Send the value to every node of `set`; the nodes that hold it
-    /// durably (all of them, or the put fails: W = RF).
+    /// durably (all of them, or the put fails: W = RF). Err(_, true): a
+    /// node could not be reached and is suspected now (try another set).
     async fn replicate(
         self: &Arc<Self>,
         key: &str,
@@ -459,7 +501,7 @@ impl ClusterStore {
         digest: &str,
         parts: &Arc<Vec<Bytes>>,
         set: &[String],
-    ) -> Result<Vec<String>, StoreError> {
+    ) -> Result<Vec<String>, (StoreError, bool)> {
         let size: u64 = parts.iter().map(|b| b.len() as u64).sum();
         let patience = transfer_patience(size);
         let view = self.cluster.view();
@@ -483,7 +525,14 @@ impl ClusterStore {
                             let call = StoreCall::Hold { key, version, digest };
                             let tensors = parts.iter().map(|p| raw_tensor(p.clone())).collect();
                             let msg = Outgoing::call(serde_json::to_vec(&call).expect("serialises"), tensors);
-                            me.cluster.peers.call(m.data, msg, patience).await.map(|_| ()).map_err(|e| e.to_string())
+                            match me.cluster.peers.call(m.data, msg, patience).await {
+                                Ok(_) => Ok(()),
+                                Err(e @ (PeerError::Disconnected(_) | PeerError::Refused | PeerError::Timeout)) => {
+                                    me.cluster.suspect(&node, &format!("store copy failed: {e}"));
+                                    Err(format!("{e} (suspected)"))
+                                }
+                                Err(e) => Err(e.to_string()),
+                            }
                         }
                     }
                 };
@@ -492,7 +541,7 @@ impl ClusterStore {
         }
         let mut results = Vec::with_capacity(tasks.len());
         for t in tasks {
-            results.push(t.await.map_err(unavailable)?);
+            results.push(t.await.map_err(|e| (unavailable(e), false))?);
         }
         let mut held = Vec::new();
         let mut failed = Vec::new();
@@ -503,12 +552,14 @@ impl ClusterStore {
             }
         }
         if held.len() < set.len() {
-            return Err(unavailable(format!(
+            let retry = failed.iter().any(|f| f.ends_with("(suspected)"));
+            let e = unavailable(format!(
                 "{key}: {} of {} replica node(s) took the value ({}); not committed",
                 held.len(),
                 set.len(),
                 failed.join("; ")
-            )));
+            ));
+            return Err((e, retry));
         }
         Ok(held)
     }
@@ -564,7 +615,7 @@ impl ClusterStore {
                 digest: digest.clone(),
                 holders: Vec::new(),
                 deleted: false,
-                quiet: true,
+                rev: 0,
             };
             let ct = meta.content_type.clone();
             let filled = tokio::task::spawn_blocking(move || {
@@ -721,6 +772,26 @@ impl SharedStore for ClusterStore {
     fn fetch(&self, key: &str, version: u64) -> StoreFuture<()> {
         let me = self.arc();
         Box::pin(me.fetch_one(key.to_string(), version))
+    }
+
+    fn fires_triggers(&self) -> bool {
+        self.cluster.view().members.keys().next().map(String::as_str) == Some(self.cluster.me())
+    }
+
+    fn triggers_settled(&self) -> StoreFuture<u64> {
+        let me = self.arc();
+        Box::pin(async move {
+            let Some(kv) = me.etcd.get(&me.triggers_key()).await.map_err(unavailable)? else { return Ok(0) };
+            open::<u64>(&me.cluster.key, TRIGGERS_KIND, &kv.value).map_err(unavailable)
+        })
+    }
+
+    fn settle_triggers(&self, rev: u64) -> StoreFuture<()> {
+        let me = self.arc();
+        Box::pin(async move {
+            let sealed = seal(&me.cluster.key, TRIGGERS_KIND, &rev);
+            me.etcd.put(&me.triggers_key(), &sealed, None).await.map(|_| ()).map_err(unavailable)
+        })
     }
 
     fn group_home(&self, pool: &str, group: &str) -> GroupHome {

@@ -95,6 +95,14 @@ pub trait SharedStore: Send + Sync {
     /// Fetch the value of `key`'s version `version` from a node holding
     /// it and keep it here (the record said [`StoreError::Elsewhere`]).
     fn fetch(&self, key: &str, version: u64) -> StoreFuture<()>;
+    /// Whether this node fires the cluster's store triggers now (one node
+    /// does: every node applies every change, so each would fire it).
+    fn fires_triggers(&self) -> bool;
+    /// The etcd revision up to which the cluster's triggers have settled
+    /// (as the node firing them last recorded it).
+    fn triggers_settled(&self) -> StoreFuture<u64>;
+    /// Record that the cluster's triggers have settled up to `rev`.
+    fn settle_triggers(&self, rev: u64) -> StoreFuture<()>;
     /// Where the affinity group `group` of pool `pool` lives: whether this
     /// node holds it, and which other nodes do (by name). Requests that
     /// read the group are routed to a replica on one of them.

@@ -242,6 +242,10 @@ fn is_true(b: &bool) -> bool {
     *b
 }
 
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
 /// One entry of the change feed.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Change {
@@ -251,10 +255,10 @@ pub struct Change {
     /// Unix time in seconds.
     pub timestamp: f64,
     pub deleted: bool,
-    /// A cluster's change another node answers for (fires its triggers);
-    /// watchers see it like any other.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub quiet: bool,
+    /// For a version a cluster committed, the etcd revision of its commit
+    /// (0: a change of this node's own).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub rev: u64,
 }
 
 /// Which version a read wants.
@@ -330,9 +334,8 @@ pub struct Replicated {
     /// (Empty when filling in a value: the holders recorded stay.)
     pub holders: Vec<String>,
     pub deleted: bool,
-    /// Its change is marked quiet in the feed: another node answers for it
-    /// (fires its triggers).
-    pub quiet: bool,
+    /// The etcd revision that committed it (noted in its change).
+    pub rev: u64,
 }
 
 /// An acknowledged write.
@@ -909,11 +912,11 @@ fn name_version(
     version: u64,
     rec: &Record,
     seq: u64,
-    quiet: bool,
+    rev: u64,
 ) -> Result<(), StoreError> {
     versions.insert((key, version), serde_json::to_vec(rec).map_err(io)?.as_slice()).map_err(io)?;
     heads.insert(key, version).map_err(io)?;
-    let change = Change { seq, key: key.to_string(), version, timestamp: secs(rec.ts), deleted: rec.deleted, quiet };
+    let change = Change { seq, key: key.to_string(), version, timestamp: secs(rec.ts), deleted: rec.deleted, rev };
     feed.insert(seq, serde_json::to_vec(&change).map_err(io)?.as_slice()).map_err(io)?;
     Ok(())
 }
@@ -1077,7 +1080,7 @@ impl Inner {
                     None => None,
                 };
                 if let Some(rep) = w.replicated.take() {
-                    let rep_quiet = rep.quiet;
+                    let rep_rev = rep.rev;
                     let mut tables = Tables {
                         blobs: &self.blobs,
                         versions: &mut versions,
@@ -1087,7 +1090,7 @@ impl Inner {
                     };
                     let out =
                         self.apply_replicated(&mut tables, &w.key, rep, w.value, w.content_type, latest, &mut garbage)?;
-                    let quiet = rep_quiet;
+                    let rev = rep_rev;
                     let (rec, version, blob) = match out {
                         Applied::Filled(rec, version, blob) | Applied::Exists(rec, version, blob) => {
                             let meta = self.meta_of(key, version, &rec);
@@ -1098,7 +1101,7 @@ impl Inner {
                     };
                     blob_next = blob_next.max(blob.as_ref().map_or(0, |b| b.id() + 1));
                     seq += 1;
-                    name_version(&mut heads, &mut versions, &mut feed, key, version, &rec, seq, quiet)?;
+                    name_version(&mut heads, &mut versions, &mut feed, key, version, &rec, seq, rev)?;
                     self.retain_count(&mut versions, &mut inline, key, version, &mut garbage)?;
                     let meta = self.meta_of(key, version, &rec);
                     outcomes.push(Outcome::Done(Committed { meta, seq }, blob));
@@ -1130,7 +1133,7 @@ impl Inner {
                     }
                 };
                 seq += 1;
-                name_version(&mut heads, &mut versions, &mut feed, key, version, &rec, seq, false)?;
+                name_version(&mut heads, &mut versions, &mut feed, key, version, &rec, seq, 0)?;
                 self.retain_count(&mut versions, &mut inline, key, version, &mut garbage)?;
                 let meta = self.meta_of(key, version, &rec);
                 outcomes.push(Outcome::Done(Committed { meta, seq }, blob));

@@ -274,7 +274,7 @@ fn rep(version: u64, ts_us: u64, size: u64, digest: &str) -> Replicated {
         digest: digest.into(),
         holders: vec!["a".into(), "b".into()],
         deleted: false,
-        quiet: false,
+        rev: 0,
     }
 }
 

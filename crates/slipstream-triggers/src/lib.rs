@@ -17,6 +17,13 @@
 //! settled) is persisted about once a second, so after a crash the
 //! changes after it fire again (at least once).
 //!
+//! In a cluster every node applies every committed change to its store, so
+//! one node fires them: the trigger leader (the cluster store says which).
+//! It records in etcd, at most every 100 ms, the commit (etcd revision)
+//! up to which its triggers settled; a node that becomes the leader (the last
+//! one died or left) fires again every change after that revision: at
+//! least once across the loss of the firing node, in version order per key.
+//!
 //! A service of the node: it reaches the request path through the node's
 //! public API only ([`Node::accept`], [`Node::answer`]) and reports under
 //! `store.triggers` in `/v1/status` and as `slipstream_store_triggers_*`.
@@ -30,7 +37,7 @@ use slipstream_core::prom::PromText;
 use slipstream_core::spec::TRIGGER_INPUTS;
 use slipstream_core::{Arrival, Node, NodeError, PipelineRt};
 use slipstream_store::{Select, StoreError};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -44,6 +51,8 @@ pub const LOAD_PATIENCE: Duration = Duration::from_secs(300);
 pub const VALUE_INLINE_MAX: u64 = 1 << 20;
 /// Where failed triggers are recorded.
 pub const FAILED_PREFIX: &str = "/_slipstream/failed-triggers/";
+/// How often the cluster's trigger leader records its progress in etcd.
+const SETTLE_EVERY: Duration = Duration::from_millis(100);
 /// Trigger requests in flight at once, node-wide.
 const IN_FLIGHT: usize = 64;
 
@@ -320,7 +329,31 @@ pub async fn follow(node: Arc<Node>, triggers: Arc<Triggers>, mut stop: watch::R
     let mut changed = store.subscribe();
     let mut saved = cursor;
     let mut last_save = Instant::now();
+    // In a cluster every node applies every change; the one node that
+    // fires them (the trigger leader) records in etcd up to which commit
+    // they settled, and a node that takes over fires again what came after.
+    let shared = node.shared_store().cloned();
+    let mut leading = false;
+    let mut revs: BTreeMap<u64, u64> = BTreeMap::new(); // seq -> etcd revision, offered, not yet recorded
+    let mut settled_rev = 0;
     loop {
+        if let Some(sh) = &shared {
+            match (sh.fires_triggers(), leading) {
+                (true, false) => match sh.triggers_settled().await {
+                    Ok(upto) => {
+                        cursor = seq_after_rev(&store, upto).await.unwrap_or(cursor);
+                        (leading, settled_rev) = (true, upto);
+                        tracing::info!("firing the cluster's store triggers from etcd revision {upto} on");
+                    }
+                    Err(e) => tracing::warn!("cannot take over the cluster's triggers yet: {e}"),
+                },
+                (false, true) => {
+                    leading = false;
+                    revs.clear();
+                }
+                _ => {}
+            }
+        }
         let batch = {
             let store = store.clone();
             tokio::task::spawn_blocking(move || store.changes("/", cursor, 1000)).await
@@ -328,9 +361,10 @@ pub async fn follow(node: Arc<Node>, triggers: Arc<Triggers>, mut stop: watch::R
         let full = match batch {
             Ok(Ok((changes, read_to))) => {
                 let full = changes.len() == 1000;
-                // A cluster's change fires on one node, its first holder;
-                // the others see it quiet.
-                for c in changes.into_iter().filter(|c| !c.quiet) {
+                for c in changes.into_iter().filter(|_| shared.is_none() || leading) {
+                    if c.rev > 0 {
+                        revs.insert(c.seq, c.rev);
+                    }
                     let op = if c.deleted { "delete" } else { "put" };
                     triggers.offer(&node, &Item { seq: c.seq, key: c.key, version: c.version, op, value: None });
                 }
@@ -358,14 +392,48 @@ pub async fn follow(node: Arc<Node>, triggers: Arc<Triggers>, mut stop: watch::R
             }
             last_save = Instant::now();
         }
+        // The cluster's progress is recorded more often (an etcd put at
+        // most every SETTLE_EVERY): a takeover fires again only what
+        // settled since.
+        if let (Some(sh), true) = (&shared, leading) {
+            let settled = revs.range(..=mark).next_back().map(|(_, r)| *r);
+            if let Some(rev) = settled.filter(|r| *r > settled_rev) {
+                match sh.settle_triggers(rev).await {
+                    Ok(()) => {
+                        settled_rev = rev;
+                        revs.retain(|seq, _| *seq > mark);
+                    }
+                    Err(e) => tracing::warn!("cannot record the triggers' progress in etcd: {e}"),
+                }
+            }
+        }
         if full {
             continue;
         }
+        let idle = if leading { SETTLE_EVERY } else { Duration::from_secs(1) };
         tokio::select! {
             _ = changed.changed() => {}
-            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            _ = tokio::time::sleep(idle) => {}
             _ = stop.changed() => return,
         }
+    }
+}
+
+/// The sequence number just before the first change in this node's feed
+/// that a commit after etcd revision `rev` made (the feed's end when there
+/// is none yet); None if the feed cannot be read.
+async fn seq_after_rev(store: &Arc<slipstream_store::Store>, rev: u64) -> Option<u64> {
+    let mut since = store.feed_first().saturating_sub(1);
+    loop {
+        let s = store.clone();
+        let (changes, read_to) = tokio::task::spawn_blocking(move || s.changes("/", since, 1000)).await.ok()?.ok()?;
+        if let Some(c) = changes.iter().find(|c| c.rev > rev) {
+            return Some(c.seq - 1);
+        }
+        if changes.len() < 1000 {
+            return Some(read_to);
+        }
+        since = read_to;
     }
 }
 
