@@ -223,7 +223,7 @@ from pathlib import Path
 
 import numpy as np
 import slipstream as ss
-from helper import FACTOR_KEY, scale_of  # a sibling module: in the bundle too
+from helper import FACTOR_KEY, WEIGHTS, scale_of  # a sibling module: in the bundle too
 
 
 @ss.component(max_batch_size=8, needs={"factor": FACTOR_KEY}, inputs={"x": ss.Tensor("float32", (-1,))},
@@ -249,7 +249,8 @@ class Recorder:
         return {"seen": np.asarray(batch["version"], dtype=np.int64)}
 
 
-scaled = ss.Pipeline("scaled", Scale, seed={FACTOR_KEY: str(Path(__file__).parent / "factor.txt")})
+scaled = ss.Pipeline("scaled", Scale, seed={FACTOR_KEY: str(Path(__file__).parent / "factor.txt"),
+                                            "/models/weights": WEIGHTS})
 triggered = ss.Pipeline("triggered", Recorder)
 '''
 
@@ -263,7 +264,10 @@ def test_a_deployment_runs_where_its_files_are_not_and_triggers_fire_once(tmp_pa
     src = tmp_path / "src"
     src.mkdir()
     (src / "app.py").write_text(BUNDLED_APP)
-    (src / "helper.py").write_text('FACTOR_KEY = "/cfg/factor"\n\n\ndef scale_of(text):\n    return float(text)\n')
+    weights = tmp_path / "weights.bin"  # over 1 MiB: it travels through the store, not the bundle
+    weights.write_bytes(np.random.default_rng(3).integers(0, 255, size=3 << 20, dtype=np.uint8).tobytes())
+    (src / "helper.py").write_text(f'FACTOR_KEY = "/cfg/factor"\nWEIGHTS = {str(weights)!r}\n\n\n'
+                                   'def scale_of(text):\n    return float(text)\n')
     (src / "factor.txt").write_text("3")
     etcd = Etcd(1)
     nodes: list[Node] = []
@@ -272,12 +276,18 @@ def test_a_deployment_runs_where_its_files_are_not_and_triggers_fire_once(tmp_pa
         assert out.returncode == 0, out.stdout + out.stderr
         assert "bundled" in out.stderr, out.stderr
         shutil.rmtree(src)
+        weights_bytes = weights.read_bytes()
         for name in ("b1", "b2"):
             cache = tmp_path / f"cache-{name}"
             nodes.append(start_node(etcd, name, env={"XDG_CACHE_HOME": str(cache)}))
             assert nodes[-1].url, nodes[-1].log()
+            wait_for(nodes[-1].is_ready, timeout=90)
+            # b1 seeded the large file from this machine; b2's machine lacks it
+            # and finds it in the cluster's store.
+            weights.unlink(missing_ok=True)
         for n in nodes:
             wait_for(lambda n=n: n.is_ready() and len(n.status()["cluster"]["members"]) == 2, timeout=90)
+        assert all(store(n).get("/models/weights").bytes() == weights_bytes for n in nodes)
         for n in nodes:
             status, body = n.infer("scaled", x=[1.0, 2.0])
             assert status == 200 and body["outputs"]["y"] == [3.0, 6.0], body

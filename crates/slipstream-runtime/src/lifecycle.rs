@@ -191,10 +191,22 @@ async fn seed_store(spec: &AppSpec, node: &Node) -> Result<(), RunError> {
             Err(slipstream_store::StoreError::NotFound(_)) => {}
             Err(e) => return Err(e.into()),
         }
-        let data = std::fs::read(&seed.path).map_err(|e| SpecError {
-            pipeline: "-".into(),
-            reason: format!("store seed {}: cannot read {}: {e}", seed.key, seed.path.display()),
-        })?;
+        let data = match (std::fs::read(&seed.path), node.shared_store()) {
+            (Ok(data), _) => data,
+            // In a cluster a node without the file (a deployment carries
+            // small seeds only) waits for a node that has it to seed it.
+            (Err(e), Some(shared)) if e.kind() == std::io::ErrorKind::NotFound => {
+                wait_for_seed(node, shared, &seed.key, &seed.path).await?;
+                continue;
+            }
+            (Err(e), _) => {
+                return Err(SpecError {
+                    pipeline: "-".into(),
+                    reason: format!("store seed {}: cannot read {}: {e}", seed.key, seed.path.display()),
+                }
+                .into())
+            }
+        };
         let c = match node.shared_store() {
             Some(shared) => {
                 let w = slipstream_core::ext::SharedWrite {
@@ -219,6 +231,41 @@ async fn seed_store(spec: &AppSpec, node: &Node) -> Result<(), RunError> {
         );
     }
     Ok(())
+}
+
+/// How long a cluster node waits for another to seed a key whose file it lacks.
+const SEED_PATIENCE: Duration = Duration::from_secs(600);
+
+/// Wait until the cluster's store has a live version of `key` (seeded by a
+/// node that has its file).
+async fn wait_for_seed(
+    node: &Node,
+    shared: &Arc<dyn slipstream_core::ext::SharedStore>,
+    key: &str,
+    path: &std::path::Path,
+) -> Result<(), RunError> {
+    tracing::info!("store seed {key}: {} is not on this machine; waiting for a node that has it to seed it", path.display());
+    let until = tokio::time::Instant::now() + SEED_PATIENCE;
+    loop {
+        shared.sync(key).await?;
+        match node.store().meta(key, slipstream_store::Select::Latest, false) {
+            Ok(_) => return Ok(()),
+            Err(slipstream_store::StoreError::NotFound(_)) if tokio::time::Instant::now() < until => {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(slipstream_store::StoreError::NotFound(_)) => {
+                return Err(SpecError {
+                    pipeline: "-".into(),
+                    reason: format!(
+                        "store seed {key}: {} is not on this machine and no node seeded it within {SEED_PATIENCE:?}",
+                        path.display()
+                    ),
+                }
+                .into())
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
 }
 
 /// Where the node listens, for its status (`listen`: the HTTP address and

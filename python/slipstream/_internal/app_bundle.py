@@ -5,7 +5,10 @@ identical paths needed.
 its pipelines seed into one zip (the bundle): the app file, the Python
 modules and packages beside it (the app's directory is on the workers'
 ``sys.path``, so that is what a sibling import can reach), and every seed
-file. The bundle is written to etcd in chunks under
+file up to 1 MiB. A larger seed (a model, an index) travels through the
+cluster's store instead: a node whose machine has the file at the path the
+app names seeds it, and a node without it waits until the key is in the
+store (its workers then fetch it from the nodes holding it). The bundle is written to etcd in chunks under
 ``/slipstream/<cluster>/bundles/<sha256>/``, before the deploy record that
 names it (its SHA-256, size and layout) is signed and published, so a node
 never sees a record whose bundle is incomplete. A node fetches the chunks,
@@ -19,9 +22,7 @@ others find them there).
 Why etcd and not the object store: the store lives in the nodes, and
 before the first deployment no node runs one. The bundle is bounded
 (``MAX_BYTES``, 16 MiB, as Kubernetes bounds a ConfigMap to what etcd
-holds well), which fits code and small seed files; large models belong in
-the store (``slipstream store put``) as a component's ``needs``, where every
-node fetches them from the nodes holding them. Old bundles are deleted
+holds well), which fits code and small seed files. Old bundles are deleted
 when a new deployment replaces them.
 """
 
@@ -38,6 +39,8 @@ from typing import Any, Protocol
 
 #: The largest bundle a deployment carries.
 MAX_BYTES = 16 << 20
+#: The largest seed file a bundle carries; larger ones go through the store.
+SEED_MAX_BYTES = 1 << 20
 #: Bytes per etcd value (well under etcd's 1.5 MiB request limit once base64'd).
 CHUNK = 512 << 10
 
@@ -72,10 +75,15 @@ def pack(app: Path, seeds: list[dict[str, Any]]) -> tuple[bytes, dict[str, Any]]
     """The bundle for `app` and `seeds` (the spec's seed entries), and its
     layout (where the app and each seed are inside it)."""
     files = _app_files(app)
-    layout: dict[str, Any] = {"app": f"app/{app.name}", "seeds": {}}
+    layout: dict[str, Any] = {"app": f"app/{app.name}", "seeds": {}, "external": {}}
     named = dict(files)
     for i, seed in enumerate(seeds):
         path = Path(seed["path"])
+        if path.stat().st_size > SEED_MAX_BYTES:
+            # Too large to carry: a node whose machine has it seeds the
+            # cluster's store, and the others wait for it there.
+            layout["external"][seed["key"]] = {"path": str(path), "size": path.stat().st_size}
+            continue
         if path not in named:
             # A seed under the app's directory keeps its place (the app may
             # name it relative to itself); others get one of their own.
@@ -89,8 +97,8 @@ def pack(app: Path, seeds: list[dict[str, Any]]) -> tuple[bytes, dict[str, Any]]
         sizes = ", ".join(f"{f} ({f.stat().st_size / 2**20:.1f} MiB)" for f, _ in largest)
         raise BundleError(
             f"the app's files and seeds come to {total / 2**20:.1f} MiB, over the {MAX_BYTES >> 20} MiB a "
-            f"deployment carries (largest: {sizes}); put large objects into the store with "
-            "`slipstream store put` and read them as a component's needs, or deploy with --no-bundle "
+            f"deployment carries (largest: {sizes}); keep data out of the app's directory (seeds over "
+            f"{SEED_MAX_BYTES >> 20} MiB travel through the store), or deploy with --no-bundle "
             "(every node then needs the same files at the same paths)")
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as z:
@@ -163,5 +171,6 @@ def relocate(spec: dict[str, Any], layout: dict[str, Any], where: Path) -> dict[
     i = argv.index("--app") + 1
     attr = argv[i].rsplit(":", 1)[1] if ":" in Path(argv[i]).name else None
     argv[i] = str(where / layout["app"]) + (f":{attr}" if attr else "")
-    seeds = [dict(s, path=str(where / layout["seeds"][s["key"]])) for s in spec["store"]["seed"]]
+    seeds = [dict(s, path=str(where / layout["seeds"][s["key"]])) if s["key"] in layout["seeds"] else s
+             for s in spec["store"]["seed"]]
     return {**spec, "worker_argv": argv, "store": {**spec["store"], "seed": seeds}}

@@ -157,6 +157,9 @@ def cmd_deploy(a: argparse.Namespace) -> int:
             record["bundle"] = layout
             print(f"bundled {app.parent} ({layout['size'] / 1024:.0f} KiB with {len(layout['seeds'])} seed(s))",
                   file=sys.stderr)
+            for key, ext in layout["external"].items():
+                print(f"  seed {key} ({ext['size'] / 2**20:.1f} MiB) goes through the store: a node with "
+                      f"{ext['path']} seeds it", file=sys.stderr)
         digest = layout["sha256"] if a.bundle else _file_sha256(app)
         deploy_id = hashlib.sha256((body + digest).encode()).hexdigest()[:12]
         record["id"] = deploy_id
