@@ -98,6 +98,17 @@ def test_requests_for_a_group_run_on_the_nodes_holding_it(cluster: dict[str, Nod
             assert body["outputs"]["members"][0] == 3
 
 
+def test_a_trigger_whose_value_is_held_elsewhere_fires(cluster: dict[str, Node]) -> None:
+    """The node firing the triggers (n1) fetches a value it holds no copy of."""
+    s = store(cluster["n2"])
+    keys = [f"/jobs/far{i}" for i in range(8)]
+    for k in keys:
+        s.put(k, b"payload")
+    far = [k for k in keys if "n1" not in cluster["n2"].get(f"/v1/store/versions{k}")[1]["versions"][-1]["holders"]]
+    assert far, "rendezvous put none of 8 keys off n1 (1 in 6561)"
+    wait_for(lambda: all(s.keys(f"/log{k}/") for k in keys), timeout=30)
+
+
 def test_versions_deletes_and_reads_by_time_agree_on_every_node(cluster: dict[str, Node]) -> None:
     a, b, c = (store(cluster[n]) for n in NAMES)
     v1 = a.put("/cs/doc/t", b"one")

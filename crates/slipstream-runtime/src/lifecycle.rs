@@ -244,7 +244,10 @@ async fn wait_for_seed(
     key: &str,
     path: &std::path::Path,
 ) -> Result<(), RunError> {
-    tracing::info!("store seed {key}: {} is not on this machine; waiting for a node that has it to seed it", path.display());
+    tracing::info!(
+        "store seed {key}: {} is not on this machine; waiting for a node that has it to seed it",
+        path.display()
+    );
     let until = tokio::time::Instant::now() + SEED_PATIENCE;
     loop {
         shared.sync(key).await?;
