@@ -243,6 +243,9 @@ def test_a_watching_component_may_declare_some_trigger_inputs() -> None:
         (lambda: ss.Pool("/docs/", keep_age_s=0), "keep_age_s"),
         (lambda: ss.Pool("/docs/", affinity="^/docs/[^/]+/"), "capture group"),
         (lambda: ss.Pool("/docs/", affinity="^/docs/([^/]+/"), "not a regular expression"),
+        (lambda: ss.Pool("/docs/", copies=0), "copies must be"),
+        (lambda: ss.Pool("/docs/", write_copies=True), "write_copies must be"),
+        (lambda: ss.Pool("/docs/", copies=2, write_copies=3), "cannot exceed"),
     ],
 )
 def test_bad_store_declarations_are_config_errors(build: Any, needle: str) -> None:

@@ -21,7 +21,8 @@ class Where:
 
 
 where = ss.Pipeline("where", Where, slo=ss.SLO(p99_ms=3000),
-                    pools=[ss.Pool("/corpus/", affinity=r"^/corpus/([^/]+)/")])
+                    pools=[ss.Pool("/corpus/", affinity=r"^/corpus/([^/]+)/"),
+                           ss.Pool("/scratch/", copies=1), ss.Pool("/weights/", copies=3, write_copies=2)])
 
 
 @ss.component(max_batch_size=8, watch="/jobs/", outputs={"seen": ss.Tensor("int64", (-1,))})

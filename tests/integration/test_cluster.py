@@ -76,8 +76,12 @@ def nodes(etcd: Etcd) -> Iterator[dict[str, Node]]:
     assert "deployed" in out.stdout
     ns = {name: start_node(etcd, name) for name in ("n1", "n2", "n3")}
     try:
+        # Generous: in CI three such clusters may start at once on two cores.
         for n in ns.values():
-            wait_for(lambda n=n: all_ready(n) and len(cluster_of(n)["members"]) == 3, timeout=60)
+            try:
+                wait_for(lambda n=n: all_ready(n) and len(cluster_of(n)["members"]) == 3, timeout=180)
+            except AssertionError:
+                raise AssertionError("a node did not become ready:\n" + n.log()[-4000:]) from None
         wait_for(lambda: placement_settled(ns), timeout=60)
         yield ns
     finally:

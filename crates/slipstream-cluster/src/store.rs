@@ -342,21 +342,30 @@ impl ClusterStore {
         }
     }
 
-    /// The replica set for `key`: RF live members by rendezvous order of
-    /// its affinity group (or the key itself), and the copies a commit
-    /// needs (W = RF, at most the live members).
+    /// The replica set for `key`: RF live members (its pool's copies) by
+    /// rendezvous order of its affinity group (or the key itself).
     fn replica_set(&self, key: &str) -> Result<Vec<String>, StoreError> {
         let group = slipstream_store::affinity_of(&self.store.options().pools, key)
             .map_or_else(|| key.to_string(), |(pool, g)| group_key(&pool, &g));
-        self.replica_set_of(&group)
+        self.replica_set_of(&group, self.copies(key).0)
     }
 
-    /// The replica set of a rendezvous key (a group's, or a key's).
-    fn replica_set_of(&self, group: &str) -> Result<Vec<String>, StoreError> {
+    /// Copies of `key`'s values (RF) and copies a put needs durable (W):
+    /// its pool's, else this node's setting (W = RF).
+    pub(crate) fn copies(&self, key: &str) -> (usize, usize) {
+        let pool = slipstream_store::pool_of(&self.store.options().pools, key);
+        let rf = pool.and_then(|p| p.copies).map_or(self.replicas, |c| c as usize).max(1);
+        let w = pool.and_then(|p| p.write_copies).map_or(rf, |c| c as usize).clamp(1, rf);
+        (rf, w)
+    }
+
+    /// The first `rf` live members in the rendezvous order of `group` (a
+    /// group's key, or a key).
+    fn replica_set_of(&self, group: &str, rf: usize) -> Result<Vec<String>, StoreError> {
         let view = self.cluster.view();
         let live = view.members.keys().map(String::as_str).filter(|m| !view.suspects.contains(*m));
         let mut set = rendezvous(group, live);
-        set.truncate(self.replicas);
+        set.truncate(rf);
         if set.is_empty() {
             return Err(unavailable("no live member to hold the value"));
         }
@@ -483,17 +492,13 @@ impl ClusterStore {
 
     /// Versions of `key` etcd keeps (its pool's `keep_versions`).
     fn pool_keep(&self, key: &str) -> u64 {
-        let pools = &self.store.options().pools;
-        pools
-            .iter()
-            .filter(|p| key.starts_with(&p.prefix))
-            .max_by_key(|p| p.prefix.len())
-            .map_or(16, |p| p.keep_versions)
+        slipstream_store::pool_of(&self.store.options().pools, key).map_or(16, |p| p.keep_versions)
     }
 
     /// Send the value to every node of `set`; the nodes that hold it
-    /// durably (all of them, or the put fails: W = RF). Err(_, true): a
-    /// node could not be reached and is suspected now (try another set).
+    /// durably (at least the key's W of them, or the put fails). Err(_,
+    /// true): too few, and a node could not be reached and is suspected
+    /// now (try another set).
     async fn replicate(
         self: &Arc<Self>,
         key: &str,
@@ -551,10 +556,11 @@ impl ClusterStore {
                 Err(e) => failed.push(format!("{node}: {e}")),
             }
         }
-        if held.len() < set.len() {
+        let need = self.copies(key).1.min(set.len());
+        if held.len() < need {
             let retry = failed.iter().any(|f| f.ends_with("(suspected)"));
             let e = unavailable(format!(
-                "{key}: {} of {} replica node(s) took the value ({}); not committed",
+                "{key}: {} of {} replica node(s) took the value, {need} must ({}); not committed",
                 held.len(),
                 set.len(),
                 failed.join("; ")
@@ -795,7 +801,8 @@ impl SharedStore for ClusterStore {
     }
 
     fn group_home(&self, pool: &str, group: &str) -> GroupHome {
-        let set = self.replica_set_of(&group_key(pool, group)).unwrap_or_default();
+        let key = group_key(pool, group);
+        let set = self.replica_set_of(&key, self.copies(pool).0).unwrap_or_default();
         let me = self.cluster.me();
         GroupHome { here: set.iter().any(|n| n == me), elsewhere: set.into_iter().filter(|n| n != me).collect() }
     }

@@ -59,6 +59,12 @@ pub struct PoolSpec {
     /// A regex whose first capture group names a key's affinity group.
     #[serde(default)]
     pub affinity: Option<String>,
+    /// In a cluster: nodes holding each value (None: the node's setting).
+    #[serde(default)]
+    pub copies: Option<u32>,
+    /// In a cluster: copies durable before a put is acknowledged (None: all).
+    #[serde(default)]
+    pub write_copies: Option<u32>,
 }
 
 fn default_keep() -> u64 {
@@ -69,6 +75,7 @@ impl PoolSpec {
     /// The store's pool (Err: why the declaration is invalid).
     pub fn to_pool(&self) -> Result<slipstream_store::Pool, String> {
         slipstream_store::Pool::new(&self.prefix, self.keep_versions, self.keep_age_s, self.affinity.as_deref())
+            .and_then(|p| p.with_copies(self.copies, self.write_copies))
             .map_err(|e| e.to_string())
     }
 }

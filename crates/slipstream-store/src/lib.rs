@@ -109,6 +109,10 @@ pub struct Pool {
     pub keep_age: Option<Duration>,
     /// Maps a key to its affinity key (capture group 1).
     pub affinity: Option<Regex>,
+    /// In a cluster: nodes holding each value (None: the node's setting).
+    pub copies: Option<u32>,
+    /// In a cluster: copies durable before a put is acknowledged (None: all).
+    pub write_copies: Option<u32>,
 }
 
 impl Pool {
@@ -140,11 +144,25 @@ impl Pool {
                 Some(re)
             }
         };
-        Ok(Pool { prefix: prefix.to_string(), keep_versions, keep_age, affinity })
+        Ok(Pool { prefix: prefix.to_string(), keep_versions, keep_age, affinity, copies: None, write_copies: None })
+    }
+
+    /// The pool with its copies in a cluster set (see [`Pool::copies`]).
+    pub fn with_copies(self, copies: Option<u32>, write_copies: Option<u32>) -> Result<Pool, StoreError> {
+        let bad = |what: &str| StoreError::BadRequest(format!("pool {}: {what}", self.prefix));
+        if copies.is_some_and(|c| !(1..=64).contains(&c)) || write_copies.is_some_and(|c| !(1..=64).contains(&c)) {
+            return Err(bad("copies and write_copies are in 1..=64"));
+        }
+        if let (Some(c), Some(w)) = (copies, write_copies) {
+            if w > c {
+                return Err(bad("write_copies cannot exceed copies"));
+            }
+        }
+        Ok(Pool { copies, write_copies, ..self })
     }
 
     fn root() -> Pool {
-        Pool { prefix: "/".into(), keep_versions: 16, keep_age: None, affinity: None }
+        Pool { prefix: "/".into(), keep_versions: 16, keep_age: None, affinity: None, copies: None, write_copies: None }
     }
 }
 
@@ -791,9 +809,14 @@ impl Store {
     }
 }
 
+/// The pool `key` belongs to among `pools` (the longest matching prefix), if any.
+pub fn pool_of<'a>(pools: &'a [Pool], key: &str) -> Option<&'a Pool> {
+    pools.iter().filter(|p| key.starts_with(&p.prefix)).max_by_key(|p| p.prefix.len())
+}
+
 /// `(pool prefix, affinity key)` of `key` among `pools` (see [`Store::affinity_of`]).
 pub fn affinity_of(pools: &[Pool], key: &str) -> Option<(String, String)> {
-    let pool = pools.iter().filter(|p| key.starts_with(&p.prefix)).max_by_key(|p| p.prefix.len())?;
+    let pool = pool_of(pools, key)?;
     let caps = pool.affinity.as_ref()?.captures(key)?;
     Some((pool.prefix.clone(), caps.get(1)?.as_str().to_string()))
 }

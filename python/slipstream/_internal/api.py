@@ -97,12 +97,20 @@ class Pool:
     older ones past ``keep_age_s`` seconds (None: no age limit).
     ``affinity`` is a regular expression whose first capture group maps a
     key to its affinity group, e.g. ``r"^/docs/([^/]+)/"``: the objects of
-    one group are routed to, cached and evicted on one replica together."""
+    one group are routed to, cached and evicted on one replica together.
+
+    In a cluster, ``copies`` is how many nodes hold each value (None: the
+    node's ``--store-replicas``, 2 by default), and ``write_copies`` how many
+    of them must have it durably before a put is acknowledged (None: all
+    ``copies``), e.g. ``copies=3, write_copies=2`` for models, ``copies=1``
+    for scratch data. Fewer when fewer nodes are up; ignored on one node."""
 
     prefix: str
     keep_versions: int = 16
     keep_age_s: float | None = None
     affinity: str | None = None
+    copies: int | None = None
+    write_copies: int | None = None
 
     def __post_init__(self) -> None:
         where = f"ss.Pool({self.prefix!r})"
@@ -115,6 +123,12 @@ class Pool:
             isinstance(self.keep_age_s, bool) or not isinstance(self.keep_age_s, (int, float)) or not self.keep_age_s > 0
         ):
             raise ConfigError(f"{where}: keep_age_s must be a number of seconds > 0, or None, got {self.keep_age_s!r}")
+        for name in ("copies", "write_copies"):
+            n = getattr(self, name)
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64):
+                raise ConfigError(f"{where}: {name} must be an integer in 1..64, or None, got {n!r}")
+        if self.write_copies is not None and self.copies is not None and self.write_copies > self.copies:
+            raise ConfigError(f"{where}: write_copies ({self.write_copies}) cannot exceed copies ({self.copies})")
         if self.affinity is not None:
             if not isinstance(self.affinity, str):
                 raise ConfigError(f"{where}: affinity is a regular expression string, got {self.affinity!r}")
@@ -128,7 +142,7 @@ class Pool:
 
     def to_json(self) -> dict[str, Any]:
         return {"prefix": self.prefix, "keep_versions": self.keep_versions, "keep_age_s": self.keep_age_s,
-                "affinity": self.affinity}
+                "affinity": self.affinity, "copies": self.copies, "write_copies": self.write_copies}
 
 
 def worker_threads() -> int:

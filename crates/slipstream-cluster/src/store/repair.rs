@@ -120,21 +120,21 @@ impl ClusterStore {
         c.passes.fetch_add(1, Relaxed);
         let view = self.cluster.view();
         let live: BTreeSet<&str> = view.members.keys().map(String::as_str).collect();
-        let target = self.replicas.min(live.len());
         let (kvs, _) = self.etcd.get_prefix(&format!("{}ver", self.root)).await.map_err(unavailable)?;
         let mut under = Vec::new();
         for kv in &kvs {
             let Some(rec) = self.decode(kv) else { continue };
             let have = rec.holders.iter().filter(|h| live.contains(h.as_str())).count();
+            let target = self.copies(&rec.key).0.min(live.len());
             if !rec.deleted && have < target {
-                under.push((kv.mod_revision, rec));
+                under.push((kv.mod_revision, target, rec));
             }
         }
         c.under.store(under.len() as u64, Relaxed);
-        c.under_bytes.store(under.iter().map(|(_, r)| r.size).sum(), Relaxed);
+        c.under_bytes.store(under.iter().map(|(_, _, r)| r.size).sum(), Relaxed);
         let mut lost = 0;
         let mut repaired = 0;
-        for (mod_rev, rec) in under {
+        for (mod_rev, target, rec) in under {
             let have: Vec<String> = rec.holders.iter().filter(|h| live.contains(h.as_str())).cloned().collect();
             if have.is_empty() {
                 lost += 1;
