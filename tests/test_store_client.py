@@ -302,8 +302,10 @@ def test_app_spec_merges_pools_and_seeds_over_pipelines(tmp_path: Path, app_file
                      seed={"/models/m": (str(model), "application/octet-stream"), "/notes": (model, "text/plain")})
     spec = app_spec(app_file, [p1, p2])
     assert spec["store"]["pools"] == [
-        {"prefix": "/docs/", "keep_versions": 4, "keep_age_s": None, "affinity": "^/docs/([^/]+)/"},
-        {"prefix": "/models/", "keep_versions": 16, "keep_age_s": 3600, "affinity": None},
+        {"prefix": "/docs/", "keep_versions": 4, "keep_age_s": None, "affinity": "^/docs/([^/]+)/", "copies": None,
+         "write_copies": None},
+        {"prefix": "/models/", "keep_versions": 16, "keep_age_s": 3600, "affinity": None, "copies": None,
+         "write_copies": None},
     ]
     assert spec["store"]["seed"] == [
         {"key": "/models/m", "path": str(model), "content_type": "application/octet-stream"},

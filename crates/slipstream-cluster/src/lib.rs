@@ -401,8 +401,13 @@ pub async fn start(node: &Arc<Node>, opts: ClusterOptions, http: String) -> Resu
         .await
         .map_err(|e| format!("cannot join the cluster through etcd at {}: {e}", cluster.opts.etcd))?;
     let (leave, stop) = watch::channel(false);
+    // The lease is kept alive from now on: loading the store below can take
+    // longer than its TTL on a busy machine.
+    let mut tasks =
+        vec![tokio::spawn(agent::membership(etcd.clone(), node.clone(), cluster.clone(), lease, stop.clone()))];
     // The store is shared from here on: every committed version is applied
-    // before the node serves a read.
+    // before the node serves a read (and before the placement starts
+    // replicas, whose workers read it).
     let shared = store::ClusterStore::start(
         cluster.clone(),
         etcd.clone(),
@@ -413,10 +418,7 @@ pub async fn start(node: &Arc<Node>, opts: ClusterOptions, http: String) -> Resu
     .await?;
     let _ = cluster.store.set(shared.clone());
     node.set_shared_store(shared);
-    let tasks = vec![
-        tokio::spawn(agent::membership(etcd.clone(), node.clone(), cluster.clone(), lease, stop.clone())),
-        tokio::spawn(agent::follow(etcd, node.clone(), cluster.clone(), stop)),
-    ];
+    tasks.push(tokio::spawn(agent::follow(etcd, node.clone(), cluster.clone(), stop)));
     // Until the view holds this node, the store has no replica set to
     // write to (the seeds are put next).
     let mut views = cluster.view.subscribe();

@@ -57,6 +57,8 @@ const KIND: &str = "object";
 const TRIGGERS_KIND: &str = "triggers-settled";
 /// How long a read waits for this node to apply a commit it learned of.
 const SYNC_PATIENCE: Duration = Duration::from_secs(5);
+/// How long a joining node keeps trying to load the store's records.
+const LOAD_PATIENCE: Duration = Duration::from_secs(60);
 /// Commits a put tries before it gives up on a key others keep changing.
 const MAX_ATTEMPTS: u32 = 32;
 /// The tag every store call's meta starts with (see [`is_store_call`]).
@@ -191,7 +193,21 @@ impl ClusterStore {
             repair: repair::RepairCounters::default(),
             me: me.clone(),
         });
-        let rev = me.load().await?;
+        // etcd may be slow for a moment on a busy machine: try for a while
+        // before giving up on joining.
+        let mut wait = Duration::from_millis(100);
+        let until = Instant::now() + LOAD_PATIENCE;
+        let rev = loop {
+            match me.load().await {
+                Ok(rev) => break rev,
+                Err(e) if Instant::now() < until => {
+                    tracing::warn!("{e}; trying again");
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_secs(2));
+                }
+                Err(e) => return Err(e),
+            }
+        };
         tokio::spawn(me.clone().follow(rev, stop.clone()));
         tokio::spawn(repair::run(me.clone(), stop));
         Ok(me)
