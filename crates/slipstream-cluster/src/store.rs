@@ -431,8 +431,7 @@ impl ClusterStore {
                     // goes around it.
                     Err((e, true)) => {
                         tracing::debug!("{e}; trying another replica set");
-                        tokio::time::sleep(wait.mul_f64(rand_unit())).await;
-                        wait = (wait * 2).min(Duration::from_millis(100));
+                        back_off(&mut wait).await;
                         continue;
                     }
                     Err((e, false)) => return Err(e),
@@ -476,8 +475,7 @@ impl ClusterStore {
                         return Err(StoreError::Conflict { key, expected, current });
                     }
                     self.counters.conflicts_retried.fetch_add(1, Relaxed);
-                    tokio::time::sleep(wait.mul_f64(rand_unit())).await;
-                    wait = (wait * 2).min(Duration::from_millis(100));
+                    back_off(&mut wait).await;
                 }
                 Err(EtcdError::Unreachable(why)) => {
                     return Err(unavailable(format!(
@@ -543,9 +541,7 @@ impl ClusterStore {
                     match view.members.get(&node) {
                         None => Err("not a member".to_string()),
                         Some(m) => {
-                            let call = StoreCall::Hold { key, version, digest };
-                            let tensors = parts.iter().map(|p| raw_tensor(p.clone())).collect();
-                            let msg = Outgoing::call(serde_json::to_vec(&call).expect("serialises"), tensors);
+                            let msg = hold_call(key, version, digest, parts.iter().cloned());
                             match me.cluster.peers.call(m.data, msg, patience).await {
                                 Ok(_) => Ok(()),
                                 Err(e @ (PeerError::Disconnected(_) | PeerError::Refused | PeerError::Timeout)) => {
@@ -758,10 +754,17 @@ fn transfer_patience(size: u64) -> Duration {
     Duration::from_secs(10) + Duration::from_millis(size / 50_000)
 }
 
-/// A number in [0.5, 1) for jitter (not for secrets).
-fn rand_unit() -> f64 {
-    let n = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
-    0.5 + f64::from(n % 1000) / 2000.0
+/// Sleep a jittered `wait` (half to all of it), then double it, up to 100 ms:
+/// the back-off between a put's tries.
+async fn back_off(wait: &mut Duration) {
+    tokio::time::sleep(wait.mul_f64(rand::random_range(0.5..1.0))).await;
+    *wait = (*wait * 2).min(Duration::from_millis(100));
+}
+
+/// The call that asks a node to hold a version's value (its `parts`).
+fn hold_call(key: String, version: u64, digest: String, parts: impl Iterator<Item = Bytes>) -> Outgoing {
+    let call = StoreCall::Hold { key, version, digest };
+    Outgoing::call(serde_json::to_vec(&call).expect("serialises"), parts.map(raw_tensor).collect())
 }
 
 impl ClusterStore {

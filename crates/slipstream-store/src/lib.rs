@@ -981,12 +981,7 @@ fn drop_held_below(t: &mut Tables<'_, '_>, key: &str, version: u64, garbage: &mu
 impl Inner {
     fn pool_of(&self, key: &str) -> &Pool {
         static ROOT: std::sync::OnceLock<Pool> = std::sync::OnceLock::new();
-        self.opts
-            .pools
-            .iter()
-            .filter(|p| key.starts_with(&p.prefix))
-            .max_by_key(|p| p.prefix.len())
-            .unwrap_or_else(|| ROOT.get_or_init(Pool::root))
+        pool_of(&self.opts.pools, key).unwrap_or_else(|| ROOT.get_or_init(Pool::root))
     }
 
     fn meta_of(&self, key: &str, version: u64, r: &Record) -> Meta {

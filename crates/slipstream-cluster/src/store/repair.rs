@@ -16,10 +16,9 @@
 //! copies (the records it applies say who holds what; its bytes are
 //! checked by digest whenever they are read by another node).
 
-use super::{unavailable, ClusterStore, ObjectRecord, StoreCall, KIND};
+use super::{unavailable, ClusterStore, ObjectRecord, KIND};
 use crate::seal;
 use slipstream_core::prom::PromText;
-use slipstream_peer::Outgoing;
 use slipstream_store::StoreError;
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -188,9 +187,7 @@ impl ClusterStore {
                 continue;
             }
             let Some(m) = view.members.get(&node) else { continue };
-            let call = StoreCall::Hold { key: rec.key.clone(), version, digest: rec.digest.clone() };
-            let msg =
-                Outgoing::call(serde_json::to_vec(&call).expect("serialises"), vec![super::raw_tensor(body.clone())]);
+            let msg = super::hold_call(rec.key.clone(), version, rec.digest.clone(), std::iter::once(body.clone()));
             match self.cluster.peers.call(m.data, msg, super::transfer_patience(rec.size)).await {
                 Ok(_) => holders.push(node),
                 Err(e) => tracing::warn!("cluster store: repair of {} v{version} to {node} failed: {e}", rec.key),
