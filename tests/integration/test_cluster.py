@@ -81,7 +81,8 @@ def nodes(etcd: Etcd) -> Iterator[dict[str, Node]]:
             try:
                 wait_for(lambda n=n: all_ready(n) and len(cluster_of(n)["members"]) == 3, timeout=180)
             except AssertionError:
-                raise AssertionError("a node did not become ready:\n" + n.log()[-4000:]) from None
+                logs = "\n".join(f"--- {name} ---\n{m.log()[-3000:]}" for name, m in ns.items())
+                raise AssertionError(f"a node did not become ready:\n{logs}") from None
         wait_for(lambda: placement_settled(ns), timeout=60)
         yield ns
     finally:
