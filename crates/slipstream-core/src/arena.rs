@@ -216,6 +216,9 @@ pub struct Arena {
     spare: Mutex<Vec<Arc<Pool>>>,
     /// Every payload copy the node makes, by site.
     pub copies: CopyCounters,
+    /// Set by [`Arena::unlink_all`]: no pool file is created after it (a
+    /// replica restarted while the node stops would leave one behind).
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl Arena {
@@ -228,6 +231,7 @@ impl Arena {
             pools: RwLock::new(Vec::new()),
             spare: Mutex::new(Vec::new()),
             copies: CopyCounters::default(),
+            closed: std::sync::atomic::AtomicBool::new(false),
         };
         arena.create_pool(ingress_bytes)?;
         Ok(arena)
@@ -261,6 +265,11 @@ impl Arena {
 
     fn create_pool(&self, capacity: usize) -> Result<Arc<Pool>, NodeError> {
         let mut pools = self.pools.write();
+        // Checked under the lock that `unlink_all` takes: a pool is either
+        // listed before the unlink (and unlinked by it) or never created.
+        if self.closed.load(Relaxed) {
+            return Err(NodeError::ShuttingDown);
+        }
         let id = pools.len() as u32;
         let pool = Arc::new(Pool::create(&self.pool_path(id), id, capacity)?);
         pools.push(pool.clone());
@@ -294,7 +303,9 @@ impl Arena {
 
     /// Remove every pool file (mappings stay valid until dropped).
     pub fn unlink_all(&self) {
-        for p in self.pools.read().iter() {
+        let pools = self.pools.write();
+        self.closed.store(true, Relaxed);
+        for p in pools.iter() {
             let _ = p.unlink();
         }
     }
@@ -380,5 +391,30 @@ impl HeapTensors {
                 (name.clone(), t)
             })
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_pool_file_outlives_the_final_unlink() {
+        let dir = std::env::temp_dir().join(format!("slipstream-arena-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let files = || std::fs::read_dir(&dir).unwrap().count();
+        let arena = Arena::new(dir.clone(), 1 << 16).unwrap();
+        let pool = arena.replica_pool(1 << 16).unwrap();
+        assert_eq!(files(), 2, "the ingress pool and a replica's");
+        arena.release_pool(pool);
+        arena.unlink_all();
+        assert_eq!(files(), 0);
+        // A replica restarted while the node stops gets no new file...
+        assert!(matches!(arena.replica_pool(1 << 20), Err(NodeError::ShuttingDown)));
+        assert_eq!(files(), 0);
+        // ...and a spare (already unlinked) pool creates none either.
+        assert!(arena.replica_pool(1 << 16).is_ok());
+        assert_eq!(files(), 0);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
