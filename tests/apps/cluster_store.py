@@ -1,10 +1,14 @@
 """Test app for the cluster store: ``where``, a stage that reads an
 affinity group (pool ``/corpus/``, group = the second path segment) and
-says which node ran it and how many objects the group held there; and
-``triggered``, a pipeline watching ``/jobs/`` that logs each firing."""
+says which node ran it and how many objects the group held there;
+``triggered``, a pipeline watching ``/jobs/`` that logs each firing; and
+``model``, a stage on every node that needs ``/models/m`` (one copy per
+version) and answers with the version it serves."""
 
 import os
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import slipstream as ss
@@ -51,3 +55,26 @@ class Recorder:
 
 
 triggered = ss.Pipeline("triggered", Recorder, slo=ss.SLO(p99_ms=30000))
+
+
+MODEL_SEED = Path(tempfile.gettempdir()) / f"slipstream-test-cluster-model-{os.getuid()}.txt"
+if not MODEL_SEED.exists():  # written whole: nodes load this file at once
+    _tmp = MODEL_SEED.with_name(f"{MODEL_SEED.name}.{os.getpid()}")
+    _tmp.write_text("1")
+    os.replace(_tmp, MODEL_SEED)
+
+
+@ss.component(max_batch_size=4, replicas=3, needs={"weights": "/models/m"}, inputs={"x": ss.Tensor("float32", (-1,))},
+              outputs={"node": ss.Tensor("string", (-1,)), "version": ss.Tensor("int64", (-1,))})
+class Model:
+    def __init__(self, weights: ss.Object) -> None:
+        self.version = weights.version
+
+    def __call__(self, batch: ss.Batch) -> dict:
+        n = len(batch["x"])
+        return {"node": np.array([os.environ.get("SLIPSTREAM_NODE_NAME", "?")] * n, dtype=object),
+                "version": np.full(n, self.version, dtype=np.int64)}
+
+
+model = ss.Pipeline("model", Model, slo=ss.SLO(p99_ms=30000), seed={"/models/m": MODEL_SEED},
+                    pools=[ss.Pool("/models/", copies=1)])

@@ -204,6 +204,12 @@ def test_model_hot_swap_under_load_fails_no_request(node: Node, store: ss.store.
         versions = [v for _, _, v in mine]
         assert versions == sorted(versions), "a client saw the old model after the new one"
     assert all(y == (2.0 if v == first else 3.0) for _, y, v in results)
+    # The update's gate: on one machine every version the node has is held everywhere it runs.
+    gate = node.get(f"/v1/store/rollout/models/scale?version={new.version}")[1]
+    assert gate == {"key": "/models/scale", "version": new.version, "held_everywhere": True, "waiting_for": []}
+    for query, status in (("", 400), ("?version=x", 400), (f"?version={new.version + 99}", 404),
+                          (f"?version={new.version}&timeout_ms=999999", 400)):
+        assert node.request("GET", f"/v1/store/rollout/models/scale{query}")[0] == status, query
 
 
 def test_a_temporary_store_goes_with_its_node_and_strays_are_swept() -> None:

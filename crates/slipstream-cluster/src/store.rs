@@ -45,7 +45,7 @@ use slipstream_etcd::{Etcd, EtcdError, Kv, WatchEvent};
 use slipstream_peer::{Incoming, OutTensor, Outgoing, PeerError};
 use slipstream_store::{Committed, Replicated, Select, Store, StoreError, Write};
 use slipstream_types::DType;
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -303,6 +303,7 @@ impl ClusterStore {
                     }
                 }
             }
+            self.prefetch(&records);
             self.applied.send_if_modified(|r| {
                 let moved = upto > *r;
                 *r = (*r).max(upto);
@@ -587,8 +588,71 @@ impl ClusterStore {
         let lock = self.fetching.lock().entry((key.clone(), version)).or_default().clone();
         let _one = lock.lock().await;
         let result = self.clone().fetch_locked(&key, version).await;
+        if result.is_ok() && self.hosting(&key).contains(self.cluster.me()) {
+            // A model update's first phase: this node, which runs a stage
+            // that needs the key, holds the version now (see `rollout_waits`).
+            if let Err(e) = self.register_holder(&key, version).await {
+                tracing::warn!("cluster store: cannot record this node as holding {key} v{version}: {e}");
+            }
+        }
         self.fetching.lock().remove(&(key, version));
         result
+    }
+
+    /// The live members placed to run a stage that `needs` `key`.
+    fn hosting(&self, key: &str) -> BTreeSet<String> {
+        let view = self.cluster.view();
+        let Some(placement) = &view.placement else { return BTreeSet::new() };
+        let mut out = BTreeSet::new();
+        for p in &self.cluster.pipelines {
+            for (i, _) in p.spec.stages.iter().enumerate().filter(|(_, s)| s.needs.values().any(|k| k == key)) {
+                let Some(nodes) = placement.stages.get(&p.stage_key(i)) else { continue };
+                let live = nodes.iter().filter(|(n, c)| **c > 0 && view.members.contains_key(n.as_str()));
+                out.extend(live.map(|(n, _)| n.clone()));
+            }
+        }
+        out
+    }
+
+    /// Fetch the newest versions just committed of keys that a stage
+    /// placed here needs (a model update's first phase starts on every
+    /// hosting node at once, not when its replicas next read).
+    fn prefetch(self: &Arc<Self>, records: &[(ObjectRecord, i64)]) {
+        let me = self.cluster.me();
+        for (r, _) in records {
+            if r.deleted || r.holders.iter().any(|h| h == me) || !self.hosting(&r.key).contains(me) {
+                continue;
+            }
+            let newest = self.store.meta(&r.key, Select::Latest, false).is_ok_and(|m| m.version == r.version);
+            if newest {
+                let (me, key, version) = (self.clone(), r.key.clone(), r.version);
+                tokio::spawn(async move {
+                    if let Err(e) = me.fetch_one(key.clone(), version).await {
+                        tracing::warn!("cluster store: cannot prefetch {key} v{version}: {e}");
+                    }
+                });
+            }
+        }
+    }
+
+    /// Add this node to the holders of `key`'s version `version`.
+    async fn register_holder(&self, key: &str, version: u64) -> Result<(), StoreError> {
+        let me = self.cluster.me().to_string();
+        let ver_key = self.ver_key(key, version);
+        for _ in 0..MAX_ATTEMPTS {
+            // Gone (retention dropped it) or not decodable: nothing to add to.
+            let Some(kv) = self.etcd.get(&ver_key).await.map_err(unavailable)? else { return Ok(()) };
+            let Some(rec) = self.decode(&kv) else { return Ok(()) };
+            if rec.deleted || rec.holders.contains(&me) {
+                return Ok(());
+            }
+            let mut holders = rec.holders.clone();
+            holders.push(me.clone());
+            if self.record_holders(&rec, kv.mod_revision, holders).await? {
+                return Ok(());
+            }
+        }
+        Err(unavailable(format!("its record kept changing ({MAX_ATTEMPTS} tries)")))
     }
 
     async fn fetch_locked(self: Arc<Self>, key: &str, version: u64) -> Result<(), StoreError> {
@@ -817,6 +881,14 @@ impl SharedStore for ClusterStore {
             let sealed = seal(&me.cluster.key, TRIGGERS_KIND, &rev);
             me.etcd.put(&me.triggers_key(), &sealed, None).await.map(|_| ()).map_err(unavailable)
         })
+    }
+
+    fn rollout_waits(&self, key: &str, version: u64) -> Result<Vec<String>, StoreError> {
+        let meta = self.store.meta(key, Select::Version(version), false)?;
+        if meta.deleted {
+            return Ok(Vec::new());
+        }
+        Ok(self.hosting(key).into_iter().filter(|n| !meta.holders.contains(n)).collect())
     }
 
     fn group_home(&self, pool: &str, group: &str) -> GroupHome {

@@ -107,6 +107,12 @@ pub trait SharedStore: Send + Sync {
     /// node holds it, and which other nodes do (by name). Requests that
     /// read the group are routed to a replica on one of them.
     fn group_home(&self, pool: &str, group: &str) -> GroupHome;
+    /// The first phase of a model update: the nodes placed to run a stage
+    /// that `needs` `key` which do not hold its version `version` yet.
+    /// A replica switches to a new version only once this is empty (every
+    /// hosting node holds it), so no node serves it while another still
+    /// cannot. Err(NotFound): this node has no such version.
+    fn rollout_waits(&self, key: &str, version: u64) -> Result<Vec<String>, StoreError>;
 }
 
 /// The nodes holding an affinity group (see [`SharedStore::group_home`]).

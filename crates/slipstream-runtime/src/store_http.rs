@@ -92,8 +92,9 @@ pub(crate) async fn route(app: &App, admin_open: bool, req: hyper::Request<Incom
             Ok(json_resp(200, &json!({"keys": keys, "truncated": truncated})))
         }
         ("watch", None) if method == Method::GET => watch(node, &query).await,
+        ("rollout", Some(key)) if method == Method::GET => rollout(node, key, &query).await,
         ("", None) if method == Method::GET => stats(app),
-        ("objects" | "versions" | "trigger" | "keys" | "watch" | "", _) => Err(wrong()),
+        ("objects" | "versions" | "trigger" | "keys" | "watch" | "rollout" | "", _) => Err(wrong()),
         _ => Err(NodeError::NotFound(format!("{method} {path}"))),
     }
 }
@@ -272,6 +273,47 @@ async fn watch(node: &Node, query: &Query) -> Result<Resp, NodeError> {
         since = seq;
         tokio::select! {
             _ = changed.changed() => {}
+            _ = tokio::time::sleep_until(until) => {}
+            _ = stop.changed() => {}
+            _ = draining.changed() => {}
+        }
+    }
+}
+
+/// `GET /v1/store/rollout/<key>?version=N[&timeout_ms=T]`: a model
+/// update's gate. Answers once every node placed to run a stage that needs
+/// `key` holds version N (`"held_everywhere": true`), or when `timeout_ms`
+/// passes (false, with the nodes still `waiting_for` it). On one machine
+/// the node holds every version it has: the answer is at once.
+async fn rollout(node: &Node, key: String, query: &Query) -> Result<Resp, NodeError> {
+    check_key(&key)?;
+    let version = query.u64("version")?.ok_or_else(|| NodeError::BadRequest("give ?version=N".into()))?;
+    let timeout = query.u64("timeout_ms")?.unwrap_or(0);
+    if timeout > MAX_WATCH_MS {
+        return Err(NodeError::BadRequest(format!("timeout_ms must be at most {MAX_WATCH_MS}")));
+    }
+    let until = tokio::time::Instant::now() + Duration::from_millis(timeout);
+    let mut changed = node.store().subscribe();
+    let mut stop = node.stop_signal();
+    let mut draining = node.on_drain();
+    loop {
+        changed.mark_unchanged();
+        let (store, shared, k) = (node.store().clone(), shared_for(node, &key).cloned(), key.clone());
+        let waiting = blocking(move || match shared {
+            Some(shared) => shared.rollout_waits(&k, version),
+            None => store.meta(&k, Select::Version(version), false).map(|_| Vec::new()),
+        })
+        .await?;
+        if waiting.is_empty() || tokio::time::Instant::now() >= until || node.is_draining() {
+            let body = json!({"key": key, "version": version, "held_everywhere": waiting.is_empty(),
+                              "waiting_for": waiting});
+            return Ok(json_resp(200, &body));
+        }
+        // A holder joins through the record this node applies (a store
+        // change); membership and placement change without one.
+        tokio::select! {
+            _ = changed.changed() => {}
+            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
             _ = tokio::time::sleep_until(until) => {}
             _ = stop.changed() => {}
             _ = draining.changed() => {}

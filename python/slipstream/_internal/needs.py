@@ -228,8 +228,46 @@ class Replica:
             self._log(f"building with {versions} failed; the serving instance stays:\n{traceback.format_exc()}")
             return
         self._built = objects
+        if not self._rolled_out(todo, objects):
+            return
         with self._lock:
             self._pending = (instance, objects)
+
+    def _rolled_out(self, todo: list[str], objects: dict[str, Object]) -> bool:
+        """The update's second phase waits for its first: the new instance
+        serves only once every node that runs a stage needing the updated
+        keys holds their new versions, so no node serves a version while
+        another still cannot (a model update is two-phase across a
+        cluster; on one machine this passes at once). False: stopping, or
+        the instance is stale (a newer version came, or this one went)."""
+        assert self.store is not None
+        waiting: list[str] | None = None
+        for name in todo:
+            key, version = self.comp.needs[name], objects[name].version
+            while not self._stop.is_set():
+                if not self._changes.empty():
+                    self._log(f"{key} changed again while v{version} rolled out; building with the newer one")
+                    return False
+                try:
+                    left = self.store.rollout(key, version, timeout_ms=1000)
+                except StoreNotFound:
+                    self._log(f"{key} v{version} is gone from the store; the serving instance stays")
+                    return False
+                except StoreError as e:  # e.g. a node restarting: ask again
+                    self._log(f"cannot ask whether every node holds {key} v{version} ({e}); asking again in 1 s")
+                    self._stop.wait(1.0)
+                    continue
+                if not left:
+                    break
+                if left != waiting:
+                    self._log(f"built with {key} v{version}; waiting for {', '.join(left)} to hold it too "
+                              "before switching")
+                    waiting = left
+        if self._stop.is_set():
+            return False
+        if waiting:
+            self._log("every node that runs it holds the new version now; switching")
+        return True
 
 
 def _publish(objects: dict[str, Object]) -> None:

@@ -327,6 +327,16 @@ class Store:
         reply = self._json("GET", "/v1/store/watch", query=query, timeout=self.timeout + timeout_ms / 1000)
         return int(reply["seq"]), [Change.from_json(c) for c in reply.get("changes", [])]
 
+    def rollout(self, key: str, version: int, timeout_ms: int = 30_000) -> list[str]:
+        """A model update's gate: wait up to ``timeout_ms`` until every node
+        placed to run a stage that needs ``key`` holds its ``version``.
+        Returns the nodes still without it (empty: every one holds it; on
+        one machine at once)."""
+        reply = self._json("GET", "/v1/store/rollout" + _quote(key), key=key,
+                           query={"version": version, "timeout_ms": timeout_ms},
+                           timeout=self.timeout + timeout_ms / 1000)
+        return [str(n) for n in reply.get("waiting_for", [])]
+
     def cursor(self, prefix: str = "/") -> int:
         """The current sequence number: ``watch(prefix, since=cursor(prefix))``
         then sees exactly the changes made after this call."""

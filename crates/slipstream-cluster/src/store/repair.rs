@@ -196,14 +196,26 @@ impl ClusterStore {
         if holders.len() == before {
             return Ok(false); // no node took a copy
         }
+        self.record_holders(rec, mod_rev, holders).await
+    }
+
+    /// Record `holders` as the nodes holding `rec`'s version (whose record
+    /// etcd holds at `mod_rev`); false when another writer changed the
+    /// record first.
+    pub(crate) async fn record_holders(
+        &self,
+        rec: &ObjectRecord,
+        mod_rev: i64,
+        holders: Vec<String>,
+    ) -> Result<bool, StoreError> {
         let fixed = ObjectRecord { holders, ..rec.clone() };
         let sealed = seal(&self.cluster.key, KIND, &fixed);
-        let ver_key = self.ver_key(&rec.key, version);
+        let ver_key = self.ver_key(&rec.key, rec.version);
         let head_key = self.head_key(&rec.key);
         // The head holds the latest version's record too: update both when
         // this is it (compared on the head), else the version's alone.
         let head = self.etcd.get(&head_key).await.map_err(unavailable)?;
-        let latest = head.as_ref().and_then(|kv| self.decode(kv)).is_some_and(|h| h.version == version);
+        let latest = head.as_ref().and_then(|kv| self.decode(kv)).is_some_and(|h| h.version == rec.version);
         let outcome = match (latest, head) {
             (true, Some(h)) => {
                 let puts = [(head_key.as_str(), sealed.as_slice()), (ver_key.as_str(), sealed.as_slice())];
