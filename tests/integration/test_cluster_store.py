@@ -3,7 +3,9 @@ a put through one node is read through another (the bytes fetched from a
 holder and checked by digest), conditional puts from all three nodes
 increment one counter exactly, versions and reads by time agree on every
 node, and a value with two copies survives a holder killed with SIGKILL.
-The promise tested is the one docs/design/store.md states."""
+The promise tested is the one docs/design/store.md states. Each node runs
+on a machine of its own: a network namespace with its own address
+(tests/integration/subnet.py; loopback where the host cannot make them)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -22,6 +26,7 @@ import slipstream as ss
 from slipstream.testing import Etcd, deploy, start_node
 
 from tests.conftest import APPS, Node, wait_for
+from tests.integration.subnet import Subnet
 
 # Alone: three nodes and their workers starting beside another module's
 # cluster on a 2-core CI machine starve each other's 2 s membership leases.
@@ -35,25 +40,54 @@ KILLED: set[str] = set()  # by the tests, in order
 TTL = 3
 
 
+ADMIN = "cluster-store-admin"  # a node on a non-loopback address takes writes with it only
+
+
+@contextmanager
+def machines(names: tuple[str, ...]) -> Iterator[tuple[Etcd, Callable[..., Node]]]:
+    """etcd, and a way to start node NAME on machine NAME: each machine a
+    network namespace with its own address (tests/integration/subnet.py),
+    or loopback for all where this host cannot make namespaces."""
+    try:
+        net: Subnet | None = Subnet(names)
+    except Exception as e:  # noqa: BLE001 (any failure to make one means: not here)
+        warnings.warn(f"the cluster store tests run on loopback: no network namespaces here ({e})", stacklevel=2)
+        net = None
+    etcd = Etcd(1, host=net.host_ip) if net else Etcd(1)
+
+    def start(name: str, **kw: Any) -> Node:
+        if net is None:
+            return start_node(etcd, name, "--admin-token", ADMIN, ttl=TTL, **kw)
+        ip = net.ip[name]
+        return start_node(etcd, name, "--host", ip, "--data-listen", f"{ip}:0", "--admin-token", ADMIN, ttl=TTL,
+                          wrap=net.wrap(name), **kw)
+
+    try:
+        yield etcd, start
+    finally:
+        etcd.stop()
+        if net:
+            net.close()
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[dict[str, Node]]:
-    etcd = Etcd(1)
     nodes: dict[str, Node] = {}
-    try:
-        out = deploy(etcd, CLUSTER_APP, wait=0)
-        assert out.returncode == 0, out.stdout + out.stderr
-        nodes.update({name: start_node(etcd, name, ttl=TTL) for name in NAMES})
-        for n in nodes.values():
-            wait_for(lambda n=n: n.is_ready() and len(n.status()["cluster"]["members"]) == 3, timeout=90)
-        yield nodes
-    finally:
-        for n in nodes.values():
-            n.stop()
-        etcd.stop()
+    with machines(NAMES) as (etcd, start):
+        try:
+            out = deploy(etcd, CLUSTER_APP, wait=0)
+            assert out.returncode == 0, out.stdout + out.stderr
+            nodes.update({name: start(name) for name in NAMES})
+            for n in nodes.values():
+                wait_for(lambda n=n: n.is_ready() and len(n.status()["cluster"]["members"]) == 3, timeout=90)
+            yield nodes
+        finally:
+            for n in nodes.values():
+                n.stop()
 
 
 def store(n: Node) -> Any:
-    return ss.store.Store(n.url)
+    return ss.store.Store(n.url, token=ADMIN)
 
 
 def store_status(n: Node) -> dict[str, Any]:
@@ -347,38 +381,42 @@ def test_a_deployment_runs_where_its_files_are_not_and_triggers_fire_once(tmp_pa
     (src / "helper.py").write_text(f'FACTOR_KEY = "/cfg/factor"\nWEIGHTS = {str(weights)!r}\n\n\n'
                                    'def scale_of(text):\n    return float(text)\n')
     (src / "factor.txt").write_text("3")
-    etcd = Etcd(1)
     nodes: list[Node] = []
-    try:
-        out = deploy(etcd, src / "app.py", wait=0, cwd=tmp_path)
-        assert out.returncode == 0, out.stdout + out.stderr
-        assert "bundled" in out.stderr, out.stderr
-        shutil.rmtree(src)
-        weights_bytes = weights.read_bytes()
-        for name in ("b1", "b2"):
-            cache = tmp_path / f"cache-{name}"
-            nodes.append(start_node(etcd, name, env={"XDG_CACHE_HOME": str(cache)}))
-            assert nodes[-1].url, nodes[-1].log()
-            wait_for(nodes[-1].is_ready, timeout=90)
-            # b1 seeded the large file from this machine; b2's machine lacks it
-            # and finds it in the cluster's store.
-            weights.unlink(missing_ok=True)
-        for n in nodes:
-            wait_for(lambda n=n: n.is_ready() and len(n.status()["cluster"]["members"]) == 2, timeout=90)
-        assert all(store(n).get("/models/weights").bytes() == weights_bytes for n in nodes)
-        for n in nodes:
-            status, body = n.infer("scaled", x=[1.0, 2.0])
-            assert status == 200 and body["outputs"]["y"] == [3.0, 6.0], body
-            assert store(n).get("/cfg/factor").bytes() == b"3"
-        for i in range(6):
-            store(nodes[i % 2]).put("/jobs/a", f"job {i}".encode())
-        reader = store(nodes[0])
-        wait_for(lambda: len(reader.keys("/log/jobs/a/")) >= 6, timeout=30)
-        time.sleep(1.0)  # a second fire of any version would land by now
-        fired = sorted(int(m.key.rsplit("/", 1)[1]) for m in reader.keys("/log/jobs/a/"))
-        assert fired == [1, 2, 3, 4, 5, 6], fired
-        assert all(len(reader.versions(f"/log/jobs/a/{v}")) == 1 for v in fired), "a version fired twice"
-    finally:
-        for n in nodes:
-            n.stop()
-        etcd.stop()
+    with machines(("b1", "b2")) as (etcd, start):
+        try:
+            run_bundled(etcd, start, src, weights, tmp_path, nodes)
+        finally:
+            for n in nodes:
+                n.stop()
+
+
+def run_bundled(etcd: Etcd, start: Callable[..., Node], src: Any, weights: Any, tmp_path: Any,
+                nodes: list[Node]) -> None:
+    out = deploy(etcd, src / "app.py", wait=0, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "bundled" in out.stderr, out.stderr
+    shutil.rmtree(src)
+    weights_bytes = weights.read_bytes()
+    for name in ("b1", "b2"):
+        cache = tmp_path / f"cache-{name}"
+        nodes.append(start(name, env={"XDG_CACHE_HOME": str(cache)}))
+        assert nodes[-1].url, nodes[-1].log()
+        wait_for(nodes[-1].is_ready, timeout=90)
+        # b1 seeded the large file from this machine; b2's machine lacks it
+        # and finds it in the cluster's store.
+        weights.unlink(missing_ok=True)
+    for n in nodes:
+        wait_for(lambda n=n: n.is_ready() and len(n.status()["cluster"]["members"]) == 2, timeout=90)
+    assert all(store(n).get("/models/weights").bytes() == weights_bytes for n in nodes)
+    for n in nodes:
+        status, body = n.infer("scaled", x=[1.0, 2.0])
+        assert status == 200 and body["outputs"]["y"] == [3.0, 6.0], body
+        assert store(n).get("/cfg/factor").bytes() == b"3"
+    for i in range(6):
+        store(nodes[i % 2]).put("/jobs/a", f"job {i}".encode())
+    reader = store(nodes[0])
+    wait_for(lambda: len(reader.keys("/log/jobs/a/")) >= 6, timeout=30)
+    time.sleep(1.0)  # a second fire of any version would land by now
+    fired = sorted(int(m.key.rsplit("/", 1)[1]) for m in reader.keys("/log/jobs/a/"))
+    assert fired == [1, 2, 3, 4, 5, 6], fired
+    assert all(len(reader.versions(f"/log/jobs/a/{v}")) == 1 for v in fired), "a version fired twice"
