@@ -78,3 +78,17 @@ class Model:
 
 model = ss.Pipeline("model", Model, slo=ss.SLO(p99_ms=30000), seed={"/models/m": MODEL_SEED},
                     pools=[ss.Pool("/models/", copies=1)])
+
+
+@ss.component(max_batch_size=4, replicas=1, affinity="doc", inputs={"doc": ss.Tensor("string", (-1,))},
+              outputs={"node": ss.Tensor("string", (-1,))})
+class Near:
+    """One replica of a stage that reads affinity groups (pool ``/near/``,
+    one copy): the placement puts it where its groups are."""
+
+    def __call__(self, batch: ss.Batch) -> dict:
+        return {"node": np.array([os.environ.get("SLIPSTREAM_NODE_NAME", "?")] * len(batch["doc"]), dtype=object)}
+
+
+near = ss.Pipeline("near", Near, slo=ss.SLO(p99_ms=30000),
+                   pools=[ss.Pool("/near/", copies=1, affinity=r"^/near/([^/]+)/")])

@@ -172,6 +172,31 @@ def test_a_model_update_is_two_phase_across_the_nodes_running_it(cluster: dict[s
     assert all("holds the new version now; switching" in cluster[n].log() for n in others)
 
 
+def test_a_stage_that_reads_groups_is_placed_where_they_are(cluster: dict[str, Node]) -> None:
+    """``near/Near`` has one replica; the groups it reads (pool ``/near/``,
+    one copy each) are put on a node without it: the placement moves the
+    replica there, and the group's requests run on it."""
+    live = [n for n in NAMES if n not in KILLED]
+
+    def placed() -> dict[str, int]:
+        p: dict[str, int] = cluster[live[0]].status()["cluster"]["placement"]["stages"]["near/Near"]
+        return p
+
+    (before,) = placed()
+    group = next(f"g{i}" for i in range(64) if rendezvous(f"/near/\0g{i}", live)[0] != before)
+    home = rendezvous(f"/near/\0{group}", live)[0]
+    s = store(cluster[before])
+    for i in range(4):
+        s.put(f"/near/{group}/{i}", bytes(256 << 10))
+    wait_for(lambda: placed() == {home: 1}, timeout=30)
+
+    def runs_at_home() -> bool:
+        status, body = cluster[before].infer("near", doc=[f"/near/{group}/0"])
+        return status == 200 and body["outputs"]["node"] == [home]
+
+    wait_for(runs_at_home, timeout=60)
+
+
 def test_requests_for_a_group_run_on_the_nodes_holding_it(cluster: dict[str, Node]) -> None:
     """Affinity across nodes: a group's objects live on the group's replica
     set (RF nodes, rendezvous-hashed), and a request that reads the group

@@ -45,7 +45,7 @@ use slipstream_etcd::{Etcd, EtcdError, Kv, WatchEvent};
 use slipstream_peer::{Incoming, OutTensor, Outgoing, PeerError};
 use slipstream_store::{Committed, Replicated, Select, Store, StoreError, Write};
 use slipstream_types::DType;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -61,6 +61,10 @@ const SYNC_PATIENCE: Duration = Duration::from_secs(5);
 const LOAD_PATIENCE: Duration = Duration::from_secs(60);
 /// Commits a put tries before it gives up on a key others keep changing.
 const MAX_ATTEMPTS: u32 = 32;
+/// How often the placement's count of group bytes per node is redone.
+const GROUP_BYTES_EVERY: Duration = Duration::from_secs(5);
+/// Keys per pool that count is bounded to (a sample beyond it).
+const GROUP_BYTES_KEYS: usize = 100_000;
 /// The tag every store call's meta starts with (see [`is_store_call`]).
 const CALL_TAG: &[u8] = b"{\"store\":";
 
@@ -126,6 +130,8 @@ pub(crate) struct ClusterStore {
     fetching: Mutex<HashMap<(String, u64), FetchLock>>,
     counters: Counters,
     repair: repair::RepairCounters,
+    /// [`ClusterStore::group_bytes`]'s last answer, and when.
+    group_bytes: Mutex<Option<(Instant, BTreeMap<String, u64>)>>,
     /// Itself, for the futures the [`SharedStore`] calls return.
     me: std::sync::Weak<ClusterStore>,
 }
@@ -191,6 +197,7 @@ impl ClusterStore {
             fetching: Mutex::new(HashMap::new()),
             counters: Counters::default(),
             repair: repair::RepairCounters::default(),
+            group_bytes: Mutex::new(None),
             me: me.clone(),
         });
         // etcd may be slow for a moment on a busy machine: try for a while
@@ -597,6 +604,29 @@ impl ClusterStore {
         }
         self.fetching.lock().remove(&(key, version));
         result
+    }
+
+    /// Bytes of affinity groups (the latest versions of keys in pools with
+    /// an affinity rule) each node holds, for the placement: recounted
+    /// from this node's mirror at most every [`GROUP_BYTES_EVERY`].
+    pub(crate) fn group_bytes(&self) -> BTreeMap<String, u64> {
+        let mut cached = self.group_bytes.lock();
+        if let Some((at, bytes)) = cached.as_ref() {
+            if at.elapsed() < GROUP_BYTES_EVERY {
+                return bytes.clone();
+            }
+        }
+        let mut out = BTreeMap::new();
+        for pool in self.store.options().pools.iter().filter(|p| p.affinity.is_some()) {
+            let Ok((metas, _)) = self.store.keys(&pool.prefix, GROUP_BYTES_KEYS) else { continue };
+            for m in metas {
+                for h in m.holders {
+                    *out.entry(h).or_insert(0) += m.size;
+                }
+            }
+        }
+        *cached = Some((Instant::now(), out.clone()));
+        out
     }
 
     /// The live members placed to run a stage that `needs` `key`.

@@ -15,6 +15,7 @@
 //! (`docs/design/planner.md`) can replace the counts later. The record the
 //! cluster stores in etcd (epoch, deployment, writer) is the cluster's.
 
+use std::cmp::Reverse;
 use std::collections::BTreeMap;
 
 /// Per stage ("pipeline/stage"), replicas per node.
@@ -97,6 +98,74 @@ pub fn place(want: &BTreeMap<String, u32>, nodes: &[String], prev: Option<&Assig
     out
 }
 
+/// Per stage that reads affinity groups, the bytes of those groups each
+/// node holds (node -> bytes).
+pub type DataAt = BTreeMap<String, BTreeMap<String, u64>>;
+
+/// [`place`], then data first: a stage that reads affinity groups gets a
+/// replica on the nodes holding its groups. While a node holding some of
+/// its data has none of its replicas, one moves there from the node where
+/// it is least missed: one with two or more (the least data first), else
+/// one holding under half as much data. Each move covers more of the data
+/// with a replica, so it ends; and the factor of two keeps the placement
+/// from flapping while the amounts held change a little.
+pub fn place_near(
+    want: &BTreeMap<String, u32>,
+    nodes: &[String],
+    prev: Option<&Assignment>,
+    data: &DataAt,
+) -> Assignment {
+    let mut out = place(want, nodes, prev);
+    for (stage, held) in data {
+        let at = |n: &str| held.get(n).copied().unwrap_or(0);
+        loop {
+            let Some(counts) = out.get(stage) else { break };
+            let count = |n: &str| counts.get(n).copied().unwrap_or(0);
+            let uncovered = nodes.iter().filter(|n| at(n) > 0 && count(n) == 0).max_by_key(|n| (at(n), Reverse(*n)));
+            let Some(home) = uncovered else { break };
+            let donor = nodes
+                .iter()
+                .filter(|n| count(n) >= 2 || (count(n) == 1 && at(n).saturating_mul(2) < at(home)))
+                .min_by_key(|n| (count(n) < 2, at(n), *n));
+            let Some(donor) = donor else { break };
+            let (home, donor) = (home.clone(), donor.clone());
+            move_one(&mut out, stage, &donor, &home);
+            // Keep the nodes' totals as `place` balances them (else the next
+            // placement would move this replica back): a replica of another
+            // stage the new home holds more of goes the other way, never
+            // one that is the last near its own data.
+            let total = |a: &Assignment, n: &str| a.values().map(|c| c.get(n).copied().unwrap_or(0)).sum::<u32>();
+            if total(&out, &home) > total(&out, &donor) + 1 {
+                let c = |a: &Assignment, t: &str, n: &str| a.get(t).and_then(|m| m.get(n)).copied().unwrap_or(0);
+                let back = out
+                    .keys()
+                    .filter(|t| *t != stage && c(&out, t, &home) > c(&out, t, &donor))
+                    .filter(|t| {
+                        c(&out, t, &home) > 1 || data.get(*t).and_then(|d| d.get(&home)).copied().unwrap_or(0) == 0
+                    })
+                    .max_by_key(|t| (c(&out, t, &home) - c(&out, t, &donor), Reverse(*t)))
+                    .cloned();
+                if let Some(t) = back {
+                    move_one(&mut out, &t, &home, &donor);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Move one replica of `stage` from node `from` to node `to`.
+fn move_one(a: &mut Assignment, stage: &str, from: &str, to: &str) {
+    let counts = a.entry(stage.to_string()).or_default();
+    if let Some(left) = counts.get_mut(from) {
+        *left -= 1;
+        if *left == 0 {
+            counts.remove(from);
+        }
+        *counts.entry(to.to_string()).or_insert(0) += 1;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -111,6 +180,44 @@ mod tests {
 
     fn sum(a: &Assignment, stage: &str) -> u32 {
         a[stage].values().sum()
+    }
+
+    fn data(stage: &str, v: &[(&str, u64)]) -> DataAt {
+        [(stage.to_string(), v.iter().map(|(n, b)| (n.to_string(), *b)).collect())].into()
+    }
+
+    #[test]
+    fn a_stage_that_reads_groups_goes_where_they_are_and_stays() {
+        let w = want(&[("p/a", 1), ("p/b", 2)]);
+        let all = nodes(&["n1", "n2", "n3"]);
+        let plain = place(&w, &all, None);
+        let home = all.iter().find(|n| !plain["p/a"].contains_key(*n)).unwrap().clone();
+        // The groups live on a node without the replica: it moves there.
+        let near = place_near(&w, &all, Some(&plain), &data("p/a", &[(&home, 1000)]));
+        assert_eq!(near["p/a"], [(home.clone(), 1)].into(), "{near:?}");
+        assert_eq!(sum(&near, "p/b"), 2);
+        // Placed again from there, nothing moves (no flapping)...
+        assert_eq!(place_near(&w, &all, Some(&near), &data("p/a", &[(&home, 1000)])), near);
+        // ...nor when another node holds a little more than half as much.
+        let other = all.iter().find(|n| **n != home).unwrap();
+        let close = data("p/a", &[(&home, 1000), (other, 1500)]);
+        assert_eq!(place_near(&w, &all, Some(&near), &close)["p/a"], near["p/a"]);
+        // Twice as much elsewhere: it follows the data.
+        let far = data("p/a", &[(&home, 1000), (other, 2500)]);
+        assert_eq!(place_near(&w, &all, Some(&near), &far)["p/a"], [(other.clone(), 1)].into());
+    }
+
+    #[test]
+    fn replicas_spread_over_the_nodes_holding_data_before_doubling_up() {
+        let w = want(&[("p/a", 2)]);
+        let all = nodes(&["n1", "n2", "n3"]);
+        let prev: Assignment = [("p/a".to_string(), [("n1".to_string(), 2)].into())].into();
+        let held = data("p/a", &[("n2", 10), ("n3", 20)]);
+        let a = place_near(&w, &all, Some(&prev), &held);
+        assert_eq!(sum(&a, "p/a"), 2);
+        assert!(a["p/a"].contains_key("n3"), "{a:?}");
+        // No data anywhere: the plain placement.
+        assert_eq!(place_near(&w, &all, Some(&prev), &DataAt::new()), place(&w, &all, Some(&prev)));
     }
 
     #[test]
