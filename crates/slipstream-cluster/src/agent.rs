@@ -290,7 +290,9 @@ async fn reconcile(etcd: &Etcd, node: &Arc<Node>, cluster: &Arc<Cluster>, keys: 
         let data: slipstream_sched::placement::DataAt = node
             .pipelines()
             .values()
-            .flat_map(|p| p.spec.stages.iter().enumerate().filter(|(_, s)| s.affinity.is_some()).map(|(i, _)| p.stage_key(i)))
+            .flat_map(|p| {
+                p.spec.stages.iter().enumerate().filter(|(_, s)| s.affinity.is_some()).map(|(i, _)| p.stage_key(i))
+            })
             .map(|stage| (stage, groups.clone()))
             .filter(|(_, g)| !g.is_empty())
             .collect();

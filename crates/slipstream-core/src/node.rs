@@ -221,6 +221,30 @@ impl Node {
         self.shared.get()
     }
 
+    /// Read `key` from the node's store with `f` (on a blocking thread); in
+    /// a cluster, a version held on other nodes ([`StoreError::Elsewhere`])
+    /// is fetched from one of them and kept here first, then read again.
+    pub async fn read_store<T: Send + 'static>(
+        &self,
+        key: &str,
+        f: impl Fn(&slipstream_store::Store) -> Result<T, slipstream_store::StoreError> + Send + Sync + 'static,
+    ) -> Result<T, slipstream_store::StoreError> {
+        let f = Arc::new(f);
+        for _ in 0..3 {
+            let (store, f) = (self.store.clone(), f.clone());
+            let read = tokio::task::spawn_blocking(move || f(&store))
+                .await
+                .map_err(|e| slipstream_store::StoreError::Io(format!("store task: {e}")))?;
+            match (read, self.shared_store()) {
+                (Err(slipstream_store::StoreError::Elsewhere { version, .. }), Some(shared)) => {
+                    shared.fetch(key, version).await?
+                }
+                (read, _) => return read,
+            }
+        }
+        Err(slipstream_store::StoreError::Io(format!("{key}: its value could not be brought to this node")))
+    }
+
     /// The node's stop signal (true once it has drained).
     pub fn stop_signal(&self) -> watch::Receiver<bool> {
         self.stop.clone()

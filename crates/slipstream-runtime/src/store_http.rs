@@ -21,8 +21,7 @@ use serde_json::json;
 use slipstream_core::ext::{SharedStore, SharedWrite};
 use slipstream_core::{Node, NodeError};
 use slipstream_store::{
-    check_client_write, check_key, check_prefix, Body, Select, Store, StoreError, Write, RESERVED_PREFIX,
-    TENSORS_CONTENT_TYPE,
+    check_client_write, check_key, check_prefix, Body, Select, StoreError, Write, RESERVED_PREFIX, TENSORS_CONTENT_TYPE,
 };
 use slipstream_triggers::Item;
 use std::time::Duration;
@@ -150,45 +149,25 @@ fn mark_stale(mut r: Resp, current: bool) -> Resp {
     r
 }
 
-/// Read the selected version here; in a cluster, a value held on other
-/// nodes is fetched from one of them (and kept) first.
-async fn read<T: Send + 'static>(
-    node: &Node,
-    key: &str,
-    f: impl Fn(&Store) -> Result<T, StoreError> + Send + Sync + 'static,
-) -> Result<T, NodeError> {
-    let f = std::sync::Arc::new(f);
-    for _ in 0..3 {
-        let (store, f) = (node.store().clone(), f.clone());
-        match blocking(move || Ok(f(&store))).await? {
-            Err(StoreError::Elsewhere { version, .. }) => match shared_for(node, key) {
-                Some(shared) => shared.fetch(key, version).await?,
-                None => break,
-            },
-            r => return Ok(r?),
-        }
-    }
-    Err(NodeError::Store(StoreError::Io(format!("{key}: its value could not be brought to this node"))))
-}
-
 async fn get(node: &Node, key: &str, query: &Query) -> Result<Resp, NodeError> {
     let sel = select(query)?;
     let current = sync(node, key, query).await?;
     if query.has("meta") {
         // The caller is about to map the blob file: it must be here.
         let k = key.to_string();
-        let meta = read(node, key, move |s| {
-            let m = s.meta(&k, sel, true)?;
-            if m.local || m.deleted {
-                return Ok(m);
-            }
-            Err(StoreError::Elsewhere { key: m.key, version: m.version, digest: String::new(), holders: vec![] })
-        })
-        .await?;
+        let meta = node
+            .read_store(key, move |s| {
+                let m = s.meta(&k, sel, true)?;
+                if m.local || m.deleted {
+                    return Ok(m);
+                }
+                Err(StoreError::Elsewhere { key: m.key, version: m.version, digest: String::new(), holders: vec![] })
+            })
+            .await?;
         return Ok(mark_stale(json_resp(200, &serde_json::to_value(&meta).expect("serialises")), current));
     }
     let k = key.to_string();
-    let (meta, body) = read(node, key, move |s| s.get(&k, sel)).await?;
+    let (meta, body) = node.read_store(key, move |s| s.get(&k, sel)).await?;
     let bytes = match body {
         Body::Inline(v) => Bytes::from(v),
         Body::Mapped(m) => Bytes::from_owner(m),

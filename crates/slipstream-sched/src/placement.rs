@@ -118,8 +118,7 @@ pub fn place_near(
     let mut out = place(want, nodes, prev);
     for (stage, held) in data {
         let at = |n: &str| held.get(n).copied().unwrap_or(0);
-        loop {
-            let Some(counts) = out.get(stage) else { break };
+        while let Some(counts) = out.get(stage) {
             let count = |n: &str| counts.get(n).copied().unwrap_or(0);
             let uncovered = nodes.iter().filter(|n| at(n) > 0 && count(n) == 0).max_by_key(|n| (at(n), Reverse(*n)));
             let Some(home) = uncovered else { break };

@@ -276,9 +276,9 @@ async fn inputs(node: &Arc<Node>, pipe: &PipelineRt, item: &Item) -> Result<Heap
         (Some(v), true) => v.to_vec(),
         (None, true) if item.op != "put" => Vec::new(),
         (None, true) => {
-            let read = || {
-                let (store, key, version) = (node.store().clone(), item.key.clone(), item.version);
-                tokio::task::spawn_blocking(move || match store.meta(&key, Select::Version(version), false) {
+            let (key, version) = (item.key.clone(), item.version);
+            let read =
+                node.read_store(&item.key, move |store| match store.meta(&key, Select::Version(version), false) {
                     Ok(m) if m.size <= VALUE_INLINE_MAX => {
                         store.get(&key, Select::Version(version)).map(|(_, b)| b.as_ref().to_vec())
                     }
@@ -286,17 +286,8 @@ async fn inputs(node: &Arc<Node>, pipe: &PipelineRt, item: &Item) -> Result<Heap
                     // Retention already removed that version: the component reads the latest.
                     Err(StoreError::NotFound(_)) => Ok(Vec::new()),
                     Err(e) => Err(e),
-                })
-            };
-            let first = read().await.map_err(|e| NodeError::Internal(format!("store read: {e}")))?;
-            match (first, node.shared_store()) {
-                // In a cluster the value may be held on other nodes: fetch it here first.
-                (Err(StoreError::Elsewhere { .. }), Some(shared)) => {
-                    shared.fetch(&item.key, item.version).await?;
-                    read().await.map_err(|e| NodeError::Internal(format!("store read: {e}")))??
-                }
-                (r, _) => r?,
-            }
+                });
+            read.await.map_err(|e| NodeError::Internal(format!("store read: {e}")))?
         }
     };
     let mut tensors = HeapTensors::default();
