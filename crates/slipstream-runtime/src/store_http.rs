@@ -234,27 +234,62 @@ async fn watch(node: &Node, query: &Query) -> Result<Resp, NodeError> {
     let Some(since) = query.u64("since")? else {
         return Ok(json_resp(200, &json!({"seq": node.store().seq(), "changes": []})));
     };
-    let timeout = query.u64("timeout_ms")?.unwrap_or(30_000);
-    if timeout > MAX_WATCH_MS {
-        return Err(NodeError::BadRequest(format!("timeout_ms must be at most {MAX_WATCH_MS}")));
-    }
-    let until = tokio::time::Instant::now() + Duration::from_millis(timeout);
-    let mut changed = node.store().subscribe();
-    let mut stop = node.stop_signal();
-    let mut draining = node.on_drain();
+    let mut poll = LongPoll::new(node, query, 30_000)?;
     let mut since = since;
     loop {
-        changed.mark_unchanged();
+        poll.mark();
         let (changes, seq) = node.store().changes(&prefix, since, 1000)?;
-        if !changes.is_empty() || tokio::time::Instant::now() >= until || node.is_draining() {
+        if !changes.is_empty() || poll.over() {
             return Ok(json_resp(200, &json!({"seq": seq, "changes": changes})));
         }
         since = seq;
+        poll.wait(None).await;
+    }
+}
+
+/// A long poll's clock: answer once there is something to say, or when
+/// `timeout_ms` passed, or when the node drains; between two looks, wait
+/// for a change to the store (or the stop, or `tick`).
+struct LongPoll<'a> {
+    node: &'a Node,
+    until: tokio::time::Instant,
+    changed: tokio::sync::watch::Receiver<u64>,
+    stop: tokio::sync::watch::Receiver<bool>,
+    draining: tokio::sync::watch::Receiver<bool>,
+}
+
+impl<'a> LongPoll<'a> {
+    fn new(node: &'a Node, query: &Query, default_ms: u64) -> Result<LongPoll<'a>, NodeError> {
+        let timeout = query.u64("timeout_ms")?.unwrap_or(default_ms);
+        if timeout > MAX_WATCH_MS {
+            return Err(NodeError::BadRequest(format!("timeout_ms must be at most {MAX_WATCH_MS}")));
+        }
+        Ok(LongPoll {
+            node,
+            until: tokio::time::Instant::now() + Duration::from_millis(timeout),
+            changed: node.store().subscribe(),
+            stop: node.stop_signal(),
+            draining: node.on_drain(),
+        })
+    }
+
+    /// Before a look: a change from now on ends the next wait.
+    fn mark(&mut self) {
+        self.changed.mark_unchanged();
+    }
+
+    /// Time to answer whatever there is.
+    fn over(&self) -> bool {
+        tokio::time::Instant::now() >= self.until || self.node.is_draining()
+    }
+
+    async fn wait(&mut self, tick: Option<Duration>) {
+        let tick = tick.map_or(self.until, |t| self.until.min(tokio::time::Instant::now() + t));
         tokio::select! {
-            _ = changed.changed() => {}
-            _ = tokio::time::sleep_until(until) => {}
-            _ = stop.changed() => {}
-            _ = draining.changed() => {}
+            _ = self.changed.changed() => {}
+            _ = tokio::time::sleep_until(tick) => {}
+            _ = self.stop.changed() => {}
+            _ = self.draining.changed() => {}
         }
     }
 }
@@ -267,36 +302,23 @@ async fn watch(node: &Node, query: &Query) -> Result<Resp, NodeError> {
 async fn rollout(node: &Node, key: String, query: &Query) -> Result<Resp, NodeError> {
     check_key(&key)?;
     let version = query.u64("version")?.ok_or_else(|| NodeError::BadRequest("give ?version=N".into()))?;
-    let timeout = query.u64("timeout_ms")?.unwrap_or(0);
-    if timeout > MAX_WATCH_MS {
-        return Err(NodeError::BadRequest(format!("timeout_ms must be at most {MAX_WATCH_MS}")));
-    }
-    let until = tokio::time::Instant::now() + Duration::from_millis(timeout);
-    let mut changed = node.store().subscribe();
-    let mut stop = node.stop_signal();
-    let mut draining = node.on_drain();
+    let mut poll = LongPoll::new(node, query, 0)?;
     loop {
-        changed.mark_unchanged();
+        poll.mark();
         let (store, shared, k) = (node.store().clone(), shared_for(node, &key).cloned(), key.clone());
         let waiting = blocking(move || match shared {
             Some(shared) => shared.rollout_waits(&k, version),
             None => store.meta(&k, Select::Version(version), false).map(|_| Vec::new()),
         })
         .await?;
-        if waiting.is_empty() || tokio::time::Instant::now() >= until || node.is_draining() {
+        if waiting.is_empty() || poll.over() {
             let body = json!({"key": key, "version": version, "held_everywhere": waiting.is_empty(),
                               "waiting_for": waiting});
             return Ok(json_resp(200, &body));
         }
         // A holder joins through the record this node applies (a store
         // change); membership and placement change without one.
-        tokio::select! {
-            _ = changed.changed() => {}
-            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
-            _ = tokio::time::sleep_until(until) => {}
-            _ = stop.changed() => {}
-            _ = draining.changed() => {}
-        }
+        poll.wait(Some(Duration::from_millis(100))).await;
     }
 }
 
