@@ -211,6 +211,12 @@ pub trait Backend: Send {
     /// node serves the stage). Err: it could not start; `drive` tries again
     /// (or fails the node's start-up, for a replica the node starts with).
     fn start(&mut self, ctx: &ReplicaCtx) -> impl Future<Output = Result<Started, String>> + Send;
+    /// After a failed [`Backend::start`]: the backend gave up for good (it
+    /// drained its replica itself: a retry cannot fix what failed), as
+    /// opposed to a start that ended because the replica was removed.
+    fn gave_up(&self) -> bool {
+        false
+    }
     /// Batches the executor may run at once.
     fn capacity(&self, ctx: &ReplicaCtx) -> usize;
     /// Send a batch (it may add to `batch.keep`). `Some(outcome)`: the
@@ -250,12 +256,20 @@ pub async fn drive<B: Backend>(ctx: ReplicaCtx, mut backend: B, mut first_start:
         let started = match backend.start(&ctx).await {
             Ok(s) => s,
             Err(e) => {
+                let ended = !ctx.me.phase().will_serve() || ctx.stopping();
                 if let Some(tx) = first_start.take() {
+                    if ended && !backend.gave_up() {
+                        // Removed while it started (placed elsewhere, its
+                        // node lost): nothing failed, and start-up has no
+                        // replica to wait for.
+                        let _ = tx.send(Ok(()));
+                        break;
+                    }
                     let _ = tx.send(Err(e));
                     ctx.me.stop();
                     return;
                 }
-                if !ctx.me.phase().will_serve() || ctx.stopping() {
+                if ended {
                     break;
                 }
                 ctx.event(EventKind::StartFailed, format!("{e}; retrying in {backoff:?}"));

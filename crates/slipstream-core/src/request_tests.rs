@@ -106,6 +106,24 @@ async fn a_request_whose_client_goes_away_is_cancelled_and_its_work_skipped() {
 }
 
 #[tokio::test]
+async fn a_replica_removed_while_the_node_starts_does_not_fail_its_start() {
+    // As when a placement change moves a cluster node's first replica away
+    // before it came up: the node starts with the others.
+    let stages = r#"[{"name": "a", "component": "A", "replicas": 2}]"#;
+    let t = TestNode::new(&app(5000.0, stages), Fake::echo().remove_next_start("a")).await;
+    let st = &t.node.pipeline("p").unwrap().stages[0];
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while st.replicas().len() != 1 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the removed replica leaves its stage");
+    let ans = t.infer("p", &[("x", &[3.0, 4.0])]).await.unwrap();
+    assert_eq!(floats(&ans.outputs, "x"), vec![3.0, 4.0]);
+}
+
+#[tokio::test]
 async fn a_lost_executor_s_batch_is_retried_once_on_a_sibling_else_503() {
     let stages = r#"[{"name": "a", "component": "A", "replicas": 2}]"#;
     let fake = Fake::echo();

@@ -39,6 +39,9 @@ pub struct Fake {
     /// Batches that lose their executor (each lost batch is one taken off
     /// the front), per stage name.
     lose: Arc<Mutex<VecDeque<String>>>,
+    /// Replica starts that end with the replica removed meanwhile (as a
+    /// placement change does), per stage name, one each.
+    removed_at_start: Arc<Mutex<VecDeque<String>>>,
     /// Batches run, over all replicas.
     pub batches: Arc<AtomicUsize>,
 }
@@ -46,7 +49,13 @@ pub struct Fake {
 impl Fake {
     /// Replicas that compute with `f`.
     pub fn new(f: impl Fn(&str, &Tensors) -> Result<HeapTensors, String> + Send + Sync + 'static) -> Fake {
-        Fake { compute: Arc::new(f), delays: Arc::default(), lose: Arc::default(), batches: Arc::default() }
+        Fake {
+            compute: Arc::new(f),
+            delays: Arc::default(),
+            lose: Arc::default(),
+            removed_at_start: Arc::default(),
+            batches: Arc::default(),
+        }
     }
 
     /// Replicas that answer with their inputs.
@@ -66,6 +75,14 @@ impl Fake {
         self.lose.lock().push_back(stage.to_string());
     }
 
+    /// The next replica of stage `stage` to start is removed while it
+    /// starts (its start ends without an executor, as a remote replica's
+    /// does when the placement moves it away).
+    pub fn remove_next_start(self, stage: &str) -> Fake {
+        self.removed_at_start.lock().push_back(stage.to_string());
+        self
+    }
+
     fn delay_of(&self, stage: &str) -> Duration {
         self.delays.lock().iter().find(|(s, _)| s == stage).map_or(Duration::ZERO, |(_, d)| *d)
     }
@@ -78,7 +95,13 @@ struct FakeBackend {
 }
 
 impl Backend for FakeBackend {
-    async fn start(&mut self, _: &ReplicaCtx) -> Result<Started, String> {
+    async fn start(&mut self, ctx: &ReplicaCtx) -> Result<Started, String> {
+        let mut removed = self.fake.removed_at_start.lock();
+        if let Some(i) = removed.iter().position(|s| *s == ctx.stage().name) {
+            removed.remove(i);
+            ctx.me.drain();
+            return Err("stopped".into());
+        }
         Ok(Started { pid: 0, detail: "in-process".into() })
     }
 

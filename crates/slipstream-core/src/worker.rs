@@ -286,11 +286,13 @@ impl Worker {
 struct LocalWorker {
     launch: Arc<WorkerCommand>,
     worker: Option<Worker>,
+    /// Its start failed for good (see [`Backend::gave_up`]).
+    gave_up: bool,
 }
 
 impl LocalWorker {
     fn new(launch: Arc<WorkerCommand>) -> LocalWorker {
-        LocalWorker { launch, worker: None }
+        LocalWorker { launch, worker: None, gave_up: false }
     }
 
     fn worker(&mut self) -> Result<&mut Worker, String> {
@@ -325,6 +327,7 @@ impl Backend for LocalWorker {
             Err(e) => {
                 // Not something a retry fixes: the replica leaves its stage.
                 ctx.event(EventKind::StartFailed, e.clone());
+                self.gave_up = true;
                 ctx.me.drain();
                 return Err(e);
             }
@@ -336,6 +339,10 @@ impl Backend for LocalWorker {
         let pid = w.pid();
         self.worker = Some(if ctx.stage().concurrency > 1 { w.split() } else { w });
         Ok(Started { pid, detail: format!("worker pid {pid}") })
+    }
+
+    fn gave_up(&self) -> bool {
+        self.gave_up
     }
 
     fn capacity(&self, ctx: &ReplicaCtx) -> usize {
