@@ -224,6 +224,20 @@ struct Held {
     size: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     blob: Option<u64>,
+    /// When it was held, unix µs (0 in rows written before it was kept).
+    #[serde(default)]
+    at_us: u64,
+}
+
+/// Bytes this node holds for a cluster version it has not applied (see
+/// [`Store::held`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct HeldVersion {
+    pub key: String,
+    pub version: u64,
+    pub digest: String,
+    /// How long ago they were held.
+    pub age: Duration,
 }
 
 impl Record {
@@ -570,7 +584,7 @@ impl Store {
                             Some(id)
                         }
                     };
-                    let h = serde_json::to_vec(&Held { size, blob }).map_err(io)?;
+                    let h = serde_json::to_vec(&Held { size, blob, at_us: now_us() }).map_err(io)?;
                     txn.open_table(HELD).map_err(io)?.insert((key, version, digest), h.as_slice()).map_err(io)?;
                 }
             }
@@ -586,6 +600,40 @@ impl Store {
             b.keep();
         }
         Ok(())
+    }
+
+    /// Every version this node holds bytes for that it has not applied:
+    /// a put still committing, or one whose coordinator died before its
+    /// commit (the cluster sweeps those, see [`Store::drop_held`]).
+    pub fn held(&self) -> Result<Vec<HeldVersion>, StoreError> {
+        let txn = self.inner.db.begin_read().map_err(io)?;
+        let now = now_us();
+        let mut out = Vec::new();
+        for row in txn.open_table(HELD).map_err(io)?.iter().map_err(io)? {
+            let (k, v) = row.map_err(io)?;
+            let (key, version, digest) = k.value();
+            let h: Held = serde_json::from_slice(v.value()).map_err(io)?;
+            let age = Duration::from_micros(now.saturating_sub(h.at_us));
+            out.push(HeldVersion { key: key.to_string(), version, digest: digest.to_string(), age });
+        }
+        Ok(out)
+    }
+
+    /// Drop the bytes held for (key, version, digest); false if none were.
+    pub fn drop_held(&self, key: &str, version: u64, digest: &str) -> Result<bool, StoreError> {
+        let txn = self.inner.db.begin_write().map_err(io)?;
+        let mut garbage = Vec::new();
+        let dropped = {
+            let mut held = txn.open_table(HELD).map_err(io)?;
+            let Some(h) = held.remove((key, version, digest)).map_err(io)? else { return Ok(false) };
+            let h: Held = serde_json::from_slice(h.value()).map_err(io)?;
+            garbage.extend(h.blob);
+            txn.open_table(HELD_INLINE).map_err(io)?.remove((key, version, digest)).map_err(io)?;
+            true
+        };
+        txn.commit().map_err(io)?;
+        self.inner.blobs.doom(garbage);
+        Ok(dropped)
     }
 
     /// The bytes of version `version` of `key` if they are on this node

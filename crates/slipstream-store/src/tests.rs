@@ -344,3 +344,28 @@ fn held_bytes_survive_a_reopen() {
     apply(&s, "/m/x", rep(1, 5, 5000, "d1"), None);
     assert_eq!(bytes(&s, "/m/x", Select::Latest), big);
 }
+
+#[test]
+fn held_bytes_are_listed_and_dropped_with_their_file() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path());
+    let big = vec![4u8; 5000];
+    s.hold("/m/x", 1, "d1", s.stage(&[&big]).unwrap()).unwrap();
+    s.hold("/m/y", 2, "d2", s.stage(&[b"small"]).unwrap()).unwrap();
+    let held = s.held().unwrap();
+    let names: Vec<(&str, u64, &str)> = held.iter().map(|h| (h.key.as_str(), h.version, h.digest.as_str())).collect();
+    assert_eq!(names, vec![("/m/x", 1, "d1"), ("/m/y", 2, "d2")]);
+    assert!(held.iter().all(|h| h.age < Duration::from_secs(60)));
+    let files = || std::fs::read_dir(d.path().join("blobs")).unwrap().count();
+    let blobs = files();
+    assert!(blobs >= 1);
+    assert!(s.drop_held("/m/x", 1, "d1").unwrap());
+    assert!(!s.drop_held("/m/x", 1, "d1").unwrap(), "already gone");
+    assert!(s.drop_held("/m/y", 2, "d2").unwrap());
+    assert_eq!(s.held().unwrap(), vec![]);
+    assert_eq!(s.value_of("/m/x", 1, "d1").unwrap().map(|b| b.as_ref().to_vec()), None);
+    assert_eq!(files(), blobs - 1, "the held blob's file is unlinked");
+    // A version committed later finds nothing held: it is applied absent (fetched from a holder).
+    apply(&s, "/m/x", rep(1, 5, 5000, "d1"), None);
+    assert!(matches!(s.get("/m/x", Select::Latest), Err(StoreError::Elsewhere { .. })));
+}

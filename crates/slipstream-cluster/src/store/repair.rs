@@ -28,6 +28,10 @@ use tokio::sync::watch;
 
 /// How often the repairer looks even when no member left.
 const EVERY: Duration = Duration::from_secs(30);
+/// How old bytes held for an uncommitted version must be before the sweep
+/// may drop them: far longer than any put takes from its first copy to its
+/// commit (a few etcd round trips and one transfer, each bounded).
+const HELD_GRACE: Duration = Duration::from_secs(600);
 
 #[derive(Default)]
 pub(crate) struct RepairCounters {
@@ -41,6 +45,8 @@ pub(crate) struct RepairCounters {
     lost: AtomicU64,
     /// The last pass that repaired something: how long it took, ms.
     last_repair_ms: AtomicU64,
+    /// Versions whose held bytes the sweep dropped (their put never committed).
+    swept: AtomicU64,
 }
 
 impl RepairCounters {
@@ -53,6 +59,7 @@ impl RepairCounters {
             "under_replicated_bytes": self.under_bytes.load(Relaxed),
             "lost_versions": self.lost.load(Relaxed),
             "last_repair_ms": self.last_repair_ms.load(Relaxed),
+            "swept_uncommitted_versions": self.swept.load(Relaxed),
         })
     }
 
@@ -101,6 +108,12 @@ pub(crate) async fn run(store: Arc<ClusterStore>, mut stop: watch::Receiver<bool
         let members: BTreeSet<String> = view.members.keys().cloned().collect();
         let lost_member = known.difference(&members).next().is_some();
         known = members;
+        if timed {
+            // Every node sweeps its own held bytes.
+            if let Err(e) = store.sweep_held().await {
+                tracing::warn!("cluster store: sweeping held bytes failed: {e}");
+            }
+        }
         let leads = view.members.keys().next().map(String::as_str) == Some(store.cluster.me());
         if !leads || !(lost_member || timed) {
             continue;
@@ -154,6 +167,36 @@ impl ClusterStore {
             let took = started.elapsed();
             c.last_repair_ms.store(took.as_millis() as u64, Relaxed);
             tracing::info!("cluster store: repaired {repaired} version(s) in {took:?} ({lost} with no live holder)");
+        }
+        Ok(())
+    }
+
+    /// Drop bytes held here for a put whose coordinator died before its
+    /// commit: held longer than [`HELD_GRACE`] and no record of that
+    /// version with that digest in etcd (a version committed and since
+    /// dropped by retention has none either: its bytes go too).
+    pub(crate) async fn sweep_held(self: &Arc<Self>) -> Result<(), StoreError> {
+        let store = self.store.clone();
+        let held = tokio::task::spawn_blocking(move || store.held()).await.map_err(unavailable)??;
+        for h in held.into_iter().filter(|h| h.age >= HELD_GRACE) {
+            let kv = self.etcd.get(&self.ver_key(&h.key, h.version)).await.map_err(unavailable)?;
+            if kv.as_ref().and_then(|kv| self.decode(kv)).is_some_and(|r| r.digest == h.digest) {
+                continue; // committed: the follower takes the bytes when it applies it
+            }
+            let store = self.store.clone();
+            let (key, version, digest) = (h.key.clone(), h.version, h.digest.clone());
+            let dropped = tokio::task::spawn_blocking(move || store.drop_held(&key, version, &digest))
+                .await
+                .map_err(unavailable)??;
+            if dropped {
+                self.repair.swept.fetch_add(1, Relaxed);
+                tracing::info!(
+                    "cluster store: dropped bytes held {:?} for {} v{}, never committed",
+                    h.age,
+                    h.key,
+                    h.version
+                );
+            }
         }
         Ok(())
     }
