@@ -171,6 +171,11 @@ class FakeStore:
                     if changes or left <= 0:
                         return 200, {"seq": self.seq, "changes": changes}, ""
                     self.cond.wait(left)
+        if path.startswith("/v1/store/rollout/"):
+            # One machine: every version it has is held wherever it runs.
+            key = urllib.parse.unquote(path[len("/v1/store/rollout"):])
+            rec = self._find(key, {"version": q.get("version", "0")})
+            return 200, {"key": key, "version": rec.version, "held_everywhere": True, "waiting_for": []}, ""
         if path.startswith("/v1/store/trigger/"):
             self._check_write(headers)
             self.triggers.append((urllib.parse.unquote(path[len("/v1/store/trigger"):]), body))
