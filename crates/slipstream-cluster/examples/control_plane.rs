@@ -112,7 +112,7 @@ async fn main() {
                 }
                 k += 1;
                 // Each member's ready replicas change about every 10 s.
-                if (k as usize + i) % 15 == 0 {
+                if (k as usize + i).is_multiple_of(15) {
                     let rec = seal(&key, "member", &record(&name, k % 3));
                     if etcd.put(&format!("{root}members/{name}"), &rec, Some(lease)).await.is_ok() {
                         ops.fetch_add(1, Relaxed);
