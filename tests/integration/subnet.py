@@ -33,7 +33,8 @@ class Subnet:
         self.host_ip = f"10.{k}.{m}.1"
         self.ip: dict[str, str] = {}
         self.ns: dict[str, str] = {}
-        self._links: list[str] = []
+        self._links: dict[str, str] = {}  # machine -> this side's end of its veth pair
+        self._cut: set[str] = set()
         _run("ip", "link", "add", self.bridge, "type", "bridge")
         try:
             _run("ip", "addr", "add", f"{self.host_ip}/24", "dev", self.bridge)
@@ -44,7 +45,7 @@ class Subnet:
                 _run("ip", "netns", "add", ns)
                 self.ns[name] = ns
                 _run("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
-                self._links.append(host_if)
+                self._links[name] = host_if
                 _run("ip", "link", "set", ns_if, "netns", ns)
                 _run("ip", "link", "set", host_if, "master", self.bridge)
                 _run("ip", "link", "set", host_if, "up")
@@ -56,12 +57,23 @@ class Subnet:
             self.close()
             raise
 
+    def partition(self, name: str) -> None:
+        """Cut machine ``name`` off from every other (its link goes down, as
+        a pulled cable: packets go nowhere and nothing is refused)."""
+        _run("ip", "link", "set", self._links[name], "down")
+        self._cut.add(name)
+
+    def heal(self, name: str) -> None:
+        if name in self._cut:
+            _run("ip", "link", "set", self._links[name], "up")
+            self._cut.discard(name)
+
     def wrap(self, name: str) -> list[str]:
         """The command prefix that runs a process on machine ``name``."""
         return ["ip", "netns", "exec", self.ns[name]]
 
     def close(self) -> None:
-        for cmd in ([["ip", "link", "del", link] for link in self._links]
+        for cmd in ([["ip", "link", "del", link] for link in self._links.values()]
                     + [["ip", "netns", "del", ns] for ns in self.ns.values()]
                     + [["ip", "link", "del", self.bridge]]):
             subprocess.run(cmd, capture_output=True, timeout=10)
