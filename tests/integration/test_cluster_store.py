@@ -445,3 +445,4 @@ def run_bundled(etcd: Etcd, start: Callable[..., Node], src: Any, weights: Any, 
     fired = sorted(int(m.key.rsplit("/", 1)[1]) for m in reader.keys("/log/jobs/a/"))
     assert fired == [1, 2, 3, 4, 5, 6], fired
     assert all(len(reader.versions(f"/log/jobs/a/{v}")) == 1 for v in fired), "a version fired twice"
+

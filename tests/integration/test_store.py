@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import slipstream as ss
+from slipstream.testing import Etcd, deploy, start_node
 
 from tests.conftest import APPS, Node, wait_for
 
@@ -251,3 +252,23 @@ def test_http_refuses_writes_to_the_nodes_own_records(node: Node) -> None:
     status, _, raw = node.request("PUT", "/v1/store/objects/_slipstreamish/a", b"1",
                                   headers={"Content-Type": "application/json"})
     assert status == 201, raw
+
+
+def test_a_store_written_outside_a_cluster_is_refused_at_join(tmp_path: Path) -> None:
+    """A node's store that took writes on its own (`slipstream serve
+    --store DIR`) cannot join a cluster: its versions are not in etcd. The
+    node says so and exits, its store untouched."""
+    store_dir = tmp_path / "store"
+    with Node(str(APPS / "chain.py"), "--store", str(store_dir)) as alone:
+        ss.store.Store(alone.url).put("/mine/doc", b"written alone")
+    etcd = Etcd(1)
+    try:
+        out = deploy(etcd, APPS / "cluster_store.py", wait=0)
+        assert out.returncode == 0, out.stdout + out.stderr
+        n = start_node(etcd, "x", "--store", str(store_dir))
+        assert n.proc.wait(60) != 0, n.log()
+        assert "holds 1 key(s) written outside a cluster (e.g. /mine/doc)" in n.log(), n.log()
+    finally:
+        etcd.stop()
+    with Node(str(APPS / "chain.py"), "--store", str(store_dir)) as again:
+        assert ss.store.Store(again.url).get("/mine/doc").bytes() == b"written alone"

@@ -149,6 +149,28 @@ fn group_key(pool: &str, group: &str) -> String {
     format!("{pool}\0{group}")
 }
 
+/// A store that took writes outside a cluster cannot join one: its
+/// versions are not in etcd (no other node could read them) and the
+/// cluster's versions of the same keys would skip the numbers it has.
+/// (A cluster's versions carry their digest; a single node's writes do not.)
+fn refuse_outside_writes(store: &Store) -> Result<(), String> {
+    let (metas, more) = store.keys("/", 1_000_000).map_err(|e| format!("cannot read the node's store: {e}"))?;
+    let outside: Vec<&str> = metas
+        .iter()
+        .filter(|m| !m.key.starts_with(slipstream_store::RESERVED_PREFIX) && m.digest.is_none())
+        .map(|m| m.key.as_str())
+        .collect();
+    let Some(first) = outside.first() else { return Ok(()) };
+    Err(format!(
+        "the store at {} holds {}{} key(s) written outside a cluster (e.g. {first}); a cluster node needs a store \
+         of its own: start it with another --store directory (or none, for a temporary one) and put those keys \
+         through the cluster",
+        store.dir().display(),
+        outside.len(),
+        if more { "+" } else { "" },
+    ))
+}
+
 /// SHA-256 of the parts, hex.
 pub(crate) fn digest_of<B: AsRef<[u8]>>(parts: &[B]) -> String {
     let mut h = Sha256::new();
@@ -186,6 +208,7 @@ impl ClusterStore {
         replicas: usize,
         stop: watch::Receiver<bool>,
     ) -> Result<Arc<ClusterStore>, String> {
+        refuse_outside_writes(&store)?;
         let root = format!("{}store/", cluster.opts.root());
         let me = Arc::new_cyclic(|me| ClusterStore {
             cluster,
