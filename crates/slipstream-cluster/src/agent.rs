@@ -285,17 +285,23 @@ async fn reconcile(etcd: &Etcd, node: &Arc<Node>, cluster: &Arc<Cluster>, keys: 
             .collect();
         let names: Vec<String> = members.keys().cloned().collect();
         let prev = current.as_ref().filter(|(p, _)| &p.deploy == deploy).map(|(p, _)| &p.stages);
-        // Stages that read affinity groups go where the groups are.
-        let groups = cluster.store.get().map(|s| s.group_bytes()).unwrap_or_default();
-        let data: slipstream_sched::placement::DataAt = node
+        // Stages that read affinity groups go where the groups are (the
+        // groups are counted only when some stage reads them).
+        let grouped: Vec<String> = node
             .pipelines()
             .values()
             .flat_map(|p| {
                 p.spec.stages.iter().enumerate().filter(|(_, s)| s.affinity.is_some()).map(|(i, _)| p.stage_key(i))
             })
-            .map(|stage| (stage, groups.clone()))
-            .filter(|(_, g)| !g.is_empty())
             .collect();
+        let groups = match (grouped.is_empty(), cluster.store.get()) {
+            (false, Some(store)) => store.group_bytes(),
+            _ => Default::default(),
+        };
+        let data: slipstream_sched::placement::DataAt = match groups.is_empty() {
+            true => Default::default(),
+            false => grouped.into_iter().map(|stage| (stage, groups.clone())).collect(),
+        };
         let stages = slipstream_sched::placement::place_near(&want, &names, prev, &data);
         if prev != Some(&stages) {
             let epoch = current.as_ref().map_or(0, |(p, _)| p.epoch) + 1;
