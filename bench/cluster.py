@@ -19,7 +19,9 @@ sending to the first node's ingress, which routes across the cluster.
    under Ray (one node; two Ray nodes with the stages pinned apart).
 3. **Node kill** (`scale` on 3 nodes at 70% of their capacity, more than two serve): one node is
    killed with SIGKILL; requests lost, and the time until goodput is full
-   again (250 ms buckets).
+   again (250 ms buckets). **Singleton kill**: `scale` with one replica in
+   the cluster, the node holding it killed, with the warm standby the
+   placement keeps elsewhere and without (`--no-standbys`), alternating.
 4. **Merged frames**: `cargo run --release -p slipstream-peer --example
    merge` (many small tensors per request, merged vs unmerged vs one
    message per tensor).
@@ -42,7 +44,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from slipstream.testing import Cluster
+from slipstream.testing import Cluster, wait_for
 
 from bench import harness
 from bench.goodput import holds, run_rate
@@ -181,44 +183,87 @@ def handoff_ray(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def node_kill(a: argparse.Namespace) -> dict[str, Any]:
-    """3 nodes at 70% of their capacity (more than two can serve); n3 killed 6 s in; 250 ms buckets."""
-    log("node kill: 3 nodes at 70% of their capacity, n3 killed with SIGKILL")
-    bucket_ms, kill_at, duration = 250.0, 6.0, a.kill_seconds
-    rate = 0.7 * 3 * REPLICA_RPS  # more than two nodes can serve: the lost replica must come back
-    with cluster(3, 3) as c:
-        killed: dict[str, float] = {}
+def kill_under_load(c: Cluster, victim: int, url: str, rate: float, duration: float) -> dict[str, Any]:
+    """Open-loop load at `rate` to `url`; node `victim` SIGKILLed 6 s in.
+    Requests lost and refused, and when goodput was full again (the first
+    250 ms bucket from which on every bucket answers >= 99% of what was
+    sent in it within the SLO)."""
+    bucket_ms, kill_at = 250.0, 6.0
+    killed: dict[str, float] = {}
 
-        def kill() -> None:
-            time.sleep(kill_at)
-            killed["t"] = time.monotonic()
-            c.nodes[2].stop(signal.SIGKILL)
+    def kill() -> None:
+        time.sleep(kill_at)
+        killed["t"] = time.monotonic()
+        c.nodes[victim].stop(signal.SIGKILL)
 
-        t0 = time.monotonic()
-        threading.Thread(target=kill, daemon=True).start()
-        report = harness.loadgen(f"{c.url}/v1/pipelines/scale/infer", BODY_SCALE, [rate], duration, warmup_s=0.0,
-                                 seed=3, slo_ms=SLO_MS, timeline_ms=bucket_ms)[0]
-        events = [e for e in c.nodes[0].status()["events"] if e["what"] in ("node_suspected", "placed", "ready")]
+    t0 = time.monotonic()
+    threading.Thread(target=kill, daemon=True).start()
+    report = harness.loadgen(f"{url}/v1/pipelines/scale/infer", BODY_SCALE, [rate], duration, warmup_s=0.0,
+                             seed=3, slo_ms=SLO_MS, timeline_ms=bucket_ms)[0]
+    observer = next(n for i, n in enumerate(c.nodes) if i != victim)
+    events = [e for e in observer.status()["events"] if e["what"] in ("node_suspected", "placed", "ready",
+                                                                         "promoted")]
     kill_s = killed["t"] - t0 - 0.02
-    buckets = report["timeline"]
     good = []
-    for b in buckets:
+    for b in report["timeline"]:
         sent = b["ok"] + sum(b["errors_by_kind"].values())
         good.append((b["t_s"], (b["ok"] - b["slower_than_slo"]) / sent if sent else 1.0, sent))
-    # Full goodput again: from here on, every bucket answers >= 99% of what was sent in it within the SLO.
     recovered = None
     for i, (t, _share, _) in enumerate(good):
         if t >= kill_s and all(s >= 0.99 for _, s, _ in good[i:]):
-            recovered = t - kill_s
+            recovered = max(0.0, t - kill_s)
             break
     errors = dict(report["errors_by_kind"])
     refused = errors.get("status_429", 0)
     return {"rate_rps": rate, "kill_at_s": kill_s, "sent": report["sent"], "ok": report["ok"],
             "late": report["slower_than_slo"], "errors_by_kind": errors, "refused": refused,
-            "lost": sum(errors.values()) - refused,
-            "recovered_after_s": recovered, "worst_bucket_share": min(s for _, s, _ in good),
+            "lost": sum(errors.values()) - refused, "p99_ms": report["latency_ms"]["p99"],
+            "recovered_after_s": recovered,
+            # From the bucket the kill fell in on.
+            "worst_bucket_share": min(s for t, s, _ in good if t >= kill_s - bucket_ms / 1e3),
             "timeline": [{"t_s": t, "good_share": s, "sent": n} for t, s, n in good], "events": events[-20:],
             "load_avg": os.getloadavg()[0]}
+
+
+def node_kill(a: argparse.Namespace) -> dict[str, Any]:
+    """3 nodes at 70% of their capacity (more than two can serve); n3 killed 6 s in; 250 ms buckets."""
+    log("node kill: 3 nodes at 70% of their capacity, n3 killed with SIGKILL")
+    rate = 0.7 * 3 * REPLICA_RPS  # more than two nodes can serve: the lost replica must come back
+    with cluster(3, 3) as c:
+        return kill_under_load(c, 2, c.url, rate, a.kill_seconds)
+
+
+def placed(n: Any) -> dict[str, dict[str, int]]:
+    """The placement's replicas per stage per node, as node `n` knows it."""
+    p = n.status()["cluster"]["placement"]
+    return p["stages"] if p else {}
+
+
+def singleton_kill(a: argparse.Namespace) -> dict[str, Any]:
+    """`scale` with one Model replica in a 3-node cluster, at 70% of what it
+    serves; the node holding it SIGKILLed, load sent to another node; with
+    the warm standby the placement keeps on a third node, and without
+    (`--no-standbys`), alternating runs."""
+    out: dict[str, Any] = {}
+    for r in range(a.repeat):
+        for mode, args in (("standby", ()), ("no_standby", ("--no-standbys",))):
+            log(f"singleton kill, {mode.replace('_', ' ')}, run {r + 1}/{a.repeat}")
+            with Cluster(APP, 3, *args, env={"CLUSTER_MODEL_REPLICAS": "1"}) as c:
+                holder = wait_for(lambda c=c: next(iter(placed(c.nodes[0]).get("scale/Model", {})), None), 60)
+                if mode == "standby":
+                    wait_for(lambda c=c: any(m.get("standby", {}).get("scale/Model")
+                                             for m in c.nodes[0].status()["cluster"]["members"].values()), 120)
+                victim = int(holder.lstrip("n")) - 1
+                ingress = next(n for i, n in enumerate(c.nodes) if i != victim)
+                time.sleep(1.0)
+                run = kill_under_load(c, victim, ingress.url, 0.7 * REPLICA_RPS, a.kill_seconds)
+            out.setdefault(mode, []).append(run)
+            log(f"  lost {run['lost']}, refused {run['refused']}, full goodput again after "
+                f"{run['recovered_after_s']} s")
+    return {mode: {"runs": runs,
+                   "median": {k: statistics.median(x[k] if x[k] is not None else float("inf") for x in runs)
+                              for k in ("lost", "refused", "recovered_after_s", "p99_ms", "worst_bucket_share")}}
+            for mode, runs in out.items()}
 
 
 def oha_check(a: argparse.Namespace) -> dict[str, Any]:
@@ -286,7 +331,21 @@ def markdown(res: dict[str, Any]) -> str:
                   f"capacity was short): {k['refused']}; lost (failed after admission): {k['lost']} "
                   f"{k['errors_by_kind']}; "
                   f"full goodput again {rec} after the kill (every 250 ms bucket >= 99% within the SLO); "
-                  f"worst bucket: {k['worst_bucket_share']:.0%} within the SLO.", ""]
+                  f"worst bucket from the kill on: {k['worst_bucket_share']:.0%} within the SLO.", ""]
+    sk = res.get("singleton")
+    if sk:
+        lines += ["## The node holding a stage's only replica killed under load (3 nodes, one `Model` replica at 70%)",
+                  "", "Medians of the runs (alternating); lost = failed after admission (503/504); refused = 429; "
+                  "full goodput again = every 250 ms bucket from then on >= 99% within the SLO (0.02 s: the "
+                  "first bucket after the kill already was); worst bucket: from the kill on.", "",
+                  "| cluster | lost | refused | full goodput again after | p99 ms | worst bucket |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for mode, label in (("standby", "warm standby on another node"), ("no_standby", "`--no-standbys`")):
+            if mode in sk:
+                m = sk[mode]["median"]
+                lines.append(f"| {label} | {m['lost']:.0f} | {m['refused']:.0f} | {m['recovered_after_s']:.2f} s | "
+                             f"{m['p99_ms']:.0f} | {m['worst_bucket_share']:.0%} |")
+        lines.append("")
     o = res.get("oha")
     if o:
         lines += ["## The 3-node point with an independent generator (oha, fixed rate, latency correction)", "",
@@ -319,7 +378,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ray", action="store_true", help="also run Ray Serve as a multi-node Ray cluster")
     ap.add_argument("--quick", action="store_true", help="fewer, shorter points (a smoke run)")
-    ap.add_argument("--only", choices=["scaling", "handoff", "kill", "merge", "oha"], action="append")
+    ap.add_argument("--only", choices=["scaling", "handoff", "kill", "singleton", "merge", "oha"], action="append")
     ap.add_argument("--fractions", default="", help="offered rates for the scaling points, as fractions of the "
                     "compute limit (default 0.7,0.85,0.95; lower ones follow where none holds)")
     ap.add_argument("--systems", default="slipstream,ray", help="with --ray: which systems to run (e.g. ray)")
@@ -330,7 +389,7 @@ def main() -> int:
     a.seconds = 8.0 if not a.quick else 4.0
     a.repeat = 3 if not a.quick else 1
     a.kill_seconds = 20.0 if not a.quick else 12.0
-    only = set(a.only or ["scaling", "handoff", "kill", "merge", "oha"])
+    only = set(a.only or ["scaling", "handoff", "kill", "singleton", "merge", "oha"])
     machine = harness.machine()
     res: dict[str, Any] = {"repeat": a.repeat, "nodes": a.nodes}
     log(f"load average {machine['loadavg_before']}")
@@ -351,6 +410,8 @@ def main() -> int:
             res["handoff"]["ray"] = handoff_ray(a) | {"run": stamp}
     if "kill" in only:
         res["kill"] = node_kill(a)
+    if "singleton" in only:
+        res["singleton"] = singleton_kill(a) | {"run": stamp}
     if "merge" in only:
         res["merge"] = merged_frames(a, a.out.parent / "cluster_merge.json")
     if "oha" in only:

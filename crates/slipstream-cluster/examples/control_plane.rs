@@ -39,6 +39,7 @@ fn record(name: &str, ready: u32) -> Member {
         gpus: vec![],
         store_keys: 0,
         ready: (0..PIPELINES * STAGES).map(|i| (format!("p{}/s{}", i / STAGES, i % STAGES), ready)).collect(),
+        standby: Default::default(),
         deploy: "sim".into(),
         lease: 0,
     }

@@ -26,7 +26,7 @@
 use super::{open, seal, Cluster, Member, Placement, View};
 use slipstream_core::events::EventKind;
 use slipstream_core::replica::Phase;
-use slipstream_core::scaling::Change;
+use slipstream_core::scaling::{Change, Elsewhere};
 use slipstream_core::Node;
 use slipstream_etcd::{Etcd, EtcdError, Kv, WatchEvent};
 use std::collections::BTreeMap;
@@ -37,12 +37,15 @@ use tokio::sync::watch;
 
 /// What a member record says about this node now.
 pub(crate) fn my_record(node: &Node, cluster: &Cluster) -> Member {
-    let mut ready = BTreeMap::new();
+    let (mut ready, mut standby) = (BTreeMap::new(), BTreeMap::new());
     for p in node.pipelines().values() {
         for s in &p.stages {
-            let n = s.replicas().iter().filter(|r| r.is_local() && r.phase() == Phase::Ready).count();
-            if n > 0 {
-                ready.insert(p.stage_key(s.index), n as u32);
+            let set = s.replicas();
+            for (phase, into) in [(Phase::Ready, &mut ready), (Phase::Standby, &mut standby)] {
+                let n = set.iter().filter(|r| r.is_local() && r.phase() == phase).count();
+                if n > 0 {
+                    into.insert(p.stage_key(s.index), n as u32);
+                }
             }
         }
     }
@@ -55,6 +58,7 @@ pub(crate) fn my_record(node: &Node, cluster: &Cluster) -> Member {
         gpus: slipstream_core::gpu::inventory().to_vec(), // `nvidia-smi -L`, read once
         store_keys: node.store().totals().map_or(0, |t| t.0),
         ready,
+        standby,
         deploy: cluster.opts.deploy.clone(),
         lease: 0,
     }
@@ -124,7 +128,7 @@ pub(crate) async fn membership(
             }
         }
         let rec = my_record(&node, &cluster);
-        if rec.ready != last.ready {
+        if (&rec.ready, &rec.standby) != (&last.ready, &last.standby) {
             if let Ok(r) = put_record(&etcd, &node, &cluster, lease).await {
                 last = r;
             }
@@ -302,10 +306,18 @@ async fn reconcile(etcd: &Etcd, node: &Arc<Node>, cluster: &Arc<Cluster>, keys: 
             true => Default::default(),
             false => grouped.into_iter().map(|stage| (stage, groups.clone())).collect(),
         };
-        let stages = slipstream_sched::placement::place_near(&want, &names, prev, &data);
-        if prev != Some(&stages) {
+        let prev_standby = current.as_ref().filter(|(p, _)| &p.deploy == deploy).map(|(p, _)| &p.standby);
+        // A standby that stood in for a lost node's replica becomes it.
+        let adopted = prev_standby.map(|sb| slipstream_sched::placement::adopt_standbys(&want, &names, prev, sb));
+        let stages = slipstream_sched::placement::place_near(&want, &names, adopted.as_ref().or(prev), &data);
+        let standby = match cluster.opts.standbys {
+            true => slipstream_sched::placement::standbys(&stages, &names, prev_standby),
+            false => Default::default(),
+        };
+        if prev != Some(&stages) || prev_standby != Some(&standby) {
             let epoch = current.as_ref().map_or(0, |(p, _)| p.epoch) + 1;
-            let p = Placement { deploy: deploy.clone(), epoch, stages, by: cluster.me().to_string() };
+            let by = cluster.me().to_string();
+            let p = Placement { deploy: deploy.clone(), epoch, stages, standby, by };
             let key = format!("{}placement", cluster.opts.root());
             let expected = current.as_ref().map_or(0, |(_, rev)| *rev);
             match etcd.put_if(&key, &seal(&cluster.key, "placement", &p), expected, None).await {
@@ -338,11 +350,19 @@ fn apply(node: &Arc<Node>, cluster: &Cluster, p: &Placement, members: &BTreeMap<
     for pipe in node.pipelines().values() {
         for st in &pipe.stages {
             let key = pipe.stage_key(st.index);
-            node.change(pipe, st.index, Change::Place(p.count(&key, cluster.me()) as usize));
-            let mut remote: BTreeMap<String, (std::net::SocketAddr, usize)> = BTreeMap::new();
-            for (name, m) in members.iter().filter(|(n, _)| n.as_str() != cluster.me()) {
-                remote.insert(name.clone(), (m.data, p.count(&key, name) as usize));
-            }
+            let me = cluster.me();
+            // Placed replicas first: one placed where this node's standby
+            // was promotes it.
+            node.change(pipe, st.index, Change::Place(p.count(&key, me) as usize));
+            node.change(pipe, st.index, Change::Stand(p.standbys(&key, me) as usize));
+            let remote: BTreeMap<String, Elsewhere> = members
+                .iter()
+                .filter(|(n, _)| n.as_str() != me)
+                .map(|(name, m)| {
+                    let (serving, standby) = (p.count(&key, name) as usize, p.standbys(&key, name) as usize);
+                    (name.clone(), Elsewhere { addr: m.data, serving, standby })
+                })
+                .collect();
             node.change(pipe, st.index, Change::Remote(&remote));
         }
     }

@@ -69,6 +69,14 @@ pub struct ClusterOptions {
     /// Copies of each value in the cluster store (capped at the live members).
     #[serde(default = "default_store_replicas")]
     pub store_replicas: usize,
+    /// Whether the placement this node writes (as the leader) keeps warm
+    /// standbys for stages one node loss would empty.
+    #[serde(default = "default_standbys")]
+    pub standbys: bool,
+}
+
+fn default_standbys() -> bool {
+    true
 }
 
 fn default_store_replicas() -> usize {
@@ -103,6 +111,10 @@ pub struct Placement {
     pub epoch: u64,
     /// Per stage ("pipeline/stage"), replicas per node.
     pub stages: Assignment,
+    /// Per stage, warm standbys per node (for stages one node loss would
+    /// empty; see [`slipstream_sched::placement::standbys`]).
+    #[serde(default, skip_serializing_if = "Assignment::is_empty")]
+    pub standby: Assignment,
     /// The node that computed it.
     pub by: String,
 }
@@ -111,6 +123,11 @@ impl Placement {
     /// Replicas of `stage` on `node`.
     pub fn count(&self, stage: &str, node: &str) -> u32 {
         self.stages.get(stage).and_then(|m| m.get(node)).copied().unwrap_or(0)
+    }
+
+    /// Standbys of `stage` on `node`.
+    pub fn standbys(&self, stage: &str, node: &str) -> u32 {
+        self.standby.get(stage).and_then(|m| m.get(node)).copied().unwrap_or(0)
     }
 }
 
@@ -133,6 +150,9 @@ pub struct Member {
     /// Ready local replicas per stage ("pipeline/stage").
     #[serde(default)]
     pub ready: BTreeMap<String, u32>,
+    /// Warm local standbys per stage.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub standby: BTreeMap<String, u32>,
     /// The deployment it runs.
     pub deploy: String,
     /// Its membership lease (filled in from etcd, not signed).
@@ -174,11 +194,13 @@ pub struct View {
 }
 
 impl View {
-    /// Whether `node` serves stage `key` now (a live member reporting a
-    /// ready replica, and not suspected here).
+    /// Whether `node` takes work for stage `key` now: a live member, not
+    /// suspected here, reporting a ready replica or a warm standby of it
+    /// (a standby takes work another node sends while the stage has no
+    /// serving replica there).
     pub fn serves(&self, node: &str, key: &str) -> bool {
-        !self.suspects.contains(node)
-            && self.members.get(node).is_some_and(|m| m.ready.get(key).copied().unwrap_or(0) > 0)
+        let has = |m: &BTreeMap<String, u32>| m.get(key).copied().unwrap_or(0) > 0;
+        !self.suspects.contains(node) && self.members.get(node).is_some_and(|m| has(&m.ready) || has(&m.standby))
     }
 }
 
@@ -479,11 +501,13 @@ mod tests {
             gpus: vec![],
             store_keys: 0,
             ready: [("p/s".to_string(), 1)].into(),
+            standby: [("p/u".to_string(), 1)].into(),
             deploy: "d".into(),
             lease: 7,
         };
         v.members.insert("n2".into(), m);
         assert!(v.serves("n2", "p/s") && !v.serves("n2", "p/t") && !v.serves("n3", "p/s"));
+        assert!(v.serves("n2", "p/u"), "a warm standby takes work sent to it");
         v.suspects.insert("n2".into());
         assert!(!v.serves("n2", "p/s"));
     }

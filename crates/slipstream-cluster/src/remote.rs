@@ -16,6 +16,13 @@
 //! serves (else they fail with 503), queued ones move to serving siblings,
 //! and the replica comes back when the node reports ready again (or
 //! answers a probe).
+//!
+//! A standby on another node is a remote standby here: held back from
+//! routing like a local one, it stands in when no replica of the stage
+//! serves (its node's only one was lost, say), and the other node runs
+//! the work on its warm standby worker. So losing the node of a stage's
+//! only replica costs the batch in flight a retry, not seconds of 503s
+//! until the lease expires and a replica starts elsewhere.
 
 use crate::wire::{error_from, lend, split_incoming, CallMeta, CallReq, ReplyMeta, ReqResult};
 use crate::{Cluster, View};
@@ -200,7 +207,8 @@ impl Backend for RemoteNode {
             if self.view.changed().await.is_err() {
                 return std::future::pending().await;
             }
-            if !self.view.borrow().serves(&self.at.node, &self.key) && ctx.replica().phase() == Phase::Ready {
+            let up = matches!(ctx.replica().phase(), Phase::Ready | Phase::Standby);
+            if !self.view.borrow().serves(&self.at.node, &self.key) && up {
                 return "its node no longer reports the stage ready".into();
             }
         }

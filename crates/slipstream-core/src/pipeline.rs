@@ -207,9 +207,10 @@ impl StageRt {
     }
 
     /// A new replica standing for one on another node (starting until that
-    /// node reports its replicas ready); replies arrive in `pool`.
-    pub(crate) fn add_remote(&self, at: RemoteAt, pool: Arc<Pool>, epoch: Instant) -> Arc<Replica> {
-        let r = Replica::new(self.next_id.fetch_add(1, Relaxed), pool, self.learned_former(), epoch, false);
+    /// node reports its replicas ready), or for a standby there; replies
+    /// arrive in `pool`.
+    pub(crate) fn add_remote(&self, at: RemoteAt, pool: Arc<Pool>, epoch: Instant, standby: bool) -> Arc<Replica> {
+        let r = Replica::new(self.next_id.fetch_add(1, Relaxed), pool, self.learned_former(), epoch, standby);
         self.insert(Arc::new(r.on_node(at)))
     }
 
@@ -240,9 +241,9 @@ impl StageRt {
         *set = Arc::new(next);
     }
 
-    /// The standbys (held back from routing), warm ones first.
+    /// This node's standbys (held back from routing), warm ones first.
     pub(crate) fn standbys_warm_first(&self) -> Vec<Arc<Replica>> {
-        let mut standbys: Vec<_> = self.replicas().iter().filter(|r| r.is_standby()).cloned().collect();
+        let mut standbys: Vec<_> = self.replicas().iter().filter(|r| r.is_local() && r.is_standby()).cloned().collect();
         standbys.sort_by_key(|r| r.phase() != Phase::Standby);
         standbys
     }
@@ -263,9 +264,12 @@ impl StageRt {
         set.iter().find(|r| r.phase() == Phase::Ready).or(set.first()).map_or(0, |r| r.load().typical_ns)
     }
 
-    /// Join-shortest-queue among accepting replicas, except `not`.
+    /// Join-shortest-queue among accepting replicas, except `not`; when
+    /// none accepts, a warm standby stands in (see [`StageRt::stand_in`]).
     pub(crate) fn choose(&self, tiebreak: u64, not: Option<&Replica>) -> Option<Arc<Replica>> {
-        self.choose_among(&self.replicas(), tiebreak, &|r| !is(not, r))
+        let set = self.replicas();
+        let eligible = |r: &Replica| !is(not, r);
+        self.choose_among(&set, tiebreak, &eligible).or_else(|| stand_in(&set, &eligible))
     }
 
     /// Join-shortest-queue among the accepting replicas of `set` that are `eligible`.
@@ -287,11 +291,12 @@ impl StageRt {
     }
 
     /// Where new work for this stage goes, among the `eligible` replicas:
-    /// the shortest accepting queue, else (none accepts) one that will
-    /// serve it once its worker is (re)started; `None` if none ever will.
+    /// the shortest accepting queue, else (none accepts) a warm standby
+    /// ([`stand_in`]), else one that will serve it once its worker is
+    /// (re)started; `None` if none ever will.
     fn target_among(&self, tiebreak: u64, eligible: &dyn Fn(&Replica) -> bool) -> Option<Arc<Replica>> {
         let set = self.replicas();
-        self.choose_among(&set, tiebreak, eligible).or_else(|| {
+        self.choose_among(&set, tiebreak, eligible).or_else(|| stand_in(&set, eligible)).or_else(|| {
             let waiting: Vec<&Arc<Replica>> = set.iter().filter(|r| r.phase().will_serve() && eligible(r)).collect();
             (!waiting.is_empty()).then(|| waiting[(tiebreak as usize) % waiting.len()].clone())
         })
@@ -334,6 +339,15 @@ impl StageRt {
         }
         Err(req)
     }
+}
+
+/// A warm standby that takes a stage's work while no serving replica can
+/// (all down, or on a node the cluster suspects): the least loaded of the
+/// `eligible` ones. A standby is kept for exactly this moment: its worker
+/// is up and warm, so standing in costs no start-up, and it stays a
+/// standby (whoever owns the replica set promotes it, or not).
+fn stand_in(set: &ReplicaSet, eligible: &dyn Fn(&Replica) -> bool) -> Option<Arc<Replica>> {
+    set.iter().filter(|r| r.phase() == Phase::Standby && eligible(r)).min_by_key(|r| r.load().outstanding).cloned()
 }
 
 /// Whether `r` is the replica `not` names.

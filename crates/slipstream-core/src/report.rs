@@ -76,6 +76,7 @@ fn core_status(node: &Node) -> Value {
                                 "batch_limit": r.batch_limit(),
                                 "node": r.remote.as_ref().map(|at| at.node.as_str()),
                                 "leaving": r.leaving(),
+                                "standby": r.is_standby(),
                                 "device": (!device.is_empty()).then_some(device),
                                 "gpu": gpu,
                             })

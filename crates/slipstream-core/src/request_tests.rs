@@ -151,6 +151,36 @@ async fn a_lost_executor_s_batch_is_retried_once_on_a_sibling_else_503() {
     assert!(t.infer("p", &[("x", &[3.0, 4.0])]).await.is_ok());
 }
 
+#[tokio::test]
+async fn a_warm_standby_stands_in_for_a_lost_replica_and_stays_a_standby() {
+    let fake = Fake::echo();
+    let t = TestNode::new(&app(5000.0, r#"[{"name": "a", "component": "A"}]"#), fake.clone()).await;
+    let p = t.node.pipeline("p").unwrap();
+    let c = t.node.change(&p, 0, Change::Stand(1));
+    assert_eq!((c.from, c.to, c.added.len()), (1, 1, 1));
+    assert!(t.node.change(&p, 0, Change::Stand(1)).added.is_empty(), "one is kept, not one more");
+    let st = &p.stages[0];
+    let standby = st.replicas().iter().find(|r| r.is_standby()).unwrap().clone();
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while standby.phase() != Phase::Standby {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .unwrap();
+    // The serving replica loses its executor with the batch: the standby
+    // runs it (no 503), and is still a standby afterwards.
+    fake.lose_next("a");
+    let ans = t.infer("p", &[("x", &[3.0, 4.0])]).await.unwrap();
+    assert_eq!(floats(&ans.outputs, "x"), vec![3.0, 4.0]);
+    assert_eq!(st.metrics.retries.load(Relaxed), 1);
+    assert!(standby.is_standby() && standby.phase() == Phase::Standby);
+    assert_eq!(t.node.census(&p, 0), (1, 1), "one serving (restarted), one standby");
+    // Placed elsewhere: the standby drains.
+    let c = t.node.change(&p, 0, Change::Stand(0));
+    assert_eq!(c.draining, vec![standby.id]);
+}
+
 /// A join that runs both candidates and answers with the first that arrived.
 struct First {
     candidates: Vec<String>,

@@ -46,11 +46,26 @@ pub enum Change<'a> {
     /// [`Change::Set`], but surplus replicas serve a grace period first,
     /// for nodes still routing here by the old placement.
     Place(usize),
-    /// The replicas other nodes run (node -> (its data plane, replicas
-    /// placed there)): one remote replica here per replica placed there.
-    Remote(&'a BTreeMap<String, (SocketAddr, usize)>),
+    /// The cluster's placement gives this node `n` warm standbys of the
+    /// stage (started as standbys; extra ones drain).
+    Stand(usize),
+    /// What other nodes run of the stage (node -> [`Elsewhere`]): one
+    /// remote replica here per replica placed there, and one remote
+    /// standby per standby there.
+    Remote(&'a BTreeMap<String, Elsewhere>),
     /// An autoscaler's step.
     Scale(ScaleAction),
+}
+
+/// What another node runs of a stage, as the placement says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Elsewhere {
+    /// Its data plane.
+    pub addr: SocketAddr,
+    /// Replicas placed there.
+    pub serving: usize,
+    /// Standbys placed there.
+    pub standby: usize,
 }
 
 /// What a change did.
@@ -134,6 +149,7 @@ impl Node {
                 }
                 c
             }
+            Change::Stand(n) => self.set_standbys(pipe, st, n),
             Change::Remote(nodes) => self.set_remote(pipe, st, nodes),
             Change::Scale(ScaleAction::Grow { to, max }) => {
                 let to = to.min(max);
@@ -258,41 +274,80 @@ impl Node {
         out
     }
 
-    /// Keep one remote replica here per replica placed on each other node;
-    /// drain those of nodes that left or lost them.
-    fn set_remote(
-        &self,
-        pipe: &Arc<PipelineRt>,
-        st: &StageRt,
-        nodes: &BTreeMap<String, (SocketAddr, usize)>,
-    ) -> Changed {
+    /// `n` local standbys: start missing ones as standbys; drain extra ones
+    /// (those still starting first).
+    fn set_standbys(&self, pipe: &Arc<PipelineRt>, st: &StageRt, n: usize) -> Changed {
+        let c = census(st);
+        let mut out = Changed { from: c.serving.len(), to: c.serving.len(), ..Changed::default() };
+        if c.standby < n {
+            out.added = self.add(pipe, st, n - c.standby, true);
+        } else {
+            for r in st.standbys_warm_first().into_iter().rev().take(c.standby - n) {
+                if r.drain() {
+                    self.record(pipe, st, Some(r.id), EventKind::Draining, "standby placed elsewhere".into());
+                    out.draining.push(r.id);
+                }
+            }
+        }
+        out
+    }
+
+    /// Keep one remote replica here per replica placed on each other node,
+    /// and one remote standby per standby there; a remote standby whose
+    /// node now serves the stage is promoted (its standby became the
+    /// replica); drain those of nodes that left or lost them.
+    fn set_remote(&self, pipe: &Arc<PipelineRt>, st: &StageRt, nodes: &BTreeMap<String, Elsewhere>) -> Changed {
         let set = st.replicas();
         let mut out = Changed::default();
-        let mut have: BTreeMap<&str, usize> = BTreeMap::new();
-        for r in set.iter().filter(|r| r.phase().will_serve()) {
-            let Some(at) = &r.remote else { continue };
-            let keep = nodes
-                .get(&at.node)
-                .is_some_and(|(addr, n)| *addr == at.addr && have.get(at.node.as_str()).copied().unwrap_or(0) < *n);
-            if keep {
-                *have.entry(at.node.as_str()).or_default() += 1;
-            } else if r.drain() {
-                let why = format!("node {} left or lost it", at.node);
-                self.record(pipe, st, Some(r.id), EventKind::Draining, why);
-                out.draining.push(r.id);
+        // (node, is a standby) -> kept
+        let mut have: BTreeMap<(&str, bool), usize> = BTreeMap::new();
+        let live = set.iter().filter(|r| r.phase().will_serve());
+        let (standbys, serving): (Vec<_>, Vec<_>) = live.filter(|r| r.remote.is_some()).partition(|r| r.is_standby());
+        for r in serving.into_iter().chain(standbys) {
+            let at = r.remote.as_ref().expect("filtered");
+            let there = nodes.get(&at.node).filter(|e| e.addr == at.addr);
+            let kept = |standby: bool| have.get(&(at.node.as_str(), standby)).copied().unwrap_or(0);
+            let wants = |standby: bool| there.map_or(0, |e| if standby { e.standby } else { e.serving });
+            let role = if !r.is_standby() {
+                (kept(false) < wants(false)).then_some(false)
+            } else if kept(false) < wants(false) && r.promote() {
+                self.record(
+                    pipe,
+                    st,
+                    Some(r.id),
+                    EventKind::Promoted,
+                    format!("node {} serves the stage now", at.node),
+                );
+                Some(false)
+            } else {
+                (kept(true) < wants(true)).then_some(true)
+            };
+            match role {
+                Some(standby) => *have.entry((at.node.as_str(), standby)).or_default() += 1,
+                None => {
+                    if r.drain() {
+                        let why = format!("node {} left or lost it", at.node);
+                        self.record(pipe, st, Some(r.id), EventKind::Draining, why);
+                        out.draining.push(r.id);
+                    }
+                }
             }
         }
-        out.from = have.values().sum();
-        for (name, (addr, n)) in nodes {
-            for _ in have.get(name.as_str()).copied().unwrap_or(0)..*n {
-                let at = RemoteAt { node: name.clone(), addr: *addr };
-                let r = st.add_remote(at, self.arena().ingress(), pipe.epoch);
-                self.record(pipe, st, Some(r.id), EventKind::Added, format!("on node {name}"));
-                out.added.push(r.id);
-                self.spawn_replica(pipe, st.index, r, None);
+        out.from = have.iter().filter(|((_, standby), _)| !standby).map(|(_, n)| n).sum();
+        for (name, e) in nodes {
+            for standby in [false, true] {
+                let want = if standby { e.standby } else { e.serving };
+                for _ in have.get(&(name.as_str(), standby)).copied().unwrap_or(0)..want {
+                    let at = RemoteAt { node: name.clone(), addr: e.addr };
+                    let r = st.add_remote(at, self.arena().ingress(), pipe.epoch, standby);
+                    let what = if standby { EventKind::AddedStandby } else { EventKind::Added };
+                    self.record(pipe, st, Some(r.id), what, format!("on node {name}"));
+                    out.added.push(r.id);
+                    self.spawn_replica(pipe, st.index, r, None);
+                }
             }
         }
-        out.to = nodes.values().map(|(_, n)| n).sum();
+        out.to = nodes.values().map(|e| e.serving).sum();
         out
     }
 

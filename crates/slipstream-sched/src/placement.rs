@@ -12,8 +12,11 @@
 //! gets work, and a
 //! healthy cluster's placement does not churn. This is the simple balanced
 //! placement the cluster starts with; the planner's cost model
-//! (`docs/design/planner.md`) can replace the counts later. The record the
-//! cluster stores in etcd (epoch, deployment, writer) is the cluster's.
+//! (`docs/design/planner.md`) can replace the counts later. A stage that
+//! one node's loss would empty gets a warm standby on another node
+//! ([`standbys`]), which becomes its replica when that node is lost
+//! ([`adopt_standbys`]). The record the cluster stores in etcd (epoch,
+//! deployment, writer) is the cluster's.
 
 use std::cmp::Reverse;
 use std::collections::BTreeMap;
@@ -153,6 +156,72 @@ pub fn place_near(
     out
 }
 
+/// A standby that stood in becomes the replica it stood in for: where a
+/// stage's replicas in `prev` were on nodes that are gone, the missing
+/// ones are given first to the live nodes that held its warm standbys in
+/// `standby` (each standby becomes one replica), so that [`place`] keeps
+/// them there and the node promotes a warm worker instead of starting a
+/// cold one elsewhere.
+pub fn adopt_standbys(
+    want: &BTreeMap<String, u32>,
+    nodes: &[String],
+    prev: Option<&Assignment>,
+    standby: &Assignment,
+) -> Assignment {
+    let mut out = prev.cloned().unwrap_or_default();
+    for (stage, &n) in want {
+        let live: u32 =
+            out.get(stage).map_or(0, |m| m.iter().filter(|(k, _)| nodes.contains(k)).map(|(_, c)| *c).sum());
+        let mut missing = n.saturating_sub(live);
+        for (node, &c) in standby.get(stage).into_iter().flatten() {
+            if missing == 0 || !nodes.contains(node) {
+                continue;
+            }
+            let take = c.min(missing);
+            *out.entry(stage.clone()).or_default().entry(node.clone()).or_insert(0) += take;
+            missing -= take;
+        }
+    }
+    out
+}
+
+/// Warm standbys, so that losing one node never empties a stage: a stage
+/// whose replicas all sit on one node (a singleton, most often) gets one
+/// standby on another live node: the one `prev` gave it while that node
+/// still qualifies (no churn), else the node with the fewest replicas and
+/// standbys placed on it (then the smallest name). A standby is a worker
+/// started and warmed up but held back from routing; it takes work only
+/// when no serving replica of its stage can (see the core's routing), and
+/// the next placement turns it into the stage's replica there
+/// ([`adopt_standbys`]). No standby where there is no other node.
+pub fn standbys(serving: &Assignment, nodes: &[String], prev: Option<&Assignment>) -> Assignment {
+    let mut load: BTreeMap<&str, u32> = nodes.iter().map(|n| (n.as_str(), 0)).collect();
+    for counts in serving.values() {
+        for (node, c) in counts {
+            if let Some(l) = load.get_mut(node.as_str()) {
+                *l += c;
+            }
+        }
+    }
+    let mut out = Assignment::new();
+    for (stage, counts) in serving {
+        let homes: Vec<&String> = counts.iter().filter(|(_, &c)| c > 0).map(|(n, _)| n).collect();
+        if homes.len() != 1 {
+            continue; // spread already (or not placed at all)
+        }
+        let fits = |n: &str| counts.get(n).copied().unwrap_or(0) == 0 && load.contains_key(n);
+        let kept = prev.and_then(|p| p.get(stage)).and_then(|m| m.keys().find(|n| fits(n)));
+        let chosen = kept
+            .map(String::as_str)
+            .or_else(|| load.iter().filter(|(n, _)| fits(n)).min_by_key(|(n, &l)| (l, **n)).map(|(n, _)| *n));
+        if let Some(node) = chosen {
+            *load.get_mut(node).expect("a live node") += 1;
+            out.insert(stage.clone(), [(node.to_string(), 1)].into());
+        }
+    }
+    out
+}
+
 /// Move one replica of `stage` from node `from` to node `to`.
 fn move_one(a: &mut Assignment, stage: &str, from: &str, to: &str) {
     let counts = a.entry(stage.to_string()).or_default();
@@ -217,6 +286,32 @@ mod tests {
         assert!(a["p/a"].contains_key("n3"), "{a:?}");
         // No data anywhere: the plain placement.
         assert_eq!(place_near(&w, &all, Some(&prev), &DataAt::new()), place(&w, &all, Some(&prev)));
+    }
+
+    #[test]
+    fn a_singleton_stage_gets_a_standby_elsewhere_and_it_takes_over() {
+        let w = want(&[("p/a", 1), ("p/b", 3)]);
+        let all = nodes(&["n1", "n2", "n3"]);
+        let a = place(&w, &all, None);
+        let sb = standbys(&a, &all, None);
+        assert!(!sb.contains_key("p/b"), "a spread stage needs none: {sb:?}");
+        let home = a["p/a"].keys().next().unwrap().clone();
+        let spare = sb["p/a"].keys().next().unwrap().clone();
+        assert_ne!(home, spare);
+        assert_eq!(standbys(&a, &all, Some(&sb)), sb, "stable");
+        // The home node is lost: the standby's node gets the replica...
+        let rest: Vec<String> = all.iter().filter(|n| **n != home).cloned().collect();
+        let prev = adopt_standbys(&w, &rest, Some(&a), &sb);
+        let b = place(&w, &rest, Some(&prev));
+        assert_eq!(b["p/a"], [(spare.clone(), 1)].into(), "{b:?}");
+        // ...and a new standby goes to the other survivor.
+        let sb2 = standbys(&b, &rest, Some(&sb));
+        let other = rest.iter().find(|n| **n != spare).unwrap();
+        assert_eq!(sb2["p/a"], [(other.clone(), 1)].into());
+        // One node: nowhere to stand by.
+        assert!(standbys(&place(&w, &nodes(&["n1"]), None), &nodes(&["n1"]), None).is_empty());
+        // Nothing lost: adopting changes nothing.
+        assert_eq!(adopt_standbys(&w, &all, Some(&a), &sb), a);
     }
 
     #[test]

@@ -246,7 +246,7 @@ def cmd_node(a: argparse.Namespace) -> int:
         spec["worker_argv"][0] = sys.executable
         cluster = {"etcd": a.cluster, "name": name, "cluster": a.cluster_name, "token": token,
                    "data_listen": a.data_listen, "ttl_s": a.ttl, "deploy": d["id"],
-                   "store_replicas": a.store_replicas,
+                   "store_replicas": a.store_replicas, "standbys": not a.no_standbys,
                    **({"advertise": a.advertise} if a.advertise else {})}
         print(f"slipstream: node {name}: running deployment {d['id']} ({app})", file=sys.stderr)
         try:
@@ -309,4 +309,8 @@ def add_cluster_commands(sub: Any) -> None:
     n.add_argument("--store-replicas", type=_positive, default=2, metavar="N",
                    help="copies of each value in the cluster's store (a put is acknowledged once all N hold it; "
                         "fewer when fewer nodes are up)")
+    n.add_argument("--no-standbys", action="store_true",
+                   help="keep no warm standby of a stage whose replicas all run on one node (by default, when "
+                        "this node places the cluster, such a stage gets one on another node, which stands in "
+                        "at once when that node is lost)")
     n.set_defaults(fn=cmd_node)
