@@ -508,7 +508,7 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(res: dict[str, Any], path: Path) -> None:
+def plot(res: dict[str, Any], path: Path, title: str = "RAG load surge", what: str = "Embed") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -540,10 +540,10 @@ def plot(res: dict[str, Any], path: Path) -> None:
     ax1.set_yscale("log")
     ax1.set_ylabel("p99 of the answers\nper 1-s window (ms)")
     ax1.legend(loc="upper right", fontsize=8)
-    ax1.set_title(f"RAG load surge: {res['base']:.0%} -> {res['peak']:.0%} -> {res['base']:.0%} of one Embed "
+    ax1.set_title(f"{title}: {res['base']:.0%} -> {res['peak']:.0%} -> {res['base']:.0%} of one {what} "
                   f"replica (shaded: the surge)")
     ax2.set_ylabel("missed per 1-s window\n(% of its requests)")
-    ax3.set_ylabel("Embed replicas\nserving")
+    ax3.set_ylabel(f"{what} replicas\nserving")
     ax3.set_xlabel("seconds from the start of the measured window")
     ax3.set_ylim(0, max(3, 1 + max((s["serving"] + s["standby"] for p in res["policies"].values()
                                     for s in p["samples"]), default=2)))

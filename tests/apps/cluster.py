@@ -54,3 +54,16 @@ class Big:
 
 
 big = ss.Pipeline("big", Big)
+
+
+@ss.component(max_batch_size=1, replicas=(1, 2), inputs=X)
+class Elastic:
+    """About 50 requests/s per replica (one 20 ms sleep at a time, off the
+    CPU): the stage the cluster's autoscaler sizes."""
+
+    def __call__(self, batch: ss.Batch) -> dict:
+        time.sleep(0.02)
+        return {"y": batch["x"] + 1, "elastic_node": _node(batch.rows)}
+
+
+elastic = ss.Pipeline("elastic", Elastic, slo=ss.SLO(p99_ms=1000))

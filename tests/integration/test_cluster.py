@@ -71,7 +71,7 @@ def etcd() -> Iterator[Etcd]:
 
 @pytest.fixture(scope="module")
 def nodes(etcd: Etcd) -> Iterator[dict[str, Node]]:
-    out = deploy(etcd, CLUSTER_APP, wait=0)
+    out = deploy(etcd, CLUSTER_APP, "--scale-down-after", "2", wait=0)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "deployed" in out.stdout
     ns = {name: start_node(etcd, name) for name in ("n1", "n2", "n3")}
@@ -161,6 +161,56 @@ def test_a_tensor_crosses_nodes_with_one_copy_per_receive(nodes: dict[str, Node]
     assert dp1["zero_copy_tensors"] - dp0["zero_copy_tensors"] >= 1, (dp0, dp1)
     assert dp1["merge_copied_bytes"] - dp0["merge_copied_bytes"] < 4096, (dp0, dp1)
     assert dp1["bytes_received"] - dp0["bytes_received"] >= mb
+
+
+def test_the_cluster_autoscaler_grows_a_stage_under_load_and_shrinks_it_after(nodes: dict[str, Node]) -> None:
+    """elastic/Elastic (bounds 1..2, ~50 req/s per replica) under ~100
+    req/s through two ingresses: the leader, summing the load every node
+    reports, places a second replica (promoting the warm standby it
+    preloaded, when the forecast got there first); the load gone, after
+    the hysteresis (--scale-down-after 2), one serving replica again."""
+    leader = nodes["n1"]
+
+    def count() -> int:
+        return sum(placed(leader).get("elastic/Elastic", {}).values())
+
+    def ready() -> int:
+        return sum(m["ready"].get("elastic/Elastic", 0) for m in cluster_of(leader)["members"].values())
+
+    assert count() == 1
+    stop = threading.Event()
+    statuses: Counter[int] = Counter()
+
+    def load(k: int) -> None:
+        n = (nodes["n1"], nodes["n2"])[k % 2]
+        while not stop.is_set():
+            status, _ = n.infer("elastic", x=[[1.0, 2.0]])
+            statuses[status] += 1
+
+    threads = [threading.Thread(target=load, args=(k,), daemon=True) for k in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        # The members' reports reach the leader, whose model sees the load.
+        wait_for(lambda: (cluster_of(leader)["autoscale"]["stages"].get("elastic/Elastic", {}).get("model") or {})
+                 .get("level_rps", 0) > 40, timeout=30)
+        wait_for(lambda: count() == 2, timeout=30)
+        wait_for(lambda: ready() == 2, timeout=60)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(15)
+    block = cluster_of(leader)["autoscale"]["stages"]["elastic/Elastic"]
+    grew = block["decisions"].get("promote", 0) + block["decisions"].get("scale_up", 0)
+    assert grew >= 1, block
+    assert set(statuses) <= {200, 429}, statuses
+    assert statuses[200] > 100, statuses
+    # No load: after the hysteresis, back to one serving replica.
+    wait_for(lambda: count() == 1, timeout=60)
+    block = cluster_of(leader)["autoscale"]["stages"]["elastic/Elastic"]
+    assert block["decisions"].get("to_standby", 0) + block["decisions"].get("scale_down", 0) >= 1, block
+    events = [e["detail"] for e in leader.status()["events"] if e["what"] == "autoscale"]
+    assert any("serving" in d for d in events), events
 
 
 class Load:

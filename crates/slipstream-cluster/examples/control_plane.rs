@@ -40,6 +40,7 @@ fn record(name: &str, ready: u32) -> Member {
         store_keys: 0,
         ready: (0..PIPELINES * STAGES).map(|i| (format!("p{}/s{}", i / STAGES, i % STAGES), ready)).collect(),
         standby: Default::default(),
+        load: Default::default(),
         deploy: "sim".into(),
         lease: 0,
     }

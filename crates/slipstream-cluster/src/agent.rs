@@ -23,7 +23,8 @@
 //!   remote replica per replica placed on every other node; all through
 //!   the node's one owner of replica sets ([`Node::change`]).
 
-use super::{open, seal, Cluster, Member, Placement, View};
+use super::autoscale::{Meter, REPORT_EVERY};
+use super::{open, seal, Cluster, Member, Placement, Report, View};
 use slipstream_core::events::EventKind;
 use slipstream_core::replica::Phase;
 use slipstream_core::scaling::{Change, Elsewhere};
@@ -59,6 +60,7 @@ pub(crate) fn my_record(node: &Node, cluster: &Cluster) -> Member {
         store_keys: node.store().totals().map_or(0, |t| t.0),
         ready,
         standby,
+        load: Default::default(),
         deploy: cluster.opts.deploy.clone(),
         lease: 0,
     }
@@ -80,7 +82,10 @@ pub(crate) async fn join(etcd: &Etcd, node: &Node, cluster: &Cluster) -> Result<
 }
 
 async fn put_record(etcd: &Etcd, node: &Node, cluster: &Cluster, lease: i64) -> Result<Member, EtcdError> {
-    let rec = my_record(node, cluster);
+    put(etcd, cluster, lease, my_record(node, cluster)).await
+}
+
+async fn put(etcd: &Etcd, cluster: &Cluster, lease: i64, rec: Member) -> Result<Member, EtcdError> {
     let key = format!("{}members/{}", cluster.opts.root(), cluster.me());
     etcd.put(&key, &seal(&cluster.key, "member", &rec), Some(lease)).await?;
     Ok(rec)
@@ -98,6 +103,10 @@ pub(crate) async fn membership(
     let renew = (cluster.opts.ttl() / 3).max(Duration::from_millis(200));
     let mut last = my_record(&node, &cluster);
     let mut next_renew = tokio::time::Instant::now() + renew;
+    // The load report, measured every REPORT_EVERY.
+    let mut meter = Meter::new(&node);
+    let mut load = Report::default();
+    let mut next_report = tokio::time::Instant::now() + REPORT_EVERY;
     loop {
         tokio::select! {
             _ = stop.changed() => break,
@@ -127,9 +136,13 @@ pub(crate) async fn membership(
                 }
             }
         }
-        let rec = my_record(&node, &cluster);
-        if (&rec.ready, &rec.standby) != (&last.ready, &last.standby) {
-            if let Ok(r) = put_record(&etcd, &node, &cluster, lease).await {
+        if now >= next_report {
+            next_report = now + REPORT_EVERY;
+            load = meter.report(&node);
+        }
+        let rec = Member { load: load.clone(), ..my_record(&node, &cluster) };
+        if (&rec.ready, &rec.standby, &rec.load) != (&last.ready, &last.standby, &last.load) {
+            if let Ok(r) = put(&etcd, &cluster, lease, rec).await {
                 last = r;
             }
         }
@@ -282,13 +295,12 @@ async fn reconcile(etcd: &Etcd, node: &Arc<Node>, cluster: &Arc<Cluster>, keys: 
     // The leader writes the placement, once the membership has settled.
     let settled = keys.members_changed.elapsed() >= SETTLE;
     if settled && members.keys().next().map(String::as_str) == Some(cluster.me()) {
-        let want: BTreeMap<String, u32> = node
-            .pipelines()
-            .values()
-            .flat_map(|p| p.stages.iter().map(move |s| (p.stage_key(s.index), p.spec.stages[s.index].replicas as u32)))
-            .collect();
         let names: Vec<String> = members.keys().cloned().collect();
         let prev = current.as_ref().filter(|(p, _)| &p.deploy == deploy).map(|(p, _)| &p.stages);
+        let prev_standby = current.as_ref().filter(|(p, _)| &p.deploy == deploy).map(|(p, _)| &p.standby);
+        // Declared counts, or the autoscaler's for stages with bounds.
+        let wanted = cluster.scaler.wanted(node, &members, prev.zip(prev_standby));
+        let want = &wanted.serving;
         // Stages that read affinity groups go where the groups are (the
         // groups are counted only when some stage reads them).
         let grouped: Vec<String> = node
@@ -306,14 +318,12 @@ async fn reconcile(etcd: &Etcd, node: &Arc<Node>, cluster: &Arc<Cluster>, keys: 
             true => Default::default(),
             false => grouped.into_iter().map(|stage| (stage, groups.clone())).collect(),
         };
-        let prev_standby = current.as_ref().filter(|(p, _)| &p.deploy == deploy).map(|(p, _)| &p.standby);
-        // A standby that stood in for a lost node's replica becomes it.
-        let adopted = prev_standby.map(|sb| slipstream_sched::placement::adopt_standbys(&want, &names, prev, sb));
-        let stages = slipstream_sched::placement::place_near(&want, &names, adopted.as_ref().or(prev), &data);
-        let standby = match cluster.opts.standbys {
-            true => slipstream_sched::placement::standbys(&stages, &names, prev_standby),
-            false => Default::default(),
-        };
+        // A standby becomes the stage's next replica: one that stood in
+        // for a lost node's, or the autoscaler's when the stage grows.
+        let adopted = prev_standby.map(|sb| slipstream_sched::placement::adopt_standbys(want, &names, prev, sb));
+        let stages = slipstream_sched::placement::place_near(want, &names, adopted.as_ref().or(prev), &data);
+        let failover = cluster.opts.standbys;
+        let standby = slipstream_sched::placement::standbys(&stages, &names, prev_standby, &wanted.standby, failover);
         if prev != Some(&stages) || prev_standby != Some(&standby) {
             let epoch = current.as_ref().map_or(0, |(p, _)| p.epoch) + 1;
             let by = cluster.me().to_string();

@@ -22,6 +22,7 @@
 //! the data plane's handshake keeps it from sending frames.
 
 mod agent;
+mod autoscale;
 mod remote;
 mod serve;
 mod store;
@@ -41,6 +42,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
+
+pub use autoscale::Report;
 
 /// How a node joins its cluster (from `slipstream node --cluster ...`).
 #[derive(Clone, Debug, Deserialize)]
@@ -153,6 +156,9 @@ pub struct Member {
     /// Warm local standbys per stage.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub standby: BTreeMap<String, u32>,
+    /// The load offered at its ingress (the cluster autoscaler's input).
+    #[serde(default, skip_serializing_if = "Report::is_empty")]
+    pub load: Report,
     /// The deployment it runs.
     pub deploy: String,
     /// Its membership lease (filled in from etcd, not signed).
@@ -241,6 +247,8 @@ pub struct Cluster {
     suspects: Mutex<BTreeMap<String, (i64, std::time::Instant)>>,
     /// The cluster store on this node (set once it has loaded).
     store: std::sync::OnceLock<Arc<store::ClusterStore>>,
+    /// The cluster's autoscaler (it decides while this node leads).
+    scaler: autoscale::ClusterScaler,
     /// The node's pipelines (fixed for its life) and event log.
     pipelines: Vec<Arc<PipelineRt>>,
     events: Arc<slipstream_core::events::Events>,
@@ -336,6 +344,7 @@ impl Cluster {
             "data_plane_served": server.map(|s| s.counters()),
             "peer_connections": {"out": self.peers.connections(), "in": server.map_or(0, |s| s.connections())},
             "store": self.store.get().map(|s| s.status()),
+            "autoscale": self.scaler.status(),
         })
     }
 }
@@ -373,8 +382,14 @@ impl Service for Cluster {
 }
 
 /// Start the data plane, join the cluster and follow it; `http` is where
-/// other nodes and clients reach this node's HTTP ingress.
-pub async fn start(node: &Arc<Node>, opts: ClusterOptions, http: String) -> Result<Joined, String> {
+/// other nodes and clients reach this node's HTTP ingress; `scale`: the
+/// autoscaler's settings (the app's), which the cluster's leader runs.
+pub async fn start(
+    node: &Arc<Node>,
+    opts: ClusterOptions,
+    http: String,
+    scale: slipstream_sched::scale::ScaleOptions,
+) -> Result<Joined, String> {
     let etcd = slipstream_etcd::Etcd::new(&opts.etcd).map_err(|e| format!("--cluster {}: {e}", opts.etcd))?;
     let listener = tokio::net::TcpListener::bind(&opts.data_listen)
         .await
@@ -403,6 +418,7 @@ pub async fn start(node: &Arc<Node>, opts: ClusterOptions, http: String) -> Resu
         server: std::sync::OnceLock::new(),
         suspects: Mutex::new(BTreeMap::new()),
         store: std::sync::OnceLock::new(),
+        scaler: autoscale::ClusterScaler::new(scale),
         pipelines: node.pipelines().values().cloned().collect(),
         events: node.events().clone(),
         opts,
@@ -502,6 +518,7 @@ mod tests {
             store_keys: 0,
             ready: [("p/s".to_string(), 1)].into(),
             standby: [("p/u".to_string(), 1)].into(),
+            load: Report::default(),
             deploy: "d".into(),
             lease: 7,
         };

@@ -398,7 +398,10 @@ pub async fn run(
     let app = installed.app.clone();
     let in_cluster = cluster.is_some();
     let mut joined = match cluster {
-        Some(c) => Some(slipstream_cluster::start(&node, c, http_addr).await.map_err(RunError::Cluster)?),
+        Some(c) => {
+            let scale = installed.autoscaler.options().clone();
+            Some(slipstream_cluster::start(&node, c, http_addr, scale).await.map_err(RunError::Cluster)?)
+        }
         None => None,
     };
     // Triggers fire for changes from here on: in a cluster, after the

@@ -185,16 +185,26 @@ pub fn adopt_standbys(
     out
 }
 
-/// Warm standbys, so that losing one node never empties a stage: a stage
+/// Warm standbys, so that losing one node never empties a stage, and
+/// those an autoscaler asks for (`extra`: stage -> standbys). A stage
 /// whose replicas all sit on one node (a singleton, most often) gets one
-/// standby on another live node: the one `prev` gave it while that node
-/// still qualifies (no churn), else the node with the fewest replicas and
-/// standbys placed on it (then the smallest name). A standby is a worker
-/// started and warmed up but held back from routing; it takes work only
-/// when no serving replica of its stage can (see the core's routing), and
-/// the next placement turns it into the stage's replica there
-/// ([`adopt_standbys`]). No standby where there is no other node.
-pub fn standbys(serving: &Assignment, nodes: &[String], prev: Option<&Assignment>) -> Assignment {
+/// standby on another live node; a stage in `extra` gets that many (at
+/// least), on distinct nodes. Nodes are chosen by: not holding the stage's
+/// replicas (required for the failover standby), then keeping where
+/// `prev` had them (no churn), then the fewest replicas and standbys
+/// placed, then the smallest name. A standby is a worker started and
+/// warmed up but held back from routing; it takes work only when no
+/// serving replica of its stage can (see the core's routing), and it
+/// becomes the stage's next replica ([`adopt_standbys`]): when a node with
+/// one is lost, or when the stage grows. None where there is no room (no
+/// other node). Without `failover`, only the ones in `extra`.
+pub fn standbys(
+    serving: &Assignment,
+    nodes: &[String],
+    prev: Option<&Assignment>,
+    extra: &BTreeMap<String, u32>,
+    failover: bool,
+) -> Assignment {
     let mut load: BTreeMap<&str, u32> = nodes.iter().map(|n| (n.as_str(), 0)).collect();
     for counts in serving.values() {
         for (node, c) in counts {
@@ -203,20 +213,36 @@ pub fn standbys(serving: &Assignment, nodes: &[String], prev: Option<&Assignment
             }
         }
     }
+    let empty = BTreeMap::new();
+    let stages: std::collections::BTreeSet<&String> = serving.keys().chain(extra.keys()).collect();
     let mut out = Assignment::new();
-    for (stage, counts) in serving {
-        let homes: Vec<&String> = counts.iter().filter(|(_, &c)| c > 0).map(|(n, _)| n).collect();
-        if homes.len() != 1 {
-            continue; // spread already (or not placed at all)
+    for stage in stages {
+        let counts = serving.get(stage).unwrap_or(&empty);
+        let hosts = |n: &str| counts.get(n).copied().unwrap_or(0) > 0;
+        let lone = failover && counts.values().filter(|&&c| c > 0).count() == 1;
+        let asked = extra.get(stage).copied().unwrap_or(0) as usize;
+        let kept = |n: &str| prev.and_then(|p| p.get(stage)).is_some_and(|m| m.contains_key(n));
+        let mut candidates: Vec<&str> = load.keys().copied().collect();
+        candidates.sort_by_key(|n| (hosts(n), !kept(n), load[n], *n));
+        let mut chosen: Vec<&str> = Vec::new();
+        if lone {
+            chosen.extend(candidates.iter().copied().filter(|n| !hosts(n)).take(1));
         }
-        let fits = |n: &str| counts.get(n).copied().unwrap_or(0) == 0 && load.contains_key(n);
-        let kept = prev.and_then(|p| p.get(stage)).and_then(|m| m.keys().find(|n| fits(n)));
-        let chosen = kept
-            .map(String::as_str)
-            .or_else(|| load.iter().filter(|(n, _)| fits(n)).min_by_key(|(n, &l)| (l, **n)).map(|(n, _)| *n));
-        if let Some(node) = chosen {
-            *load.get_mut(node).expect("a live node") += 1;
-            out.insert(stage.clone(), [(node.to_string(), 1)].into());
+        for n in candidates {
+            if chosen.len() >= asked {
+                break;
+            }
+            if !chosen.contains(&n) {
+                chosen.push(n);
+            }
+        }
+        if chosen.is_empty() {
+            continue;
+        }
+        let m = out.entry(stage.clone()).or_default();
+        for n in chosen {
+            *load.get_mut(n).expect("a live node") += 1;
+            m.insert(n.to_string(), 1);
         }
     }
     out
@@ -293,25 +319,45 @@ mod tests {
         let w = want(&[("p/a", 1), ("p/b", 3)]);
         let all = nodes(&["n1", "n2", "n3"]);
         let a = place(&w, &all, None);
-        let sb = standbys(&a, &all, None);
+        let none = BTreeMap::new();
+        let sb = standbys(&a, &all, None, &none, true);
         assert!(!sb.contains_key("p/b"), "a spread stage needs none: {sb:?}");
         let home = a["p/a"].keys().next().unwrap().clone();
         let spare = sb["p/a"].keys().next().unwrap().clone();
         assert_ne!(home, spare);
-        assert_eq!(standbys(&a, &all, Some(&sb)), sb, "stable");
+        assert_eq!(standbys(&a, &all, Some(&sb), &none, true), sb, "stable");
         // The home node is lost: the standby's node gets the replica...
         let rest: Vec<String> = all.iter().filter(|n| **n != home).cloned().collect();
         let prev = adopt_standbys(&w, &rest, Some(&a), &sb);
         let b = place(&w, &rest, Some(&prev));
         assert_eq!(b["p/a"], [(spare.clone(), 1)].into(), "{b:?}");
         // ...and a new standby goes to the other survivor.
-        let sb2 = standbys(&b, &rest, Some(&sb));
+        let sb2 = standbys(&b, &rest, Some(&sb), &none, true);
         let other = rest.iter().find(|n| **n != spare).unwrap();
         assert_eq!(sb2["p/a"], [(other.clone(), 1)].into());
         // One node: nowhere to stand by.
-        assert!(standbys(&place(&w, &nodes(&["n1"]), None), &nodes(&["n1"]), None).is_empty());
+        assert!(standbys(&place(&w, &nodes(&["n1"]), None), &nodes(&["n1"]), None, &none, true).is_empty());
         // Nothing lost: adopting changes nothing.
         assert_eq!(adopt_standbys(&w, &all, Some(&a), &sb), a);
+    }
+
+    #[test]
+    fn an_autoscaler_s_standby_goes_first_to_a_node_without_the_stage_and_becomes_its_next_replica() {
+        let w = want(&[("p/a", 2), ("p/b", 1)]);
+        let all = nodes(&["n1", "n2", "n3"]);
+        let a = place(&w, &all, None);
+        let extra: BTreeMap<String, u32> = [("p/a".to_string(), 1)].into();
+        let sb = standbys(&a, &all, None, &extra, true);
+        let spare = sb["p/a"].keys().next().unwrap().clone();
+        assert!(!a["p/a"].contains_key(&spare), "{a:?} {sb:?}");
+        assert_eq!(sb["p/b"].len(), 1, "the singleton keeps its own");
+        // The stage grows by one: the new replica goes where the standby was.
+        let grown = want(&[("p/a", 3), ("p/b", 1)]);
+        let b = place(&grown, &all, Some(&adopt_standbys(&grown, &all, Some(&a), &sb)));
+        assert_eq!(b["p/a"].get(&spare), Some(&1), "{b:?}");
+        // Two asked, one node left without the stage: the other is doubled up.
+        let two: BTreeMap<String, u32> = [("p/a".to_string(), 2)].into();
+        assert_eq!(standbys(&a, &all, None, &two, true)["p/a"].len(), 2);
     }
 
     #[test]

@@ -30,7 +30,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -341,11 +341,11 @@ class Cluster:
 
     def __init__(self, app: str | Path, nodes: int = 3, *node_args: str, etcd_members: int = 1,
                  env: dict[str, str] | None = None, token: str = TOKEN, ttl: int = 2,
-                 timeout: float = 120.0) -> None:
+                 timeout: float = 120.0, deploy_args: Sequence[str] = ()) -> None:
         self.etcd = Etcd(etcd_members)
         self.nodes: list[Node] = []
         try:
-            out = deploy(self.etcd, app, token=token, wait=0, env=env)
+            out = deploy(self.etcd, app, *deploy_args, token=token, wait=0, env=env)
             if out.returncode != 0:
                 raise RuntimeError(f"slipstream deploy {app} failed:\n{out.stdout}{out.stderr}")
             for i in range(nodes):

@@ -1,0 +1,215 @@
+"""`make bench-cluster-surge`: a load surge on a three-node cluster, and how
+each way of scaling rides it.
+
+The shape of `bench/surge.py` (Vortex's resizing experiment): open-loop
+Poisson load at 40% of one replica's capacity (``--before`` s), a step to
+150% (``--surge`` s), back to 40% (``--after`` s), after a warm-up at 40%.
+The pipeline is `bench/apps/cluster.py:scale`, one stage whose cost is off
+the CPU (it sleeps for its batch latency, as a GPU model would: 40 ms + 5 ms
+per row, batches of 4, so one replica serves ~67 req/s), so that three
+nodes on this 2-core machine are not capped by its cores, and whose
+replicas take 4 s to construct (as loading a large model does: the lead
+time an autoscaler must see past). Three real nodes
+on one real etcd; the load goes into the first node's ingress, which routes
+across the cluster. Policies, each on a fresh cluster:
+
+- **static**: one `Model` replica in the cluster (`--autoscale off`);
+- **reactive**: bounds 1-3, a replica added only once requests miss
+  (`slipstream deploy --autoscale reactive`), decided by the leader on the
+  load every node reports;
+- **anticipatory**: bounds 1-3, a warm standby placed on another node on the
+  load's trend and promoted by the placement when the forecast needs it.
+
+The nodes run with `--no-standbys`: the failover standby a singleton gets
+by default would hand every policy a warm replica for its first step, and
+this compares the autoscalers. The leader's `/v1/status` is polled every 250 ms: serving replicas of the
+stage across the cluster (the members' records), standbys, and the
+autoscaler's events. Reported per policy as in bench/surge.py: misses
+(errors, refusals included, and answers later than the SLO) overall and in
+the surge, p99 per window, goodput, the time from the step until two
+replicas serve, until the 1-s windows are back within the SLO. Writes
+bench/results/cluster_surge.{json,md,png}.
+
+    .venv/bin/python -m bench.cluster_surge                     # ~5 min
+    .venv/bin/python -m bench.cluster_surge --before 5 --surge 15 --after 10   # a smoke run
+
+Ray Serve's autoscaler on a 3-node Ray cluster is not run here yet (the
+adapter's multi-node mode, bench/vs_ray/ray_adapter.py --nodes, does not
+take an autoscaling config); bench/surge.py compares it on one node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from slipstream.testing import CLI, Cluster, wait_for
+
+from bench import harness
+from bench.harness import RESULTS, ROOT
+from bench.surge import POLL_S, Trace, analyse, fmt_ms, fmt_s, get, offer, plot
+
+APP = ROOT / "bench" / "apps" / "cluster.py"
+KEY = "scale/Model"
+SLO_MS = 300.0
+REPLICA_RPS = 4 / (0.040 + 4 * 0.005)  # one Model replica, full batches
+LOAD_S = 4.0  # each replica's construction: a large model's load time
+BODY = json.dumps({"inputs": {"x": [[0.5] * 16]}}).encode()
+# policy -> (CLUSTER_MODEL_REPLICAS, --autoscale)
+POLICIES = {"static": ("1", "off"), "reactive": ("1-3", "reactive"), "anticipatory": ("1-3", "anticipatory")}
+
+
+def log(msg: str) -> None:
+    print(f"[cluster_surge] {msg}", file=sys.stderr, flush=True)
+
+
+class Poller:
+    """The leader's view every POLL_S: replicas of the stage serving and
+    standing by across the cluster, and its events."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.samples: list[dict[str, Any]] = []
+        self.events: dict[int, dict[str, Any]] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            t = time.time()
+            try:
+                st = get(self.url + "/v1/status")
+            except OSError:
+                st = None
+            if st is not None:
+                members = st["cluster"]["members"].values()
+                block = st["cluster"].get("autoscale", {}).get("stages", {}).get(KEY, {})
+                self.samples.append({"t": t, "serving": sum(m["ready"].get(KEY, 0) for m in members),
+                                     "standby": sum(m.get("standby", {}).get(KEY, 0) for m in members),
+                                     "starting": 0, **{k: v for k, v in (block.get("model") or {}).items()
+                                                       if k in ("level_rps", "forecast_rps", "need")}})
+                for e in st.get("events", []):
+                    self.events[int(e["seq"])] = e
+            self.stop.wait(max(0.0, POLL_S - (time.time() - t)))
+
+    def __enter__(self) -> Poller:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def profile(out: Path) -> Path:
+    """The stage's latency profile (`slipstream profile`, batches 1-4), as
+    a user gives one to `slipstream deploy --profile`: the autoscaler plans
+    with it from the first tick instead of learning batch costs from the
+    small batches a light load forms."""
+    path = out.with_name(out.name + ".profile.json")
+    log(f"profiling {APP}:scale -> {path}")
+    cmd = [*CLI, "profile", f"{APP}", "--pipeline", "scale", "--batches", "1,2,4",
+           "--iters", "10", "--out", str(path)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+    return path
+
+
+def run(policy: str, trace: Trace, seed: int, profile_path: Path) -> dict[str, Any]:
+    replicas, autoscale = POLICIES[policy]
+    loadavg = f"{os.getloadavg()[0]:.2f}"  # before the run
+    log(f"{policy}: 3 nodes, CLUSTER_MODEL_REPLICAS={replicas}, --autoscale {autoscale}; load average {loadavg}")
+    # --no-standbys: no failover standby for the singleton (it would give
+    # every policy a warm replica to promote at its first step).
+    with Cluster(APP, 3, "--no-standbys", env={"CLUSTER_MODEL_REPLICAS": replicas, "CLUSTER_MODEL_LOAD_S": str(LOAD_S)},
+                 deploy_args=("--autoscale", autoscale, "--profile", str(profile_path))) as c:
+        leader = c.nodes[0]
+        wait_for(lambda: (leader.status()["cluster"]["placement"] or {}).get("stages", {}).get(KEY), 60)
+        time.sleep(1.0)
+        with Poller(leader.url) as poller:
+            report = offer(f"{c.url}/v1/pipelines/scale/infer", BODY, SLO_MS, duration=trace.duration,
+                           warmup=trace.warmup, schedule=trace.schedule(), timeline=True, seed=seed)
+        final = leader.status()
+    for e in final.get("events", []):
+        poller.events[int(e["seq"])] = e
+    t0 = report["wall_start"]
+    samples = [{**s, "t": s["t"] - t0} for s in poller.samples]
+    events = [{"t": e["unix_ms"] / 1e3 - t0, "replica": e.get("replica"), "what": e["what"], "detail": e["detail"]}
+              for _, e in sorted(poller.events.items())
+              if (e["what"] == "autoscale" and (e.get("pipeline"), e.get("stage")) == ("scale", "Model"))
+              or (e["what"] == "placed" and not e.get("pipeline"))]
+    return {"report": report, "samples": samples, "events": events,
+            "autoscale_final": final["cluster"].get("autoscale", {}).get("stages", {}).get(KEY),
+            "loadavg": loadavg}
+
+
+def markdown(res: dict[str, Any]) -> str:
+    t = res["trace"]
+    lines = [f"# Load surge on a 3-node cluster: {t['before_s']:.0f} s at {res['base']:.0%} -> {t['surge_s']:.0f} s "
+             f"at {res['peak']:.0%} -> {t['after_s']:.0f} s at {res['base']:.0%} of one `Model` replica", "",
+             f"`python -m bench.cluster_surge` on one machine ({res['cores']} cores): three nodes and etcd; "
+             f"SLO p99 {SLO_MS:.0f} ms; Poisson arrivals; 1-s windows; nodes with `--no-standbys` (only the "
+             f"autoscaler's own standbys). One replica serves "
+             f"{t['capacity_rps']:.0f} req/s (40 ms + 5 ms/row, batches of 4, off the CPU) and takes "
+             f"{LOAD_S:.0f} s to construct: the trace offers "
+             f"{t['base_rps']:.0f} -> {t['peak_rps']:.0f} -> {t['base_rps']:.0f} req/s and the surge needs "
+             f"{t['replicas_needed']} replicas.", "",
+             "| policy | load avg before | requests | missed | missed in surge | p99 before / surge / after ms | goodput | "
+             "two serve after | windows back within SLO after |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, p in res["policies"].items():
+        w = p["windows"]
+        lines.append(
+            f"| {name} | {p['loadavg']} | {p['sent']:,} | {p['missed']:,} ({p['miss_rate']:.1%}) | "
+            f"{w['surge']['missed']:,} ({w['surge']['miss_rate']:.1%}) | "
+            f"{fmt_ms(w['before']['p99_ms'])} / {fmt_ms(w['surge']['p99_ms'])} / {fmt_ms(w['after']['p99_ms'])} | "
+            f"{p['goodput_rps']:.0f}/s ({p['goodput_share']:.1%}) | {fmt_s(p['to_full_capacity_s'])} | "
+            f"{fmt_s(p['to_slo_s'])} ({p['surge_windows_missed']} missed) |")
+    lines += ["", "Missed: errors (refusals included) plus answers later than the SLO. Serving replicas: the "
+              "members' records of ready replicas, read from the leader every 250 ms."]
+    for name, p in res["policies"].items():
+        if p["events"]:
+            lines += ["", f"## {name}: the leader's events (seconds from the step)", ""]
+            for e in p["events"]:
+                lines.append(f"- {e['t'] - p['trace']['before_s']:+.2f} s {e['what']}: {e['detail']}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", type=float, default=20.0)
+    ap.add_argument("--surge", type=float, default=40.0)
+    ap.add_argument("--after", type=float, default=20.0)
+    ap.add_argument("--warmup", type=float, default=5.0)
+    ap.add_argument("--base", type=float, default=0.4)
+    ap.add_argument("--peak", type=float, default=1.5)
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--seed", type=int, default=9)
+    ap.add_argument("--out", default=str(RESULTS / "cluster_surge"))
+    a = ap.parse_args()
+    machine = harness.machine()
+    log(f"load average {machine['loadavg_before']}")
+    trace = Trace(REPLICA_RPS, a)
+    res: dict[str, Any] = {"trace": trace.to_json(), "base": a.base, "peak": a.peak, "slo_ms": SLO_MS,
+                           "cores": os.cpu_count(), "policies": {}}
+    out = Path(a.out)
+    profile_path = profile(out)
+    for policy in a.policies.split(","):
+        r = run(policy, trace, a.seed, profile_path)
+        res["policies"][policy] = analyse(policy, trace, r, SLO_MS) | {"loadavg": r["loadavg"]}
+        p = res["policies"][policy]
+        log(f"  {policy}: missed {p['missed']} ({p['miss_rate']:.1%}), in the surge "
+            f"{p['windows']['surge']['miss_rate']:.1%}; two serve after {fmt_s(p['to_full_capacity_s'])}")
+    harness.write_results(out, res, markdown(res), machine)
+    plot(res, out.with_suffix(".png"), title="Load surge on a 3-node cluster", what="Model")
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
