@@ -204,7 +204,7 @@ def test_the_cluster_autoscaler_grows_a_stage_under_load_and_shrinks_it_after(no
     grew = block["decisions"].get("promote", 0) + block["decisions"].get("scale_up", 0)
     assert grew >= 1, block
     assert set(statuses) <= {200, 429}, statuses
-    assert statuses[200] > 100, statuses
+    assert statuses[200] > 20, statuses
     # No load: after the hysteresis, back to one serving replica.
     wait_for(lambda: count() == 1, timeout=60)
     block = cluster_of(leader)["autoscale"]["stages"]["elastic/Elastic"]
