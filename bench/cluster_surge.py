@@ -45,7 +45,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -54,7 +53,7 @@ from slipstream.testing import CLI, Cluster, wait_for
 
 from bench import harness
 from bench.harness import RESULTS, ROOT
-from bench.surge import POLL_S, Trace, analyse, fmt_ms, fmt_s, get, offer, plot
+from bench.surge import Poller, Trace, analyse, fmt_ms, fmt_s, offer, plot
 
 APP = ROOT / "bench" / "apps" / "cluster.py"
 KEY = "scale/Model"
@@ -70,42 +69,14 @@ def log(msg: str) -> None:
     print(f"[cluster_surge] {msg}", file=sys.stderr, flush=True)
 
 
-class Poller:
-    """The leader's view every POLL_S: replicas of the stage serving and
-    standing by across the cluster, and its events."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.samples: list[dict[str, Any]] = []
-        self.events: dict[int, dict[str, Any]] = {}
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            t = time.time()
-            try:
-                st = get(self.url + "/v1/status")
-            except OSError:
-                st = None
-            if st is not None:
-                members = st["cluster"]["members"].values()
-                block = st["cluster"].get("autoscale", {}).get("stages", {}).get(KEY, {})
-                self.samples.append({"t": t, "serving": sum(m["ready"].get(KEY, 0) for m in members),
-                                     "standby": sum(m.get("standby", {}).get(KEY, 0) for m in members),
-                                     "starting": 0, **{k: v for k, v in (block.get("model") or {}).items()
-                                                       if k in ("level_rps", "forecast_rps", "need")}})
-                for e in st.get("events", []):
-                    self.events[int(e["seq"])] = e
-            self.stop.wait(max(0.0, POLL_S - (time.time() - t)))
-
-    def __enter__(self) -> Poller:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
+def cluster_sample(st: dict[str, Any]) -> dict[str, Any]:
+    """One poll of the leader: the stage's replicas serving and standing by
+    across the cluster (the members' records), and its autoscaler model."""
+    members = st["cluster"]["members"].values()
+    block = st["cluster"].get("autoscale", {}).get("stages", {}).get(KEY, {})
+    return {"serving": sum(m["ready"].get(KEY, 0) for m in members),
+            "standby": sum(m.get("standby", {}).get(KEY, 0) for m in members), "starting": 0,
+            **{k: v for k, v in (block.get("model") or {}).items() if k in ("level_rps", "forecast_rps", "need")}}
 
 
 def profile(out: Path) -> Path:
@@ -132,7 +103,7 @@ def run(policy: str, trace: Trace, seed: int, profile_path: Path) -> dict[str, A
         leader = c.nodes[0]
         wait_for(lambda: (leader.status()["cluster"]["placement"] or {}).get("stages", {}).get(KEY), 60)
         time.sleep(1.0)
-        with Poller(leader.url) as poller:
+        with Poller(leader.url, cluster_sample) as poller:
             report = offer(f"{c.url}/v1/pipelines/scale/infer", BODY, SLO_MS, duration=trace.duration,
                            warmup=trace.warmup, schedule=trace.schedule(), timeline=True, seed=seed)
         final = leader.status()

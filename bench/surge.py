@@ -70,6 +70,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -211,12 +212,25 @@ def replica_counts(stage: dict[str, Any]) -> dict[str, int]:
     return counts
 
 
-class Poller:
-    """Polls Slipstream's /v1/status every POLL_S in a thread: replica
-    counts, the autoscaler's model, and every event (by sequence number)."""
+def embed_sample(st: dict[str, Any]) -> dict[str, Any]:
+    """One poll's sample of a node's /v1/status: the Embed replicas by state
+    (with each one's queue) and the autoscaler's model."""
+    stage = embed_stage(st)
+    model = (stage.get("autoscale") or {}).get("model") or {}
+    # Per replica: [id, state, queued, outstanding, batch limit].
+    each = [[r["id"], r["state"], r["queue"], r["outstanding"], r["batch_limit"]] for r in stage.get("replicas", [])]
+    return {"replicas": replica_counts(stage), "each": each, **{k: model[k] for k in (
+        "level_rps", "slope_rps_per_s", "forecast_rps", "need", "replica_capacity_rps") if k in model}}
 
-    def __init__(self, base: str) -> None:
+
+class Poller:
+    """Polls a node's /v1/status every POLL_S in a thread: a sample of it
+    (`sample`, by default the Embed stage's replicas and autoscaler model)
+    and every event (by sequence number)."""
+
+    def __init__(self, base: str, sample: Callable[[dict[str, Any]], dict[str, Any]] = embed_sample) -> None:
         self.base = base
+        self.sample = sample
         self.samples: list[dict[str, Any]] = []
         self.events: dict[int, dict[str, Any]] = {}
         self.stop = threading.Event()
@@ -230,13 +244,7 @@ class Poller:
             except OSError:
                 st = None
             if st is not None:
-                stage = embed_stage(st)
-                model = (stage.get("autoscale") or {}).get("model") or {}
-                # Per replica: [id, state, queued, outstanding, batch limit].
-                each = [[r["id"], r["state"], r["queue"], r["outstanding"], r["batch_limit"]]
-                        for r in stage.get("replicas", [])]
-                self.samples.append({"t": t, "replicas": replica_counts(stage), "each": each, **{k: model[k] for k in (
-                    "level_rps", "slope_rps_per_s", "forecast_rps", "need", "replica_capacity_rps") if k in model}})
+                self.samples.append({"t": t, **self.sample(st)})
                 for e in st.get("events", []):
                     self.events[int(e["seq"])] = e
             if self.stop.wait(max(0.0, POLL_S - (time.time() - t))):
