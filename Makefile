@@ -54,8 +54,12 @@ test: setup test-services
 # they, mostly waiting, leave idle): the Rust test binaries are built, then
 # the fuzz test runs for FUZZ_SECS on a new seed each run.
 FUZZ_SEED ?= $(shell date +%s)
+# The workspace's test targets: libraries, binaries and tests. Not the
+# doc-tests (there are none; running them cost ~30 s of rustdoc per run) nor
+# the examples (`make lint` compiles those).
+RUST_TESTS := --workspace --exclude slipstream-py --locked --lib --bins --tests
 test-beside-py:
-	MAKEFLAGS= nice -n 19 $(CARGO) test --workspace --exclude slipstream-py --locked --quiet --no-run
+	MAKEFLAGS= nice -n 19 $(CARGO) test $(RUST_TESTS) --quiet --no-run
 	SLIPSTREAM_FUZZ_SEED=$(FUZZ_SEED) nice -n 19 $(MAKE) --no-print-directory test-fuzz
 
 # Cargo gets no MAKEFLAGS: under `make -j` it names a jobserver that only
@@ -69,7 +73,7 @@ test-services: setup
 	@scripts/install_perf_analyzer.sh >/dev/null
 
 test-rust: test-services
-	$(CARGO) test --workspace --exclude slipstream-py --locked --quiet
+	$(CARGO) test $(RUST_TESTS) --quiet
 
 # The request decoders against half a minute of mutated requests (corpus in
 # crates/slipstream-core/fuzz/corpus; the test's docs say how to grow it;
@@ -78,7 +82,8 @@ test-rust: test-services
 # resolves features differently and rebuilt 27 crates).
 FUZZ_SECS ?= 30
 test-fuzz:
-	SLIPSTREAM_FUZZ_SECS=$(FUZZ_SECS) $(CARGO) test --workspace --exclude slipstream-py --locked --test fuzz_codec -- --nocapture
+	SLIPSTREAM_FUZZ_SECS=$(FUZZ_SECS) $(CARGO) test --workspace --exclude slipstream-py --locked --test fuzz_codec \
+		-- --nocapture
 
 # pytest-xdist workers: more than the cores, as the integration tests mostly
 # wait (nodes starting, deadlines, sleeps); each module runs whole on one

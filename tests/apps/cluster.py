@@ -67,3 +67,22 @@ class Elastic:
 
 
 elastic = ss.Pipeline("elastic", Elastic, slo=ss.SLO(p99_ms=1000))
+
+
+LABEL = {"label": ss.Tensor("int64", (-1,))}
+
+
+@ss.component(max_batch_size=8, inputs=X, outputs=LABEL)
+class Right:
+    def __call__(self, batch: ss.Batch) -> dict:
+        return {"label": (batch["x"][:, 0] > 0).astype(np.int64)}
+
+
+@ss.component(max_batch_size=8, inputs=X, outputs=LABEL)
+class Wrong:
+    def __call__(self, batch: ss.Batch) -> dict:
+        return {"label": (batch["x"][:, 0] <= 0).astype(np.int64)}
+
+
+# Model selection: feedback on an answer is accepted by any node.
+pick = ss.Pipeline("pick", ss.Select([Right, Wrong], policy="exp4"))

@@ -163,6 +163,43 @@ def test_a_tensor_crosses_nodes_with_one_copy_per_receive(nodes: dict[str, Node]
     assert dp1["bytes_received"] - dp0["bytes_received"] >= mb
 
 
+def test_feedback_on_an_answer_is_accepted_by_any_node(nodes: dict[str, Node]) -> None:
+    """Request ids name the node that answered (its tag in the high bits);
+    feedback given to another node is forwarded to it, where model
+    selection holds the prediction: one item, a batch over three nodes,
+    and an unknown id's 404 from the node that would hold it."""
+
+    def ask_pick(n: Node, x: float) -> int:
+        status, headers, raw = n.request("POST", "/v1/pipelines/pick/infer", {"inputs": {"x": [[x, 0.0]]}})
+        assert status == 200, raw
+        return int({k.lower(): v for k, v in headers.items()}["x-slipstream-request-id"])
+
+    def fed(n: Node) -> int:
+        status, body = n.get("/v1/pipelines/pick/select")
+        assert status == 200, body
+        return int(body["selects"][0]["feedback"])
+
+    ids = {name: ask_pick(n, 1.0) for name, n in nodes.items()}
+    tags = {name: i >> 40 for name, i in ids.items()}
+    assert len(set(tags.values())) == 3 and 0 not in tags.values(), ids
+    assert all(i < 2 ** 53 for i in ids.values()), ids
+    before = {name: fed(n) for name, n in nodes.items()}
+    # One item, given to n2 about n1's answer: applied on n1.
+    status, body = nodes["n2"].post("/v1/pipelines/pick/feedback", {"request_id": ids["n1"], "label": [1]})
+    assert status == 200, body
+    assert fed(nodes["n1"]) == before["n1"] + 1 and fed(nodes["n2"]) == before["n2"], body
+    # A batch over all three nodes' answers, given to n3.
+    more = {name: ask_pick(n, -1.0) for name, n in nodes.items()}
+    items = [{"request_id": i, "label": [0]} for i in more.values()]
+    status, body = nodes["n3"].post("/v1/pipelines/pick/feedback", {"feedback": items})
+    assert (status, body) == (200, {"applied": 3, "unknown": 0, "invalid": 0, "errors": []}), body
+    # An id n1 would hold but never issued: n1's own 404, through n2.
+    bogus = (tags["n1"] << 40) | 7
+    status, body = nodes["n2"].post("/v1/pipelines/pick/feedback", {"request_id": bogus, "label": [1]})
+    assert status == 404 and body["error"]["kind"] == "not_found", body
+    assert str(bogus) in body["error"]["message"], body
+
+
 def test_the_cluster_autoscaler_grows_a_stage_under_load_and_shrinks_it_after(nodes: dict[str, Node]) -> None:
     """elastic/Elastic (bounds 1..2, ~50 req/s per replica) under ~100
     req/s through two ingresses: the leader, summing the load every node

@@ -41,6 +41,7 @@ fn record(name: &str, ready: u32) -> Member {
         ready: (0..PIPELINES * STAGES).map(|i| (format!("p{}/s{}", i / STAGES, i % STAGES), ready)).collect(),
         standby: Default::default(),
         load: Default::default(),
+        tag: 0,
         deploy: "sim".into(),
         lease: 0,
     }

@@ -61,6 +61,7 @@ pub(crate) fn my_record(node: &Node, cluster: &Cluster) -> Member {
         ready,
         standby,
         load: Default::default(),
+        tag: cluster.tag.load(Relaxed),
         deploy: cluster.opts.deploy.clone(),
         lease: 0,
     }
@@ -77,6 +78,9 @@ fn memory_bytes() -> u64 {
 /// Join: a lease and this node's record under it. Err: etcd cannot be reached.
 pub(crate) async fn join(etcd: &Etcd, node: &Node, cluster: &Cluster) -> Result<i64, EtcdError> {
     let lease = etcd.grant(cluster.opts.ttl().as_secs() as i64).await?;
+    // Request ids name this node from here on (feedback finds it by them).
+    let tag = crate::feedback::claim_tag(etcd, cluster, lease).await?;
+    node.set_request_ids(crate::feedback::first_id(tag));
     put_record(etcd, node, cluster, lease).await?;
     Ok(lease)
 }

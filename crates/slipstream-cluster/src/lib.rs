@@ -23,6 +23,7 @@
 
 mod agent;
 mod autoscale;
+mod feedback;
 mod remote;
 mod serve;
 mod store;
@@ -44,6 +45,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 pub use autoscale::Report;
+pub use feedback::{Feedback, FeedbackFn, TAG_SHIFT};
 
 /// How a node joins its cluster (from `slipstream node --cluster ...`).
 #[derive(Clone, Debug, Deserialize)]
@@ -156,6 +158,9 @@ pub struct Member {
     /// Warm local standbys per stage.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub standby: BTreeMap<String, u32>,
+    /// Its request ids' tag (see `feedback.rs`; 0: none claimed).
+    #[serde(default)]
+    pub tag: u32,
     /// The load offered at its ingress (the cluster autoscaler's input).
     #[serde(default, skip_serializing_if = "Report::is_empty")]
     pub load: Report,
@@ -247,6 +252,10 @@ pub struct Cluster {
     suspects: Mutex<BTreeMap<String, (i64, std::time::Instant)>>,
     /// The cluster store on this node (set once it has loaded).
     store: std::sync::OnceLock<Arc<store::ClusterStore>>,
+    /// This node's request-id tag (see `feedback.rs`).
+    tag: std::sync::atomic::AtomicU32,
+    /// What applies feedback forwarded here.
+    feedback: std::sync::OnceLock<FeedbackFn>,
     /// The cluster's autoscaler (it decides while this node leads).
     scaler: autoscale::ClusterScaler,
     /// The node's pipelines (fixed for its life) and event log.
@@ -351,6 +360,8 @@ impl Cluster {
 
 /// A running cluster membership: dropping it stops the data-plane server.
 pub struct Joined {
+    /// The cluster side of this node.
+    pub cluster: Arc<Cluster>,
     /// Becomes true when the agent sees a new deployment.
     pub redeploy: watch::Receiver<bool>,
     leave: watch::Sender<bool>,
@@ -419,6 +430,8 @@ pub async fn start(
         suspects: Mutex::new(BTreeMap::new()),
         store: std::sync::OnceLock::new(),
         scaler: autoscale::ClusterScaler::new(scale),
+        tag: Default::default(),
+        feedback: std::sync::OnceLock::new(),
         pipelines: node.pipelines().values().cloned().collect(),
         events: node.events().clone(),
         opts,
@@ -471,7 +484,7 @@ pub async fn start(
         cluster.opts.etcd,
         cluster.costs.merge_threshold
     );
-    Ok(Joined { redeploy, leave, tasks, _server: server })
+    Ok(Joined { cluster, redeploy, leave, tasks, _server: server })
 }
 
 #[cfg(test)]
@@ -519,6 +532,7 @@ mod tests {
             ready: [("p/s".to_string(), 1)].into(),
             standby: [("p/u".to_string(), 1)].into(),
             load: Report::default(),
+            tag: 0,
             deploy: "d".into(),
             lease: 7,
         };

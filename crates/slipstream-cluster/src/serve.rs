@@ -27,6 +27,9 @@ pub(crate) async fn serve_call(
             None => Outgoing::error("the cluster store is not loaded yet here"),
         };
     }
+    if crate::feedback::is_feedback_call(&inc.meta) {
+        return cluster.serve_feedback(&from, &inc);
+    }
     let meta: CallMeta = match serde_json::from_slice(&inc.meta) {
         Ok(m) => m,
         Err(e) => return Outgoing::error(format!("malformed call from {from}: {e}")),

@@ -265,6 +265,12 @@ impl Node {
         self.next_id.fetch_add(1, Relaxed)
     }
 
+    /// Request ids from here on start at `first` (a cluster gives each
+    /// node a range of its own, so that an id names the node that answered).
+    pub fn set_request_ids(&self, first: u64) {
+        self.next_id.store(first, Relaxed);
+    }
+
     /// Ready for traffic: started, not draining, and every stage of every
     /// pipeline has a replica whose worker serves.
     pub fn is_ready(&self) -> bool {

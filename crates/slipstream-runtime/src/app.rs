@@ -112,6 +112,9 @@ pub(crate) struct App {
     pub(crate) history: Arc<History>,
     /// Refusals to clients that ignore `Retry-After` wait their turn.
     pub(crate) pacer: Arc<RefusalPacer>,
+    /// The cluster this node joined, if any (feedback on another node's
+    /// answers goes to that node through it).
+    pub(crate) cluster: std::sync::OnceLock<Arc<slipstream_cluster::Cluster>>,
 }
 
 impl App {

@@ -116,7 +116,8 @@ pub(crate) fn install(
     tokio::spawn(slipstream_cache::follow_models(node.clone(), built.caches, stop.clone()));
     let pacer = Arc::new(RefusalPacer::new(edge.refusal_rate, crate::pacing::MAX_HOLD));
     node.register(pacer.clone());
-    let app = Arc::new(App { node: node.clone(), edge, selections, triggers, history, pacer });
+    let cluster = std::sync::OnceLock::new();
+    let app = Arc::new(App { node: node.clone(), edge, selections, triggers, history, pacer, cluster });
     Installed { app, autoscaler }
 }
 
@@ -132,4 +133,13 @@ pub(crate) fn start_serving(installed: &Installed, in_cluster: bool, feed_start:
     if !triggers.is_empty() {
         tokio::spawn(slipstream_triggers::follow(node.clone(), triggers.clone(), stop.clone(), feed_start));
     }
+}
+
+/// Connect the edge and the features to the cluster this node joined:
+/// feedback forwarded from other nodes is applied by model selection here,
+/// and the edge forwards feedback on other nodes' answers.
+pub(crate) fn join_cluster(installed: &Installed, cluster: &Arc<slipstream_cluster::Cluster>) {
+    let selections = installed.app.selections.clone();
+    cluster.set_feedback_handler(Arc::new(move |pipeline, body| selections.feedback(pipeline, body)));
+    let _ = installed.app.cluster.set(cluster.clone());
 }

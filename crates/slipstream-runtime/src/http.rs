@@ -31,12 +31,13 @@
 use crate::app::App;
 use crate::pacing::ConnMemory;
 use crate::query::Query;
-use crate::respond::{arrival_of, error_resp, json_resp, read_body, respond, Resp};
+use crate::respond::{arrival_of, error_resp, json_resp, read_body, respond, Resp, ERROR_KIND_HEADER};
 use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::header::HeaderValue;
 use hyper::Method;
 use serde_json::{json, Value};
+use slipstream_cluster::Feedback;
 use slipstream_core::codec::{self, BodyParts};
 use slipstream_core::{Answer, Node, NodeError, PipelineRt};
 use std::convert::Infallible;
@@ -89,8 +90,20 @@ async fn route(app: &App, admin_open: bool, req: hyper::Request<Incoming>) -> Re
                 return Err(wrong_method());
             }
             let pipe = node.pipeline(name)?;
-            let body = read_body(req, limit).await?;
-            Ok(json_resp(200, &app.selections.feedback(pipe.name(), &body.to_vec())?))
+            let body = read_body(req, limit).await?.to_vec();
+            let local = |b: &[u8]| app.selections.feedback(pipe.name(), b);
+            let Some(cluster) = app.cluster.get() else { return Ok(json_resp(200, &local(&body)?)) };
+            // In a cluster, feedback on another node's answer goes to it.
+            match cluster.feedback(pipe.name(), &body, &local).await? {
+                Feedback::Ok(v) => Ok(json_resp(200, &v)),
+                Feedback::Refused { status, kind, message } => {
+                    let mut r = json_resp(status, &json!({"error": {"kind": kind, "message": message}}));
+                    if let Ok(k) = HeaderValue::from_str(&kind) {
+                        r.headers_mut().insert(ERROR_KIND_HEADER, k);
+                    }
+                    Ok(r)
+                }
+            }
         }
         ["v1", "pipelines", name, "stream"] => {
             if !post {

@@ -400,7 +400,9 @@ pub async fn run(
     let mut joined = match cluster {
         Some(c) => {
             let scale = installed.autoscaler.options().clone();
-            Some(slipstream_cluster::start(&node, c, http_addr, scale).await.map_err(RunError::Cluster)?)
+            let joined = slipstream_cluster::start(&node, c, http_addr, scale).await.map_err(RunError::Cluster)?;
+            compose::join_cluster(&installed, &joined.cluster);
+            Some(joined)
         }
         None => None,
     };
