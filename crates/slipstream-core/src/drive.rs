@@ -412,7 +412,9 @@ fn form(ctx: &ReplicaCtx, works: Vec<Work>, budget_ns: u64) -> Option<Batch> {
 
 /// Whether a replica that is stopping or draining has finished its queue.
 fn done_serving(ctx: &ReplicaCtx) -> bool {
-    (ctx.stopping() || ctx.me.phase() == Phase::Draining) && ctx.me.queue_len() == 0
+    // Its own queue: a remote replica's last reported backlog is the other
+    // node's work, and would keep a drained one (its node gone) forever.
+    (ctx.stopping() || ctx.me.phase() == Phase::Draining) && ctx.me.own_queue_len() == 0
 }
 
 /// Whether something outside the task reported the executor lost (the

@@ -528,6 +528,12 @@ impl Replica {
     pub fn queue_len(&self) -> usize {
         self.load().queued as usize
     }
+
+    /// Requests in this replica's own queue (not counting the backlog its
+    /// remote node last reported): what it must finish before it stops.
+    pub fn own_queue_len(&self) -> usize {
+        self.state.lock().queue.len()
+    }
 }
 
 #[cfg(test)]

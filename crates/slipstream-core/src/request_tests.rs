@@ -181,6 +181,26 @@ async fn a_warm_standby_stands_in_for_a_lost_replica_and_stays_a_standby() {
     assert_eq!(c.draining, vec![standby.id]);
 }
 
+#[tokio::test]
+async fn a_drained_replica_leaves_though_its_node_last_reported_a_backlog() {
+    let stages = r#"[{"name": "a", "component": "A", "replicas": 2}]"#;
+    let t = TestNode::new(&app(5000.0, stages), Fake::echo()).await;
+    let st = &t.node.pipeline("p").unwrap().stages[0];
+    let r = st.replicas()[0].clone();
+    // Another node's work, as a remote replica's node reports it: not this
+    // replica's to finish (before, a drained remote replica whose node had
+    // left waited for it until the node's exit aborted it).
+    r.set_backlog(3);
+    assert!(r.drain());
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while st.replicas().iter().any(|x| x.id == r.id) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the drained replica leaves its stage");
+}
+
 /// A join that runs both candidates and answers with the first that arrived.
 struct First {
     candidates: Vec<String>,
