@@ -75,7 +75,7 @@ def cluster_sample(st: dict[str, Any]) -> dict[str, Any]:
     members = st["cluster"]["members"].values()
     block = st["cluster"].get("autoscale", {}).get("stages", {}).get(KEY, {})
     return {"serving": sum(m["ready"].get(KEY, 0) for m in members),
-            "standby": sum(m.get("standby", {}).get(KEY, 0) for m in members), "starting": 0,
+            "standby": sum(m.get("standby", {}).get(KEY, 0) for m in members),
             **{k: v for k, v in (block.get("model") or {}).items() if k in ("level_rps", "forecast_rps", "need")}}
 
 

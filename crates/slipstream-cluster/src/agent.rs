@@ -300,10 +300,10 @@ async fn reconcile(etcd: &Etcd, node: &Arc<Node>, cluster: &Arc<Cluster>, keys: 
     let settled = keys.members_changed.elapsed() >= SETTLE;
     if settled && members.keys().next().map(String::as_str) == Some(cluster.me()) {
         let names: Vec<String> = members.keys().cloned().collect();
-        let prev = current.as_ref().filter(|(p, _)| &p.deploy == deploy).map(|(p, _)| &p.stages);
-        let prev_standby = current.as_ref().filter(|(p, _)| &p.deploy == deploy).map(|(p, _)| &p.standby);
+        let in_force = current.as_ref().map(|(p, _)| p).filter(|p| &p.deploy == deploy);
+        let (prev, prev_standby) = (in_force.map(|p| &p.stages), in_force.map(|p| &p.standby));
         // Declared counts, or the autoscaler's for stages with bounds.
-        let wanted = cluster.scaler.wanted(node, &members, prev.zip(prev_standby));
+        let wanted = cluster.scaler.wanted(node, &members, prev);
         let want = &wanted.serving;
         // Stages that read affinity groups go where the groups are (the
         // groups are counted only when some stage reads them).

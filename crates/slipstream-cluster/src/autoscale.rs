@@ -102,8 +102,8 @@ impl Meter {
 /// One stage's part of the cluster's autoscaler.
 #[derive(Default)]
 struct StageScale {
-    /// Serving replicas and standbys wanted (None until first sized).
-    serving: Option<u32>,
+    /// Serving replicas and standbys wanted.
+    serving: u32,
     standby: u32,
     memory: StageMemory,
     model: Option<ScaleModel>,
@@ -146,12 +146,7 @@ impl ClusterScaler {
     /// The counts to place: declared ones, and for autoscaled stages what
     /// the policy decides (a tick when one is due; the leader calls this).
     /// `prev`: the placement in force (a new leader's starting counts).
-    pub(crate) fn wanted(
-        &self,
-        node: &Node,
-        members: &BTreeMap<String, Member>,
-        prev: Option<(&Assignment, &Assignment)>,
-    ) -> Wanted {
+    pub(crate) fn wanted(&self, node: &Node, members: &BTreeMap<String, Member>, prev: Option<&Assignment>) -> Wanted {
         let mut st = self.state.lock();
         if st.last_tick.is_some_and(|t| t.elapsed() >= LAPSED) {
             // Leading again after a while (another led meanwhile): start
@@ -185,16 +180,15 @@ impl ClusterScaler {
                     out.serving.insert(key, declared);
                     continue;
                 }
-                let ss = st.stages.entry(key.clone()).or_default();
-                let (lo, hi) = (stage.bounds.0 as u32, stage.bounds.1 as u32);
-                let serving = *ss.serving.get_or_insert_with(|| {
-                    let placed = prev.and_then(|(p, _)| p.get(&key)).map(|m| m.values().sum::<u32>());
-                    placed.unwrap_or(declared).clamp(lo, hi)
+                let ss = st.stages.entry(key.clone()).or_insert_with(|| {
+                    let placed = prev.and_then(|p| p.get(&key)).map(|m| m.values().sum::<u32>());
+                    let (lo, hi) = (stage.bounds.0 as u32, stage.bounds.1 as u32);
+                    StageScale { serving: placed.unwrap_or(declared).clamp(lo, hi), ..StageScale::default() }
                 });
                 if due {
-                    self.decide(node, pipe, stage, &key, ss, trend, missed, members, cores, serving);
+                    self.decide(node, pipe, stage, &key, ss, trend, missed, members, cores);
                 }
-                out.serving.insert(key.clone(), ss.serving.unwrap_or(serving));
+                out.serving.insert(key.clone(), ss.serving);
                 if ss.standby > 0 {
                     out.standby.insert(key, ss.standby);
                 }
@@ -215,8 +209,8 @@ impl ClusterScaler {
         missed: u64,
         members: &BTreeMap<String, Member>,
         cores: f64,
-        serving: u32,
     ) {
+        let serving = ss.serving;
         let ready: u32 = members.values().filter_map(|m| m.ready.get(key)).sum();
         let warm: u32 = members.values().filter_map(|m| m.standby.get(key)).sum();
         // The component's own capacity: the best any replica's profile
@@ -224,9 +218,7 @@ impl ClusterScaler {
         // its node's queue).
         let set = stage.replicas();
         let up = set.iter().filter(|r| r.phase() == Phase::Ready);
-        let best = up
-            .filter_map(|r| replica_capacity(&r.former()))
-            .fold(None, |m: Option<f64>, c| Some(m.map_or(c, |m| m.max(c))));
+        let best = up.filter_map(|r| replica_capacity(&r.former())).reduce(f64::max);
         let profiled = best.or_else(|| set.first().and_then(|r| replica_capacity(&r.former())));
         let v = StageView {
             lo: stage.bounds.0,
@@ -246,7 +238,7 @@ impl ClusterScaler {
         stage.set_wanted(model.need);
         ss.model = Some(model);
         for step in steps {
-            let (mut n, mut sb) = (ss.serving.unwrap_or(serving), ss.standby);
+            let (mut n, mut sb) = (ss.serving, ss.standby);
             let what = match step.action {
                 ScaleAction::Grow { to, max } if (to.min(max) as u32) > n => {
                     let to = to.min(max) as u32;
@@ -276,7 +268,7 @@ impl ClusterScaler {
                 }
                 _ => continue,
             };
-            ss.serving = Some(n);
+            ss.serving = n;
             ss.standby = sb;
             *ss.counts.entry(what).or_default() += 1;
             let detail = format!("{what}: {} serving, {sb} standby: {}", n, step.why);

@@ -120,26 +120,33 @@ impl Cluster {
         self.view().members.values().find(|m| m.tag == tag).cloned()
     }
 
+    /// Feedback on this node's own answers, with the installed handler.
+    fn apply_here(&self, pipeline: &str, body: &[u8]) -> Feedback {
+        Feedback::of(match self.feedback.get() {
+            Some(apply) => apply(pipeline, body),
+            None => Err(NodeError::Unavailable {
+                stage: "feedback".into(),
+                reason: "this node is still joining the cluster".into(),
+            }),
+        })
+    }
+
     /// Apply a feedback body (one item or `{"feedback": [...]}`) for
-    /// `pipeline`: items on requests this node answered here (with
-    /// `local`), the others on the nodes that answered them. Err: the
-    /// forwarding failed.
-    pub async fn feedback(
-        &self,
-        pipeline: &str,
-        body: &[u8],
-        local: &(dyn Fn(&[u8]) -> Result<Value, NodeError> + Sync),
-    ) -> Result<Feedback, NodeError> {
+    /// `pipeline`: items on requests this node answered here (with the
+    /// handler installed by [`Cluster::set_feedback_handler`]), the others
+    /// on the nodes that answered them. Err: the forwarding failed.
+    pub async fn feedback(&self, pipeline: &str, body: &[u8]) -> Result<Feedback, NodeError> {
+        let local = |b: &[u8]| self.apply_here(pipeline, b);
         // Not JSON, or no other node's ids: the local handler answers (and
         // says what is wrong, if anything is).
-        let Ok(doc) = serde_json::from_slice::<Value>(body) else { return Ok(Feedback::of(local(body))) };
+        let Ok(doc) = serde_json::from_slice::<Value>(body) else { return Ok(local(body)) };
         let (items, batch) = match doc.get("feedback") {
             Some(Value::Array(a)) => (a.clone(), true),
             _ => (vec![doc.clone()], false),
         };
         let home = |item: &Value| item.get("request_id").and_then(Value::as_u64).and_then(|id| self.answered_by(id));
         if items.iter().all(|i| home(i).is_none()) {
-            return Ok(Feedback::of(local(body)));
+            return Ok(local(body));
         }
         if !batch {
             let m = home(&items[0]).expect("checked above");
@@ -154,7 +161,7 @@ impl Cluster {
         for (_, (m, items)) in groups {
             let part = json!({ "feedback": items });
             let answer = match m {
-                None => Feedback::of(local(part.to_string().as_bytes())),
+                None => local(part.to_string().as_bytes()),
                 Some(m) => self.forward(&m, pipeline, part).await?,
             };
             let v = match answer {
@@ -192,10 +199,7 @@ impl Cluster {
             Ok(c) => c,
             Err(e) => return Outgoing::error(format!("malformed feedback call from {from}: {e}")),
         };
-        let Some(apply) = self.feedback.get() else {
-            return Outgoing::error("this node takes no feedback");
-        };
-        let reply = Feedback::of(apply(&call.feedback, call.body.to_string().as_bytes()));
+        let reply = self.apply_here(&call.feedback, call.body.to_string().as_bytes());
         Outgoing::reply(serde_json::to_vec(&reply).expect("serialises"), Vec::new())
     }
 }

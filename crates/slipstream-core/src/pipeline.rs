@@ -267,9 +267,18 @@ impl StageRt {
     /// Join-shortest-queue among accepting replicas, except `not`; when
     /// none accepts, a warm standby stands in (see [`StageRt::stand_in`]).
     pub(crate) fn choose(&self, tiebreak: u64, not: Option<&Replica>) -> Option<Arc<Replica>> {
-        let set = self.replicas();
-        let eligible = |r: &Replica| !is(not, r);
-        self.choose_among(&set, tiebreak, &eligible).or_else(|| stand_in(&set, &eligible))
+        self.choose_or_stand_in(&self.replicas(), tiebreak, &|r| !is(not, r))
+    }
+
+    /// Join-shortest-queue among the accepting `eligible` replicas of
+    /// `set`, else a warm standby among them ([`stand_in`]).
+    fn choose_or_stand_in(
+        &self,
+        set: &ReplicaSet,
+        tiebreak: u64,
+        eligible: &dyn Fn(&Replica) -> bool,
+    ) -> Option<Arc<Replica>> {
+        self.choose_among(set, tiebreak, eligible).or_else(|| stand_in(set, eligible))
     }
 
     /// Join-shortest-queue among the accepting replicas of `set` that are `eligible`.
@@ -296,7 +305,7 @@ impl StageRt {
     /// (re)started; `None` if none ever will.
     fn target_among(&self, tiebreak: u64, eligible: &dyn Fn(&Replica) -> bool) -> Option<Arc<Replica>> {
         let set = self.replicas();
-        self.choose_among(&set, tiebreak, eligible).or_else(|| stand_in(&set, eligible)).or_else(|| {
+        self.choose_or_stand_in(&set, tiebreak, eligible).or_else(|| {
             let waiting: Vec<&Arc<Replica>> = set.iter().filter(|r| r.phase().will_serve() && eligible(r)).collect();
             (!waiting.is_empty()).then(|| waiting[(tiebreak as usize) % waiting.len()].clone())
         })

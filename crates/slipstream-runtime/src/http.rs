@@ -31,7 +31,7 @@
 use crate::app::App;
 use crate::pacing::ConnMemory;
 use crate::query::Query;
-use crate::respond::{arrival_of, error_resp, json_resp, read_body, respond, Resp, ERROR_KIND_HEADER};
+use crate::respond::{arrival_of, error_resp, json_resp, read_body, relayed_error_resp, respond, Resp};
 use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::header::HeaderValue;
@@ -91,18 +91,13 @@ async fn route(app: &App, admin_open: bool, req: hyper::Request<Incoming>) -> Re
             }
             let pipe = node.pipeline(name)?;
             let body = read_body(req, limit).await?.to_vec();
-            let local = |b: &[u8]| app.selections.feedback(pipe.name(), b);
-            let Some(cluster) = app.cluster.get() else { return Ok(json_resp(200, &local(&body)?)) };
+            let Some(cluster) = app.cluster.get() else {
+                return Ok(json_resp(200, &app.selections.feedback(pipe.name(), &body)?));
+            };
             // In a cluster, feedback on another node's answer goes to it.
-            match cluster.feedback(pipe.name(), &body, &local).await? {
+            match cluster.feedback(pipe.name(), &body).await? {
                 Feedback::Ok(v) => Ok(json_resp(200, &v)),
-                Feedback::Refused { status, kind, message } => {
-                    let mut r = json_resp(status, &json!({"error": {"kind": kind, "message": message}}));
-                    if let Ok(k) = HeaderValue::from_str(&kind) {
-                        r.headers_mut().insert(ERROR_KIND_HEADER, k);
-                    }
-                    Ok(r)
-                }
+                Feedback::Refused { status, kind, message } => Ok(relayed_error_resp(status, &kind, &message)),
             }
         }
         ["v1", "pipelines", name, "stream"] => {

@@ -117,6 +117,16 @@ pub(crate) fn error_resp(e: &NodeError, v2: bool) -> Resp {
     r
 }
 
+/// The pipeline API's error response for an error another node gave (its
+/// status, kind and message), as [`error_resp`] writes one for ours.
+pub(crate) fn relayed_error_resp(status: u16, kind: &str, message: &str) -> Resp {
+    let mut r = json_resp(status, &json!({"error": {"kind": kind, "message": message}}));
+    if let Ok(k) = HeaderValue::from_str(kind) {
+        r.headers_mut().insert(ERROR_KIND_HEADER, k);
+    }
+    r
+}
+
 /// A body over the limit is still read (and dropped) up to this many extra
 /// bytes, so that the client gets its 413 instead of a reset connection.
 const DISCARD_CAP: usize = 16 << 20;
