@@ -4,8 +4,8 @@
 //! queue (EDF), the batch step (most urgent first, sized by the batch
 //! former), the accounting of each batch (latency profile, AIMD, metrics),
 //! and what happens to each request afterwards (its outputs move it on
-//! through its DAG; a failed request is retried once elsewhere when its
-//! executor was lost). [`drive`] is that loop, once, for every replica. What
+//! through its DAG; a request's work at a stage is retried once elsewhere
+//! when its executor was lost). [`drive`] is that loop, once, for every replica. What
 //! executes the batches is a [`Backend`]: a worker process on this machine
 //! ([`crate::worker::WorkerLauncher`]), or another node (the cluster's remote
 //! replicas). A backend starts its executor, sends it batches, and reports
@@ -602,8 +602,8 @@ fn settle(ctx: &ReplicaCtx, b: Batch, outcome: Outcome) {
                             m.errors.fetch_add(1, Relaxed);
                         }
                         // No replica there any more (the placement moved it): once elsewhere.
-                        let elsewhere =
-                            matches!(e, NodeError::Unavailable { .. } | NodeError::ShuttingDown) && req.mark_retried();
+                        let elsewhere = matches!(e, NodeError::Unavailable { .. } | NodeError::ShuttingDown)
+                            && req.mark_retried(ctx.stage);
                         match elsewhere.then(|| stage.choose(req.id(), Some(&ctx.me))).flatten() {
                             Some(r) => {
                                 if let Err(req) = r.push(req) {
@@ -668,7 +668,7 @@ fn retry_or_fail(ctx: &ReplicaCtx, members: Vec<(Arc<dyn Job>, Tensors)>, why: &
         )
     };
     for (req, _) in members {
-        if !req.mark_retried() {
+        if !req.mark_retried(ctx.stage) {
             fail(req);
             continue;
         }

@@ -117,9 +117,11 @@ pub trait Job: Send + Sync {
     fn chunk(&self, stage: usize, outputs: Tensors);
     /// The memo of stage `stage`'s hook, if its lookup missed.
     fn memo(&self, stage: usize) -> Option<u128>;
-    /// Mark it retried after its executor was lost: false if it already was
-    /// (a request is retried once).
-    fn mark_retried(&self) -> bool;
+    /// Mark its work at stage `stage` retried after the executor running it
+    /// was lost: false if it already was (each stage's work is retried
+    /// once; parallel branches lost together, to one node's loss, are each
+    /// retried).
+    fn mark_retried(&self, stage: usize) -> bool;
 }
 
 /// One queued unit of work: a request waiting for this replica.

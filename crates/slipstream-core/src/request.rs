@@ -71,8 +71,9 @@ pub struct Request {
     pub(crate) route: Vec<Arc<Replica>>,
     /// The share of its budget its predicted time used at admission.
     pub(crate) share: f64,
-    /// Whether this request was already retried after a worker died.
-    pub(crate) retried: AtomicBool,
+    /// The stages whose work was already retried after a worker died (bit
+    /// `stage`; stages past 63 share the last bit).
+    pub(crate) retried: AtomicU64,
     /// Set for one stage's work run on behalf of another node (see
     /// [`Request::for_stage`]): only that stage runs, and its outputs are the answer.
     pub(crate) only: Option<usize>,
@@ -138,7 +139,7 @@ impl Request {
             deadline_ns,
             route,
             share,
-            retried: AtomicBool::new(false),
+            retried: AtomicU64::new(0),
             only,
             done: AtomicBool::new(false),
             joins_done: AtomicU64::new(0),
@@ -545,8 +546,9 @@ impl Job for Request {
         Request::memo(self, stage)
     }
 
-    fn mark_retried(&self) -> bool {
-        !self.retried.swap(true, Relaxed)
+    fn mark_retried(&self, stage: usize) -> bool {
+        let bit = 1u64 << stage.min(63);
+        self.retried.fetch_or(bit, Relaxed) & bit == 0
     }
 }
 

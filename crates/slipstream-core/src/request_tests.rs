@@ -152,6 +152,25 @@ async fn a_lost_executor_s_batch_is_retried_once_on_a_sibling_else_503() {
 }
 
 #[tokio::test]
+async fn parallel_branches_lost_together_are_each_retried() {
+    // b and c run at once; both lose their executor (as when one node
+    // holding both is killed): each stage's work is retried once, so the
+    // request is answered (a single retry per request failed the second).
+    let stages = r#"[{"name": "a", "component": "A"},
+        {"name": "b", "component": "B", "parents": ["a"], "replicas": 2},
+        {"name": "c", "component": "C", "parents": ["a"], "replicas": 2},
+        {"name": "d", "component": "D", "parents": ["b", "c"]}]"#;
+    let fake = diamond();
+    let t = TestNode::new(&app(5000.0, stages), fake.clone()).await;
+    fake.lose_next("b");
+    fake.lose_next("c");
+    let ans = t.infer("p", &[("x", &[1.0, 2.0])]).await.unwrap();
+    assert_eq!(floats(&ans.outputs, "sum"), vec![1.0, 2.0]);
+    let p = t.node.pipeline("p").unwrap();
+    assert_eq!((p.stages[1].metrics.retries.load(Relaxed), p.stages[2].metrics.retries.load(Relaxed)), (1, 1));
+}
+
+#[tokio::test]
 async fn a_warm_standby_stands_in_for_a_lost_replica_and_stays_a_standby() {
     let fake = Fake::echo();
     let t = TestNode::new(&app(5000.0, r#"[{"name": "a", "component": "A"}]"#), fake.clone()).await;
