@@ -52,5 +52,18 @@ def chain_node() -> Iterator[Node]:
     node.stop()
 
 
-def shm_files_of(pid: int) -> list[str]:
-    return [f for f in os.listdir("/dev/shm") if f.startswith(f"slipstream-{pid}-")] if os.path.isdir("/dev/shm") else []
+def shm_files_of(pid: int, since: float = 0.0) -> list[str]:
+    """The shared-memory files of the node with process id `pid`, made at
+    or after `since` (a wall-clock time): a node SIGKILLed earlier under a
+    process id now reused leaves files with the same prefix."""
+    if not os.path.isdir("/dev/shm"):
+        return []
+    out = []
+    for f in os.listdir("/dev/shm"):
+        if f.startswith(f"slipstream-{pid}-"):
+            try:
+                if os.stat(f"/dev/shm/{f}").st_ctime >= since:
+                    out.append(f)
+            except FileNotFoundError:
+                pass
+    return out

@@ -161,10 +161,11 @@ def test_broken_component_fails_startup_with_its_message() -> None:
 
 
 def test_graceful_shutdown_drains_in_flight() -> None:
+    started = time.time() - 1.0  # ctime has the file system's granularity
     node = Node(str(APPS / "chain.py"))
     node.wait_ready()
     serve_pid = node.proc.pid
-    assert shm_files_of(serve_pid)
+    assert shm_files_of(serve_pid, started)
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(node.infer, "solo", x=[[1, 500]]) for _ in range(3)]
         # All three must be inside the node before the signal (later ones would rightly get 503).
@@ -174,4 +175,4 @@ def test_graceful_shutdown_drains_in_flight() -> None:
     assert [s for s, _ in results] == [200, 200, 200]
     assert node.proc.wait(30) == 0
     assert "draining" in node.log()
-    assert shm_files_of(serve_pid) == []
+    assert shm_files_of(serve_pid, started) == []
