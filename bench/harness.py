@@ -171,12 +171,16 @@ def medians(runs: Sequence[dict[str, Any]], keys: Iterable[str] | None = None) -
 
 
 def node(app: Any, *flags: str, env: dict[str, str] | None = None, echo: bool = False,
-         ready_timeout: float = 600.0) -> Node:
+         ready_timeout: float = 600.0, sizing: str = "declared") -> Node:
     """``slipstream serve APP --port 0 FLAGS`` from the repository root, with
     `env` over this environment; use it as a context manager: ready on
     entry, stopped on exit. `app`: a file or ``Pipeline`` objects; `echo`:
-    copy the node's output to stderr."""
-    return Node(app, *flags, env=env, cwd=ROOT, echo=echo, ready_timeout=ready_timeout)
+    copy the node's output to stderr. `sizing`: the benchmarks serve the
+    counts they declare (``"declared"``, so that a comparison gives both
+    systems the same replicas), unless one measures the out-of-the-box
+    plan (``"plan"``)."""
+    return Node(app, *flags, env={"SLIPSTREAM_SIZING": sizing, **(env or {})}, cwd=ROOT, echo=echo,
+                ready_timeout=ready_timeout)
 
 
 def cpu_seconds(pid: int) -> float:

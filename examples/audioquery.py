@@ -69,7 +69,8 @@ Environment variables (read when the app is loaded, by the server and each worke
 - ``AQ_MAX_SECONDS``: longest utterance (default 8).
 - ``AQ_ANSWER_CHARS``: longest spoken answer, package name aside (default 120).
 - ``AQ_ASR_LM``: ``corpus`` (default) or ``general``.
-- ``AQ_ASR_REPLICAS``: ASR replicas (default 1; pocketsphinx uses one core each).
+- ``AQ_ASR_REPLICAS``: ASR replicas (default: planned by ``slipstream serve``;
+  pocketsphinx uses one core each).
 - ``AQ_VOICE``: espeak-ng voice of the answers (default ``en-us+f5``).
 - ``AQ_SLO_MS``: the pipeline's p99 objective (default 5000).
 """
@@ -97,7 +98,7 @@ MAX_SECONDS = float(os.environ.get("AQ_MAX_SECONDS", "8"))
 MAX_SAMPLES = int(MAX_SECONDS * speech.SAMPLE_RATE)
 ANSWER_CHARS = int(os.environ.get("AQ_ANSWER_CHARS", "120"))
 ASR_LM = os.environ.get("AQ_ASR_LM", "corpus").strip().lower()
-ASR_REPLICAS = int(os.environ.get("AQ_ASR_REPLICAS", "1"))
+ASR_REPLICAS = int(os.environ["AQ_ASR_REPLICAS"]) if os.environ.get("AQ_ASR_REPLICAS") else None  # None: planned
 VOICE = os.environ.get("AQ_VOICE", speech.ANSWER_VOICE)
 SLO_MS = float(os.environ.get("AQ_SLO_MS", "5000"))
 

@@ -46,7 +46,8 @@ worker alike):
 - ``RAG_SLICE``: passages in the slice (default 2000).
 - ``RAG_TOPK``: passages returned per query (default 10).
 - ``RAG_SNIPPET``: characters of each passage returned (default 300; 0 = whole).
-- ``RAG_THREADS``: onnxruntime threads per Embed replica (default 1).
+- ``RAG_THREADS``: onnxruntime threads per Embed replica (default: planned
+  by ``slipstream serve`` for the machine).
 - ``RAG_EMBED_REPLICAS``: Embed replicas: a count (fixed), or bounds
   ``LO-HI`` for the autoscaler (default ``1-4``: start one, add replicas
   as the load needs them, up to what the node's cores allow).
@@ -83,7 +84,7 @@ MODE = os.environ.get("RAG_INDEX", "auto").strip().lower()
 SLICE = int(os.environ.get("RAG_SLICE", "2000"))
 TOPK = int(os.environ.get("RAG_TOPK", "10"))
 SNIPPET = int(os.environ.get("RAG_SNIPPET", "300"))
-THREADS = int(os.environ.get("RAG_THREADS", "1"))
+THREADS = int(os.environ["RAG_THREADS"]) if os.environ.get("RAG_THREADS") else None  # None: planned
 SLO_MS = float(os.environ.get("RAG_SLO_MS", "200"))
 FOLD_AT = int(os.environ.get("RAG_FOLD_AT", "2000"))
 
@@ -122,7 +123,7 @@ def ensure_index() -> Path:
     d = index_dir()
     if not vindex.is_built(d):
         try:
-            vindex.prepare(small=SLICE, threads=max(THREADS, 2))
+            vindex.prepare(small=SLICE, threads=max(THREADS or 1, 2))
         except (corpus.CorpusError, ModelNotInstalled) as e:
             raise ss.ConfigError(f"cannot build the RAG index: {e}") from e
     return d

@@ -102,7 +102,7 @@ MODE = os.environ.get("RAG_INDEX", "auto").strip().lower()
 SLICE = _env_int("RAG_SLICE", 2000) or 2000
 TOPK = _env_int("RAG_TOPK", 10) or 10
 SNIPPET = _env_int("RAG_SNIPPET", 300) or 0
-THREADS = _env_int("RAG_THREADS", 1) or 1
+THREADS = _env_int("RAG_THREADS", None)  # None: planned by `slipstream serve`
 SLO_MS = _env_float("RAG_SLO_MS", 200.0)
 STORAGE = os.environ.get("RAG_LATE_STORAGE", "ssd").strip().lower() or "ssd"
 BUDGET_MS = _env_float("RAG_LATE_BUDGET_MS", SLO_MS / 4)
@@ -141,9 +141,9 @@ def ensure_data() -> Path:
     d = index_dir()
     try:
         if not vindex.is_built(d):
-            vindex.prepare(small=SLICE, threads=max(THREADS, 2))
+            vindex.prepare(small=SLICE, threads=max(THREADS or 1, 2))
         build_onnx(tokens=True)
-        late.ensure_tokens(d, threads=max(THREADS, 2))
+        late.ensure_tokens(d, threads=max(THREADS or 1, 2))
     except (corpus.CorpusError, ModelNotInstalled, late.TokenFileError) as e:
         raise ss.ConfigError(f"cannot build the late-interaction data: {e}") from e
     return d

@@ -23,6 +23,12 @@ from pathlib import Path
 import pytest
 from slipstream.testing import CLI, Node, wait_for  # noqa: F401 (wait_for: re-exported to the tests)
 
+# Nodes the tests start serve their apps as declared (1 replica, 1 thread
+# where an app leaves them to the planner): the tests assert on replica
+# counts, and profiling on first start would take seconds per app.
+# test_sizing.py serves with the default (planned) sizing.
+os.environ.setdefault("SLIPSTREAM_SIZING", "declared")
+
 ROOT = Path(__file__).resolve().parent.parent
 APPS = Path(__file__).resolve().parent / "apps"
 SLIPSTREAM = CLI  # `slipstream ...` in this interpreter

@@ -183,7 +183,11 @@ settings! {
     /// How stages declared with replicas=(lo, hi) follow the load: warm
     /// standbys on the load trend, a replica only once requests miss, or no change.
     autoscale: String = "anticipatory".into(), choices = ["anticipatory", "reactive", "off"], scope = "spec";
-    /// Cores the replicas may use, for the autoscaler (unset: the machine's).
+    /// How `serve` sizes the stages whose replicas or threads the app does
+    /// not give: planned for this machine from a profile (measured on first
+    /// start, then cached), or as declared (1 replica with 1 thread).
+    sizing: String = "plan".into(), choices = ["plan", "declared"], scope = "spec";
+    /// Cores the replicas may use, for the autoscaler and the plan (unset: the machine's).
     cores: Option<f64> = None, scope = "spec";
     /// Seconds the load must need fewer replicas before the autoscaler retires one.
     scale_down_after_s: f64 = slipstream_sched::scale::ScaleOptions::default().down_after_ns as f64 / 1e9, flag = "--scale-down-after", scope = "spec";

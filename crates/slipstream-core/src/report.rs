@@ -102,6 +102,7 @@ fn core_status(node: &Node) -> Value {
                 "name": p.name(),
                 "ready": node.pipeline_ready(p),
                 "slo": p.spec.slo.map(|s| json!({"p99_ms": s.p99_ms, "max_miss_rate": s.max_miss_rate})),
+                "sizing": p.spec.sizing,
                 "ok": p.metrics.ok.load(Relaxed),
                 "admitted": p.metrics.admitted.load(Relaxed),
                 "shed": p.metrics.shed.load(Relaxed),

@@ -224,6 +224,10 @@ pub struct PipelineSpec {
     /// Model selection over candidate stages (see [`crate::join`]).
     #[serde(default)]
     pub selects: Vec<SelectSpec>,
+    /// How its stages were sized and why (the serving command's plan, in
+    /// words), shown by `status`.
+    #[serde(default)]
+    pub sizing: Vec<String>,
 }
 
 /// How a selection stage chooses among its candidates.

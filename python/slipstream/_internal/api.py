@@ -257,8 +257,9 @@ class Component:
     name: str
     max_batch_size: int = 1
     #: Replicas to start with. ``@component(replicas=(lo, hi))`` starts
-    #: ``lo`` and lets the autoscaler move between the bounds.
-    replicas: int = 1
+    #: ``lo`` and lets the autoscaler move between the bounds; not given
+    #: (None), ``slipstream serve`` plans it (1 when serving as declared).
+    replicas: int = None  # type: ignore[assignment]  # None or (lo, hi) are resolved in __post_init__
     inputs: dict[str, Tensor] = field(default_factory=dict)
     outputs: dict[str, Tensor] = field(default_factory=dict)
     init_args: tuple[Any, ...] = ()
@@ -266,7 +267,8 @@ class Component:
     #: Threads per replica: its worker runs with OMP_NUM_THREADS (and the
     #: other numeric libraries' variables) and SLIPSTREAM_THREADS set to it;
     #: a component that sizes its own thread pool reads ``ss.worker_threads()``.
-    threads: int = 1
+    #: Not given (None): planned like ``replicas``.
+    threads: int = None  # type: ignore[assignment]  # resolved in __post_init__
     min_replicas: int = 0
     max_replicas: int = 0
     #: Store objects the constructor takes: keyword argument name -> key.
@@ -291,12 +293,25 @@ class Component:
     concurrency: int | None = None
     #: Results kept by input (``ss.Cache``), or None.
     cache: Cache | None = None
+    #: What the author fixed, of ``"replicas"`` (a count) and ``"threads"``:
+    #: the planner sizes the rest (docs/planning.md).
+    pinned: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
             raise ConfigError(f"component name {self.name!r} may use letters, digits, '_', '-' and '.' only")
         if int(self.max_batch_size) < 1:
             raise ConfigError(f"{self.name}: max_batch_size must be >= 1")
+        pinned = set(self.pinned)
+        if self.replicas is None:
+            self.replicas = self.min_replicas if self.autoscaled else 1
+        elif not isinstance(self.replicas, (tuple, list)):
+            pinned.add("replicas")
+        if self.threads is None:
+            self.threads = 1
+        else:
+            pinned.add("threads")
+        self.pinned = frozenset(pinned)
         self._set_replicas(self.replicas, keep_bounds=True)
         if not isinstance(self.threads, int) or self.threads < 1:
             raise ConfigError(f"{self.name}: threads must be an integer >= 1, got {self.threads!r}")
@@ -417,6 +432,12 @@ class Component:
         if unknown:
             raise ConfigError(f"unknown component option(s): {', '.join(sorted(unknown))}")
         c = copy.copy(self)
+        # What was planned stays to be planned unless changed here.
+        c.pinned = frozenset()
+        if "replicas" not in self.pinned:
+            c.replicas = None  # type: ignore[assignment]
+        if "threads" not in self.pinned:
+            c.threads = None  # type: ignore[assignment]
         for k, v in changes.items():
             if k == "replicas":
                 c.min_replicas = c.max_replicas = 0
@@ -459,8 +480,8 @@ def component(
     *,
     name: str | None = None,
     max_batch_size: int = 1,
-    replicas: int | tuple[int, int] = 1,
-    threads: int = 1,
+    replicas: int | tuple[int, int] | None = None,
+    threads: int | None = None,
     inputs: Mapping[str, Tensor] | None = None,
     outputs: Mapping[str, Tensor] | None = None,
     needs: Mapping[str, str] | None = None,
@@ -478,7 +499,11 @@ def component(
 
     ``replicas`` is a fixed count, or ``(lo, hi)``: start ``lo`` and let the
     autoscaler add replicas up to ``hi`` when load rises (and retire them
-    when it falls). ``threads`` is each replica's thread budget.
+    when it falls). ``threads`` is each replica's thread budget. What is not
+    given is planned: ``slipstream serve`` sizes replicas (within the
+    bounds), threads and batch limits from a profile of this machine,
+    measured on first start and cached (``--sizing declared`` serves 1
+    replica with 1 thread instead). A count given pins it.
 
     Store options (docs/design/store.md):
 
@@ -532,8 +557,8 @@ def component(
             cls=c,
             name=name or c.__name__,
             max_batch_size=max_batch_size,
-            replicas=replicas,  # type: ignore[arg-type]  # (lo, hi) is resolved in __post_init__
-            threads=threads,
+            replicas=replicas,  # type: ignore[arg-type]  # None or (lo, hi) is resolved in __post_init__
+            threads=threads,  # type: ignore[arg-type]  # None is resolved in __post_init__
             inputs=dict(inputs or {}),
             outputs=dict(outputs or {}),
             needs=dict(needs or {}),

@@ -23,7 +23,7 @@ from slipstream._internal import admin, config
 from slipstream._internal.client import Client
 from slipstream._internal.cluster_cli import add_cluster_commands
 from slipstream._internal.errors import Error, RequestError, from_core
-from slipstream._internal.serve_cli import add_serve_command
+from slipstream._internal.serve_cli import add_serve_command, model_overheads
 from slipstream._internal.store_cli import add_store_commands
 from slipstream._internal.store_cli import fail as _fail
 
@@ -61,6 +61,8 @@ def cmd_status(a: argparse.Namespace) -> int:
         ready = "ready" if p.get("ready", True) else "NOT READY"
         print(f"\npipeline {p['name']}  {ready}  ({slo_s})  ok={p['ok']} errors={errs}  "
               f"latency p50={lat['p50']:.2f}ms p99={lat['p99']:.2f}ms")
+        for i, line in enumerate(p.get("sizing") or []):
+            print(f"  {'sized:' if i == 0 else '  why:'} {line}")
         adm = p.get("admission", {})
         print(f"  admitted={p['admitted']} refused(429)={p['shed']} within SLO={p['slo_met']} late={p['slo_missed']}"
               f" cancelled={p.get('cancelled', 0)}  admission headroom={adm.get('headroom', 1.0):.2f}"
@@ -357,7 +359,7 @@ def _profile_parent(a: argparse.Namespace) -> int:
     profiles = slo.merge_thread_profiles(parts)
     slo.write_profile(out, profiles)
     print(f"wrote {out}")
-    png = slo.plot_profile(out.with_suffix(".png"), profiles)
+    png = None if a.no_plot else slo.plot_profile(out.with_suffix(".png"), profiles)
     if png:
         print(f"wrote {png}")
     for prof in profiles:
@@ -372,12 +374,7 @@ def _profile_parent(a: argparse.Namespace) -> int:
 
 def _overheads(a: argparse.Namespace, app: str) -> dict[str, Any]:
     """The machine's overheads for the model: flags, else the app's calibration file, else the defaults."""
-    from slipstream._internal import slo
-
-    out: dict[str, Any] = dict(slo.DEFAULTS)
-    cal = slo.load_calibration(slo.calibration_path(app))
-    if cal:
-        out.update(cal)
+    out = model_overheads(app)
     for k in ("hop_us", "batch_cpu_us", "ingress_us", "cpu_per_request_us"):
         if getattr(a, k, None) is not None:
             out[k] = getattr(a, k)
@@ -545,6 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", help="profile file (default: APP.profile.json beside the app)")
     pr.add_argument("--threads", default="1",
                     help="comma-separated thread budgets per replica to measure, e.g. 1,2 (default 1)")
+    pr.add_argument("--no-plot", action="store_true", help="write no PNG beside the profile")
     pr.set_defaults(fn=cmd_profile)
 
     pl = sub.add_parser("plan", help="choose replicas, threads and batch limits per stage for this machine or GPUs")

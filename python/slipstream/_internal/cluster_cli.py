@@ -146,7 +146,7 @@ def cmd_deploy(a: argparse.Namespace) -> int:
         if not app.is_file():
             return fail(f"no app file {app}")
         a.app = str(app) + (":" + a.app.split(":", 1)[1] if ":" in a.app else "")
-        spec = build_spec(a)
+        spec = build_spec(a, size_here=False)
         body = json.dumps(spec, sort_keys=True)
         record = {"spec": spec, "app": str(app), "app_sha256": _file_sha256(app), "at": time.time()}
         if a.bundle:

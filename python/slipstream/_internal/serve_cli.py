@@ -18,28 +18,39 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from slipstream._internal import config
+from slipstream._internal import config, sizing
 from slipstream._internal.errors import from_core
 
 
-def build_spec(a: argparse.Namespace) -> dict[str, Any]:
-    """The app's spec for the node, from the app file and the spec flags (serve and deploy share them)."""
+def build_spec(a: argparse.Namespace, size_here: bool = True) -> dict[str, Any]:
+    """The app's spec for the node, from the app file and the spec flags (serve and deploy share them).
+    With `size_here`, stages the app leaves unsized are planned for this machine (`sizing`); a
+    deployment to a cluster keeps the declaration (the cluster places replicas by counts)."""
     from slipstream._internal.app import app_spec, default_profile_path, load_pipelines, load_profiles
     from slipstream._internal.planner import profiles_for_threads
 
     _, pipelines = load_pipelines(a.app)
-    if a.plan:
-        pipelines = apply_plan_file(pipelines, Path(a.plan))
+    cfg = config.resolve(a)
     profile_paths = [Path(p) for p in a.profile]
     if not profile_paths and default_profile_path(a.app).is_file():
         profile_paths = [default_profile_path(a.app)]
-    cfg = config.resolve(a)
+    notes: dict[str, list[str]] = {}
+    if a.plan:
+        pipelines = apply_plan_file(pipelines, Path(a.plan))
+        notes = {p.name: [f"from the plan {a.plan}"] for p in pipelines}
+    elif cfg["sizing"] == "plan" and size_here:
+        sized = sizing.size(a.app, pipelines, cores=cfg["cores"], overheads=model_overheads(a.app),
+                            log=lambda m: log(cfg["log_format"], m))
+        pipelines, notes = sized.pipelines, sized.notes
+        profile_paths += [p for p in sized.profiles if p not in profile_paths]
     for path in profile_paths:
         log(cfg["log_format"], f"latency profile {path}")
     sections = cfg.spec_sections()
     profiles = profiles_for_threads(load_profiles(profile_paths), profile_paths, pipelines)
     spec = app_spec(a.app, pipelines, batching=sections["batching"], profiles=profiles,
                     autoscale=sections["autoscale"])
+    for p in spec["pipelines"]:
+        p["sizing"] = notes.get(p["name"], ["as declared" + (" (--sizing declared)" if size_here else "")])
     for p in pipelines:
         stages = ", ".join(
             s["name"] + (f" <- {' + '.join(s['parents'])}" if s["parents"] else " <- inputs")
@@ -47,6 +58,16 @@ def build_spec(a: argparse.Namespace) -> dict[str, Any]:
         )
         log(cfg["log_format"], f"pipeline {p.name}: {stages}")
     return spec
+
+
+def model_overheads(app: str) -> dict[str, Any]:
+    """The SLO model's overheads for this machine: the app's calibration file
+    (`slipstream slo --calibrate`), else the defaults."""
+    from slipstream._internal import slo
+
+    out: dict[str, Any] = dict(slo.DEFAULTS)
+    out.update(slo.load_calibration(slo.calibration_path(app)) or {})
+    return out
 
 
 def log(fmt: str, message: str) -> None:

@@ -102,8 +102,10 @@ def _cpu_stages(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[st
                 raise ConfigError(f"the profile of {pipe.name!r} lacks stage {name!r}: profile again")
             thread_counts = sorted({1, *(int(t) for t in sp.get("by_threads", {}))})
             opts = []
+            if "threads" in comp.pinned:
+                thread_counts = [comp.threads]  # measured or not: a pinned count is served as given
             for t in thread_counts:
-                if t > max_threads:
+                if t > max_threads and "threads" not in comp.pinned:
                     continue
                 for pt in stage_points(sp, t):
                     b = int(pt["batch"])
@@ -436,7 +438,7 @@ def _why_cpu(pipe: Pipeline, stages: Sequence[_CpuStage], sol: _CpuSolution, cos
         o = sol.opt[s.key]
         lines.append(f"{s.name}: {sol.n[s.key]} replica(s) x {o.threads} thread(s), batch <= {o.batch}: "
                      f"{o.mu:,.0f} req/s per busy replica, {o.cpu_s * 1e6:,.0f} us CPU per request")
-        if sol.n[s.key] >= s.hi and s.bounded:
+        if sol.n[s.key] >= s.hi and s.bounded and s.lo < s.hi:  # (a pinned count is said below)
             lines.append(f"binding: replicas bound: {s.name} is at its declared max_replicas {s.hi}")
         bigger = [b for b in s.opts if b.threads == o.threads and b.batch > o.batch and b.cpu_s < o.cpu_s]
         if bigger and costs.slo_ms.get(s.pipeline) is not None and _breaks_path(mine, sol, costs, q, s, bigger):
@@ -451,7 +453,8 @@ def _why_cpu(pipe: Pipeline, stages: Sequence[_CpuStage], sol: _CpuSolution, cos
                      + ", ".join(f"{s.name} {sol.tput[s.key]:,.0f} req/s" for s in rest))
     for s in mine:
         if s.bounded:
-            lines.append(f"{s.name}: declared replicas ({s.lo}, {s.hi}) respected")
+            lines.append(f"{s.name}: declared replicas " + (f"{s.lo} pinned" if s.lo == s.hi else
+                                                            f"({s.lo}, {s.hi}) respected"))
     return lines
 
 

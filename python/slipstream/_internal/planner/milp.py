@@ -221,10 +221,12 @@ class _StageBase:
 
 
 def _bounds(comp: Component, cap: int) -> tuple[int, int, bool]:
-    """Declared (lo, hi) bounds are kept; a fixed count is the author's
-    default, which the planner replaces (within 1..cap)."""
+    """Declared (lo, hi) bounds are kept; a count the author gave is kept
+    (pinned); otherwise the planner chooses within 1..cap."""
     if comp.autoscaled:
         return comp.min_replicas, comp.max_replicas, True
+    if "replicas" in comp.pinned:
+        return comp.replicas, comp.replicas, True
     return 1, max(1, cap), False
 
 

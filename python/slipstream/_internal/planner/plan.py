@@ -109,6 +109,13 @@ def with_components(pipe: Pipeline, comps: Mapping[str, Component]) -> Pipeline:
 
 
 def _configured(comp: Component, sp: StagePlan) -> Component:
+    """`comp` sized by `sp`. A stage declared with bounds keeps them (the
+    autoscaler moves within) and starts at the planned count."""
+    if comp.autoscaled:
+        c = comp.options(replicas=(comp.min_replicas, comp.max_replicas), threads=sp.threads,
+                         max_batch_size=sp.max_batch_size)
+        c.replicas = min(max(sp.replicas, c.min_replicas), c.max_replicas)
+        return c
     replicas: int | tuple[int, int] = (sp.replicas, sp.max_replicas) if sp.max_replicas > sp.replicas \
         else sp.replicas
     return comp.options(replicas=replicas, threads=sp.threads, max_batch_size=sp.max_batch_size)

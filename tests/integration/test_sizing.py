@@ -1,0 +1,110 @@
+"""Serve-time sizing (issue 27): `slipstream serve app.py` with no flags
+profiles the app on this machine on first start (with progress), plans
+the stages the app leaves unsized, serves the plan, says what it chose in
+`status`, and a second start reuses the cached profile. A stage that pins
+its counts keeps them. (The other tests serve as declared: conftest.py.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import slipstream as ss
+from slipstream._internal import sizing
+from slipstream._internal.app import load_pipelines
+
+from tests.conftest import APPS, SLIPSTREAM, Node
+
+APP = str(APPS / "sized.py")
+PLAN_ENV = {"SLIPSTREAM_SIZING": "plan"}
+
+
+def _serve(cache: Path) -> tuple[Node, float]:
+    t0 = time.monotonic()
+    node = Node(APP, env={**PLAN_ENV, "SLIPSTREAM_CACHE_DIR": str(cache)}, ready_timeout=240)
+    node.wait_ready(240)
+    return node, time.monotonic() - t0
+
+
+def _stages(node: Node) -> dict[str, dict]:
+    (p,) = node.status()["pipelines"]
+    return {s["name"]: s for s in p["stages"]}
+
+
+def test_first_start_profiles_plans_and_serves_and_the_second_reuses_the_profile(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    node, first_s = _serve(cache)
+    try:
+        log = node.log()
+        assert "profiling pipeline sized on this machine" in log, log
+        assert "Heavy batch 8" in log, log  # the profiler's progress, per batch size
+        (cached,) = (cache / "profiles").glob("sized-*.json")
+        prof = json.loads(cached.read_text())
+        assert {s for p in prof["pipelines"] for s in p["stages"]} == {"Heavy", "Light"}
+        stages = _stages(node)
+        # Light pins 1 replica x 1 thread; Heavy is the planner's (1..2 x cores replicas).
+        assert len(stages["Light"]["replicas"]) == 1 and stages["Light"]["threads"] == 1
+        assert 1 <= len(stages["Heavy"]["replicas"]) <= 2 * sizing.usable_cores()
+        (p,) = node.status()["pipelines"]
+        assert p["sizing"][0].startswith("planned for"), p["sizing"]
+        assert str(cached) in p["sizing"][0] and "Light 1 x 1 thread(s), batch <= " in p["sizing"][0]
+        assert "replicas, threads pinned" in p["sizing"][0]
+        out = ss.Client(node.url).infer("sized", {"x": [[1.0, 2.0], [3.0, 4.0]]})
+        assert out["y"].tolist() == [[3.0, 5.0], [7.0, 9.0]]
+        status = subprocess.run([*SLIPSTREAM, "status", "--url", node.url], capture_output=True, text=True,
+                                timeout=30)
+        assert "sized: planned for" in status.stdout, status.stdout
+        heavy_first = len(stages["Heavy"]["replicas"])
+    finally:
+        node.stop()
+    node, second_s = _serve(cache)
+    try:
+        log = node.log()
+        assert "profiling pipeline" not in log and f"profile of this machine from {cached}" in log, log
+        assert len(_stages(node)["Heavy"]["replicas"]) == heavy_first  # the same profile, the same plan
+    finally:
+        node.stop()
+    assert second_s < first_s, (first_s, second_s)
+
+
+def test_declared_sizing_serves_the_declaration(tmp_path: Path) -> None:
+    with Node(APP, "--sizing", "declared", env={"SLIPSTREAM_CACHE_DIR": str(tmp_path)}) as node:
+        stages = _stages(node)
+        assert [len(stages[s]["replicas"]) for s in ("Heavy", "Light")] == [1, 1]
+        assert node.status()["pipelines"][0]["sizing"] == ["as declared (--sizing declared)"]
+    assert not (tmp_path / "profiles").exists()
+
+
+def test_what_the_author_gives_is_pinned_and_the_rest_planned() -> None:
+    _, (pipe,) = load_pipelines(APP)
+    heavy, light = pipe.stage("Heavy"), pipe.stage("Light")
+    assert heavy.pinned == frozenset() and light.pinned == {"replicas", "threads"}
+    assert sizing.needs_plan(pipe)
+    assert heavy.options(name="H2").pinned == frozenset()  # a copy leaves the planned parts planned
+    assert heavy.options(replicas=3).pinned == {"replicas"}
+    bounded = heavy.options(replicas=(1, 4))
+    assert bounded.pinned == frozenset() and (bounded.min_replicas, bounded.max_replicas) == (1, 4)
+    assert not sizing.needs_plan(ss.Pipeline("p", light, inputs={"x": ss.Tensor("float32", (-1, 2))}))
+    # A profile's cache key follows the components' versions: another batch limit, another file.
+    one = sizing.profile_path(pipe, [1, 2])
+    assert sizing.profile_path(pipe, [1, 2]) == one
+    other = ss.Pipeline("sized", heavy.options(max_batch_size=4) >> light)
+    assert sizing.profile_path(other, [1, 2]) != one
+
+
+def test_a_planned_stage_with_bounds_keeps_them() -> None:
+    from slipstream._internal.planner import StagePlan
+    from slipstream._internal.planner.plan import _configured
+
+    _, (pipe,) = load_pipelines(APP)
+    c = _configured(pipe.stage("Heavy").options(replicas=(1, 4)), StagePlan(3, 3, 1, 4, 100.0))
+    assert (c.replicas, c.min_replicas, c.max_replicas, c.max_batch_size) == (3, 1, 4, 4)
+
+
+@pytest.mark.parametrize("cores,want", [(1, [1]), (2, [1, 2]), (16, [1, 2, 4])])
+def test_thread_counts_profiled(cores: int, want: list[int]) -> None:
+    _, (pipe,) = load_pipelines(APP)
+    assert sizing.thread_counts(pipe, cores) == want
