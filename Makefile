@@ -87,10 +87,11 @@ test-fuzz:
 
 # pytest-xdist workers: more than the cores, as the integration tests mostly
 # wait (nodes starting, deadlines, sleeps); each module runs whole on one
-# worker (--dist loadscope), so its module-scoped nodes start once.
+# worker (--dist loadscope), so its module-scoped nodes start once; modules
+# are handed out longest first (tests/conftest.py), not by number of tests.
 PYTEST_WORKERS ?= 3
 test-py: setup test-services
-	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadscope tests
+	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder tests
 
 demo: setup
 	$(PY) examples/demo.py
@@ -129,11 +130,12 @@ bench-cluster: setup
 	bash bench/vs_ray/setup_ray.sh
 	$(PY) -m bench.cluster --ray
 
-# Goodput at the SLO with the planner's configuration vs as shipped, as a
-# share of the offline compute limit: bench/results/goodput.{json,md}.
+# Goodput at the SLO out of the box (`slipstream serve APP`, which plans for
+# this machine) vs as declared, as a share of the offline compute limit
+# measured in the same run: bench/results/goodput.{json,md}.
 bench-goodput: setup
-	$(PY) -m bench.limit --pipelines rag,recsys
-	$(PY) -m bench.goodput
+	$(PY) -m bench.limit --pipelines rag,multimodal
+	$(PY) -m bench.goodput --pipelines rag,multimodal --configs out-of-box,declared
 
 # Live knowledge base: put -> first query that finds the document, at half load.
 bench-freshness: setup

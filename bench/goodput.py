@@ -1,10 +1,19 @@
 """Goodput at the SLO, as a share of the offline compute limit.
 
-For each pipeline (RAG and recsys by default): plan it for this machine
-(`slipstream plan APP --cores N`), serve it with the plan (`--plan`,
-autoscaler off, so the configuration under test is the plan's), and also
-as shipped (the app's own declaration, autoscaler off, at its starting
-replica counts). At offered Poisson rates from 60% to 105% of the offline
+For each pipeline (RAG and multimodal by default), serve it in each
+configuration asked for (`--configs`):
+
+- ``out-of-box``: `slipstream serve APP` with no flags, as a new user runs
+  it: the node sizes the stages the app leaves out from a profile of this
+  machine (measured on its first start, then cached: `sizing.py`), with
+  the default autoscaler;
+- ``declared``: the app's declaration as written (`--sizing declared`,
+  autoscaler off, at its starting replica counts): what serving gave before
+  it planned by default;
+- ``planned``: `slipstream plan APP --cores N` first, then `serve --plan`
+  (autoscaler off).
+
+At offered Poisson rates from 60% to 105% of the offline
 compute limit (bench.limit), measure what is answered within the SLO.
 The SLO holds at a rate when the p99 of answered requests is within the
 target and misses (errors, refusals, answers later than the target) are at
@@ -37,7 +46,11 @@ from bench import harness
 from bench.harness import RESULTS, ROOT
 from bench.limit import load_limit
 
-APPS = {"rag": "examples/rag.py", "recsys": "examples/recsys.py"}
+APPS = {"rag": "examples/rag.py", "recsys": "examples/recsys.py", "multimodal": "examples/multimodal.py",
+        "audioquery": "examples/audioquery.py"}
+#: Each configuration: the serve flags and the sizing (see the module doc).
+CONFIGS = {"out-of-box": ([], "plan"), "declared": (["--autoscale", "off"], "declared"),
+           "planned": (["--autoscale", "off"], "declared")}
 FRACTIONS = (0.6, 0.75, 0.85, 0.9, 0.95, 1.0, 1.05)
 
 
@@ -79,7 +92,7 @@ def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def measure(name: str, app: str, limit: float, configs: dict[str, list[str]], a: argparse.Namespace
+def measure(name: str, app: str, limit: float, configs: dict[str, tuple[list[str], str]], a: argparse.Namespace
             ) -> dict[str, Any]:
     from slipstream._internal.api import Pipeline
     from slipstream._internal.app import load_pipelines
@@ -95,11 +108,15 @@ def measure(name: str, app: str, limit: float, configs: dict[str, list[str]], a:
     print(f"{name}: request body from {source}", file=sys.stderr)
     rates = [round(limit * f) for f in a.fractions]
     results: dict[str, Any] = {}
-    for label, flags in configs.items():
-        print(f"\n{name} [{label}]: serving with {' '.join(flags) or 'its declaration'}", file=sys.stderr)
+    for label, (flags, sizing) in configs.items():
+        print(f"\n{name} [{label}]: slipstream serve {app} {' '.join(flags)} (sizing {sizing})", file=sys.stderr)
         rows = []
-        with harness.node(ROOT / app, "--autoscale", "off", *flags) as node:
+        with harness.node(ROOT / app, *flags, sizing=sizing) as node:
             time.sleep(1.0)
+            status = node.status()
+            sizes = {s["name"]: f"{len(s['replicas'])}x{s['threads']}t b{s['max_batch_size']}"
+                     for p in status["pipelines"] if p["name"] == name for s in p["stages"]}
+            print(f"  served as: {sizes}", file=sys.stderr)
             for rate in rates:
                 reps = []
                 for _ in range(a.repeat):
@@ -113,20 +130,21 @@ def measure(name: str, app: str, limit: float, configs: dict[str, list[str]], a:
                 if not holds(m, slo_ms, max_miss) and rate > limit * 0.9:
                     break  # past the knee
         best = max((r for r in rows if holds(r, slo_ms, max_miss)), key=lambda r: r["goodput_rps"], default=None)
-        results[label] = {"rows": rows, "best": best,
+        results[label] = {"rows": rows, "best": best, "served_as": sizes,
                           "goodput_fraction": (best["goodput_rps"] / limit) if best else 0.0}
     return {"pipeline": name, "app": app, "limit_rps": limit, "slo_ms": slo_ms, "body": source, "configs": results}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pipelines", default="rag,recsys")
+    ap.add_argument("--pipelines", default="rag,multimodal")
+    ap.add_argument("--configs", default="out-of-box,declared",
+                    help=f"comma-separated, of {', '.join(CONFIGS)} (see the module doc)")
     ap.add_argument("--cores", type=float, default=float(os.cpu_count() or 2))
     ap.add_argument("--duration", type=float, default=10.0, help="measured seconds per run")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--fractions", type=lambda s: [float(x) for x in s.split(",")], default=list(FRACTIONS),
                     help="offered rates as fractions of the limit")
-    ap.add_argument("--no-shipped", action="store_true", help="measure only the planned configuration")
     ap.add_argument("--out", type=Path, default=RESULTS / "goodput",
                     help="results path without suffix (the plans go beside it)")
     a = ap.parse_args()
@@ -141,24 +159,28 @@ def main() -> int:
                   file=sys.stderr)
             return 1
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        plan_path = a.out.parent / f"goodput_{name}.plan.json"
-        plan = plan_for(app, a.cores, plan_path)
-        configs = {"planned": ["--plan", str(plan_path)]}
-        if not a.no_shipped:
-            configs["shipped"] = []
+        configs = {c: CONFIGS[c] for c in a.configs.split(",")}
+        plan = None
+        if "planned" in configs:
+            plan_path = a.out.parent / f"goodput_{name}.plan.json"
+            plan = plan_for(app, a.cores, plan_path)
+            configs["planned"] = (configs["planned"][0] + ["--plan", str(plan_path)], configs["planned"][1])
         res = measure(name, app, limit, configs, a)
-        res["plan"] = plan["pipelines"].get(name)
+        if plan is not None:
+            res["plan"] = plan["pipelines"].get(name)
         out["pipelines"][name] = res
     lines = ["# Goodput at the SLO vs the offline compute limit", "",
-             f"Planned for {a.cores:g} cores; median of {a.repeat} runs of {a.duration:g} s per rate "
-             "(`python -m bench.goodput`).", "",
-             "| pipeline | config | limit (req/s) | best rate holding the SLO | goodput (req/s) | share of limit | p99 (ms) |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             f"{a.cores:g} cores; median of {a.repeat} runs of {a.duration:g} s per rate "
+             f"(`python -m bench.goodput --pipelines {a.pipelines} --configs {a.configs}`).", "",
+             "| pipeline | config | served as | limit (req/s) | best rate holding the SLO | goodput (req/s) "
+             "| share of limit | p99 (ms) |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
     for name, res in out["pipelines"].items():
         for label, c in res["configs"].items():
             b = c["best"]
-            lines.append(f"| {name} | {label} | {res['limit_rps']:.0f} | {b['offered_rps'] if b else '-'} | "
-                         f"{b['goodput_rps'] if b else 0:.0f} | {100 * c['goodput_fraction']:.0f}% | "
+            served = ", ".join(f"{k} {v}" for k, v in c["served_as"].items())
+            lines.append(f"| {name} | {label} | {served} | {res['limit_rps']:.1f} | {b['offered_rps'] if b else '-'} | "
+                         f"{b['goodput_rps'] if b else 0:.1f} | {100 * c['goodput_fraction']:.0f}% | "
                          f"{b['p99_ms'] if b else float('nan'):.1f} |")
     harness.write_results(a.out, out, "\n".join(lines), machine)
     print("\n".join(lines))

@@ -22,6 +22,8 @@ reasons=()   # one line per group: its packages and why
 has() { command -v "$1" >/dev/null 2>&1; }
 
 # want WHY CHECK PACKAGE...: add the packages unless the command CHECK succeeds.
+# (A CHECK that pipes into `grep -q` fails under pipefail when grep exits
+# before the writer is done: the writer dies of SIGPIPE. Let grep read all.)
 want() {
   local why=$1 check=$2
   shift 2
@@ -47,7 +49,7 @@ for target in "$@"; do
       want "test_prometheus.py scrapes a node with a real Prometheus" "has prometheus" prometheus
       want "the AudioQuery tests speak their questions" "has espeak-ng" espeak-ng
       want "Triton's perf_analyzer (a gRPC test, bench/perf_analyzer.py) links it" \
-        "ldconfig -p | grep -q libb64.so.0d" libb64-0d
+        "ldconfig -p | grep libb64.so.0d" libb64-0d
       ;;
     bench)
       want "the store benchmarks run the same loads against a real Redis" "has redis-server" redis-server
