@@ -57,7 +57,20 @@ FUZZ_SEED ?= $(shell date +%s)
 # The workspace's test targets: libraries, binaries and tests. Not the
 # doc-tests (there are none; running them cost ~30 s of rustdoc per run) nor
 # the examples (`make lint` compiles those).
-RUST_TESTS := --workspace --exclude slipstream-py --locked --lib --bins --tests
+RUST_WORKSPACE = --workspace --exclude slipstream-py --locked $(RUST_PROFILE)
+RUST_TESTS = $(RUST_WORKSPACE) --lib --bins --tests
+# RUST_TESTS_ON_RELEASE=1 (CI sets it): build the test binaries in the
+# release profile, reusing the dependencies `make setup` just compiled for
+# the extension instead of compiling all ~150 again in the dev profile; the
+# workspace's own crates are built as in a debug build (no optimisation,
+# debug assertions and overflow checks on). Only worth it when the release
+# profile is the one setup used (.ci/run's overrides, no LTO).
+ifeq ($(RUST_TESTS_ON_RELEASE),1)
+RUST_CRATES := $(filter-out slipstream-py,$(notdir $(patsubst %/,%,$(wildcard crates/*/))))
+RUST_PROFILE := --release $(foreach c,$(RUST_CRATES),--config 'profile.release.package.$(c).opt-level=0' \
+	--config 'profile.release.package.$(c).debug-assertions=true' \
+	--config 'profile.release.package.$(c).overflow-checks=true')
+endif
 test-beside-py:
 	MAKEFLAGS= nice -n 19 $(CARGO) test $(RUST_TESTS) --quiet --no-run
 	SLIPSTREAM_FUZZ_SEED=$(FUZZ_SEED) nice -n 19 $(MAKE) --no-print-directory test-fuzz
@@ -82,7 +95,7 @@ test-rust: test-services
 # resolves features differently and rebuilt 27 crates).
 FUZZ_SECS ?= 30
 test-fuzz:
-	SLIPSTREAM_FUZZ_SECS=$(FUZZ_SECS) $(CARGO) test --workspace --exclude slipstream-py --locked --test fuzz_codec \
+	SLIPSTREAM_FUZZ_SECS=$(FUZZ_SECS) $(CARGO) test $(RUST_WORKSPACE) --test fuzz_codec \
 		-- --nocapture
 
 # pytest-xdist workers: more than the cores, as the integration tests mostly

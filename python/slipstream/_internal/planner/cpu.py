@@ -12,7 +12,8 @@ model's defaults). Variables: ``y[s,o]`` (binary: the stage's one option),
 ``X_p <= T_s / demand_s``. The cores are time-shared: work, not replicas,
 uses them, so ``sum cpu x + node_cpu sum X_p <= C`` (``node_cpu``: the node's
 and the load generator's CPU per request), and replicas may outnumber cores,
-up to ``sum t n <= 2C``: beyond that extra processes buy no throughput and
+up to ``sum t n <= 2C + sum lo`` (each stage's minimum replicas, then 2C
+threads beyond them: `thread_cap`): beyond that extra processes buy no throughput and
 only add preemption (the SLO model's contention), and a cap keeps the
 program bounded. ``T_s`` above ``X_p`` is headroom with CPU set aside for it.
 
@@ -124,6 +125,17 @@ def _cpu_stages(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[st
 
 # --- the CPU program -----------------------------------------------------------------------
 
+def thread_cap(stages: Sequence[_CpuStage], cores: float) -> float:
+    """The most replica threads a plan may have: every stage's minimum
+    replicas, plus ``OVERSUBSCRIBE x cores`` threads beyond them. Counting
+    the minimum apart matters for pipelines with more stages than cores: a
+    light stage's one replica is mostly idle, and counted against a flat
+    cap of 2 x cores it left multimodal's VisionEncoder (86 ms of CPU per
+    request, 95% of the pipeline's) one replica on two cores, at half the
+    machine."""
+    return OVERSUBSCRIBE * cores + float(sum(s.lo for s in stages))
+
+
 @dataclass
 class _CpuVars:
     m: _Model
@@ -164,7 +176,7 @@ def _cpu_program(stages: Sequence[_CpuStage], costs: _Costs, q: float, time_limi
     for x in v.rate.values():
         v.cpu[x] = costs.node_cpu_s
     m.row(v.cpu, hi=costs.cores)
-    m.row(v.threads, hi=max(OVERSUBSCRIBE * costs.cores, float(sum(s.lo for s in stages))))
+    m.row(v.threads, hi=thread_cap(stages, costs.cores))
     _path_rule(m, stages, lat, costs)
     return v
 
@@ -445,8 +457,10 @@ def _why_cpu(pipe: Pipeline, stages: Sequence[_CpuStage], sol: _CpuSolution, cos
             b = min(bigger, key=lambda b: b.batch)
             lines.append(f"binding: SLO batch limit: {s.name} at batch {b.batch} (p99 {b.p99_ms:.1f} ms) breaks "
                          f"the path rule ({q:g} x p99 + hop per stage <= {costs.slo_ms[s.pipeline]:g} ms)")
-    if sol.threads_used >= OVERSUBSCRIBE * costs.cores * (1 - 1e-3):
-        lines.append(f"binding: replica threads at the cap ({OVERSUBSCRIBE:g} x {costs.cores:g} cores)")
+    tcap = thread_cap(stages, costs.cores)
+    if sol.threads_used >= tcap * (1 - 1e-3):
+        lines.append(f"binding: replica threads at the cap ({tcap:g}: {OVERSUBSCRIBE:g} x {costs.cores:g} cores "
+                     "beyond each stage's minimum replicas)")
     rest = [s for s in mine if sol.tput[s.key] > low * (1 + 1e-3) + TOL]
     if rest:
         lines.append("headroom (spare capacity given to the next bottlenecks): "
