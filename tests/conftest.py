@@ -50,65 +50,6 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
         yield
 
 
-#: Seconds the slowest modules took in a full parallel run (`pytest -n 3
-#: --durations=0`, setup + call + teardown summed per module; 2026-11-27):
-#: a scheduling hint, not an assertion. A module not named counts as 1 s.
-MODULE_SECONDS = {
-    "integration/test_clipper.py": 91,
-    "integration/test_audioquery.py": 82,
-    "integration/test_cluster.py": 65,
-    "integration/test_cluster_partition.py": 49,
-    "integration/test_grpc.py": 47,
-    "integration/test_torch.py": 37,
-    "unit/test_speech.py": 37,
-    "integration/test_wheel.py": 35,
-    "integration/test_faults.py": 33,
-    "integration/test_autoscale.py": 31,
-    "integration/test_robustness.py": 31,
-    "integration/test_store_crash.py": 30,
-    "integration/test_store.py": 29,
-    "integration/test_cluster_store.py": 27,
-    "integration/test_overload.py": 24,
-    "integration/test_prometheus.py": 23,
-    "integration/test_slo_cli.py": 21,
-    "integration/test_scale.py": 19,
-    "unit/test_late.py": 19,
-    "integration/test_dashboard.py": 18,
-    "integration/test_client.py": 17,
-    "integration/test_multimodal.py": 16,
-    "unit/test_minilm.py": 14,
-    "test_planner.py": 13,
-    "integration/test_rag.py": 13,
-    "integration/test_sizing.py": 12,
-    "integration/test_rag_late.py": 12,
-    "integration/test_selection.py": 11,
-    "integration/test_serving.py": 10,
-    "integration/test_launch.py": 9,
-    "integration/test_deadlines.py": 7,
-    "test_store_client.py": 6,
-    "integration/test_async.py": 6,
-}
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The longest modules first. xdist hands modules to workers in this
-    order (`make test` passes --no-loadscope-reorder; by default it orders
-    them by their number of tests, which put 35-second modules of one test
-    last), so the long ones start early and the short ones fill the gaps at
-    the end (longest-processing-time-first scheduling). The sort is stable:
-    a module's tests keep their order."""
-    here = Path(__file__).resolve().parent
-
-    def seconds(item: pytest.Item) -> int:
-        try:
-            rel = Path(str(item.fspath)).resolve().relative_to(here).as_posix()
-        except ValueError:
-            return 1
-        return MODULE_SECONDS.get(rel, 1)
-
-    items.sort(key=lambda item: -seconds(item))
-
-
 @pytest.fixture(scope="module")
 def chain_node() -> Iterator[Node]:
     node = Node(str(APPS / "chain.py"), "--request-timeout", "2", "--max-body-mb", "1")

@@ -176,3 +176,21 @@ def test_graceful_shutdown_drains_in_flight() -> None:
     assert node.proc.wait(30) == 0
     assert "draining" in node.log()
     assert shm_files_of(serve_pid, started) == []
+
+
+def test_a_killed_node_s_shared_memory_is_removed_by_the_next_node() -> None:
+    """A SIGKILLed node cannot remove its pool files (memory, in /dev/shm);
+    the next node to start on the machine finds its lock free and does."""
+    started = time.time() - 1.0
+    node = Node(str(APPS / "chain.py"))
+    node.wait_ready()
+    pid = node.proc.pid
+    files = shm_files_of(pid, started)
+    assert f"slipstream-{pid}-" in files[0] and any(f.endswith(".lock") for f in files), files
+    assert len(files) >= 2  # the lock and the ingress pool at least
+    node.proc.kill()
+    node.proc.wait(30)
+    # (Another test's node starting meanwhile may already have swept them.)
+    with Node(str(APPS / "chain.py")) as after:
+        assert after.status()["ready"]
+        assert shm_files_of(pid, started) == []

@@ -20,7 +20,7 @@
 use crate::error::NodeError;
 use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
-use slipstream_shm::{Block, BlockMut, Pool};
+use slipstream_shm::{sweep_orphans, Block, BlockMut, OwnerLock, Pool};
 use slipstream_types::{checked_numel, DType, TensorDesc};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -219,12 +219,24 @@ pub struct Arena {
     /// Set by [`Arena::unlink_all`]: no pool file is created after it (a
     /// replica restarted while the node stops would leave one behind).
     closed: std::sync::atomic::AtomicBool,
+    /// Says the pool files are in use while this node lives, so that a
+    /// node started after it was killed can remove them.
+    owner: OwnerLock,
 }
+
+/// What every node's pool files are named after: `slipstream-{pid}-{hex}-{id}`.
+const FILE_FAMILY: &str = "slipstream-";
 
 impl Arena {
     /// Create the ingress pool (id 0) under `dir`.
     pub fn new(dir: PathBuf, ingress_bytes: usize) -> Result<Arena, NodeError> {
-        let prefix = format!("slipstream-{}-{:x}", std::process::id(), rand_suffix());
+        let prefix = format!("{FILE_FAMILY}{}-{:x}", std::process::id(), rand_suffix());
+        let swept = sweep_orphans(&dir, FILE_FAMILY);
+        if swept > 0 {
+            tracing::info!("removed {swept} shared-memory file(s) of nodes that ended without removing them");
+        }
+        let owner = OwnerLock::acquire(&dir, &prefix)
+            .map_err(|e| NodeError::Internal(format!("cannot lock {}/{prefix}.lock: {e}", dir.display())))?;
         let arena = Arena {
             dir,
             prefix,
@@ -232,6 +244,7 @@ impl Arena {
             spare: Mutex::new(Vec::new()),
             copies: CopyCounters::default(),
             closed: std::sync::atomic::AtomicBool::new(false),
+            owner,
         };
         arena.create_pool(ingress_bytes)?;
         Ok(arena)
@@ -308,6 +321,7 @@ impl Arena {
         for p in pools.iter() {
             let _ = p.unlink();
         }
+        self.owner.release();
     }
 
     /// Allocate an ingress block and count the write that will fill it.

@@ -73,6 +73,7 @@
 mod bitmap;
 mod block;
 mod error;
+mod owner;
 mod pool;
 
 #[cfg(test)]
@@ -82,6 +83,7 @@ use std::path::{Path, PathBuf};
 
 pub use block::{Block, BlockMut};
 pub use error::ShmError;
+pub use owner::{sweep_orphans, OwnerLock};
 pub use pool::{Pool, DEFAULT_PAGE_SIZE, HEADER_SIZE, MAGIC, VERSION};
 
 /// Map a file that no one will modify again, read-only, without a copy.
