@@ -229,7 +229,9 @@ def test_routes(dash_node: Node) -> None:
     assert [(s["name"], s["min_replicas"], s["max_replicas"]) for s in h["pipelines"][0]["stages"]] == [
         ("Embed", 1, 1), ("Rank", 1, 2)]
     assert h["status_of"]["overloaded"] == 429 and h["status_of"]["deadline_exceeded"] == 504
-    wait_for(lambda: dash_node.get("/v1/history")[1]["seq"] >= 2, timeout=10)
+    # Two samples, the newest taken after the replicas' start-up events (on a
+    # busy machine the first two can both fall before them: seen in CI).
+    wait_for(lambda: (lambda h: h["seq"] >= 2 and bool(h["events"]))(dash_node.get("/v1/history")[1]), timeout=20)
     h = dash_node.get("/v1/history")[1]
     newest = h["seq"]
     assert [s["seq"] for s in h["samples"]] == list(range(1, newest + 1))
