@@ -419,7 +419,7 @@ mod tests {
         let files = || std::fs::read_dir(&dir).unwrap().count();
         let arena = Arena::new(dir.clone(), 1 << 16).unwrap();
         let pool = arena.replica_pool(1 << 16).unwrap();
-        assert_eq!(files(), 2, "the ingress pool and a replica's");
+        assert_eq!(files(), 3, "the ingress pool, a replica's and the owner's lock");
         arena.release_pool(pool);
         arena.unlink_all();
         assert_eq!(files(), 0);
