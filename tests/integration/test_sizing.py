@@ -15,6 +15,7 @@ import pytest
 import slipstream as ss
 from slipstream._internal import sizing
 from slipstream._internal.app import load_pipelines
+from slipstream._internal.serve_cli import model_overheads
 
 from tests.conftest import APPS, SLIPSTREAM, Node
 
@@ -34,7 +35,8 @@ def _stages(node: Node) -> dict[str, dict]:
     return {s["name"]: s for s in p["stages"]}
 
 
-def test_first_start_profiles_plans_and_serves_and_the_second_reuses_the_profile(tmp_path: Path) -> None:
+def test_first_start_profiles_plans_and_serves_and_the_second_reuses_the_profile(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_path / "cache"
     node, first_s = _serve(cache)
     try:
@@ -47,7 +49,14 @@ def test_first_start_profiles_plans_and_serves_and_the_second_reuses_the_profile
         stages = _stages(node)
         # Light pins 1 replica x 1 thread; Heavy is the planner's (1..2 x cores replicas).
         assert len(stages["Light"]["replicas"]) == 1 and stages["Light"]["threads"] == 1
-        assert 1 <= len(stages["Heavy"]["replicas"]) <= 2 * sizing.usable_cores()
+        # Heavy is the planner's: what the same plan, made here from the cached profile, gives.
+        monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(cache))
+        _, pipes = load_pipelines(APP)
+        planned = sizing.size(APP, pipes, cores=None, overheads=model_overheads(APP), log=lambda _: None)
+        assert planned.profiles == [cached]
+        heavy = planned.pipelines[0].stage("Heavy")
+        assert len(stages["Heavy"]["replicas"]) == heavy.replicas and stages["Heavy"]["threads"] == heavy.threads
+        assert 1 <= heavy.replicas <= 2 * sizing.usable_cores()
         (p,) = node.status()["pipelines"]
         assert p["sizing"][0].startswith("planned for"), p["sizing"]
         assert str(cached) in p["sizing"][0] and "Light 1 x 1 thread(s), batch <= " in p["sizing"][0]

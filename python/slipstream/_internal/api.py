@@ -294,7 +294,7 @@ class Component:
     #: Results kept by input (``ss.Cache``), or None.
     cache: Cache | None = None
     #: What the author fixed, of ``"replicas"`` (a count) and ``"threads"``:
-    #: the planner sizes the rest (docs/planning.md).
+    #: the planner sizes the rest (docs/design/planner.md).
     pinned: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:

@@ -138,7 +138,7 @@ def profile_path(pipe: Pipeline, threads: Sequence[int]) -> Path:
 
 def needs_plan(pipe: Pipeline) -> bool:
     """Whether any stage of `pipe` leaves its replicas or threads to the planner."""
-    return any(not {"replicas", "threads"} <= c.pinned or c.autoscaled for c in pipe.graph.nodes.values())
+    return any(not {"replicas", "threads"} <= c.pinned for c in pipe.graph.nodes.values())
 
 
 def _profile(app: str, pipe: Pipeline, threads: Sequence[int], out: Path, log: Log) -> None:

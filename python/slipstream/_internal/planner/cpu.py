@@ -101,13 +101,13 @@ def _cpu_stages(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[st
             sp = prof["stages"].get(name)
             if sp is None:
                 raise ConfigError(f"the profile of {pipe.name!r} lacks stage {name!r}: profile again")
-            thread_counts = sorted({1, *(int(t) for t in sp.get("by_threads", {}))})
-            opts = []
             if "threads" in comp.pinned:
-                thread_counts = [comp.threads]  # measured or not: a pinned count is served as given
+                thread_counts = [comp.threads]  # above the cores or not: a pinned count is served as given
+            else:
+                measured = {1, *(int(t) for t in sp.get("by_threads", {}))}
+                thread_counts = sorted(t for t in measured if t <= max_threads)
+            opts = []
             for t in thread_counts:
-                if t > max_threads and "threads" not in comp.pinned:
-                    continue
                 for pt in stage_points(sp, t):
                     b = int(pt["batch"])
                     if b > comp.max_batch_size:
