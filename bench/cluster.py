@@ -79,7 +79,7 @@ def goodput_at_slo(url: str, capacity: float, fractions: list[float], seconds: f
     rows = []
 
     def point(f: float) -> dict[str, Any]:
-        runs = [run_rate(url, pipeline, BODY_SCALE, f * capacity, seconds, SLO_MS, warmup_s=2.0, seed=7 + r)
+        runs = [run_rate(url, pipeline, [BODY_SCALE], f * capacity, seconds, SLO_MS, warmup_s=2.0, seed=7 + r)
                 for r in range(repeat)]
         med = {k: statistics.median(r[k] for r in runs) for k in ("goodput_rps", "p50_ms", "p99_ms", "miss_rate",
                                                                    "load_avg")}

@@ -68,7 +68,7 @@ def query(url: str, text: str) -> list[str]:
 
 def background(url: str, rate: float, seconds: float, slo_ms: float, out: dict[str, Any]) -> None:
     body = json.dumps({"inputs": {"query": ["how do I configure a reverse proxy with TLS termination"]}}).encode()
-    out.update(run_rate(url, "rag", body, rate, seconds, slo_ms, warmup_s=0.0, seed=5))
+    out.update(run_rate(url, "rag", [body], rate, seconds, slo_ms, warmup_s=0.0, seed=5))
 
 
 @contextmanager

@@ -11,7 +11,13 @@ configuration asked for (`--configs`):
   autoscaler off, at its starting replica counts): what serving gave before
   it planned by default;
 - ``planned``: `slipstream plan APP --cores N` first, then `serve --plan`
-  (autoscaler off).
+  (autoscaler off);
+- ``deadline-order``: out of the box, but batches formed in deadline order
+  only (`--batch-by-length off`): what length-aware batching adds.
+
+The requests are the pipeline's input mix (``bench.vs_ray.bodies.mix``:
+RAG's 1,000 benchmark queries, sent in turn), the inputs bench.limit
+measures the limit on.
 
 At offered Poisson rates from 60% to 105% of the offline
 compute limit (bench.limit), measure what is answered within the SLO.
@@ -50,7 +56,8 @@ APPS = {"rag": "examples/rag.py", "recsys": "examples/recsys.py", "multimodal": 
         "audioquery": "examples/audioquery.py"}
 #: Each configuration: the serve flags and the sizing (see the module doc).
 CONFIGS = {"out-of-box": ([], "plan"), "declared": (["--autoscale", "off"], "declared"),
-           "planned": (["--autoscale", "off"], "declared")}
+           "planned": (["--autoscale", "off"], "declared"),
+           "deadline-order": (["--batch-by-length", "off"], "plan")}
 FRACTIONS = (0.6, 0.75, 0.85, 0.9, 0.95, 1.0, 1.05)
 
 
@@ -64,13 +71,15 @@ def plan_for(app: str, cores: float, out: Path) -> dict[str, Any]:
     return dict(json.loads(out.read_text()))
 
 
-def run_rate(url: str, pipeline: str, body: bytes, rate: float, seconds: float, slo_ms: float,
+def run_rate(url: str, pipeline: str, bodies: list[bytes], rate: float, seconds: float, slo_ms: float,
              warmup_s: float = 2.0, seed: int = 11) -> dict[str, Any]:
     """One open-loop Poisson run at `rate` with the project's generator: what
-    was answered, within the SLO or not (goodput), and the load average."""
+    was answered, within the SLO or not (goodput), and the load average.
+    `bodies` are sent in turn (the input mix)."""
     urllib.request.urlopen(urllib.request.Request(url + "/v1/admin/reset-metrics", method="POST"), timeout=5).read()
-    r = harness.loadgen(f"{url}/v1/pipelines/{pipeline}/infer", body, [rate], seconds, warmup_s=warmup_s,
-                        max_connections=1024, timeout_s=10.0, seed=seed, slo_ms=slo_ms)[0]
+    r = harness.loadgen(f"{url}/v1/pipelines/{pipeline}/infer", bodies[0], [rate], seconds, warmup_s=warmup_s,
+                        max_connections=1024, timeout_s=10.0, seed=seed, slo_ms=slo_ms,
+                        bodies=bodies if len(bodies) > 1 else ())[0]
     sent = max(int(r["sent"]), 1)
     good = int(r["ok"]) - int(r["slower_than_slo"])
     return {"offered_rps": rate, "sent": sent, "ok": r["ok"], "errors": r["errors"],
@@ -97,15 +106,15 @@ def measure(name: str, app: str, limit: float, configs: dict[str, tuple[list[str
     from slipstream._internal.api import Pipeline
     from slipstream._internal.app import load_pipelines
 
-    from bench.vs_ray.bodies import body as request_body
+    from bench.vs_ray.bodies import mix
 
     _, pipes = load_pipelines(str(ROOT / app))
     pipe: Pipeline = next(p for p in pipes if p.name == name)
     assert pipe.slo is not None
     slo_ms, max_miss = pipe.slo.p99_ms, pipe.slo.max_miss_rate
-    # The request bench.limit measured the components with.
-    body, source = request_body(ROOT / app, pipe)
-    print(f"{name}: request body from {source}", file=sys.stderr)
+    # The requests bench.limit measured the components with.
+    bodies, source = mix(ROOT / app, pipe)
+    print(f"{name}: requests from {source}", file=sys.stderr)
     rates = [round(limit * f) for f in a.fractions]
     results: dict[str, Any] = {}
     for label, (flags, sizing) in configs.items():
@@ -120,7 +129,7 @@ def measure(name: str, app: str, limit: float, configs: dict[str, tuple[list[str
             for rate in rates:
                 reps = []
                 for _ in range(a.repeat):
-                    row = run_rate(node.url, name, body, rate, a.duration, slo_ms)
+                    row = run_rate(node.url, name, bodies, rate, a.duration, slo_ms)
                     reps.append(row)
                 m = median_row(reps)
                 rows.append(m)

@@ -22,10 +22,15 @@ Also reported: the stage-level bound ``min_s T_s`` (what the slowest stage
 alone could do with the whole machine) and each stage's CPU microseconds per
 request (``cores / T_s``).
 
-Every request in a batch is the body the goodput benchmarks send
-(``bench.vs_ray.bodies``: the same bytes for Slipstream and Ray Serve),
-decoded to arrays; a non-root stage gets its parents' outputs for that
-request, computed once, repeated to the batch size. What the limit leaves
+The requests are the ones the goodput benchmarks send
+(``bench.vs_ray.bodies.mix``: the same bytes for Slipstream and Ray Serve):
+the pipeline's real input mix where it ships one (RAG: its benchmark
+queries, the first 256), else one request repeated; decoded to arrays as
+the node decodes them. A non-root stage gets its parents' outputs for each
+request, computed once. Batches are cut from the mix ordered by length (the
+longest string element), as the best offline batcher would form them, so
+that a batch pads little; each process cycles through up to 64 of them.
+What the limit leaves
 out: HTTP and the codecs, the node, the hand-offs between processes, the
 load generator, and any idle time a latency SLO forces on batching.
 
@@ -137,21 +142,14 @@ def _pipeline(target: str) -> Any:
     return pipes[0]
 
 
-def _request_arrays(pipe: Any, target: str) -> tuple[dict[str, Any], str]:
-    """One request's inputs as arrays: the goodput benchmarks' body, decoded
-    as the node decodes the pipeline API's JSON; else the pipeline's example."""
+def _decode(pipe: Any, raw: bytes) -> dict[str, Any]:
+    """One request body's inputs as arrays, decoded as the node decodes the
+    pipeline API's JSON."""
     import base64
 
     import numpy as np
 
-    try:
-        from bench.vs_ray import bodies
-
-        raw, origin = bodies.body(Path(target.split(":")[0]), pipe)
-        inputs = json.loads(raw)["inputs"]
-    except Exception as e:  # noqa: BLE001 - no body builder for this app: the declared example
-        print(f"limit: no benchmark body ({e}); using the pipeline's example batch", file=sys.stderr)
-        return pipe.example_batch(1), "pipeline.example_batch"
+    inputs = json.loads(raw)["inputs"]
 
     def unb64(x: Any) -> Any:
         return [unb64(v) for v in x] if isinstance(x, list) else base64.b64decode(x)
@@ -165,12 +163,30 @@ def _request_arrays(pipe: Any, target: str) -> tuple[dict[str, Any], str]:
             out[name] = np.array(unb64(v), dtype=object)
         else:
             out[name] = np.asarray(v, dtype=spec.dtype)
-    return out, origin
+    return out
+
+
+#: Requests of an input mix the limit runs on (the first ones of the mix).
+MIX_REQUESTS = 256
+
+
+def _request_mix(pipe: Any, target: str) -> tuple[list[dict[str, Any]], str]:
+    """The requests' inputs as arrays: the goodput benchmarks' input mix (or
+    their one body), else the pipeline's example."""
+    try:
+        from bench.vs_ray import bodies
+
+        raws, origin = bodies.mix(Path(target.split(":")[0]), pipe)
+        return [_decode(pipe, raw) for raw in raws[:MIX_REQUESTS]], origin
+    except Exception as e:  # noqa: BLE001 - no body builder for this app: the declared example
+        print(f"limit: no benchmark body ({e}); using the pipeline's example batch", file=sys.stderr)
+        return [pipe.example_batch(1)], "pipeline.example_batch"
 
 
 def _prep(spec: dict[str, Any]) -> dict[str, Any]:
     """Load the app (building its data, as `slipstream serve` does), run
-    every stage once on one request, and save each stage's inputs."""
+    every stage on each request of the mix, and save each stage's inputs
+    per request."""
     import pickle
 
     import numpy as np
@@ -178,47 +194,76 @@ def _prep(spec: dict[str, Any]) -> dict[str, Any]:
 
     pipe = _pipeline(spec["target"])
     order = pipe.graph.topological_order()
-    roots, origin = _request_arrays(pipe, spec["target"])
-    rows = int(next(iter(roots.values())).shape[0])
-    outputs: dict[str, dict[str, Any]] = {}
-    stage_inputs: dict[str, dict[str, Any]] = {}
+    mix, origin = _request_mix(pipe, spec["target"])
+    rows = int(next(iter(mix[0].values())).shape[0])
+    outputs: list[dict[str, dict[str, Any]]] = [{} for _ in mix]
+    stage_inputs: dict[str, list[dict[str, Any]]] = {}
     stages = []
     for name in order:
         comp = pipe.stage(name)
         parents = pipe.graph.parents(name)
-        inputs: dict[str, Any] = dict(roots) if not parents else {}
-        for p in parents:
-            inputs.update(outputs[p])
-        stage_inputs[name] = inputs
         t0 = time.perf_counter()
         inst = comp.instantiate()
         built = time.perf_counter() - t0
         print(f"  {pipe.name}/{name}: constructed in {built:.1f} s", file=sys.stderr, flush=True)
-        result = inst(Batch(inputs, [rows]))
-        outputs[name] = {k: np.asarray(v) for k, v in result.items()}
+        per_request = []
+        for roots, outs in zip(mix, outputs, strict=True):
+            inputs: dict[str, Any] = dict(roots) if not parents else {}
+            for p in parents:
+                inputs.update(outs[p])
+            per_request.append(inputs)
+            n = int(next(iter(inputs.values())).shape[0])
+            outs[name] = {k: np.asarray(v) for k, v in inst(Batch(inputs, [n])).items()}
+        stage_inputs[name] = per_request
         del inst
         stages.append({"name": name, "parents": parents, "max_batch_size": int(comp.max_batch_size),
                        "declared_threads": int(getattr(comp, "threads", 1)), "construct_s": round(built, 2)})
     with open(spec["inputs_file"], "wb") as f:
         pickle.dump(stage_inputs, f)
-    return {"pipeline": pipe.name, "order": order, "stages": stages, "rows_per_request": rows, "body": origin}
+    return {"pipeline": pipe.name, "order": order, "stages": stages, "rows_per_request": rows, "body": origin,
+            "mix_requests": len(mix)}
 
 
-def _stage_batch(spec: dict[str, Any], requests: int) -> tuple[Any, Any]:
+def _length(inputs: dict[str, Any]) -> int:
+    """A request's length for grouping: its longest string or bytes element
+    (0 for fixed-size inputs, whose batches pad nothing)."""
+    longest = 0
+    for v in inputs.values():
+        if getattr(v, "dtype", None) is not None and v.dtype.kind == "O":
+            longest = max([longest] + [len(x.encode() if isinstance(x, str) else x) for x in v.ravel()])
+    return longest
+
+
+#: Distinct batches a measuring process cycles through.
+MAX_BATCHES = 64
+
+
+def _stage_batches(spec: dict[str, Any], requests: int) -> list[Any]:
+    """Batches of `requests` requests each from the mix, as the best offline
+    batcher would form them: the mix ordered by length (so that a batch
+    pads little), cut into consecutive groups, wrapping around; one batch
+    repeating the single request when the mix is one request. At most
+    MAX_BATCHES, their starts spread over the ordered mix."""
     import pickle
 
     import numpy as np
     from slipstream._internal.api import Batch
 
     with open(spec["inputs_file"], "rb") as f:
-        one = pickle.load(f)[spec["stage"]]
-    rows = int(next(iter(one.values())).shape[0])
-    tensors = {}
-    for k, v in one.items():
-        a = np.ascontiguousarray(np.concatenate([v] * requests, axis=0))
-        a.flags.writeable = False  # as served: read-only views over shared memory
-        tensors[k] = a
-    return Batch(tensors, [rows] * requests), rows
+        mix = pickle.load(f)[spec["stage"]]
+    mix = sorted(mix, key=_length)
+    count = max(1, min(MAX_BATCHES, -(-len(mix) // requests)))
+    batches = []
+    for b in range(count):
+        start = b * len(mix) // count  # spread over the whole mix
+        members = [mix[(start + i) % len(mix)] for i in range(requests)]
+        tensors = {}
+        for k in members[0]:
+            a = np.ascontiguousarray(np.concatenate([m[k] for m in members], axis=0))
+            a.flags.writeable = False  # as served: read-only views over shared memory
+            tensors[k] = a
+        batches.append(Batch(tensors, [int(next(iter(m.values())).shape[0]) for m in members]))
+    return batches
 
 
 def _construct(spec: dict[str, Any]) -> Any:
@@ -231,11 +276,12 @@ def _sweep(spec: dict[str, Any]) -> dict[str, Any]:
     inst = _construct(spec)
     points = []
     for b in spec["batches"]:
-        batch, _ = _stage_batch(spec, b)
-        inst(batch)  # warm-up: first call at this shape
+        batches = _stage_batches(spec, b)
+        for batch in batches:
+            inst(batch)  # warm-up: first call at each shape
         calls, t0 = 0, time.perf_counter()
         while True:
-            inst(batch)
+            inst(batches[calls % len(batches)])
             calls += 1
             elapsed = time.perf_counter() - t0
             if elapsed >= spec["budget_s"]:
@@ -254,15 +300,17 @@ def _run(spec: dict[str, Any], send: Any) -> None:
     last: about `threads` when nothing else competes for the machine."""
     inst = _construct(spec)
     b = int(spec["batch"])
-    batch, _ = _stage_batch(spec, b)
-    inst(batch)
+    batches = _stage_batches(spec, b)
+    for batch in batches:
+        inst(batch)
     send({"ready": True})
     start, end = (float(x) for x in sys.stdin.readline().split())
-    credit, calls = 0.0, 0
+    credit, calls, turn = 0.0, 0, 0
     mark: tuple[float, float] | None = None
     while True:
         t0 = time.monotonic()
-        inst(batch)
+        inst(batches[turn % len(batches)])
+        turn += 1
         t1 = time.monotonic()
         inside = min(t1, end) - max(t0, start)
         if inside > 0:

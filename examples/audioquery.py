@@ -247,7 +247,8 @@ class ASR:
 
 
 @ss.component(max_batch_size=32, inputs={"transcript": STR, "exclude": STR},
-              outputs={"embedding": ss.Tensor("float32", (-1, DIM)), "transcript": STR, "exclude": STR})
+              outputs={"embedding": ss.Tensor("float32", (-1, DIM)), "transcript": STR, "exclude": STR},
+              length_of="transcript")
 class Embed:
     """Transcript -> unit-norm MiniLM embedding."""
 

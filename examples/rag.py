@@ -136,9 +136,11 @@ def encoder_of(obj: ss.Object, threads: int) -> TextEncoder:
 
 
 @ss.component(max_batch_size=32, replicas=EMBED_REPLICAS, threads=THREADS, inputs={"query": ss.Tensor("string", (-1,))},
-              outputs={"embedding": ss.Tensor("float32", (-1, DIM))}, needs={"encoder": ENCODER_KEY})
+              outputs={"embedding": ss.Tensor("float32", (-1, DIM))}, needs={"encoder": ENCODER_KEY},
+              length_of="query")
 class Embed:
-    """Query text -> unit-norm MiniLM embedding."""
+    """Query text -> unit-norm MiniLM embedding. The tokenizer pads a batch
+    to its longest query (``length_of``: the node batches similar lengths)."""
 
     def __init__(self, encoder: ss.Object) -> None:
         time.sleep(START_DELAY_S)

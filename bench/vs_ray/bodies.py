@@ -1,5 +1,9 @@
-"""The request body sent to each pipeline: one realistic request, the same
-bytes for both systems (the open-loop generator repeats one body).
+"""The request bodies sent to each pipeline, the same bytes for both
+systems: one realistic request (``body``), or, where the example ships a
+mix of real inputs, that mix (``mix``: RAG's 1,000 benchmark queries, of
+varied lengths), which the open-loop generator sends in turn and the
+offline limit batches (so that goodput and limit are measured on the same
+inputs).
 
 In order of preference, for pipeline ``NAME`` of ``examples/APP.py``:
 
@@ -128,6 +132,32 @@ def generic(pipeline: Any) -> dict[str, Any]:
         else:
             inputs[name] = rng.standard_normal(shape).astype(spec.dtype).tolist()
     return {"inputs": inputs}
+
+
+def _rag_mix(app: Path, pipeline: Any) -> list[dict[str, Any]]:
+    """One request per benchmark query, in the file's (shuffled) order."""
+    corpus = example_module("models.corpus", app.resolve().parent)
+    return [{"inputs": {"query": [str(q["query"])]}} for q in corpus.load_queries()]
+
+
+MIXES: dict[str, Callable[[Path, Any], list[dict[str, Any]]]] = {
+    "rag": _rag_mix,
+}
+
+
+def mix(app: Path, pipeline: Any) -> tuple[list[bytes], str]:
+    """(the bodies, where they came from): the pipeline's real input mix
+    where one is known and its data is prepared, else ``[body(...)]``."""
+    build = MIXES.get(pipeline.name)
+    if build is not None and not (HERE / "bodies" / f"{pipeline.name}.json").exists():
+        try:
+            bodies = [json.dumps(b).encode() for b in build(app, pipeline)]
+            if bodies:
+                return bodies, f"bodies.py:{pipeline.name} mix ({len(bodies)} requests)"
+        except Exception as e:  # noqa: BLE001 - data not prepared: one request
+            print(f"bodies: no input mix for {pipeline.name} ({e}); using one request", file=sys.stderr)
+    one, source = body(app, pipeline)
+    return [one], source
 
 
 def body(app: Path, pipeline: Any) -> tuple[bytes, str]:

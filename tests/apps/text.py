@@ -28,3 +28,22 @@ class Reverse:
 
 text = ss.Pipeline("text", Shout >> Pair)
 blob = ss.Pipeline("blob", Reverse)
+
+
+@ss.component(max_batch_size=4, inputs={"text": ss.Tensor("string", (-1,))}, length_of="text")
+class Padded:
+    """Says, for each row, the longest element and the size of the batch it
+    ran in (a batch holding "wait" first sleeps, so that others queue)."""
+
+    def __call__(self, batch: ss.Batch) -> dict:
+        import time
+
+        t = list(batch["text"])
+        if "wait" in t:
+            time.sleep(0.6)
+        longest = max(len(x.encode()) for x in t)
+        return {"longest": np.full((len(t), 1), longest, dtype=np.int64),
+                "size": np.full((len(t), 1), len(t), dtype=np.int64)}
+
+
+padded = ss.Pipeline("padded", Padded)

@@ -91,3 +91,35 @@ def test_tritonclient_bytes(node: Node) -> None:
         res = client.infer("text", [inp], outputs=[httpclient.InferRequestedOutput("loud", binary_data=binary)])
         got = [v.decode() if isinstance(v, bytes) else v for v in res.as_numpy("loud")]
         assert got == ["ONE!", "TWO!"]
+
+
+def test_queued_requests_are_batched_with_others_of_similar_length(node: Node) -> None:
+    """`length_of`: while a replica is busy, short and long requests queue
+    in alternation; each batch then holds one length, not the next four in
+    deadline order (which would pad every short request to the long one)."""
+    import threading
+    import time
+
+    results: dict[int, tuple[int, dict]] = {}
+
+    def send(i: int, text: str) -> None:
+        results[i] = node.infer("padded", text=[text])
+
+    blocker = threading.Thread(target=send, args=(-1, "wait"))
+    blocker.start()
+    time.sleep(0.15)  # the replica is now running the blocker's batch
+    texts = ["short" if i % 2 == 0 else "L" * 200 for i in range(8)]
+    senders = []
+    for i, text in enumerate(texts):
+        senders.append(threading.Thread(target=send, args=(i, text)))
+        senders[-1].start()
+        time.sleep(0.02)  # arrive in this order
+    for t in [blocker, *senders]:
+        t.join(timeout=30)
+    assert results[-1][0] == 200, results[-1]
+    for i, text in enumerate(texts):
+        status, out = results[i]
+        assert status == 200, out
+        assert out["outputs"]["longest"] == [[len(text)]], (i, text[:8], out["outputs"])
+    assert sorted(out["outputs"]["size"][0][0] for _, out in results.values())[-1] == 4
+

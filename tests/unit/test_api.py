@@ -106,3 +106,17 @@ def test_fallback_must_cover_declared_outputs_with_one_row() -> None:
         ss.Pipeline("p", a, fallback={"y": [0, 1]})
     with pytest.raises(ss.ConfigError, match="one row of shape"):
         ss.Pipeline("p", a, outputs=outs, fallback={"y": [[0, 1]]})
+
+
+def test_length_options_are_checked() -> None:
+    def c(**kw: object) -> ss.Component:
+        return comp("C", inputs={"text": ss.Tensor("string", (-1,)), "x": ss.Tensor("float32", (-1,))}, **kw)
+
+    ok = c(length_of="text", max_batch_tokens=4096)
+    stage = ss.Pipeline("p", ok).to_spec()["stages"][0]
+    assert (stage["length_input"], stage["max_batch_tokens"]) == ("text", 4096)
+    for kw, why in [({"length_of": "nope"}, "not one of its inputs"), ({"length_of": "x"}, "string or bytes"),
+                    ({"max_batch_tokens": 10}, "needs length_of"),
+                    ({"length_of": "text", "max_batch_tokens": 0}, ">= 1")]:
+        with pytest.raises(ss.ConfigError, match=why):
+            c(**kw)

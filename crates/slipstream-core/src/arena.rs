@@ -72,6 +72,17 @@ impl TensorRef {
         String::from_utf8(elems.first()?.to_vec()).ok()
     }
 
+    /// Its longest element's size: bytes for variable-length elements
+    /// (strings, bytes), else the elements of one row. None if malformed.
+    pub fn longest_element(&self) -> Option<u64> {
+        if self.dtype.is_variable() {
+            let elems = slipstream_types::var::elements(self.bytes())?;
+            Some(elems.iter().map(|e| e.len() as u64).max().unwrap_or(0))
+        } else {
+            self.row_elems()
+        }
+    }
+
     /// Rows in the first dimension.
     pub fn rows(&self) -> u64 {
         self.shape.first().copied().unwrap_or(1)

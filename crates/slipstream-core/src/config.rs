@@ -180,6 +180,9 @@ settings! {
     max_wait_ms: f64 = crate::spec::BatchingSpec::default().max_wait_ms, scope = "spec";
     /// Refuse requests at ingress that are predicted to miss their SLO.
     admission: bool = crate::spec::BatchingSpec::default().admission, scope = "spec";
+    /// Batch requests of similar length together, for stages that name a
+    /// length input (`length_of`); off: by deadline order only.
+    batch_by_length: bool = crate::spec::BatchingSpec::default().by_length, scope = "spec";
     /// How stages declared with replicas=(lo, hi) follow the load: warm
     /// standbys on the load trend, a replica only once requests miss, or no change.
     autoscale: String = "anticipatory".into(), choices = ["anticipatory", "reactive", "off"], scope = "spec";

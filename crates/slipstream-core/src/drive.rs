@@ -136,6 +136,8 @@ pub struct Batch {
     pub expected_ns: u64,
     /// Slack of the most urgent request when it was taken, ns.
     budget_ns: u64,
+    /// Its padded length, for a stage that batches by length.
+    padded: Option<u64>,
     sent: Instant,
 }
 
@@ -363,7 +365,7 @@ fn next_step(ctx: &ReplicaCtx) -> Next {
         let now = ctx.pipe.now_ns();
         ctx.stage().metrics.record_dispatch(*head, now);
         let budget_ns = head.saturating_sub(now + rest);
-        return Next::Run(form(ctx, step.batch.into_iter().map(|(_, w)| w).collect(), budget_ns));
+        return Next::Run(form(ctx, step.batch.into_iter().map(|(_, w)| w).collect(), budget_ns, step.padded));
     }
     if dropped {
         return Next::Again; // more may be queued behind the expired ones
@@ -380,7 +382,7 @@ fn signature(inputs: &Tensors) -> Vec<(&str, slipstream_types::DType, &[u64])> {
 /// The batch of the requests taken: each with its inputs to this stage;
 /// requests whose inputs do not match the first one's shapes go back to
 /// the queue for the next batch. The replica's batch begins here.
-fn form(ctx: &ReplicaCtx, works: Vec<Work>, budget_ns: u64) -> Option<Batch> {
+fn form(ctx: &ReplicaCtx, works: Vec<Work>, budget_ns: u64, padded: Option<u64>) -> Option<Batch> {
     let stage = ctx.stage();
     let now = Instant::now();
     let mut members: Vec<(Arc<dyn Job>, Tensors)> = Vec::with_capacity(works.len());
@@ -406,8 +408,8 @@ fn form(ctx: &ReplicaCtx, works: Vec<Work>, budget_ns: u64) -> Option<Batch> {
     if members.is_empty() {
         return None;
     }
-    let expected_ns = ctx.me.begin_batch(members.len(), mean_wait);
-    Some(Batch { id: next_batch_id(), members, keep: Vec::new(), expected_ns, budget_ns, sent: Instant::now() })
+    let expected_ns = ctx.me.begin_batch(members.len(), mean_wait, padded);
+    Some(Batch { id: next_batch_id(), members, keep: Vec::new(), expected_ns, budget_ns, padded, sent: Instant::now() })
 }
 
 /// Whether a replica that is stopping or draining has finished its queue.
@@ -568,7 +570,7 @@ fn settle(ctx: &ReplicaCtx, b: Batch, outcome: Outcome) {
     let n = b.members.len();
     let rtt = b.sent.elapsed();
     let rtt_us = rtt.as_micros() as u64;
-    ctx.me.end_batch(n, rtt.as_nanos() as u64, b.budget_ns);
+    ctx.me.end_batch(n, rtt.as_nanos() as u64, b.budget_ns, b.padded);
     m.batches.fetch_add(1, Relaxed);
     m.requests.fetch_add(n as u64, Relaxed);
     m.busy_us.fetch_add(rtt_us, Relaxed);
@@ -645,9 +647,9 @@ fn move_queue_elsewhere(ctx: &ReplicaCtx) {
     }
     let mut stay = Vec::new();
     for w in ctx.me.take_queue() {
-        let enqueued = w.enqueued;
+        let (enqueued, length) = (w.enqueued, w.length);
         if let Err(req) = stage.place(w.req, None, Some(&ctx.me)) {
-            stay.push(Work { req, enqueued });
+            stay.push(Work { req, enqueued, length });
         }
     }
     ctx.me.requeue(stay);

@@ -23,7 +23,7 @@ use crate::spec::{AppSpec, PipelineSpec, SpecError, StageSpec};
 use parking_lot::{Mutex, RwLock};
 use serde_json::{json, Value};
 use slipstream_sched::{
-    choose_replica, AdmissionGate, BatchFormer, BatchPolicy, Dag, LatencyProfile, Priority, ReplicaLoad,
+    choose_replica, AdmissionGate, BatchFormer, BatchPolicy, Dag, LatencyProfile, LengthModel, Priority, ReplicaLoad,
 };
 use slipstream_shm::Pool;
 use slipstream_types::TensorSpec;
@@ -65,6 +65,9 @@ pub struct StageRt {
     pub threads: usize,
     /// Autoscaling bounds (equal when not autoscaled).
     pub bounds: (usize, usize),
+    /// The input whose elements' length batches are grouped by (see
+    /// [`crate::spec::StageSpec::length_input`]).
+    pub length_input: Option<String>,
     /// Its workers' own environment (see [`crate::spec::StageSpec::env`]).
     pub(crate) env: BTreeMap<String, String>,
     /// The device its replicas run on (a GPU each, for a GPU stage).
@@ -102,6 +105,7 @@ impl StageRt {
             concurrency: spec.concurrency,
             threads: spec.threads,
             bounds: spec.bounds(),
+            length_input: spec.length_input.clone(),
             env: spec.env.clone(),
             device: crate::gpu::Want::parse(spec.device.as_deref()).unwrap_or_default(), // checked by validate
             start_ms: AtomicU32::new(0),
@@ -202,7 +206,8 @@ impl StageRt {
     /// as a `standby`, until it is promoted), with its sibling's learned
     /// profile when there is one.
     pub(crate) fn add_replica(&self, pool: Arc<Pool>, epoch: Instant, standby: bool) -> Arc<Replica> {
-        let r = Replica::new(self.next_id.fetch_add(1, Relaxed), pool, self.learned_former(), epoch, standby);
+        let r =
+            Replica::new(self.next_id.fetch_add(1, Relaxed), self.index, pool, self.learned_former(), epoch, standby);
         self.insert(Arc::new(r))
     }
 
@@ -210,7 +215,8 @@ impl StageRt {
     /// node reports its replicas ready), or for a standby there; replies
     /// arrive in `pool`.
     pub(crate) fn add_remote(&self, at: RemoteAt, pool: Arc<Pool>, epoch: Instant, standby: bool) -> Arc<Replica> {
-        let r = Replica::new(self.next_id.fetch_add(1, Relaxed), pool, self.learned_former(), epoch, standby);
+        let r =
+            Replica::new(self.next_id.fetch_add(1, Relaxed), self.index, pool, self.learned_former(), epoch, standby);
         self.insert(Arc::new(r.on_node(at)))
     }
 
@@ -543,6 +549,9 @@ fn former_for(app: &AppSpec, pipe: &PipelineSpec, stage: &StageSpec) -> Result<B
     let mut f = BatchFormer::new(policy, stage.max_batch_size as u32, LatencyProfile::from_measurements(&points));
     f.max_wait_ns = (b.max_wait_ms * 1e6) as u64;
     f.drop_late = pipe.slo.is_none_or(|s| s.drop_late);
+    if stage.length_input.is_some() && b.by_length {
+        f.length = Some(LengthModel::new(stage.max_batch_tokens));
+    }
     Ok(f)
 }
 

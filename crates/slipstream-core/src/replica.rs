@@ -37,7 +37,7 @@
 use crate::arena::Tensors;
 use crate::error::NodeError;
 use parking_lot::Mutex;
-use slipstream_sched::{take_batch, BatchFormer, EdfQueue, ReplicaLoad, Taken};
+use slipstream_sched::{take_batch, BatchFormer, EdfQueue, Length, ReplicaLoad, Taken};
 use slipstream_shm::Pool;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
 use std::sync::Arc;
@@ -107,6 +107,9 @@ pub trait Job: Send + Sync {
     fn skips(&self, stage: usize) -> bool;
     /// Its inputs to stage `stage`.
     fn inputs(&self, stage: usize) -> Result<Tensors, NodeError>;
+    /// Its size at stage `stage`, for a stage that batches by length (None
+    /// otherwise, or when its length input is missing or malformed).
+    fn length(&self, stage: usize) -> Option<Length>;
     /// Stage `stage` answered it: its request moves on.
     fn finish(self: Arc<Self>, stage: usize, outputs: Tensors);
     /// Stage `stage` failed for it.
@@ -130,6 +133,9 @@ pub struct Work {
     pub req: Arc<dyn Job>,
     /// When it was queued here.
     pub enqueued: Instant,
+    /// Its size here, for a stage that batches by length (computed when it
+    /// is queued, before the replica's lock is taken).
+    pub length: Option<Length>,
 }
 
 struct State {
@@ -211,6 +217,10 @@ pub struct RemoteAt {
 pub struct Replica {
     /// Unique within its stage for the node's lifetime (names the worker).
     pub id: u32,
+    /// Its stage's place in the pipeline.
+    stage: usize,
+    /// Its former has a length model: queued requests are measured.
+    batches_by_length: bool,
     /// The pool its worker allocates outputs in (for a remote replica: the
     /// ingress pool, where the replies are received).
     pub pool: Arc<Pool>,
@@ -236,9 +246,11 @@ pub struct Replica {
 impl Replica {
     /// A new replica, starting; with `standby` it waits warm, outside
     /// routing, once its worker is ready (see [`Replica::promote`]).
-    pub fn new(id: u32, pool: Arc<Pool>, former: BatchFormer, epoch: Instant, standby: bool) -> Replica {
+    pub fn new(id: u32, stage: usize, pool: Arc<Pool>, former: BatchFormer, epoch: Instant, standby: bool) -> Replica {
         let r = Replica {
             id,
+            stage,
+            batches_by_length: former.length.is_some(),
             pool,
             remote: None,
             leaving: AtomicBool::new(false),
@@ -352,13 +364,14 @@ impl Replica {
     /// Queue a request. Refused (handed back) unless the replica will serve
     /// it: draining and stopped replicas take nothing new.
     pub fn push(&self, req: Arc<dyn Job>) -> Result<(), Arc<dyn Job>> {
+        let length = self.batches_by_length.then(|| req.length(self.stage)).flatten();
         let now = self.now_ns();
         let mut st = self.state.lock();
         if !st.phase.will_serve() {
             return Err(req);
         }
         st.former.on_arrival(now);
-        st.queue.push(req.deadline_ns(), Work { req, enqueued: Instant::now() });
+        st.queue.push(req.deadline_ns(), Work { req, enqueued: Instant::now(), length });
         self.publish_queue(&st);
         drop(st);
         self.wake.notify_one();
@@ -394,6 +407,7 @@ impl Replica {
             rest_ns,
             |w| w.req.skips(stage),
             |w| w.enqueued.saturating_duration_since(epoch).as_nanos() as u64,
+            |w| w.length,
         );
         if taken.skipped > 0 || !taken.expired.is_empty() || !taken.batch.is_empty() {
             self.publish_queue(&st);
@@ -402,11 +416,12 @@ impl Replica {
     }
 
     /// A batch of `n` is being sent to the worker, after its requests
-    /// waited `mean_wait_ns` on average. Returns its expected latency.
-    pub fn begin_batch(&self, n: usize, mean_wait_ns: u64) -> u64 {
+    /// waited `mean_wait_ns` on average; `padded` is its padded length, for
+    /// a stage that batches by length. Returns its expected latency.
+    pub fn begin_batch(&self, n: usize, mean_wait_ns: u64, padded: Option<u64>) -> u64 {
         let now = self.now_ns();
         let mut st = self.state.lock();
-        let expected = st.former.mean_ns(n);
+        let expected = st.former.expected_ns(n, padded);
         st.running = Some((n, now + expected));
         st.wait_ns = if st.wait_ns == 0 {
             mean_wait_ns
@@ -417,12 +432,16 @@ impl Replica {
         expected
     }
 
-    /// The batch of `n` came back after `observed_ns`; its most urgent
-    /// request had `budget_ns` of slack (AIMD and the profile learn from it).
-    pub fn end_batch(&self, n: usize, observed_ns: u64, budget_ns: u64) {
+    /// The batch of `n` (`padded` long, see [`Replica::begin_batch`]) came
+    /// back after `observed_ns`; its most urgent request had `budget_ns` of
+    /// slack (AIMD, the profile and the length model learn from it).
+    pub fn end_batch(&self, n: usize, observed_ns: u64, budget_ns: u64, padded: Option<u64>) {
         let mut st = self.state.lock();
         st.running = None;
         st.former.on_batch_done(n, observed_ns, budget_ns);
+        if let Some(p) = padded {
+            st.former.on_batch_length(n, p);
+        }
         st.last_batch = n;
         self.publish(&st);
     }
@@ -547,7 +566,7 @@ mod tests {
         let dir = crate::codec::test_util::Dir::new();
         let pool = Arc::new(Pool::create(&dir.0.join("p"), 1, 1 << 16).unwrap());
         let p = LatencyProfile::from_measurements(&[(1, 1000.0, 1000.0), (8, 2000.0, 2000.0)]);
-        (Replica::new(1, pool, BatchFormer::new(BatchPolicy::DeadlineAware, 8, p), Instant::now(), false), dir)
+        (Replica::new(1, 0, pool, BatchFormer::new(BatchPolicy::DeadlineAware, 8, p), Instant::now(), false), dir)
     }
 
     #[test]
@@ -573,7 +592,7 @@ mod tests {
     fn a_standby_waits_warm_outside_routing_until_promoted() {
         let (r, _d) = replica();
         let pool = r.pool.clone();
-        let s = Replica::new(2, pool, r.former(), Instant::now(), true);
+        let s = Replica::new(2, 0, pool, r.former(), Instant::now(), true);
         assert_eq!(s.worker_ready(7), Some(Phase::Standby));
         assert!(s.is_standby() && !s.load().accepting, "warm but not routed to");
         s.worker_died();
@@ -585,7 +604,7 @@ mod tests {
         assert_eq!((s.phase(), s.load().accepting, s.is_standby()), (Phase::Standby, false, true));
         assert!(s.promote());
         // Promoted while still starting: ready as soon as its worker is.
-        let t = Replica::new(3, r.pool.clone(), r.former(), Instant::now(), true);
+        let t = Replica::new(3, 0, r.pool.clone(), r.former(), Instant::now(), true);
         assert!(t.promote());
         assert_eq!(t.worker_ready(9), Some(Phase::Ready));
     }
@@ -593,14 +612,14 @@ mod tests {
     #[test]
     fn batches_keep_the_outstanding_count_by_construction() {
         let (r, _d) = replica();
-        r.begin_batch(3, 1000);
+        r.begin_batch(3, 1000, None);
         assert_eq!(r.load().outstanding, 3);
         assert!(r.load().busy_until_ns > 0);
-        r.end_batch(3, 1_000_000, u64::MAX);
+        r.end_batch(3, 1_000_000, u64::MAX, None);
         let l = r.load();
         assert_eq!((l.outstanding, l.busy_until_ns), (0, 0));
         // A dead worker loses its batch: nothing stays counted.
-        r.begin_batch(2, 0);
+        r.begin_batch(2, 0, None);
         r.worker_died();
         assert_eq!(r.load().outstanding, 0);
     }

@@ -30,7 +30,7 @@ use crate::join::{JoinRun, Settled};
 use crate::pipeline::{PipelineRt, Ticket};
 use crate::replica::{Job, Phase, Replica};
 use parking_lot::Mutex;
-use slipstream_sched::AdmissionGate;
+use slipstream_sched::{AdmissionGate, Length};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Instant;
@@ -524,6 +524,13 @@ impl Job for Request {
 
     fn inputs(&self, stage: usize) -> Result<Tensors, NodeError> {
         self.stage_inputs(stage)
+    }
+
+    fn length(&self, stage: usize) -> Option<Length> {
+        let name = self.pipe.stages[stage].length_input.as_deref()?;
+        let inputs = self.stage_inputs(stage).ok()?;
+        let (_, t) = inputs.iter().find(|(n, _)| n == name)?;
+        Some(Length { rows: t.rows(), longest: t.longest_element()? })
     }
 
     fn finish(self: Arc<Self>, stage: usize, outputs: Tensors) {

@@ -140,6 +140,10 @@ pub struct BatchingSpec {
     /// Refuse requests at ingress that are predicted to miss their deadline.
     #[serde(default = "yes")]
     pub admission: bool,
+    /// Stages that name a length input batch requests of similar length
+    /// together (off: by deadline order only, for comparison).
+    #[serde(default = "yes")]
+    pub by_length: bool,
 }
 
 impl Default for BatchingSpec {
@@ -149,6 +153,7 @@ impl Default for BatchingSpec {
             fixed_wait_ms: default_fixed_wait(),
             max_wait_ms: default_max_wait(),
             admission: true,
+            by_length: true,
         }
     }
 }
@@ -326,6 +331,15 @@ pub struct StageSpec {
     /// The largest batch it runs.
     #[serde(default = "one")]
     pub max_batch_size: usize,
+    /// An input of variable-length elements (strings, bytes) that the
+    /// component pads to the batch's longest: batches group requests of
+    /// similar length (see `slipstream_sched::LengthModel`).
+    #[serde(default)]
+    pub length_input: Option<String>,
+    /// With `length_input`: the most padded positions (rows x longest
+    /// element) one batch may hold; none: no bound.
+    #[serde(default)]
+    pub max_batch_tokens: Option<u64>,
     /// Batches a replica's worker may run at once: 1 for a plain
     /// component; more for an `async def __call__` that waits on I/O.
     #[serde(default = "one")]
@@ -471,6 +485,7 @@ impl PipelineSpec {
         }
         for s in &self.stages {
             self.check_store_fields(s).map_err(err)?;
+            self.check_length(s).map_err(err)?;
             crate::gpu::Want::parse(s.device.as_deref()).map_err(|e| err(format!("stage '{}': {e}", s.name)))?;
         }
         let mut indegree = vec![0usize; self.stages.len()];
@@ -509,6 +524,24 @@ impl PipelineSpec {
             self.check_cache(s).map_err(err)?;
         }
         Ok(order)
+    }
+
+    /// A length input is one of variable-length elements, and a token
+    /// budget needs one.
+    fn check_length(&self, s: &StageSpec) -> Result<(), String> {
+        match (&s.length_input, s.max_batch_tokens) {
+            (None, Some(_)) => Err(format!("stage '{}': max_batch_tokens needs a length input", s.name)),
+            (Some(_), Some(0)) => Err(format!("stage '{}': max_batch_tokens must be >= 1", s.name)),
+            (Some(input), _) if s.parents.is_empty() => match self.inputs.get(input) {
+                Some(spec) if spec.dtype.is_variable() => Ok(()),
+                Some(_) => Err(format!(
+                    "stage '{}': length input '{input}' must hold strings or bytes (variable-length elements)",
+                    s.name
+                )),
+                None => Err(format!("stage '{}': length input '{input}' is not an input of the pipeline", s.name)),
+            },
+            _ => Ok(()),
+        }
     }
 
     fn check_cache(&self, s: &StageSpec) -> Result<(), String> {
@@ -611,6 +644,28 @@ mod tests {
             r#"{{"name":"p","inputs":{{"x":{{"dtype":"float32","shape":[-1,2]}}}},"stages":{stages}}}"#
         ))
         .unwrap()
+    }
+
+    #[test]
+    fn a_length_input_is_a_variable_length_input_of_the_pipeline() {
+        let with = |stage: &str| -> PipelineSpec {
+            serde_json::from_str(&format!(
+                r#"{{"name":"p","inputs":{{"x":{{"dtype":"float32","shape":[-1,2]}},
+                    "q":{{"dtype":"string","shape":[-1]}}}},"stages":[{stage}]}}"#
+            ))
+            .unwrap()
+        };
+        let ok = with(r#"{"name":"a","component":"A","length_input":"q","max_batch_tokens":512}"#);
+        assert!(ok.validate().is_ok());
+        for (stage, why) in [
+            (r#"{"name":"a","component":"A","length_input":"x"}"#, "strings or bytes"),
+            (r#"{"name":"a","component":"A","length_input":"zz"}"#, "not an input"),
+            (r#"{"name":"a","component":"A","max_batch_tokens":5}"#, "needs a length input"),
+            (r#"{"name":"a","component":"A","length_input":"q","max_batch_tokens":0}"#, ">= 1"),
+        ] {
+            let reason = with(stage).validate().unwrap_err().reason;
+            assert!(reason.contains(why), "{stage}: {reason}");
+        }
     }
 
     #[test]

@@ -32,6 +32,8 @@ struct Job {
     measured: bool,
     /// Sends before this one (retries of a refused arrival).
     attempt: u32,
+    /// The arrival's number in its run (picks its body from a mix).
+    seq: u64,
 }
 
 /// Outcome of one request, as recorded.
@@ -257,7 +259,8 @@ async fn serve_connection(sh: &Arc<Shared>) {
             sh.retrier.on_first_attempt();
         }
         let res =
-            tokio::time::timeout_at(deadline.into(), conn.exchange(&sh.target.request, sh.target.head_request)).await;
+            tokio::time::timeout_at(deadline.into(), conn.exchange(sh.target.request(job.seq), sh.target.head_request))
+                .await;
         let done_at = Instant::now();
         let (outcome, keep) = match res {
             Ok(Ok(reply)) if (200..300).contains(&reply.status) => (Ok(()), reply.keep_alive),
@@ -289,6 +292,7 @@ async fn pace(sh: Arc<Shared>, mut gen: ArrivalGen, start: Instant, warm_end: In
     let at = |off: f64| start + Duration::from_secs_f64(off);
     let mut next = at(gen.next_offset());
     let mut batch: Vec<Job> = Vec::with_capacity(256);
+    let mut seq = 0u64;
     while next < end && !sh.closed.load(Ordering::Acquire) {
         let now = Instant::now();
         if next > now {
@@ -299,7 +303,8 @@ async fn pace(sh: Arc<Shared>, mut gen: ArrivalGen, start: Instant, warm_end: In
         while next <= now && next < end {
             let m = next >= warm_end;
             measured += u64::from(m);
-            batch.push(Job { at: next, measured: m, attempt: 0 });
+            batch.push(Job { at: next, measured: m, attempt: 0, seq });
+            seq += 1;
             next = at(gen.next_offset());
         }
         sh.dispatch(&mut batch, measured);
@@ -473,7 +478,7 @@ pub(crate) fn preflight(target: &Target, timeout: Duration) -> Result<u16, Loadg
             let stream = TcpStream::connect(target.addr)
                 .await
                 .map_err(|e| LoadgenError::Connect { addr: addr.clone(), reason: e.to_string() })?;
-            let reply = Conn::new(stream).exchange(&target.request, target.head_request).await.map_err(|e| {
+            let reply = Conn::new(stream).exchange(target.request(0), target.head_request).await.map_err(|e| {
                 LoadgenError::Io {
                     addr: addr.clone(),
                     reason: if e.kind() == std::io::ErrorKind::UnexpectedEof {

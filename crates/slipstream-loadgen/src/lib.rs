@@ -90,8 +90,13 @@ pub struct BenchConfig {
     pub url: String,
     /// HTTP method; `"POST"` by default (an empty string means POST).
     pub method: String,
-    /// Request body sent on every request.
+    /// Request body sent on every request (unless `bodies` is given).
     pub body: Vec<u8>,
+    /// A mix of request bodies: when not empty, arrival `i` of a run sends
+    /// `bodies[i % len]` (`body` is then unused), so that a run offers the
+    /// inputs' real mix (e.g. queries of varied lengths), the same sequence
+    /// at every rate.
+    pub bodies: Vec<Vec<u8>>,
     /// `Content-Type` header; empty sends none.
     pub content_type: String,
     /// Extra request headers.
@@ -139,6 +144,7 @@ impl Default for BenchConfig {
             url: "http://127.0.0.1:8000/".into(),
             method: "POST".into(),
             body: Vec::new(),
+            bodies: Vec::new(),
             content_type: "application/json".into(),
             headers: Vec::new(),
             rates: vec![1000.0],

@@ -67,13 +67,19 @@ pub(crate) struct Target {
     pub(crate) addr: SocketAddr,
     /// `host:port`, for messages.
     pub(crate) authority: String,
-    /// The complete serialized request (head and body), written as is.
-    pub(crate) request: Box<[u8]>,
+    /// The complete serialized requests (head and body), written as is:
+    /// arrival `i` sends `requests[i % len]` (one unless a body mix was given).
+    pub(crate) requests: Vec<Box<[u8]>>,
     /// A HEAD request: responses carry no body whatever they announce.
     pub(crate) head_request: bool,
 }
 
 impl Target {
+    /// The request arrival `seq` sends.
+    pub(crate) fn request(&self, seq: u64) -> &[u8] {
+        &self.requests[(seq % self.requests.len() as u64) as usize]
+    }
+
     /// Validates the request-shaping part of `cfg` and resolves the host once.
     pub(crate) fn from_config(cfg: &BenchConfig) -> Result<Self, LoadgenError> {
         let url = parse_url(&cfg.url)?;
@@ -116,19 +122,28 @@ impl Target {
         }
         head.push_str(&extra);
         let no_body_method = matches!(method.as_str(), "GET" | "HEAD" | "DELETE" | "OPTIONS" | "TRACE");
-        if !cfg.body.is_empty() || !no_body_method {
-            head.push_str(&format!("content-length: {}\r\n", cfg.body.len()));
-        }
-        head.push_str("\r\n");
-        let mut request = head.into_bytes();
-        request.extend_from_slice(&cfg.body);
+        let bodies: Vec<&[u8]> =
+            if cfg.bodies.is_empty() { vec![&cfg.body] } else { cfg.bodies.iter().map(Vec::as_slice).collect() };
+        let requests = bodies
+            .into_iter()
+            .map(|body| {
+                let mut request = head.clone();
+                if !body.is_empty() || !no_body_method {
+                    request.push_str(&format!("content-length: {}\r\n", body.len()));
+                }
+                request.push_str("\r\n");
+                let mut request = request.into_bytes();
+                request.extend_from_slice(body);
+                request.into_boxed_slice()
+            })
+            .collect();
 
         let addr = (url.host.as_str(), url.port)
             .to_socket_addrs()
             .map_err(|e| LoadgenError::BadUrl(format!("{:?}: cannot resolve host: {e}", cfg.url)))?
             .next()
             .ok_or_else(|| LoadgenError::BadUrl(format!("{:?}: host has no address", cfg.url)))?;
-        Ok(Self { addr, authority: url.authority, request: request.into_boxed_slice(), head_request: method == "HEAD" })
+        Ok(Self { addr, authority: url.authority, requests, head_request: method == "HEAD" })
     }
 }
 
@@ -173,7 +188,7 @@ mod tests {
     }
 
     fn serialized(cfg: &BenchConfig) -> String {
-        String::from_utf8(Target::from_config(cfg).unwrap().request.to_vec()).unwrap()
+        String::from_utf8(Target::from_config(cfg).unwrap().request(0).to_vec()).unwrap()
     }
 
     #[test]
@@ -213,5 +228,20 @@ mod tests {
         }
         let spacey = BenchConfig { url: "http://h:1/a b".into(), ..cfg };
         assert_eq!(Target::from_config(&spacey).err().unwrap().kind(), "bad_url");
+    }
+
+    #[test]
+    fn a_body_mix_is_sent_in_turn() {
+        let cfg = BenchConfig {
+            url: "http://127.0.0.1:1/p".into(),
+            body: b"unused".to_vec(),
+            bodies: vec![b"a".to_vec(), b"bcd".to_vec()],
+            ..BenchConfig::default()
+        };
+        let t = Target::from_config(&cfg).unwrap();
+        let sent: Vec<String> = (0..3).map(|i| String::from_utf8(t.request(i).to_vec()).unwrap()).collect();
+        assert!(sent[0].ends_with("content-length: 1\r\n\r\na"), "{}", sent[0]);
+        assert!(sent[1].ends_with("content-length: 3\r\n\r\nbcd"), "{}", sent[1]);
+        assert_eq!(sent[2], sent[0]);
     }
 }

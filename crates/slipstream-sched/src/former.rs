@@ -17,6 +17,10 @@
 //!    multiplicatively; when a batch at the limit fits, grow it by one.
 //!    Every batch also refines the profile.
 //!
+//! For a stage with variable-length inputs, the batch is chosen by length
+//! (see [`crate::length`]): similar lengths grouped, the padded length
+//! bounded, latency predicted from it.
+//!
 //! Fixed policy (the Triton / Ray Serve baseline, for comparison): run when
 //! `max_batch` requests are queued or the oldest has waited `fixed_wait`;
 //! no deadlines, no expiry, no AIMD.
@@ -24,6 +28,7 @@
 //! Times are `u64` nanoseconds from the caller's clock; nothing here reads a
 //! clock, so every decision is unit-testable.
 
+use crate::length::{choose, BatchLength, Length, LengthModel};
 use crate::profile::LatencyProfile;
 use crate::queue::EdfQueue;
 
@@ -73,6 +78,8 @@ pub struct BatchFormer {
     /// Drop requests whose deadline passed (the default). Off, they still
     /// run (late), e.g. when most of their cost was already spent upstream.
     pub drop_late: bool,
+    /// For variable-length inputs: batches by length (None: by count only).
+    pub length: Option<LengthModel>,
     /// Mean gap between arrivals (EWMA), ns; 0 when unknown.
     gap_ns: f64,
     last_arrival: Option<u64>,
@@ -91,6 +98,7 @@ impl BatchFormer {
             max_wait_ns: 2_000_000,
             decrease: 0.75,
             drop_late: true,
+            length: None,
             gap_ns: 0.0,
             last_arrival: None,
         }
@@ -115,11 +123,52 @@ impl BatchFormer {
         (self.profile.predict(n as u32) * US) as u64
     }
 
+    /// How much a batch of `n` with `padded` positions is expected to take
+    /// over the profile's (1 without a length model or a length).
+    fn length_scale(&self, n: usize, padded: Option<u64>) -> f64 {
+        match (&self.length, padded) {
+            (Some(m), Some(p)) => m.scale(n as u32, p),
+            _ => 1.0,
+        }
+    }
+
+    /// Expected latency (ns) of a batch of `n` whose padded length is
+    /// `padded` (when known: see [`crate::length`]).
+    pub fn expected_ns(&self, n: usize, padded: Option<u64>) -> u64 {
+        (self.mean_ns(n) as f64 * self.length_scale(n, padded)) as u64
+    }
+
+    /// [`Self::predict_ns`] for the first `n` of a batch whose prefixes have
+    /// `padded` positions (`padded[i]`: the first `i + 1`; beyond its end,
+    /// grown with the rows).
+    fn predict_prefix_ns(&self, n: usize, padded: &[u64]) -> u64 {
+        let p = match padded.len() {
+            0 => None,
+            k if n <= k => Some(padded[n.max(1) - 1]),
+            k => Some(padded[k - 1].saturating_mul(n as u64) / k as u64),
+        };
+        (self.predict_ns(n) as f64 * self.length_scale(n, p)) as u64
+    }
+
     /// Decide what to do with a queue whose deadlines are `deadlines` (most
     /// urgent first). `oldest_enqueued` is when the head joined the queue
     /// (for the fixed policy's wait); `rest_ns` the predicted remaining
     /// critical path after this stage.
     pub fn decide(&self, now: u64, deadlines: &[u64], oldest_enqueued: u64, rest_ns: u64) -> BatchDecision {
+        self.decide_padded(now, deadlines, oldest_enqueued, rest_ns, &[])
+    }
+
+    /// [`Self::decide`] for requests whose padded lengths are known:
+    /// `padded[i]` is the padded length of the first `i + 1` requests that
+    /// have not expired (see [`crate::length`]).
+    pub fn decide_padded(
+        &self,
+        now: u64,
+        deadlines: &[u64],
+        oldest_enqueued: u64,
+        rest_ns: u64,
+        padded: &[u64],
+    ) -> BatchDecision {
         if deadlines.is_empty() {
             return BatchDecision::Dispatch { expired: 0, n: 0 };
         }
@@ -132,11 +181,18 @@ impl BatchFormer {
                     BatchDecision::WaitUntil { expired: 0, at: oldest_enqueued + wait_ns }
                 }
             }
-            BatchPolicy::DeadlineAware => self.decide_deadline_aware(now, deadlines, oldest_enqueued, rest_ns),
+            BatchPolicy::DeadlineAware => self.decide_deadline_aware(now, deadlines, oldest_enqueued, rest_ns, padded),
         }
     }
 
-    fn decide_deadline_aware(&self, now: u64, deadlines: &[u64], oldest_enqueued: u64, rest_ns: u64) -> BatchDecision {
+    fn decide_deadline_aware(
+        &self,
+        now: u64,
+        deadlines: &[u64],
+        oldest_enqueued: u64,
+        rest_ns: u64,
+        padded: &[u64],
+    ) -> BatchDecision {
         // Only requests whose deadline has already passed expire. Predicted
         // misses are refused at admission instead, where an idle replica
         // always admits: expiring on a prediction could starve a stage whose
@@ -154,7 +210,7 @@ impl BatchFormer {
         // Largest n <= cap that still meets the head's deadline; latency
         // grows with n, so scan down from the cap.
         let mut n = cap;
-        while n > 1 && now + self.predict_ns(n) + rest_ns > head {
+        while n > 1 && now + self.predict_prefix_ns(n, padded) + rest_ns > head {
             n -= 1;
         }
         // No evidence that batching pays (no profile) or no arrivals to wait for.
@@ -169,7 +225,7 @@ impl BatchFormer {
         }
         // Delayed batching: everything queued fits and the limit is not reached.
         let target = self.limit as usize;
-        let per_item_now = self.predict_ns(n) as f64 / n as f64;
+        let per_item_now = self.predict_prefix_ns(n, padded) as f64 / n as f64;
         let want_wait = ((target - n) as f64 * self.gap_ns) as u64;
         // The head waits at most max_wait in total, however often we look again.
         let mut wait = want_wait.min(self.max_wait_ns - waited);
@@ -179,8 +235,8 @@ impl BatchFormer {
             if m <= n {
                 return BatchDecision::Dispatch { expired, n };
             }
-            let per_item_then = self.predict_ns(m) as f64 / m as f64;
-            let fits = now + wait + self.predict_ns(m) + rest_ns <= head;
+            let per_item_then = self.predict_prefix_ns(m, padded) as f64 / m as f64;
+            let fits = now + wait + self.predict_prefix_ns(m, padded) + rest_ns <= head;
             if fits && per_item_then < 0.9 * per_item_now {
                 return BatchDecision::WaitUntil { expired, at: now + wait };
             }
@@ -207,7 +263,19 @@ impl BatchFormer {
         }
         self.profile.observe(n as u32, observed_ns as f64 / US);
     }
+
+    /// The batch of `n` that just ran had `padded` positions (a stage with
+    /// a length model learns the lengths its batches have).
+    pub fn on_batch_length(&mut self, n: usize, padded: u64) {
+        if let Some(m) = &mut self.length {
+            m.observe(n as u32, padded);
+        }
+    }
 }
+
+/// How many more requests than one batch a length-aware batch step looks
+/// at, to find ones of similar length.
+const LOOKAHEAD: usize = 4;
 
 /// What one batch step took from a queue (see [`take_batch`]).
 #[derive(Debug)]
@@ -220,6 +288,8 @@ pub struct Taken<T> {
     pub wait_until: Option<u64>,
     /// Entries skipped because their request had already finished.
     pub skipped: usize,
+    /// The batch's padded length, for a stage with a length model.
+    pub padded: Option<u64>,
 }
 
 /// The batch step, shared by the node and the simulator: pop up to the
@@ -227,7 +297,9 @@ pub struct Taken<T> {
 /// their request already left), ask the former what to do, and put back
 /// what waits. `enqueued_ns` tells when an entry joined the queue (for the
 /// fixed policy's wait and delayed batching); `rest_ns` is the predicted
-/// rest of the critical path after this stage.
+/// rest of the critical path after this stage; `length` an entry's size,
+/// for a former with a length model (which then looks [`LOOKAHEAD`] batches
+/// deep for requests of similar length: see [`crate::length`]).
 pub fn take_batch<T>(
     queue: &mut EdfQueue<T>,
     former: &BatchFormer,
@@ -235,36 +307,70 @@ pub fn take_batch<T>(
     rest_ns: u64,
     finished: impl Fn(&T) -> bool,
     enqueued_ns: impl Fn(&T) -> u64,
+    length: impl Fn(&T) -> Option<Length>,
 ) -> Taken<T> {
     let limit = match former.policy {
         BatchPolicy::Fixed { .. } => former.max_batch,
         BatchPolicy::DeadlineAware => former.limit,
     } as usize;
-    let mut cand: Vec<(u64, T)> = Vec::with_capacity(limit.min(queue.len()));
+    let model = match former.policy {
+        BatchPolicy::DeadlineAware => former.length.as_ref(),
+        BatchPolicy::Fixed { .. } => None,
+    };
+    let window = if model.is_some() { limit.saturating_mul(LOOKAHEAD) } else { limit };
+    let mut cand: Vec<(u64, T)> = Vec::with_capacity(window.min(queue.len()));
     let mut skipped = 0;
-    while cand.len() < limit {
+    while cand.len() < window {
         match queue.pop() {
             Some((_, item)) if finished(&item) => skipped += 1,
             Some(x) => cand.push(x),
             None => break,
         }
     }
+    // With a length model: of the requests that have not expired, the ones
+    // chosen by length, in deadline order; the others wait.
+    let mut padded = Vec::new();
+    let mut waiting = Vec::new();
+    if let Some(model) = model {
+        let passed = if former.drop_late { cand.iter().take_while(|(d, _)| *d <= now).count() } else { 0 };
+        let live = cand.split_off(passed);
+        let lengths: Vec<Option<Length>> = live.iter().map(|(_, x)| length(x)).collect();
+        // Can wait for one more batch after this one.
+        let patient = now.saturating_add(rest_ns).saturating_add(2 * former.predict_ns(limit));
+        let (chosen, _) = choose(&lengths, limit, model, |i| live[i].0 < patient);
+        let mut size = BatchLength::default();
+        let mut keep = chosen.into_iter().peekable();
+        for (i, x) in live.into_iter().enumerate() {
+            if keep.peek() == Some(&i) {
+                keep.next();
+                size = size.with(lengths[i].unwrap_or_default());
+                padded.push(size.padded());
+                cand.push(x);
+            } else {
+                waiting.push(x);
+            }
+        }
+    }
     let deadlines: Vec<u64> = cand.iter().map(|(d, _)| *d).collect();
-    let oldest = cand.iter().map(|(_, x)| enqueued_ns(x)).min().unwrap_or(now);
-    let (expired, n, wait_until) = match former.decide(now, &deadlines, oldest, rest_ns) {
+    let oldest = cand.iter().chain(&waiting).map(|(_, x)| enqueued_ns(x)).min().unwrap_or(now);
+    let (expired, n, wait_until) = match former.decide_padded(now, &deadlines, oldest, rest_ns, &padded) {
         BatchDecision::Dispatch { expired, n } => (expired, n, None),
+        // Requests left out by length are queued: nothing to wait for.
+        BatchDecision::WaitUntil { expired, .. } if !waiting.is_empty() => (expired, deadlines.len() - expired, None),
         BatchDecision::WaitUntil { expired, at } => (expired, 0, Some(at)),
     };
     let mut batch = cand.split_off(expired.min(cand.len()));
-    for (d, x) in batch.split_off(n.min(batch.len())) {
+    for (d, x) in batch.split_off(n.min(batch.len())).into_iter().chain(waiting) {
         queue.push(d, x);
     }
-    Taken { expired: cand.into_iter().map(|(_, x)| x).collect(), batch, wait_until, skipped }
+    let padded = (model.is_some() && !batch.is_empty()).then(|| padded.get(batch.len() - 1).copied().unwrap_or(0));
+    Taken { expired: cand.into_iter().map(|(_, x)| x).collect(), batch, wait_until, skipped, padded }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::length::{Length, LengthModel};
 
     const MS: u64 = 1_000_000;
 
@@ -277,15 +383,76 @@ mod tests {
         for (d, id) in [(5 * MS, 1u32), (8 * MS, 2), (100 * MS, 3), (100 * MS, 4), (100 * MS, 5), (100 * MS, 6)] {
             q.push(d, id);
         }
-        let t = take_batch(&mut q, &f, 10 * MS, 0, |&id| id == 1, |_| 0);
+        let t = take_batch(&mut q, &f, 10 * MS, 0, |&id| id == 1, |_| 0, |_| None);
         assert_eq!(t.skipped, 1);
         assert_eq!(t.expired, vec![2]);
         assert_eq!(t.batch.iter().map(|(_, id)| *id).collect::<Vec<_>>(), vec![3, 4]);
         assert_eq!(t.wait_until, None);
         assert_eq!(q.len(), 2, "beyond the limit stays queued");
-        let t = take_batch(&mut q, &f, 10 * MS, 0, |_| false, |_| 0);
+        let t = take_batch(&mut q, &f, 10 * MS, 0, |_| false, |_| 0, |_| None);
         assert_eq!(t.batch.len(), 2);
         assert!(q.is_empty());
+    }
+
+    #[test]
+    fn a_length_aware_step_groups_similar_lengths_and_keeps_the_rest_queued() {
+        let mut f = former();
+        f.limit = 3;
+        f.length = Some(LengthModel::new(None));
+        let mut q = EdfQueue::new();
+        // (id, length): deadlines in id order, all with ample slack.
+        for (id, len) in [(1u32, 10u64), (2, 100), (3, 12), (4, 90), (5, 11), (6, 95)] {
+            q.push(1_000 * MS + id as u64, (id, len));
+        }
+        let length = |&(_, len): &(u32, u64)| Some(Length { rows: 1, longest: len });
+        let t = take_batch(&mut q, &f, 0, 0, |_| false, |_| 0, length);
+        assert_eq!(t.batch.iter().map(|(_, (id, _))| *id).collect::<Vec<_>>(), vec![1, 3, 5]);
+        assert_eq!(t.padded, Some(36));
+        let t = take_batch(&mut q, &f, 0, 0, |_| false, |_| 0, length);
+        assert_eq!(t.batch.iter().map(|(_, (id, _))| *id).collect::<Vec<_>>(), vec![2, 4, 6]);
+        assert_eq!(t.padded, Some(300));
+        assert!(q.is_empty());
+        // A request that cannot wait for another batch goes now, whatever its length.
+        for (id, d) in [(1u32, 1_000 * MS), (2, 3 * MS), (3, 1_000 * MS), (4, 1_000 * MS)] {
+            q.push(d, (id, if id == 2 { 100 } else { 10 }));
+        }
+        let t = take_batch(&mut q, &f, 0, 0, |_| false, |_| 0, length);
+        assert_eq!(t.batch.first().map(|(_, (id, _))| *id), Some(2), "most urgent first");
+        assert_eq!(t.batch.len(), 3);
+        // A budget that leaves requests out never delays the batch for more.
+        let mut g = former();
+        g.length = Some(LengthModel::new(Some(25)));
+        for t in 0..100u64 {
+            g.on_arrival(t * 50_000);
+        }
+        let mut q = EdfQueue::new();
+        for (id, len) in [(1u32, 10u64), (2, 30)] {
+            q.push(1_000 * MS + id as u64, (id, len));
+        }
+        let t = take_batch(&mut q, &g, 0, 0, |_| false, |_| 0, length);
+        assert_eq!((t.batch.len(), t.wait_until), (1, None));
+        assert_eq!(q.len(), 1);
+    }
+
+    #[test]
+    fn a_longer_batch_is_predicted_slower() {
+        let mut f = former();
+        f.length = Some(LengthModel::new(None));
+        for _ in 0..20 {
+            f.on_batch_length(4, 100);
+        }
+        assert_eq!(f.expected_ns(4, None), f.mean_ns(4));
+        assert_eq!(f.expected_ns(4, Some(200)), 2 * f.mean_ns(4));
+        // Sizing to the head's deadline sees the length: the same deadline
+        // allows fewer long requests than short ones.
+        let deadlines = vec![2 * MS; 10];
+        let short: Vec<u64> = (1..=10).map(|n| n * 10).collect();
+        let long: Vec<u64> = (1..=10).map(|n| n * 100).collect();
+        let n = |padded: &[u64]| match f.decide_padded(0, &deadlines, 0, 0, padded) {
+            BatchDecision::Dispatch { n, .. } => n,
+            d => panic!("{d:?}"),
+        };
+        assert!(n(&long) < n(&short), "{} vs {}", n(&long), n(&short));
     }
 
     /// 1 ms + 0.1 ms per request: batching pays.

@@ -10,6 +10,8 @@
 //!   and AIMD; or the fixed max-batch + timeout baseline. (With no profile
 //!   and no deadline pressure it degenerates to opportunistic batching: take
 //!   what is queued, up to the limit.)
+//! - [`LengthModel`]: for variable-length inputs, batches of similar
+//!   length, bounded by their padded length, with latency predicted from it.
 //! - [`AdmissionGate`]: how much of a request's budget its predicted finish
 //!   may use, learned from admitted requests' outcomes.
 //! - [`ReplicaLoad`], [`Dag`]: the predictors: a replica's backlog from its
@@ -27,6 +29,7 @@
 
 mod admission;
 mod former;
+mod length;
 pub mod placement;
 mod predict;
 mod profile;
@@ -37,6 +40,7 @@ mod sim;
 
 pub use admission::{AdmissionGate, Priority, MIN_HEADROOM};
 pub use former::{take_batch, BatchDecision, BatchFormer, BatchPolicy, Taken};
+pub use length::{BatchLength, Length, LengthModel};
 pub use predict::{found_queue, Dag, Prediction, ReplicaLoad};
 pub use profile::LatencyProfile;
 pub use queue::EdfQueue;

@@ -291,7 +291,7 @@ impl Sim<'_> {
         let now = self.now;
         let reqs = &self.reqs;
         let rep = &mut self.reps[stage][r];
-        let taken = take_batch(&mut rep.queue, &rep.former, now, rest, |(id, _)| reqs[*id].done, |(_, e)| *e);
+        let taken = take_batch(&mut rep.queue, &rep.former, now, rest, |(id, _)| reqs[*id].done, |(_, e)| *e, |_| None);
         let (expired, live, wake) = (taken.expired.len(), taken.batch, taken.wait_until);
         for (id, _) in taken.expired {
             if !self.reqs[id].done {

@@ -293,6 +293,13 @@ class Component:
     concurrency: int | None = None
     #: Results kept by input (``ss.Cache``), or None.
     cache: Cache | None = None
+    #: A string or bytes input the component pads to the batch's longest
+    #: element (a tokenizer padding to the longest sentence): the node
+    #: groups queued requests of similar length into a batch.
+    length_of: str | None = None
+    #: With ``length_of``: the most padded positions (rows x the longest
+    #: element's bytes) one batch may hold; None: no bound.
+    max_batch_tokens: int | None = None
     #: What the author fixed, of ``"replicas"`` (a count) and ``"threads"``:
     #: the planner sizes the rest (docs/design/planner.md).
     pinned: frozenset[str] = frozenset()
@@ -321,6 +328,7 @@ class Component:
         self._check_device()
         self._check_concurrency()
         self._check_cache()
+        self._check_length()
 
     @property
     def is_async(self) -> bool:
@@ -338,6 +346,22 @@ class Component:
         if c > 1 and not self.is_async:
             raise ConfigError(f"{self.name}: concurrency={c} needs an `async def __call__` "
                               "(a plain __call__ runs one batch at a time)")
+
+    def _check_length(self) -> None:
+        name, budget = self.length_of, self.max_batch_tokens
+        if budget is not None:
+            if name is None:
+                raise ConfigError(f"{self.name}: max_batch_tokens needs length_of (the input whose length it bounds)")
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+                raise ConfigError(f"{self.name}: max_batch_tokens must be an integer >= 1, got {budget!r}")
+        if name is None:
+            return
+        spec = self.inputs.get(name)
+        if spec is None:
+            known = ", ".join(self.inputs) or "none declared"
+            raise ConfigError(f"{self.name}: length_of={name!r} is not one of its inputs ({known})")
+        if spec.dtype not in ("string", "bytes"):
+            raise ConfigError(f"{self.name}: length_of={name!r} must be a string or bytes input, not {spec.dtype}")
 
     def _check_cache(self) -> None:
         self.cache = _cache_option(self.cache, self.name)
@@ -428,7 +452,8 @@ class Component:
         """A copy with other options, e.g. ``Encoder.options(name="enc2", replicas=4)``
         or ``replicas=(1, 4)``, ``threads=2``."""
         unknown = set(changes) - {"name", "max_batch_size", "replicas", "threads", "inputs", "outputs", "needs",
-                                  "watch", "affinity", "tensors", "device", "cache"}
+                                  "watch", "affinity", "tensors", "device", "cache", "length_of",
+                                  "max_batch_tokens"}
         if unknown:
             raise ConfigError(f"unknown component option(s): {', '.join(sorted(unknown))}")
         c = copy.copy(self)
@@ -491,6 +516,8 @@ def component(
     device: str = "cpu",
     concurrency: int | None = None,
     cache: bool | Sequence[str] | Cache | None = None,
+    length_of: str | None = None,
+    max_batch_tokens: int | None = None,
 ) -> Any:
     """Declare a component: a class whose ``__call__(self, batch)`` takes a
     :class:`Batch` and returns a dict of arrays. The class is constructed once
@@ -548,7 +575,17 @@ def component(
     ``cache=True`` (or a list of input names, or ``ss.Cache(...)``) keeps
     results by a hash of the request's inputs: a repeated request is
     answered by the node without queueing or running the component (see
-    :class:`Cache`)."""
+    :class:`Cache`).
+
+    Variable-length inputs: ``length_of="query"`` says the component pads
+    the string (or bytes) input ``query`` to the batch's longest element, as
+    a tokenizer pads a batch of sentences. When more requests are queued
+    than one batch takes, the node then fills the batch with requests of a
+    length close to the most urgent one's (never holding back one that
+    could not wait for the next batch), and predicts a batch's latency from
+    its padded length. ``max_batch_tokens=N`` also bounds a batch to N
+    padded positions: rows x the longest element's bytes (bytes stand in
+    for tokens: the node does not tokenize)."""
 
     def wrap(c: type) -> Component:
         if not isinstance(c, type):
@@ -568,6 +605,8 @@ def component(
             device=device,
             concurrency=concurrency,
             cache=cache,  # type: ignore[arg-type]  # resolved to a Cache in __post_init__
+            length_of=length_of,
+            max_batch_tokens=max_batch_tokens,
         )
 
     return wrap(cls) if cls is not None else wrap
@@ -979,6 +1018,8 @@ class Pipeline:
                     "device": c.device,
                     "concurrency": int(c.concurrency or 1),
                     "cache": None if c.cache is None else c.cache.to_json(),
+                    "length_input": c.length_of,
+                    "max_batch_tokens": c.max_batch_tokens,
                 }
                 for n, c in self.graph.nodes.items()
             ],

@@ -91,7 +91,8 @@ class Config:
         v = self.values
         return {
             "batching": {"policy": v["batching"], "fixed_wait_ms": v["fixed_wait_ms"],
-                         "max_wait_ms": v["max_wait_ms"], "admission": v["admission"]},
+                         "max_wait_ms": v["max_wait_ms"], "admission": v["admission"],
+                         "by_length": v["batch_by_length"]},
             "autoscale": {"policy": v["autoscale"], "down_after_s": v["scale_down_after_s"],
                           **({"cores": v["cores"]} if v["cores"] is not None else {})},
         }
