@@ -105,7 +105,7 @@ test-fuzz:
 # suite took 7:28 and 9:17 against 7:03-8:02 before, so it was undone.)
 PYTEST_WORKERS ?= 3
 test-py: setup test-services
-	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadscope tests
+	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadscope --durations=15 tests
 
 demo: setup
 	$(PY) examples/demo.py
