@@ -1,7 +1,9 @@
 """`make bench-vs-ray`: the same pipelines under Ray Serve and under
 Slipstream, one system after the other on this machine, driven by the same
 open-loop generator (the project's, ``bench.harness.loadgen``) with the same
-request bodies.
+requests: the pipeline's input mix where it ships one (``bodies.mix``: RAG's
+1,000 benchmark queries, sent in turn, the inputs bench.limit measures the
+limit on), else one body.
 
 For each pipeline (default: those of ``DEFAULT_PIPELINES`` whose app file
 exists, ending with ``noop``, the runtime-overhead baseline):
@@ -18,7 +20,7 @@ exists, ending with ``noop``, the runtime-overhead baseline):
      Ray can sustain), and the per-stage handoff time at the lowest one.
 2. Stop Ray (its own process group; never ``ray stop``), serve the pipeline
    with Slipstream and measure the same things at the same fixed loads.
-3. Check that both systems answered the body with the same outputs.
+3. Check that both systems answered the (first) body with the same outputs.
 
 Ray runs first because the fixed loads are fractions of *Ray's* goodput.
 Results: ``bench/results/vs_ray.json``, ``vs_ray.md`` and
@@ -128,8 +130,10 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
 class Bench:
     """Runs the generator against one server and keeps every probe."""
 
-    def __init__(self, server: Server, body: bytes, slo_ms: float, max_miss: float, mode: Mode) -> None:
-        self.server, self.body, self.slo, self.max_miss, self.mode = server, body, slo_ms, max_miss, mode
+    def __init__(self, server: Server, bodies: list[bytes], slo_ms: float, max_miss: float, mode: Mode) -> None:
+        # The load is the input mix, sent in turn; single probes send its first request.
+        self.server, self.bodies, self.slo, self.max_miss, self.mode = server, bodies, slo_ms, max_miss, mode
+        self.body = bodies[0]
         self.probes: list[dict[str, Any]] = []
         # A request slower than this is a miss anyway; a short timeout keeps
         # overloaded probes from dragging on.
@@ -148,7 +152,8 @@ class Bench:
 
     def run(self, rate: float, duration: float, kind: str) -> dict[str, Any]:
         r = summarize(harness.loadgen(self.server.infer_url, self.body, [rate], duration,
-                                      warmup_s=self.mode.warmup_s, timeout_s=self.timeout)[0])
+                                      warmup_s=self.mode.warmup_s, timeout_s=self.timeout,
+                                      bodies=self.bodies if len(self.bodies) > 1 else ())[0])
         ok, bound = verdict({"sent": r["sent"], "ok": r["ok"], "errors": r["errors"],
                              "latency_ms": {"p99": r["p99_ms"], "p999": r["p999_ms"]}}, self.slo, self.max_miss)
         r |= {"kind": kind, "within_slo": ok, "miss_bound": round(bound, 5)}
@@ -295,13 +300,14 @@ def with_slo(app: Path, var: str, pipe: Any, slo_ms: float) -> tuple[Path, str]:
     return path, f"{path}:{var}"
 
 
-def run_system(server: Server, body: bytes, slo: float, max_miss: float, mode: Mode,
+def run_system(server: Server, bodies: list[bytes], slo: float, max_miss: float, mode: Mode,
                fixed_rates: list[float] | None, start_hint: float | None = None) -> dict[str, Any]:
     log(f"  {server.system}: starting")
     server.start()
+    body = bodies[0]
     try:
         log(f"  {server.system}: ready in {server.start_s:.1f}s at {server.base}")
-        b = Bench(server, body, slo, max_miss, mode)
+        b = Bench(server, bodies, slo, max_miss, mode)
         # The first call of a cold component (tables paged in, a runtime's
         # first run) may miss a tight SLO, and a node that drops late work
         # answers it 504; both systems get the same three tries.
@@ -420,19 +426,22 @@ def main() -> int:
                 ss_extra = ["--profile", str(app.with_suffix(".profile.json"))]
         else:
             app_served = app
-        body, origin = bodies.body(app, pipe)
+        mix, origin = bodies.mix(app, pipe)
+        body = mix[0]
         log(f"{pipe.name}: {' -> '.join(pipe.graph.nodes)}; SLO p99 <= {slo:g} ms"
-            f"{'' if slo == declared else f' (declared {declared})'}; body {len(body)} bytes from {origin}")
+            f"{'' if slo == declared else f' (declared {declared})'}; {len(mix)} request(s), the first "
+            f"{len(body)} bytes, from {origin}")
         entry: dict[str, Any] = {"name": pipe.name, "target": target, "slo_ms": slo, "slo_declared_ms": declared,
                                  "max_miss_rate": max_miss, "body_bytes": len(body), "body_from": origin,
+                                 "requests_in_mix": len(mix),
                                  "stages": {n: {"parents": pipe.graph.parents(n), "replicas": c.replicas,
                                                 "max_batch_size": c.max_batch_size}
                                             for n, c in pipe.graph.nodes.items()},
                                  "loadavg_start": os.getloadavg()}
         t0 = time.monotonic()
         try:
-            ray = run_system(RayServer(str(app_served), pipe.name, RESULTS, a.ray_opt), body, slo, max_miss, mode, None)
-            ss_ = run_system(SlipstreamServer(str(app_served), pipe.name, RESULTS, serve_target, ss_extra), body, slo,
+            ray = run_system(RayServer(str(app_served), pipe.name, RESULTS, a.ray_opt), mix, slo, max_miss, mode, None)
+            ss_ = run_system(SlipstreamServer(str(app_served), pipe.name, RESULTS, serve_target, ss_extra), mix, slo,
                              max_miss, mode, ray["fixed_rates"], start_hint=ray["goodput_rps"])
         except Exception as e:  # noqa: BLE001 - record the failure, go on with the next pipeline
             log(f"{pipe.name}: FAILED: {type(e).__name__}: {e}")
