@@ -37,11 +37,13 @@ Stages:
   searches (re-ranked share, searches cut by the budget, prefetch hit
   rate) to the node's log.
 
-The budget: a request's remaining time is not passed to components, so the
-Search stage gives each batch a fixed budget, ``RAG_LATE_BUDGET_MS``
-(default a quarter of the SLO): when it nears, the batch is answered with
-what has been re-ranked (re-ranked passages first by MaxSim, the rest in
-single-vector order) and ``reranked`` says how many were.
+The budget: each batch of the Search stage has until its most urgent
+request's deadline (``batch.time_left()``, less ``RESERVE_MS`` for the
+answer's way back), and at most ``RAG_LATE_BUDGET_MS`` (default a quarter
+of the SLO): when it nears, the batch is answered with what has been
+re-ranked (re-ranked passages first by MaxSim, the rest in single-vector
+order) and ``reranked`` says how many were. A request that waited long in
+the queues thus gets a shorter re-rank instead of a late answer.
 
 Environment variables (read when the app is loaded, by the server and each
 worker alike):
@@ -51,8 +53,8 @@ worker alike):
 - ``RAG_LATE_STORAGE``: where the token embeddings are read from: ``ssd``
   (default; ``O_DIRECT`` with the prefetcher), ``mmap`` (the file mapped:
   the page cache) or ``ram`` (read into memory at start).
-- ``RAG_LATE_BUDGET_MS``: the Search stage's budget per batch (default
-  ``RAG_SLO_MS / 4``).
+- ``RAG_LATE_BUDGET_MS``: the most the Search stage spends on a batch
+  (default ``RAG_SLO_MS / 4``; less when its requests' deadlines are nearer).
 - ``RAG_LATE_CANDIDATES``: single-vector candidates per query (default 100).
 - ``RAG_LATE_RERANK_K``: re-rank at most the top k of them (default: all).
 - ``RAG_LATE_PREFETCH_AT``: the prefetch step, a fraction of the IVF probes
@@ -106,6 +108,9 @@ THREADS = _env_int("RAG_THREADS", None)  # None: planned by `slipstream serve`
 SLO_MS = _env_float("RAG_SLO_MS", 200.0)
 STORAGE = os.environ.get("RAG_LATE_STORAGE", "ssd").strip().lower() or "ssd"
 BUDGET_MS = _env_float("RAG_LATE_BUDGET_MS", SLO_MS / 4)
+#: Of a request's time left, what the Search stage leaves for the answer's
+#: way back to the client (the node, the HTTP reply).
+RESERVE_MS = 5.0
 CANDIDATES = _env_int("RAG_LATE_CANDIDATES", 100) or 100
 RERANK_K = _env_int("RAG_LATE_RERANK_K", None)
 PREFETCH_AT = _env_float("RAG_LATE_PREFETCH_AT", 0.25)
@@ -165,6 +170,14 @@ class Embed:
         return {"embedding": emb, "qtokens": toks.astype(np.float16), "qlen": lens}
 
 
+def budget_s(batch: ss.Batch) -> float:
+    """Seconds the Search stage may spend on `batch`: until its most urgent
+    request's deadline less the reserve, at most ``RAG_LATE_BUDGET_MS``, at
+    least 1 ms (the IVF probes and what is already read still answer)."""
+    left_ms = float(np.min(batch.time_left(), initial=np.inf)) * 1e3 - RESERVE_MS
+    return max(1.0, min(BUDGET_MS, left_ms)) / 1e3
+
+
 @ss.component(max_batch_size=16, inputs={"embedding": ss.Tensor("float32", (-1, DIM)),
                                          "qtokens": ss.Tensor("float16", (-1, QUERY_TOKENS, DIM)),
                                          "qlen": ss.Tensor("int64", (-1,))},
@@ -199,7 +212,7 @@ class Search:
         self.searcher.search(np.eye(1, DIM, dtype=np.float32), warm, [1])
 
     def __call__(self, batch: ss.Batch) -> dict:
-        r = self.searcher.search(batch["embedding"], batch["qtokens"], batch["qlen"], budget_s=BUDGET_MS / 1e3)
+        r = self.searcher.search(batch["embedding"], batch["qtokens"], batch["qlen"], budget_s=budget_s(batch))
         base = np.where(r.ids >= 0, r.ids, len(self.package) - 1)
         shown = np.arange(TOPK)[None, :] < np.minimum(r.reranked, TOPK)[:, None]
         self._account(r)

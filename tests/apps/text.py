@@ -47,3 +47,21 @@ class Padded:
 
 
 padded = ss.Pipeline("padded", Padded)
+
+
+@ss.component(max_batch_size=8, inputs={"text": ss.Tensor("string", (-1,))})
+class TimeLeft:
+    """Says, for each row, the milliseconds its request had left when the
+    batch began (a batch holding "wait" first sleeps, so that others queue)."""
+
+    def __call__(self, batch: ss.Batch) -> dict:
+        import time
+
+        left = batch.time_left()
+        if "wait" in list(batch["text"]):
+            time.sleep(0.3)
+        per_row = np.repeat(left * 1e3, batch.sizes)
+        return {"left_ms": per_row.reshape(-1, 1).astype(np.float64)}
+
+
+deadline = ss.Pipeline("deadline", TimeLeft, slo=ss.SLO(p99_ms=800))

@@ -123,3 +123,31 @@ def test_queued_requests_are_batched_with_others_of_similar_length(node: Node) -
         assert out["outputs"]["longest"] == [[len(text)]], (i, text[:8], out["outputs"])
     assert sorted(out["outputs"]["size"][0][0] for _, out in results.values())[-1] == 4
 
+
+
+def test_a_component_reads_how_long_its_requests_have_left(node: Node) -> None:
+    """`batch.time_left()`: a fresh request has about its SLO (800 ms) left;
+    one that queued behind a 300 ms batch has about 300 ms less."""
+    import threading
+    import time
+
+    status, out = node.infer("deadline", text=["now"])
+    assert status == 200, out
+    (fresh,) = out["outputs"]["left_ms"][0]
+    assert 600 < fresh <= 800, fresh
+
+    results: dict[str, tuple[int, dict]] = {}
+
+    def send(text: str) -> None:
+        results[text] = node.infer("deadline", text=[text])
+
+    blocker = threading.Thread(target=send, args=("wait",))
+    blocker.start()
+    time.sleep(0.1)  # the replica is running the blocker's 300 ms batch
+    send("queued")
+    blocker.join(timeout=30)
+    status, out = results["queued"]
+    assert status == 200, out
+    (queued,) = out["outputs"]["left_ms"][0]
+    assert queued < fresh - 100, (queued, fresh)
+    assert queued > 0, queued

@@ -120,3 +120,13 @@ def test_length_options_are_checked() -> None:
                     ({"length_of": "text", "max_batch_tokens": 0}, ">= 1")]:
         with pytest.raises(ss.ConfigError, match=why):
             c(**kw)
+
+
+def test_a_batch_says_how_long_each_request_has_left() -> None:
+    import time
+
+    x = np.zeros((3, 1), np.float32)
+    assert np.isinf(ss.Batch({"x": x}, [1, 2]).time_left()).all(), "no node, no deadline"
+    now = time.monotonic()
+    left = ss.Batch({"x": x}, [1, 2], deadlines=[now + 0.5, now - 0.1]).time_left()
+    assert left.shape == (2,) and 0.4 < left[0] <= 0.5 and left[1] < 0

@@ -231,7 +231,7 @@ impl Worker {
     ) -> Result<Option<String>, String> {
         let rows = request_rows(sample) as u32;
         let inputs = sample.iter().map(|(n, t)| (n.clone(), t.desc())).collect();
-        let msg = ToWorker::Batch { id: next_batch_id(), rows: vec![rows], inputs };
+        let msg = ToWorker::Batch { id: next_batch_id(), rows: vec![rows], inputs, left_us: Vec::new() };
         // Free what the worker wrote (blocks adopted and dropped).
         let discard = |outputs: BTreeMap<String, OutputDesc>| {
             for out in outputs.values() {
@@ -369,8 +369,16 @@ impl Backend for LocalWorker {
                 }
             }
         }
+        let now = Instant::now();
+        let left_us = batch
+            .members
+            .iter()
+            .map(|(job, _)| {
+                u64::try_from(job.deadline().saturating_duration_since(now).as_micros()).unwrap_or(u64::MAX)
+            })
+            .collect();
         let w = self.worker()?;
-        match w.write(&ToWorker::Batch { id: batch.id, rows, inputs }).await {
+        match w.write(&ToWorker::Batch { id: batch.id, rows, inputs, left_us }).await {
             Ok(()) => Ok(None),
             Err(e) => Err(gone(&mut w.child, e).await),
         }

@@ -23,7 +23,17 @@ pub const MAX_FRAME: usize = 16 << 20;
 pub enum ToWorker {
     /// Run the component on one batch. `rows[i]` is the number of rows that
     /// request `i` contributes; every input's first dimension is `sum(rows)`.
-    Batch { id: u64, rows: Vec<u32>, inputs: BTreeMap<String, TensorDesc> },
+    /// `left_us[i]`, when given, is the time request `i` had left before its
+    /// deadline when the batch was sent, in µs (a time left, not an instant,
+    /// so that no two processes need to share a clock); components read it as
+    /// `batch.time_left()`.
+    Batch {
+        id: u64,
+        rows: Vec<u32>,
+        inputs: BTreeMap<String, TensorDesc>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        left_us: Vec<u64>,
+    },
     /// Finish and exit.
     Shutdown,
 }
@@ -236,7 +246,7 @@ mod tests {
             "x".to_string(),
             TensorDesc { pool: 0, offset: 4096, nbytes: 8, dtype: DType::Float32, shape: vec![1, 2] },
         );
-        let msg = ToWorker::Batch { id: 7, rows: vec![1], inputs };
+        let msg = ToWorker::Batch { id: 7, rows: vec![1], inputs, left_us: vec![1500] };
         write_frame(&mut a, &msg).await.unwrap();
         write_frame(&mut a, &ToWorker::Shutdown).await.unwrap();
         drop(a);

@@ -14,6 +14,7 @@ import inspect
 import keyword
 import os
 import re
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -183,13 +184,29 @@ class Batch(Mapping[str, np.ndarray]):
     in order. A component returns a dict of arrays whose first dimension is
     ``batch.rows``; row ``j`` of an output belongs to the request that owns
     row ``j`` of the inputs.
+
+    ``batch.time_left()`` says how long each request has before its deadline
+    (its SLO or its timeout), so that a component can answer with what it
+    has when time runs short (e.g. a re-ranker that stops reading
+    candidates).
     """
 
-    __slots__ = ("_tensors", "sizes")
+    __slots__ = ("_tensors", "sizes", "deadlines")
 
-    def __init__(self, tensors: dict[str, np.ndarray], sizes: Sequence[int]):
+    def __init__(self, tensors: dict[str, np.ndarray], sizes: Sequence[int],
+                 deadlines: Sequence[float] | None = None):
         self._tensors = tensors
         self.sizes = list(sizes)
+        #: Each request's deadline on ``time.monotonic()``'s clock, or None
+        #: when the batch did not come from a node (a direct call, a benchmark).
+        self.deadlines = None if deadlines is None else np.asarray(deadlines, dtype=np.float64)
+
+    def time_left(self) -> np.ndarray:
+        """Seconds each request has left before its deadline, now (negative
+        once passed; ``inf`` for a batch that did not come from a node)."""
+        if self.deadlines is None:
+            return np.full(len(self.sizes), np.inf)
+        return self.deadlines - time.monotonic()
 
     @property
     def rows(self) -> int:

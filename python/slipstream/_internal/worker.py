@@ -142,9 +142,13 @@ def _as_output(name: str, value: Any, rows: int) -> tuple[np.ndarray, str]:
 
 
 def batch_of(pools: Pools, msg: Mapping[str, Any], as_torch: tensors.TorchInputs | None = None) -> Batch:
-    """The component's view of a batch message: arrays (or tensors) over shared memory."""
+    """The component's view of a batch message: arrays (or tensors) over
+    shared memory, and each request's deadline on this process's clock (the
+    node sends the time each had left: ``left_us``)."""
     arrays = {k: pools.array(d, writable=as_torch is not None) for k, d in msg["inputs"].items()}
-    return Batch(arrays if as_torch is None else as_torch(arrays), msg["rows"])
+    left = msg.get("left_us")
+    deadlines = None if not left else [time.monotonic() + us / 1e6 for us in left]
+    return Batch(arrays if as_torch is None else as_torch(arrays), msg["rows"], deadlines)
 
 
 Emit = Callable[[dict[str, Any]], None]
