@@ -38,8 +38,8 @@ Stages:
   rate) to the node's log.
 
 The budget: each batch of the Search stage has until its most urgent
-request's deadline (``batch.time_left()``, less ``RESERVE_MS`` for the
-answer's way back), and at most ``RAG_LATE_BUDGET_MS`` (default a quarter
+request's deadline (``batch.time_left()``, less a tenth of the SLO for
+the answer's way back), and at most ``RAG_LATE_BUDGET_MS`` (default a quarter
 of the SLO): when it nears, the batch is answered with what has been
 re-ranked (re-ranked passages first by MaxSim, the rest in single-vector
 order) and ``reranked`` says how many were. A request that waited long in
@@ -60,6 +60,8 @@ worker alike):
 - ``RAG_LATE_PREFETCH_AT``: the prefetch step, a fraction of the IVF probes
   (default 0.25; 0 turns the prefetch off).
 - ``RAG_LATE_IO_THREADS``: ``O_DIRECT`` reader threads per replica (default 8).
+- ``RAG_LATE_READ_DELAY_MS``: hold back each ``O_DIRECT`` read this long
+  (default 0): a slow disk, for tests.
 - ``RAG_LATE_LOG_S``: seconds between a replica's summaries (default 30; 0: none).
 """
 
@@ -109,8 +111,9 @@ SLO_MS = _env_float("RAG_SLO_MS", 200.0)
 STORAGE = os.environ.get("RAG_LATE_STORAGE", "ssd").strip().lower() or "ssd"
 BUDGET_MS = _env_float("RAG_LATE_BUDGET_MS", SLO_MS / 4)
 #: Of a request's time left, what the Search stage leaves for the answer's
-#: way back to the client (the node, the HTTP reply).
-RESERVE_MS = 5.0
+#: way back to the client (the node, the HTTP reply) and for the re-rank's
+#: own overshoot: a tenth of the SLO.
+RESERVE_MS = SLO_MS / 10
 CANDIDATES = _env_int("RAG_LATE_CANDIDATES", 100) or 100
 RERANK_K = _env_int("RAG_LATE_RERANK_K", None)
 PREFETCH_AT = _env_float("RAG_LATE_PREFETCH_AT", 0.25)
@@ -247,5 +250,6 @@ if __name__.startswith("slipstream_app_") and os.environ.get("SLIPSTREAM_WORKER"
     # progress on the terminal) rather than inside a worker.
     ensure_data()
 
-rag_late = ss.Pipeline("rag_late", Embed >> Search,  # type: ignore[operator]  # components, once decorated slo=ss.SLO(p99_ms=SLO_MS),
+rag_late = ss.Pipeline("rag_late", Embed >> Search,  # type: ignore[operator]  # components, once decorated
+                       slo=ss.SLO(p99_ms=SLO_MS),
                        example={"query": ["how do I configure a reverse proxy with TLS termination"]})

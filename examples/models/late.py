@@ -69,6 +69,10 @@ DTYPE_FP16 = 1
 TABLE_DTYPE = np.dtype([("id", "<i8"), ("offset", "<u8"), ("ntok", "<u4"), ("nblocks", "<u4")])
 TOKENS_FILE = "tokens.bin"
 MODES = ("ram", "mmap", "ssd")
+#: Seconds each ``O_DIRECT`` read of the ssd storage is held back
+#: (``RAG_LATE_READ_DELAY_MS``, default 0): a slow disk, for the tests of
+#: answering within the deadline.
+READ_DELAY_S = float(os.environ.get("RAG_LATE_READ_DELAY_MS", "0") or 0) / 1e3
 
 
 class TokenFileError(RuntimeError):
@@ -569,6 +573,8 @@ class _Direct:
         t0 = time.perf_counter()
         try:
             for r, off, n, buf, at in items:
+                if READ_DELAY_S > 0:
+                    time.sleep(READ_DELAY_S)
                 with memoryview(buf) as mv:
                     got = os.preadv(self.st.fd, [mv[at:at + n]], off)
                 if got != n:
