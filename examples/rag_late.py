@@ -160,9 +160,11 @@ def ensure_data() -> Path:
 @ss.component(max_batch_size=32, threads=THREADS, inputs={"query": ss.Tensor("string", (-1,))},
               outputs={"embedding": ss.Tensor("float32", (-1, DIM)),
                        "qtokens": ss.Tensor("float16", (-1, QUERY_TOKENS, DIM)),
-                       "qlen": ss.Tensor("int64", (-1,))})
+                       "qlen": ss.Tensor("int64", (-1,))},
+              length_of="query")
 class Embed:
-    """Query text -> its MiniLM sentence embedding and token embeddings."""
+    """Query text -> its MiniLM sentence embedding and token embeddings (the
+    encoder pads a batch to its longest query: ``length_of``)."""
 
     def __init__(self) -> None:
         self.encoder = TokenEncoder(threads=ss.worker_threads())
