@@ -30,21 +30,31 @@ ENV = {"RAG_INDEX": "small", "RAG_SLICE": str(RAG_SLICE_TEST), "RAG_SLO_MS": "50
        "RAG_LATE_STORAGE": "ssd", "RAG_LATE_BUDGET_MS": "2000", "RAG_LATE_LOG_S": "0"}
 
 
-@pytest.fixture(scope="module")
-def slice_dir() -> Path:
+def built_slice() -> Path:
+    """The test slice with its token file (built once, under a lock)."""
     d = vindex.prepare(small=RAG_SLICE_TEST, threads=2)
     late.ensure_tokens(d, threads=2)
     return d
 
 
 @pytest.fixture(scope="module")
-def late_node(slice_dir: Path) -> Iterator[Node]:
-    node = Node(str(ROOT / "examples" / "rag_late.py"), env=ENV)
+def slice_dir() -> Path:
+    return built_slice()
+
+
+def served(env: dict[str, str]) -> Iterator[Node]:
+    """examples/rag_late.py served with `env`, until the generator is closed."""
+    node = Node(str(ROOT / "examples" / "rag_late.py"), env=env)
     try:
         node.wait_ready(120)
         yield node
     finally:
         node.stop()
+
+
+@pytest.fixture(scope="module")
+def late_node(slice_dir: Path) -> Iterator[Node]:
+    yield from served(ENV)
 
 
 def slice_queries(slice_dir: Path) -> list[dict]:

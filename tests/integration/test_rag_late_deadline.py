@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, Node
-from tests.integration.test_rag_late import ENV, RAG_SLICE_TEST, late, slice_queries, vindex
+from tests.conftest import Node
+from tests.integration.test_rag_late import ENV, built_slice, served, slice_queries
 
 #: A disk slowed to 40 ms a read with 2 readers: the 100 candidates of a
 #: query take ~2 s to read, the deadline (SLO 800 ms) comes first.
@@ -23,19 +23,12 @@ SLOW_DISK = ENV | {"RAG_SLO_MS": "800", "RAG_LATE_BUDGET_MS": "60000", "RAG_LATE
 
 @pytest.fixture(scope="module")
 def slice_dir() -> Path:
-    d = vindex.prepare(small=RAG_SLICE_TEST, threads=2)
-    late.ensure_tokens(d, threads=2)
-    return d
+    return built_slice()
 
 
 @pytest.fixture(scope="module")
 def slow_disk_node(slice_dir: Path) -> Iterator[Node]:
-    node = Node(str(ROOT / "examples" / "rag_late.py"), env=SLOW_DISK)
-    try:
-        node.wait_ready(120)
-        yield node
-    finally:
-        node.stop()
+    yield from served(SLOW_DISK)
 
 
 def test_a_slow_disk_gets_a_partial_rerank_within_the_deadline(slow_disk_node: Node, slice_dir: Path) -> None:

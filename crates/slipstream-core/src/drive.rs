@@ -352,7 +352,7 @@ enum Next {
 /// the batch to run.
 fn next_step(ctx: &ReplicaCtx) -> Next {
     let rest = ctx.pipe.rest_ns(ctx.stage);
-    let step = ctx.me.take_batch(ctx.stage, rest);
+    let step = ctx.me.take_batch(rest);
     let dropped = !step.expired.is_empty();
     if dropped {
         let stage = ctx.stage();

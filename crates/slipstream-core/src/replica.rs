@@ -393,11 +393,11 @@ impl Replica {
     }
 
     /// The batch step: what to run now, what expired, when to look again.
-    /// `rest_ns` is the predicted rest of the critical path after this
-    /// stage (`stage`; work its request no longer needs is skipped).
-    pub fn take_batch(&self, stage: usize, rest_ns: u64) -> Step {
+    /// `rest_ns` is the predicted rest of the critical path after its stage
+    /// (work its request no longer needs is skipped).
+    pub fn take_batch(&self, rest_ns: u64) -> Step {
         let now = self.now_ns();
-        let epoch = self.epoch;
+        let (epoch, stage) = (self.epoch, self.stage);
         let mut st = self.state.lock();
         let State { queue, former, .. } = &mut *st;
         let taken = take_batch(

@@ -39,13 +39,6 @@ pub struct Length {
     pub longest: u64,
 }
 
-impl Length {
-    /// What it costs alone: its rows padded to its longest element.
-    pub fn padded(self) -> u64 {
-        self.rows.saturating_mul(self.longest)
-    }
-}
-
 /// The padded size of a batch built so far.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BatchLength {

@@ -40,7 +40,7 @@ mod sim;
 
 pub use admission::{AdmissionGate, Priority, MIN_HEADROOM};
 pub use former::{take_batch, BatchDecision, BatchFormer, BatchPolicy, Taken};
-pub use length::{BatchLength, Length, LengthModel};
+pub use length::{Length, LengthModel};
 pub use predict::{found_queue, Dag, Prediction, ReplicaLoad};
 pub use profile::LatencyProfile;
 pub use queue::EdfQueue;
