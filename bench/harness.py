@@ -341,21 +341,21 @@ def parse_perf_analyzer(csv_text: str) -> list[dict[str, Any]]:
 
 
 def perf_analyzer(addr: str, model: str, *, protocol: str, shapes: Sequence[str], concurrency: int,
-                  interval_ms: int = 2000, input_data: str = "random", stability_percent: float = 10.0
-                  ) -> dict[str, Any]:
+                  interval_ms: int = 2000, input_data: str = "random", stability_percent: float = 10.0,
+                  max_trials: int = 10) -> dict[str, Any]:
     """One perf_analyzer run (Triton's tool, unchanged) against `addr`
     (HOST:PORT) over `protocol` (http or grpc) at `concurrency`, inputs of
     `shapes` (``x:1,2``) filled with `input_data` (``random`` or ``zero``),
     until three windows of `interval_ms` agree within `stability_percent`
-    (perf_analyzer's default, 10); its row as ``parse_perf_analyzer``
-    gives it."""
+    (perf_analyzer's default, 10), trying at most `max_trials` windows (its
+    default, 10); its row as ``parse_perf_analyzer`` gives it."""
     exe = _need(PERF_ANALYZER, "perf_analyzer", "scripts/install_perf_analyzer.sh (or set PERF_ANALYZER=path)")
     env = {**os.environ, "LD_LIBRARY_PATH": str(Path(exe).parent / "lib")}
     with tempfile.TemporaryDirectory(prefix="bench-pa-") as d:
         out = Path(d) / "pa.csv"
         cmd = [exe, "-m", model, "-u", addr, "-i", protocol, "--concurrency-range", f"{concurrency}:{concurrency}",
                "--measurement-interval", str(interval_ms), "--input-data", input_data, "-f", str(out),
-               "--stability-percentage", f"{stability_percent:g}"]
+               "--stability-percentage", f"{stability_percent:g}", "--max-trials", str(max_trials)]
         for shape in shapes:
             cmd += ["--shape", shape]
         run = subprocess.run(cmd, capture_output=True, text=True, env=env)
