@@ -70,8 +70,9 @@ late = harness.example_module("models.late")
 vindex = harness.example_module("models.vindex")
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
-MODES = ("ram", "mmap", "ssd", "ssd-prefetch-all", "ssd-noprefetch", "mmap-readahead")
-DEFAULT_MODES = MODES[:5]
+MODES = ("ram", "mmap", "ssd", "ssd-prefetch-all", "ssd-noprefetch", "ram-compressed", "ssd-compressed",
+         "mmap-readahead")
+DEFAULT_MODES = MODES[:7]
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
@@ -117,19 +118,21 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     if cg is not None:
         (cg / "cgroup.procs").write_text(str(os.getpid()))
     mode = cfg["mode"]
-    storage = "ssd" if mode.startswith("ssd") else "mmap" if mode.startswith("mmap") else mode
+    storage = "ssd" if mode.startswith("ssd") else "mmap" if mode.startswith("mmap") else "ram"
+    nbits = cfg["nbits"] if mode.endswith("-compressed") else 0
     index_dir = Path(cfg["index_dir"])
     with np.load(cfg["queries"]) as z:
         qv, qt, ql = z["vecs"], z["toks"], z["lens"]  # token rows stay fp16 (widened per search)
     truth: list[int] = [int(t) for t in cfg["truth"]]
-    tokens = index_dir / late.TOKENS_FILE
+    tokens = index_dir / (late.compressed_name(nbits) if nbits else late.TOKENS_FILE)
     conf = late.LateConfig(candidates=cfg["candidates"], rerank_k=cfg["rerank_k"],
                            prefetch_at=0.0 if mode == "ssd-noprefetch" else cfg["prefetch_at"], nprobe=cfg["nprobe"],
                            prefetch_k=cfg["candidates"] if mode == "ssd-prefetch-all" else None)
     probe = late.IvfProbe.load(index_dir / vindex.INDEX_FILE)
     tf = late.TokenFile(tokens)
     res: dict[str, Any] = {"mode": mode, "token_file_bytes": tokens.stat().st_size, "nprobe": probe.nprobe,
-                           "nlist": probe.nlist, "passages": tf.n}
+                           "nlist": probe.nlist, "passages": tf.n, "nbits": nbits,
+                           "codec_bytes": tf.codec.nbytes() if tf.codec else 0}
     t = time.perf_counter()
     st = late.open_storage(storage, tf, threads=cfg["io_threads"],
                            mmap_advice="normal" if mode == "mmap-readahead" else "random")
@@ -205,7 +208,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
                          "reranked_mean": float(np.mean(rr)), "target_mean": float(np.mean(tgt)),
                          "cut_share": cut / n, "late": vindex.retrieval_metrics(np.array(ids), truth)}
     # 4. re-rank depth (ESPN-Lite): quality in RAM, latency on SSD
-    if cfg["depths"] and mode in ("ram", "ssd"):
+    if cfg["depths"] and mode in ("ram", "ssd", "ram-compressed", "ssd-compressed"):
         rows = []
         m = min(n, cfg["depth_queries"]) if storage == "ssd" else n
         for d in cfg["depths"]:
@@ -308,9 +311,11 @@ def run_child(cfg: dict[str, Any], use_cgroup: bool) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ the parent
 
-def prepare(small: int | None, threads: int) -> tuple[Path, Path, list[int]]:
+def prepare(small: int | None, threads: int, nbits: int) -> tuple[Path, Path, list[int]]:
     index_dir = vindex.prepare(small=small, threads=threads)
     late.ensure_tokens(index_dir, threads=threads)
+    if nbits:
+        late.ensure_compressed(index_dir, nbits=nbits, threads=threads)
     queries = corpus.load_queries()
     held = set(vindex.indexed_ids(index_dir).tolist())
     qs = [q for q in queries if q["passage_id"] in held]
@@ -329,11 +334,40 @@ def mb(x: float | None) -> str:
     return "-" if x is None else f"{x / 2**20:,.0f}"
 
 
+#: ESPN's headline ratios (Shrestha et al., ISMM 2024: abstract and evaluation): memory against keeping the
+#: embeddings in RAM, and retrieval speed against memory-mapped files under memory pressure.
+PAPER = {"memory_vs_ram": (5.0, 16.0), "speedup_vs_mmap": (3.1, 3.9)}
+
+
+def ratios(modes: list[dict[str, Any]]) -> list[str]:
+    """This run's figures beside the paper's ratios (where the modes they need ran)."""
+    by = {m["mode"]: m for m in modes}
+    out = []
+    ram = by.get("ram")
+    for ssd_mode in ("ssd", "ssd-compressed"):
+        ssd = by.get(ssd_mode)
+        if ram and ssd:
+            out.append(f"- memory, {ssd_mode} against RAM (peak resident): {ram['memory']['VmHWM'] / ssd['memory']['VmHWM']:.1f}x "
+                       f"less ({mb(ssd['memory']['VmHWM'])} vs {mb(ram['memory']['VmHWM'])} MiB); "
+                       f"ESPN reports {PAPER['memory_vs_ram'][0]:g}-{PAPER['memory_vs_ram'][1]:g}x")
+        mm = by.get("mmap")
+        if mm and ssd:
+            s, m = ssd["sequential"], mm["sequential"]
+            rate = (f"; throughput at the SLO {ssd['throughput_at_slo']['rate']:.0f} vs "
+                    f"{mm['throughput_at_slo']['rate']:.0f} q/s")
+            out.append(f"- speed, {ssd_mode} against mmap at the same memory limit: p50 {m['p50_ms'] / s['p50_ms']:.1f}x "
+                       f"lower ({s['p50_ms']:.1f} vs {m['p50_ms']:.1f} ms), p99 {m['p99_ms'] / s['p99_ms']:.1f}x{rate}; "
+                       f"ESPN reports {PAPER['speedup_vs_mmap'][0]:g}-{PAPER['speedup_vs_mmap'][1]:g}x")
+    return out
+
+
 def report(result: dict[str, Any]) -> str:
     failed = [m for m in result["modes"] if "failed" in m]
     modes = [m for m in result["modes"] if "failed" not in m]
     ram = next((m for m in modes if m["mode"] == "ram"), None)
-    seq = modes[0]["sequential"]
+    fp16 = [m for m in modes if not m.get("nbits")]
+    comp = next((m for m in modes if m.get("nbits")), None)
+    seq = (fp16 or modes)[0]["sequential"]
     md = [f"# Late interaction (ESPN) on the Debian corpus{' (small slice)' if result['small'] else ''}", "",
           f"{result['passages']:,} passages, {result['queries']} queries; token file "
           f"{result['token_file_bytes'] / 2**20:,.0f} MiB (fp16, 4 KiB-aligned per passage); IVF nlist "
@@ -345,6 +379,11 @@ def report(result: dict[str, Any]) -> str:
           "| | recall@10 | MRR@10 |", "|---|---:|---:|",
           f"| single vector (IVF top 10) | {seq['single']['recall@10']:.3f} | {seq['single']['mrr@10']:.3f} |",
           f"| late interaction (MaxSim re-rank) | {seq['late']['recall@10']:.3f} | {seq['late']['mrr@10']:.3f} |"]
+    if comp:
+        cs = comp["sequential"]["late"]
+        md.append(f"| late interaction, compressed tokens ({comp['nbits']}-bit residuals: "
+                  f"{mb(comp['token_file_bytes'])} MiB file, {result['token_file_bytes'] / comp['token_file_bytes']:.1f}x "
+                  f"smaller) | {cs['recall@10']:.3f} | {cs['mrr@10']:.3f} |")
     if ram and ram.get("depths"):
         md += ["", "Re-rank depth (ESPN-Lite: only the top k of the candidates re-ranked; quality from the RAM "
                "run, latency from the SSD run):", "", "| re-rank k | recall@10 | MRR@10 | SSD p50 ms | SSD p99 ms |",
@@ -386,6 +425,9 @@ def report(result: dict[str, Any]) -> str:
                 md.append(f"| {m['mode']} | {b['p50_ms']:.2f} | {b['p99_ms']:.2f} | {b['reranked_mean']:.1f} "
                           f"({b['target_mean']:.1f}) | {b['cut_share']:.1%} | {b['late']['recall@10']:.3f} | "
                           f"{b['late']['mrr@10']:.3f} |")
+    vs = ratios(modes)
+    if vs:
+        md += ["", "## Against the ESPN paper's ratios", ""] + vs
     md += ["", "Memory pressure: " + result["pressure"] + "."]
     for m in modes:
         if "cgroup_limit_bytes" in m:
@@ -419,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefetch-at", type=float, default=0.25, help="prefetch step, a fraction of nprobe (0.25)")
     ap.add_argument("--nprobe", type=int, default=None, help="IVF lists probed (default: the index's tuned value)")
     ap.add_argument("--io-threads", type=int, default=8, help="O_DIRECT reader threads (default 8)")
+    ap.add_argument("--nbits", type=int, default=2, choices=(1, 2, 4),
+                    help="bits per dimension of the compressed modes' residuals (default 2)")
     ap.add_argument("--mem-frac", type=float, default=0.25,
                     help="cgroup limit: the process' own peak anonymous memory (measured) + a margin + this "
                          "fraction of the token file (default 0.25)")
@@ -453,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
 
     machine = harness.machine()
     print(f"espn: load average before: {machine['loadavg_before']}", file=sys.stderr)
-    index_dir, qfile, truth = prepare(a.small, a.threads)
+    index_dir, qfile, truth = prepare(a.small, a.threads, a.nbits if any(m.endswith("-compressed") for m in modes) else 0)
     why_not = None if not a.no_cgroup else "--no-cgroup"
     why_not = why_not or cgroup_available()
     pressure = ("page cache of the token file dropped before the mmap and SSD runs "
@@ -466,11 +510,12 @@ def main(argv: list[str] | None = None) -> int:
            "rerank_k": a.rerank_k, "prefetch_at": a.prefetch_at, "nprobe": a.nprobe, "io_threads": a.io_threads,
            "mem_frac": a.mem_frac, "mem_margin_mb": a.mem_margin_mb, "calibrate_s": a.calibrate_s,
            "warmup": a.warmup, "clients": clients, "duration": a.duration,
-           "slo_ms": a.slo_ms, "budget_ms": a.budget_ms, "depths": depths, "depth_queries": a.depth_queries}
+           "slo_ms": a.slo_ms, "budget_ms": a.budget_ms, "depths": depths, "depth_queries": a.depth_queries,
+           "nbits": a.nbits}
     results = []
     for mode in modes:
         print(f"espn: {mode} ...", file=sys.stderr, flush=True)
-        r = run_child({**cfg, "mode": mode}, use_cgroup=why_not is None and mode != "ram")
+        r = run_child({**cfg, "mode": mode}, use_cgroup=why_not is None and not mode.startswith("ram"))
         results.append(r)
         if "failed" in r:
             continue
@@ -482,12 +527,15 @@ def main(argv: list[str] | None = None) -> int:
     if not done:
         print("espn: every mode failed", file=sys.stderr)
         return 1
+    # Modes over the same token file must answer the same passages (compressed ones differ from fp16).
     digests = {r["mode"]: r["ids_digest"] for r in done}
+    same = all(len({r["ids_digest"] for r in done if r["nbits"] == b}) == 1 for b in {r["nbits"] for r in done})
     load_after = os.getloadavg()
+    fp16 = next((r for r in done if not r["nbits"]), done[0])
     result = {"small": a.small or 0, "passages": done[0]["passages"], "queries": len(truth),
-              "token_file_bytes": done[0]["token_file_bytes"], "modes": results, "pressure": pressure,
-              "same_answers_in_every_mode": len(set(digests.values())) == 1, "config": cfg | {"truth": None},
-              "load_after": load_after}
+              "token_file_bytes": fp16["token_file_bytes"], "modes": results, "pressure": pressure,
+              "same_answers_in_every_mode": same, "config": cfg | {"truth": None},
+              "load_after": load_after, "paper": PAPER}
     md = report(result)
     if not result["same_answers_in_every_mode"]:
         md += f"\nWARNING: the modes' answers differ (digests {digests}).\n"

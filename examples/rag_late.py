@@ -58,7 +58,11 @@ worker alike):
 - ``RAG_LATE_CANDIDATES``: single-vector candidates per query (default 100).
 - ``RAG_LATE_RERANK_K``: re-rank at most the top k of them (default: all).
 - ``RAG_LATE_PREFETCH_AT``: the prefetch step, a fraction of the IVF probes
-  (default 0.25; 0 turns the prefetch off).
+  (0 turns the prefetch off; default: chosen per search from the measured
+  probe time, read bandwidth and precision, `models.prefetch`).
+- ``RAG_LATE_BITS``: 1, 2 or 4: the token embeddings stored as residuals of
+  that many bits a dimension (`models.residual`; built from the fp16 file
+  on first start); 0 (default): fp16.
 - ``RAG_LATE_IO_THREADS``: ``O_DIRECT`` reader threads per replica (default 8).
 - ``RAG_LATE_READ_DELAY_MS``: hold back each ``O_DIRECT`` read this long
   (default 0): a slow disk, for tests.
@@ -116,7 +120,13 @@ BUDGET_MS = _env_float("RAG_LATE_BUDGET_MS", SLO_MS / 4)
 RESERVE_MS = SLO_MS / 10
 CANDIDATES = _env_int("RAG_LATE_CANDIDATES", 100) or 100
 RERANK_K = _env_int("RAG_LATE_RERANK_K", None)
-PREFETCH_AT = _env_float("RAG_LATE_PREFETCH_AT", 0.25)
+#: The prefetch step (a fraction of the probes; 0: none); unset or ``auto``:
+#: chosen from measured probe time, bandwidth and precision (models.prefetch).
+_PREFETCH = os.environ.get("RAG_LATE_PREFETCH_AT", "").strip().lower()
+PREFETCH_AT = None if _PREFETCH in ("", "auto") else _env_float("RAG_LATE_PREFETCH_AT", 0.0)
+#: Token embeddings as residuals of this many bits a dimension (1, 2 or 4;
+#: models.residual), or 0: fp16 as encoded.
+BITS = _env_int("RAG_LATE_BITS", 0) or 0
 IO_THREADS = _env_int("RAG_LATE_IO_THREADS", 8) or 8
 LOG_S = _env_float("RAG_LATE_LOG_S", 30.0)
 
@@ -124,6 +134,8 @@ if MODE not in ("auto", "full", "small"):
     raise ss.ConfigError(f"RAG_INDEX must be auto, full or small, not {MODE!r}")
 if STORAGE not in late.MODES:
     raise ss.ConfigError(f"RAG_LATE_STORAGE must be one of {', '.join(late.MODES)}, not {STORAGE!r}")
+if BITS not in (0, 1, 2, 4):
+    raise ss.ConfigError(f"RAG_LATE_BITS must be 0 (fp16), 1, 2 or 4, not {BITS}")
 if not BUDGET_MS > 0:
     raise ss.ConfigError(f"RAG_LATE_BUDGET_MS must be > 0, not {BUDGET_MS}")
 CONFIG = late.LateConfig(k=TOPK, candidates=CANDIDATES, rerank_k=RERANK_K, prefetch_at=PREFETCH_AT)
@@ -152,6 +164,8 @@ def ensure_data() -> Path:
             vindex.prepare(small=SLICE, threads=max(THREADS or 1, 2))
         build_onnx(tokens=True)
         late.ensure_tokens(d, threads=max(THREADS or 1, 2))
+        if BITS:
+            late.ensure_compressed(d, nbits=BITS, threads=max(THREADS or 1, 2))
     except (corpus.CorpusError, ModelNotInstalled, late.TokenFileError) as e:
         raise ss.ConfigError(f"cannot build the late-interaction data: {e}") from e
     return d
@@ -197,7 +211,7 @@ class Search:
 
     def __init__(self) -> None:
         d = index_dir()
-        self.searcher = late.open_index(d, STORAGE, CONFIG, io_threads=IO_THREADS)
+        self.searcher = late.open_index(d, STORAGE, CONFIG, io_threads=IO_THREADS, nbits=BITS)
         passages = corpus.load_passages()
         n = len(passages)
         # Lookup tables over all passage ids, plus an empty entry at the end for id -1.
@@ -239,7 +253,8 @@ class Search:
                 t = max(1, s["target"])
                 print(f"rag_late Search: {s['searches']} searches: re-ranked {s['reranked'] / t:.0%} of their "
                       f"targets, {s['cut'] / s['searches']:.1%} cut by the {BUDGET_MS:g} ms budget, prefetch hit "
-                      f"rate {s['hits'] / t:.0%}", file=sys.stderr, flush=True)
+                      f"rate {s['hits'] / t:.0%}; prefetch {self.searcher.prefetch_plan().why}", file=sys.stderr,
+                      flush=True)
                 self.last_log = now
 
 

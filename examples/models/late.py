@@ -59,6 +59,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .prefetch import PrefetchPlan, PrefetchPolicy, marks
+from .residual import CodecError, ResidualCodec
+
 BLOCK = 4096
 MAGIC = b"SLTOKEN1"
 FILE_VERSION = 1
@@ -66,6 +69,7 @@ DOC_HEADER = 64  # per passage: u32 tokens, u32 dim, i64 passage id, padding
 _HEADER = struct.Struct("<8sIIQQQII40s")  # magic, version, dim, n, table offset, table bytes, dtype, doc header, fp
 _DOC = struct.Struct("<IIq")
 DTYPE_FP16 = 1
+DTYPE_RESIDUAL = 2  # rows are residual records (models.residual); the codec follows the table
 TABLE_DTYPE = np.dtype([("id", "<i8"), ("offset", "<u8"), ("ntok", "<u4"), ("nblocks", "<u4")])
 TOKENS_FILE = "tokens.bin"
 MODES = ("ram", "mmap", "ssd")
@@ -79,9 +83,10 @@ class TokenFileError(RuntimeError):
     """A token file that is missing, of another format, or damaged."""
 
 
-def blocks_for(ntok: int, dim: int) -> int:
-    """4 KiB blocks holding one passage of ``ntok`` fp16 rows and its header."""
-    return -(-(DOC_HEADER + ntok * dim * 2) // BLOCK)
+def blocks_for(ntok: int, dim: int, row_bytes: int | None = None) -> int:
+    """4 KiB blocks holding one passage of ``ntok`` rows and its header
+    (fp16 rows of ``dim``, or rows of ``row_bytes``)."""
+    return -(-(DOC_HEADER + ntok * (dim * 2 if row_bytes is None else row_bytes)) // BLOCK)
 
 
 IdsLike = Sequence[int] | np.ndarray
@@ -103,10 +108,17 @@ class TokenFileWriter:
     """Appends passages to a token file, each in its own aligned block run;
     :meth:`finish` writes the table and the header. Buffered writes (the
     file is read with ``O_DIRECT`` later: the kernel writes dirty pages back
-    before a direct read of them)."""
+    before a direct read of them). With a ``codec``
+    (:class:`models.residual.ResidualCodec`) the rows are its records
+    (tokens given as vectors are encoded) and the codec is stored after the
+    table."""
 
-    def __init__(self, path: Path, dim: int, entries: np.ndarray | None = None, end: int = BLOCK):
-        self.path, self.dim = Path(path), int(dim)
+    def __init__(self, path: Path, dim: int, entries: np.ndarray | None = None, end: int = BLOCK,
+                 codec: ResidualCodec | None = None):
+        if codec is not None and codec.dim != int(dim):
+            raise ValueError(f"a codec of dimension {codec.dim} for {dim}-d tokens")
+        self.path, self.dim, self.codec = Path(path), int(dim), codec
+        self.row_bytes = 2 * self.dim if codec is None else codec.token_bytes
         resume = entries is not None
         self.f = open(self.path, "r+b" if resume else "wb")  # noqa: SIM115 (closed by finish/close)
         if resume:
@@ -119,10 +131,19 @@ class TokenFileWriter:
         self.end = end
 
     def add(self, pid: int, tokens: np.ndarray) -> None:
-        t = np.ascontiguousarray(tokens, dtype=np.float16)
-        if t.ndim != 2 or t.shape[1] != self.dim or t.shape[0] < 1:
-            raise ValueError(f"passage {pid}: tokens must be (n >= 1, {self.dim}), got {t.shape}")
-        n = blocks_for(t.shape[0], self.dim)
+        """One passage's token vectors (n, dim), or a residual file's records."""
+        if self.codec is not None and tokens.dtype == np.uint8:
+            t = np.ascontiguousarray(tokens)
+            if not self.codec.is_records(t) or len(t) < 1:
+                raise ValueError(f"passage {pid}: records must be (n >= 1, {self.codec.token_bytes}) uint8, "
+                                 f"got {t.shape}")
+        else:
+            t = np.ascontiguousarray(tokens, dtype=np.float16)
+            if t.ndim != 2 or t.shape[1] != self.dim or t.shape[0] < 1:
+                raise ValueError(f"passage {pid}: tokens must be (n >= 1, {self.dim}), got {t.shape}")
+            if self.codec is not None:
+                t = self.codec.encode(t)
+        n = blocks_for(t.shape[0], self.dim, self.row_bytes)
         head = _DOC.pack(t.shape[0], self.dim, int(pid))
         body = t.tobytes()
         self.f.write(head + b"\0" * (DOC_HEADER - len(head)) + body + b"\0" * (n * BLOCK - DOC_HEADER - len(body)))
@@ -147,8 +168,11 @@ class TokenFileWriter:
         self.f.seek(self.end)
         raw = table.tobytes()
         self.f.write(raw + b"\0" * (-len(raw) % BLOCK))
+        if self.codec is not None:
+            self.f.write(self.codec.to_bytes())
         self.f.seek(0)
-        self.f.write(_HEADER.pack(MAGIC, FILE_VERSION, self.dim, len(table), self.end, len(raw), DTYPE_FP16,
+        self.f.write(_HEADER.pack(MAGIC, FILE_VERSION, self.dim, len(table), self.end, len(raw),
+                                  DTYPE_FP16 if self.codec is None else DTYPE_RESIDUAL,
                                   DOC_HEADER, fp.encode().ljust(40, b"\0")[:40]))
         self.sync()
         self.f.close()
@@ -159,7 +183,9 @@ class TokenFileWriter:
 
 class TokenFile:
     """A token file's header and offsets table, in RAM; the token rows stay
-    on disk until a storage (:func:`open_storage`) reads them."""
+    on disk until a storage (:func:`open_storage`) reads them. A residual
+    file (``codec`` set) holds records that :meth:`parse` returns as they
+    are; the scorer decodes them."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -170,16 +196,26 @@ class TokenFile:
             if len(head) < _HEADER.size or head[:8] != MAGIC:
                 raise TokenFileError(f"{self.path} is not a token file (bad magic; unfinished build?)")
             magic, version, dim, n, toff, tbytes, dtype, dh, fp = _HEADER.unpack_from(head)
-            if version != FILE_VERSION or dtype != DTYPE_FP16 or dh != DOC_HEADER:
+            if version != FILE_VERSION or dtype not in (DTYPE_FP16, DTYPE_RESIDUAL) or dh != DOC_HEADER:
                 raise TokenFileError(f"{self.path}: format version {version}, dtype {dtype}: this reader "
-                                     f"knows version {FILE_VERSION}, fp16")
+                                     f"knows version {FILE_VERSION}, fp16 or residual")
             if tbytes != n * TABLE_DTYPE.itemsize or toff % BLOCK:
                 raise TokenFileError(f"{self.path}: damaged header (table of {tbytes} bytes for {n} passages)")
             f.seek(toff)
             raw = f.read(tbytes)
+            self.codec: ResidualCodec | None = None
+            if dtype == DTYPE_RESIDUAL:
+                f.seek(toff + tbytes + (-tbytes % BLOCK))
+                try:
+                    self.codec = ResidualCodec.from_bytes(f.read())
+                except CodecError as e:
+                    raise TokenFileError(f"{self.path}: its residual codec does not parse ({e})") from e
+                if self.codec.dim != dim:
+                    raise TokenFileError(f"{self.path}: a codec of dimension {self.codec.dim} for {dim}-d tokens")
         if len(raw) != tbytes:
             raise TokenFileError(f"{self.path}: truncated ({len(raw)} of {tbytes} table bytes)")
         self.dim, self.n, self.size = int(dim), int(n), int(toff)
+        self.row_bytes = 2 * self.dim if self.codec is None else self.codec.token_bytes
         self.fingerprint = fp.rstrip(b"\0").decode()
         self.table = np.frombuffer(raw, dtype=TABLE_DTYPE).copy()
         self.ids = self.table["id"].copy()
@@ -201,20 +237,29 @@ class TokenFile:
 
     @property
     def token_bytes(self) -> int:
-        """Bytes of fp16 rows (without headers and padding)."""
-        return int(self.ntok.sum()) * self.dim * 2
+        """Bytes of token rows (without headers and padding)."""
+        return int(self.ntok.sum()) * self.row_bytes
 
     def parse(self, row: int, buf: Any, at: int = 0) -> np.ndarray:
-        """The (tokens, dim) fp16 rows of passage ``row`` from its block run,
-        which starts at ``buf[at]`` (no copy); checks the block header."""
+        """The rows of passage ``row`` from its block run, which starts at
+        ``buf[at]`` (no copy): (tokens, dim) fp16, or a residual file's
+        (tokens, record bytes) uint8 records; checks the block header."""
         ntok, dim, pid = _DOC.unpack_from(buf, at)
         if ntok != self.ntok[row] or dim != self.dim or pid != self.ids[row]:
             raise TokenFileError(f"{self.path}: passage {self.ids[row]}: block header says {pid}/{ntok} tokens "
                                  f"x {dim}; table says {self.ntok[row]} x {self.dim}")
+        if self.codec is not None:
+            rb = self.codec.token_bytes
+            return np.frombuffer(buf, dtype=np.uint8, count=ntok * rb, offset=at + DOC_HEADER).reshape(ntok, rb)
         return np.frombuffer(buf, dtype=np.float16, count=ntok * dim, offset=at + DOC_HEADER).reshape(ntok, dim)
 
+    def vectors(self, rows: np.ndarray) -> np.ndarray:
+        """Token vectors from :meth:`parse`'s rows: fp16 as they are, residual records decoded (float32)."""
+        return rows if self.codec is None else self.codec.decode(rows)
+
     def __repr__(self) -> str:
-        return f"TokenFile({self.path.name}: {self.n} passages, {int(self.ntok.sum())} tokens x {self.dim}, " \
+        kind = "fp16" if self.codec is None else f"{self.codec.nbits}-bit residuals over {self.codec.k} centroids"
+        return f"TokenFile({self.path.name}: {self.n} passages, {int(self.ntok.sum())} tokens x {self.dim} ({kind}), " \
                f"{self.size / 1e6:.1f} MB)"
 
 
@@ -296,7 +341,7 @@ def extract_token_file(src: TokenFile, ids: IdsLike, out: Path, fp: str) -> Toke
     if (rows < 0).any():
         raise TokenFileError(f"{src.path} lacks {int((rows < 0).sum())} of the passages asked for")
     tmp = Path(out).with_name(Path(out).name + f".{os.getpid()}.tmp")
-    writer = TokenFileWriter(tmp, src.dim)
+    writer = TokenFileWriter(tmp, src.dim, codec=src.codec)
     try:
         with open(src.path, "rb") as f:
             for r in rows:
@@ -309,6 +354,71 @@ def extract_token_file(src: TokenFile, ids: IdsLike, out: Path, fp: str) -> Toke
         raise
     os.replace(tmp, out)
     return TokenFile(out)
+
+
+def compressed_name(nbits: int) -> str:
+    """The residual token file of ``nbits`` bits a dimension beside ``tokens.bin``."""
+    return f"tokens-r{int(nbits)}.bin"
+
+
+def compress_token_file(src: TokenFile, out: Path, nbits: int = 2, k: int | None = None, sample: int = 1 << 18,
+                        seed: int = 0, threads: int = 2, chunk: int = 512, progress: bool = True,
+                        log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> TokenFile:
+    """The fp16 token file ``src`` as residuals (:mod:`models.residual`):
+    centroids trained on ``sample`` token vectors of random passages, then
+    every passage encoded, ``chunk`` passages at a time, with progress
+    lines. Reused when ``out`` was made from the same file with the same
+    parameters (its fingerprint). Not resumable: minutes, not hours (the
+    full corpus: ~3.2 M tokens)."""
+    from .residual import VERSION
+    from .vindex import Progress
+
+    if src.codec is not None:
+        raise TokenFileError(f"{src.path} is already compressed")
+    out = Path(out)
+    fp = hashlib.sha1(f"{src.fingerprint}/residual-v{VERSION}/nbits={nbits}/k={k}/sample={sample}/seed={seed}"
+                      .encode()).hexdigest()
+    if out.is_file() and read_header_fingerprint(out) == fp:
+        return TokenFile(out)
+    t0 = time.monotonic()
+    order = np.random.default_rng(seed).permutation(src.n)
+    take = order[:int(np.searchsorted(np.cumsum(src.ntok[order]), sample)) + 1]
+    with open(src.path, "rb") as f:
+        def rows(rs: Iterable[int]) -> list[np.ndarray]:
+            got = []
+            for r in rs:
+                f.seek(int(src.offsets[r]))
+                got.append(src.parse(int(r), f.read(int(src.nbytes[r]))))
+            return got
+
+        x = np.concatenate(rows(np.sort(take))).astype(np.float32)
+        codec = ResidualCodec.train(x, nbits=nbits, k=k, seed=seed, threads=threads, log=log)
+        del x
+        tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
+        writer = TokenFileWriter(tmp, src.dim, codec=codec)
+        bar = Progress(f"late: compress {out.name}", src.n, float(src.ntok.sum()))
+        done_w = 0.0
+        try:
+            for s in range(0, src.n, chunk):
+                part = range(s, min(src.n, s + chunk))
+                docs = rows(part)
+                recs = codec.encode(np.concatenate(docs))
+                at = 0
+                for r, d in zip(part, docs, strict=True):
+                    writer.add(int(src.ids[r]), recs[at:at + len(d)])
+                    at += len(d)
+                done_w += float(src.ntok[part.start:part.stop].sum())
+                if progress:
+                    bar.update(part.stop, done_w, final=part.stop == src.n)
+            writer.finish(fp)
+        except BaseException:
+            writer.close()
+            tmp.unlink(missing_ok=True)
+            raise
+    os.replace(tmp, out)
+    tf = TokenFile(out)
+    log(f"late: {tf} from {src.size / 1e6:.1f} MB in {time.monotonic() - t0:.0f} s")
+    return tf
 
 
 def drop_cache(path: Path) -> None:
@@ -886,9 +996,12 @@ class MaxSimScorer:
     the product itself, and the widening of ~8k token rows a query was most
     of a search's time; onnxruntime's cast is ~4x faster. The max per
     passage stays in numpy (``reduceat`` over the small score matrix).
-    ``threads``: onnxruntime's intra-op threads. Thread-safe."""
+    ``threads``: onnxruntime's intra-op threads. With a ``codec`` the
+    passages are residual records, decoded (numpy) and multiplied in fp32 by
+    numpy (onnxruntime's Gather was slower than ``np.take`` at decoding).
+    Thread-safe."""
 
-    def __init__(self, dim: int, threads: int = 1):
+    def __init__(self, dim: int, threads: int = 1, codec: ResidualCodec | None = None):
         import onnxruntime as ort
         from onnx import TensorProto, helper
 
@@ -904,7 +1017,7 @@ class MaxSimScorer:
         opts.intra_op_num_threads = int(threads)
         opts.inter_op_num_threads = 1
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.dim = int(dim)
+        self.dim, self.codec = int(dim), codec
         self.session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
     def __call__(self, q: np.ndarray, docs: Sequence[np.ndarray]) -> np.ndarray:
@@ -915,7 +1028,10 @@ class MaxSimScorer:
             raise ValueError("a passage with no tokens")
         flat = np.concatenate(docs, axis=0) if len(docs) > 1 else docs[0]
         qt = np.ascontiguousarray(np.asarray(q, dtype=np.float32).T)
-        (sims,) = self.session.run(["sims"], {"docs": np.ascontiguousarray(flat, dtype=np.float16), "query_t": qt})
+        if self.codec is not None:
+            sims = self.codec.scores(flat, qt)
+        else:
+            (sims,) = self.session.run(["sims"], {"docs": np.ascontiguousarray(flat, dtype=np.float16), "query_t": qt})
         starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
         return np.maximum.reduceat(sims, starts, axis=0).sum(axis=1).astype(np.float32)
 
@@ -941,7 +1057,9 @@ class LateConfig:
     nprobe: int | None = None  # IVF lists probed (default: the index's tuned nprobe)
     candidates: int = 100  # single-vector candidates kept (k')
     rerank_k: int | None = None  # ESPN-Lite: re-rank at most the top rerank_k (default: all candidates)
-    prefetch_at: float = 0.25  # prefetch step: fraction of the probes after which reads start (0: no prefetch)
+    # Prefetch step: the fraction of the probes after which reads start (0: no prefetch); None: chosen from
+    # measured probe time, bandwidth and precision (models.prefetch), with the count.
+    prefetch_at: float | None = None
     # How many of the partial top candidates the prefetch reads: None (adaptive) as many as the measured
     # bandwidth brings in the time the remaining probes take; a number: that many (at most the re-rank depth).
     prefetch_k: int | None = None
@@ -954,7 +1072,7 @@ class LateConfig:
             raise ValueError(f"k and candidates must be >= 1, got {self.k}, {self.candidates}")
         if self.rerank_k is not None and self.rerank_k < 0:
             raise ValueError(f"rerank_k must be >= 0, got {self.rerank_k}")
-        if not 0.0 <= self.prefetch_at < 1.0:
+        if self.prefetch_at is not None and not 0.0 <= self.prefetch_at < 1.0:
             raise ValueError(f"prefetch_at is a fraction of the probes in [0, 1), got {self.prefetch_at}")
         if self.prefetch_k is not None and self.prefetch_k < 0:
             raise ValueError(f"prefetch_k must be >= 0 (or None: adaptive), got {self.prefetch_k}")
@@ -1019,7 +1137,7 @@ class LateSearcher:
     def __init__(self, probe: IvfProbe, tokens: TokenFile, storage: Storage, config: LateConfig | None = None,
                  threads: int = 1):
         self.probe, self.tf, self.storage = probe, tokens, storage
-        self.scorer = MaxSimScorer(tokens.dim, threads=threads)
+        self.scorer = MaxSimScorer(tokens.dim, threads=threads, codec=tokens.codec)
         self.config = config or LateConfig()
         self.config.check()
         if tokens.dim != probe.dim:
@@ -1027,6 +1145,25 @@ class LateSearcher:
         missing = int((tokens.rows_of(probe.ids) < 0).sum())
         if missing:
             raise TokenFileError(f"{tokens.path} lacks the tokens of {missing} indexed passages: rebuild it")
+        self.prefetch = PrefetchPolicy()
+        self.passage_bytes = float(tokens.nbytes.mean()) if tokens.n else float(BLOCK)
+
+    def prefetch_plan(self, config: LateConfig | None = None) -> PrefetchPlan:
+        """What the next search would prefetch, and why (``config``'s
+        ``prefetch_at`` None: the measured plan; a number: that step)."""
+        cfg = config or self.config
+        depth = cfg.candidates if cfg.rerank_k is None else min(cfg.rerank_k, cfg.candidates)
+        nprobe = min(cfg.nprobe or self.probe.nprobe, self.probe.nlist)
+        if not self.storage.asynchronous:
+            return PrefetchPlan(0, 0, 0.0, f"off: the {self.storage.mode} storage reads while scoring")
+        if cfg.prefetch_at is None:
+            return self.prefetch.plan(nprobe, depth, self.storage.bandwidth(), self.passage_bytes)
+        if cfg.prefetch_at == 0 or nprobe < 2 or depth < 1:
+            return PrefetchPlan(0, 0, 0.0, "off (prefetch_at=0)" if cfg.prefetch_at == 0 else "off: nothing to overlap")
+        step = min(nprobe - 1, max(1, math.ceil(cfg.prefetch_at * nprobe)))
+        k = None if cfg.prefetch_k is None else min(depth, cfg.prefetch_k)
+        return PrefetchPlan(step, k, 0.0, f"fixed: after {step} of {nprobe} lists, "
+                                          f"{'bandwidth-sized' if k is None else f'{k} passages'}")
 
     def search(self, qvecs: np.ndarray, qtoks: np.ndarray, qlens: np.ndarray | Sequence[int] | None = None,
                budget_s: float | None = None, config: LateConfig | None = None) -> SearchResult:
@@ -1051,23 +1188,40 @@ class LateSearcher:
         depth = kc if cfg.rerank_k is None else min(cfg.rerank_k, kc)
         nprobe = min(cfg.nprobe or self.probe.nprobe, self.probe.nlist)
         orders = self.probe.order(q, nprobe)
-        p0 = 0
-        if self.storage.asynchronous and cfg.prefetch_at > 0 and nprobe > 1 and depth > 0:
-            p0 = min(nprobe - 1, max(1, math.ceil(cfg.prefetch_at * nprobe)))
+        plan = self.prefetch_plan(cfg)
+        p0 = plan.step
+        # On an asynchronous storage every search measures what the prefetch
+        # policy needs: the per-list probe time and, at each checkpoint, the
+        # partial top list (compared with the final targets below).
+        measure = marks(nprobe) if self.storage.asynchronous and depth > 0 else []
+        partial: list[dict[float, np.ndarray]] = [{} for _ in range(nq)]
+        acc: list[tuple[list[np.ndarray], list[np.ndarray]]] = [([], []) for _ in range(nq)]
+
+        def probe_to(i: int, start: int, stop: int) -> None:
+            """Probe query i's lists [start, stop), noting the partial top list at the checkpoints."""
+            pos = start
+            for f, step in [m for m in measure if start < m[1] <= stop] + [(-1.0, stop)]:
+                if step > pos:
+                    s_, i_ = self.probe.scan(q[i], orders[i, pos:step])
+                    acc[i][0].append(s_)
+                    acc[i][1].append(i_)
+                    pos = step
+                if f >= 0 and acc[i][0]:
+                    partial[i][f] = top_k(np.concatenate(acc[i][0]), np.concatenate(acc[i][1]), depth)[1]
+
         reads = self.storage.reader()
         try:
-            first: list[tuple[np.ndarray, np.ndarray]] = []
             prefetched = np.zeros(nq, np.int64)
             mine: list[set[int]] = [set() for _ in range(nq)]  # each query's own prefetch
             bounded = self.storage.asynchronous and cfg.adaptive and math.isfinite(deadline)
             t_probe = time.perf_counter()
             for i in range(nq):  # the prefetch step
-                s1, i1 = self.probe.scan(q[i], orders[i, :p0])
-                first.append((s1, i1))
+                probe_to(i, 0, p0)
                 if p0:
-                    _, top = top_k(s1, i1, depth if cfg.prefetch_k is None else min(depth, cfg.prefetch_k))
+                    s1, i1 = np.concatenate(acc[i][0]), np.concatenate(acc[i][1])
+                    _, top = top_k(s1, i1, depth if plan.k is None else min(depth, plan.k))
                     rows = self.tf.rows_of(top)
-                    if cfg.prefetch_k is None:
+                    if plan.k is None:
                         # Adaptive: what the disk can bring while this query's
                         # remaining probes run (their time from the probes so far).
                         per_list = (time.perf_counter() - t_probe) / ((i + 1) * p0)
@@ -1080,10 +1234,12 @@ class LateSearcher:
             cand_s = np.full((nq, kc), -np.inf, np.float32)
             cand_i = np.full((nq, kc), -1, np.int64)
             for i in range(nq):  # the rest of the probes
-                s2, i2 = self.probe.scan(q[i], orders[i, p0:])
-                s, ids = top_k(np.concatenate([first[i][0], s2]), np.concatenate([first[i][1], i2]), kc)
+                probe_to(i, p0, nprobe)
+                s, ids = top_k(np.concatenate(acc[i][0]), np.concatenate(acc[i][1]), kc)
                 cand_s[i, :len(s)], cand_i[i, :len(ids)] = s, ids
             t_ann = time.perf_counter()
+            if measure:
+                self._observe(partial, cand_i, depth, (t_ann - t_probe) / (nq * nprobe))
             targets: list[np.ndarray] = []
             hits, arrived, target_n = (np.zeros(nq, np.int64) for _ in range(3))
             if p0 and bounded:
@@ -1112,6 +1268,19 @@ class LateSearcher:
         finally:
             reads.close()
         return self._answer(cfg, cand_s, cand_i, scored, target_n, prefetched, hits, arrived, t0, t_ann)
+
+    def _observe(self, partial: list[dict[float, np.ndarray]], cand_i: np.ndarray, depth: int,
+                 per_list_s: float) -> None:
+        """Feed the prefetch policy: the share of the final targets each
+        checkpoint's partial top list held, averaged over the batch."""
+        prec: dict[float, list[float]] = {}
+        for i, got in enumerate(partial):
+            final = cand_i[i, :depth]
+            final = final[final >= 0]
+            if len(final):
+                for f, top in got.items():
+                    prec.setdefault(f, []).append(len(np.intersect1d(top, final)) / len(final))
+        self.prefetch.observe(per_list_s, {f: float(np.mean(v)) for f, v in prec.items()})
 
     def _trim(self, reads: Reads, rows: np.ndarray, left_s: float, share: int) -> tuple[np.ndarray, np.ndarray]:
         """ESPN-Lite under a budget: keep the longest prefix of ``rows``
@@ -1211,11 +1380,13 @@ def ensure_tokens(index_dir: Path, threads: int = 2, batch_size: int = 16, progr
     the passages the index holds), built if missing or stale: copied out of
     the full corpus' file when that one is built and current, else encoded
     (resumable; minutes per thousands of passages on two cores), one
-    process at a time (``build_lock``)."""
+    process at a time per directory (``build_lock``)."""
     from . import build_lock, corpus, minilm, vindex
 
     index_dir = Path(index_dir)
-    with build_lock("tokens"):
+    # One lock per index directory: a slice's file does not wait for the
+    # full corpus' (an hour's build), and two builds of one file never mix.
+    with build_lock(f"tokens-{index_dir.name}"):
         ids = vindex.indexed_ids(index_dir)
         passages = corpus.load_passages()
         if len(ids) and int(ids.max()) >= len(passages):
@@ -1262,10 +1433,23 @@ def query_embeddings(texts: Sequence[str], out: Path, threads: int = 2, max_toke
     return vecs, toks.astype(np.float16), lens
 
 
+def ensure_compressed(index_dir: Path, nbits: int = 2, threads: int = 2, progress: bool = True) -> TokenFile:
+    """The residual token file of a RAG index directory
+    (``tokens-r<nbits>.bin``), compressed from its fp16 token file (built
+    first if missing: :func:`ensure_tokens`), one process at a time."""
+    from . import build_lock
+
+    src = ensure_tokens(index_dir, threads=threads, progress=progress)
+    with build_lock(f"tokens-{Path(index_dir).name}"):
+        return compress_token_file(src, Path(index_dir) / compressed_name(nbits), nbits=nbits, threads=threads,
+                                   progress=progress)
+
+
 def open_index(index_dir: Path, mode: str, config: LateConfig | None = None, io_threads: int = 8,
-               ) -> LateSearcher:
+               nbits: int = 0) -> LateSearcher:
     """A :class:`LateSearcher` over a RAG index directory's IVF index and
-    token file (which must exist: :func:`ensure_tokens`), with the storage
+    token file (which must exist: :func:`ensure_tokens`, or with ``nbits``
+    the residual file: :func:`ensure_compressed`), with the storage
     ``mode``. The faiss index is read, its arrays copied out, and dropped."""
     from . import vindex
 
@@ -1273,5 +1457,5 @@ def open_index(index_dir: Path, mode: str, config: LateConfig | None = None, io_
     if mode not in MODES:
         raise ValueError(f"storage mode must be one of {', '.join(MODES)}, not {mode!r}")
     probe = IvfProbe.load(index_dir / vindex.INDEX_FILE)
-    tf = TokenFile(index_dir / TOKENS_FILE)
+    tf = TokenFile(index_dir / (compressed_name(nbits) if nbits else TOKENS_FILE))
     return LateSearcher(probe, tf, open_storage(mode, tf, threads=io_threads), config)

@@ -377,6 +377,63 @@ def test_prefetch_hit_accounting(workdir: Path) -> None:
     st.close()
 
 
+def test_the_searcher_measures_what_the_prefetch_policy_needs_and_follows_its_plan(workdir: Path) -> None:
+    """Every ssd search feeds the policy the per-list probe time and the
+    precision at each checkpoint (checked here against the partial top
+    lists recomputed from the probes); with ``prefetch_at=None`` the search
+    prefetches what the plan says, or nothing when the plan is off."""
+    probe, tf, (x, docs, rng) = corpus_for_search(workdir)
+    qv, qt = queries_for(x, docs, rng, n=4)
+    st = late.open_storage("ssd", tf, threads=4)
+    s = late.LateSearcher(probe, tf, st, late.LateConfig(k=10, candidates=30, prefetch_at=None))
+    assert "measuring" in s.prefetch_plan().why
+    first = s.search(qv[:1], qt[:1])
+    assert first.prefetched[0] > 0, "until measured: the fallback step, bandwidth-sized"
+    state = s.prefetch.state()
+    assert state["searches"] == 1 and state["per_list_ms"] > 0
+    orders = probe.order(qv[:1], 8)
+    _, final = late.top_k(*probe.scan(qv[0], orders[0]), 30)
+    for f, step in late.marks(8):
+        _, part = late.top_k(*probe.scan(qv[0], orders[0, :step]), 30)
+        want = len(set(part.tolist()) & set(final.tolist())) / len(final)
+        assert state["precision"][f"{f:g}"] == pytest.approx(want, abs=1e-4), f  # state() rounds
+    for _ in range(10):
+        s.search(qv, qt)
+    plan = s.prefetch_plan()
+    assert "measuring" not in plan.why
+    r = s.search(qv, qt)
+    if plan.step == 0:
+        assert r.prefetched.sum() == 0 and "off" in plan.why
+    else:
+        assert (r.prefetched <= plan.k).all()
+    # the policy's "off" is obeyed: a device so slow that nothing fits the probes' window
+    s.storage.bandwidth = lambda: 1.0  # type: ignore[method-assign]
+    off = s.prefetch_plan()
+    assert off.step == 0 and "pointless" in off.why
+    r = s.search(qv, qt)
+    assert r.prefetched.sum() == 0
+    st.close()
+    assert "off: the ram storage" in late.LateSearcher(probe, tf, late.open_storage("ram", tf)).prefetch_plan().why
+
+
+def test_search_over_a_compressed_file_reranks_like_brute_force_over_its_decoded_rows(workdir: Path) -> None:
+    probe, tf, (x, docs, rng) = corpus_for_search(workdir)
+    qv, qt = queries_for(x, docs, rng)
+    ctf = late.compress_token_file(tf, workdir / late.compressed_name(4), nbits=4, k=16, sample=3000, threads=1,
+                                   progress=False, log=lambda s: None)
+    assert ctf.codec is not None
+    decoded = [ctf.vectors(ctf.codec.encode(d)).astype(np.float16) for d in docs]
+    cfg = late.LateConfig(k=10, candidates=40, rerank_k=25)
+    for mode in ("ram", "ssd"):
+        s = late.LateSearcher(probe, ctf, late.open_storage(mode, ctf, threads=4), cfg)
+        r = s.search(qv, qt)
+        want = brute_force(probe, ctf, decoded, qv, qt, 40, 25, 10)
+        # fp16 rounding of the reference may swap passages whose MaxSim ties to ~1e-3
+        assert (r.ids == want).mean() > 0.97, mode
+        assert set(r.ids[0].tolist()) == set(want[0].tolist())
+        s.storage.close()
+
+
 class Gate:
     """Holds the storage's only I/O thread until opened (a disk that has
     not answered yet)."""
