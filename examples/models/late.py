@@ -361,7 +361,7 @@ def compressed_name(nbits: int) -> str:
     return f"tokens-r{int(nbits)}.bin"
 
 
-def compress_token_file(src: TokenFile, out: Path, nbits: int = 2, k: int | None = None, sample: int = 1 << 18,
+def compress_token_file(src: TokenFile, out: Path, nbits: int = 2, k: int | None = None, sample: int = 1 << 17,
                         seed: int = 0, threads: int = 2, chunk: int = 512, progress: bool = True,
                         log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> TokenFile:
     """The fp16 token file ``src`` as residuals (:mod:`models.residual`):
