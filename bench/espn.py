@@ -22,12 +22,16 @@ One run measures:
    - ``mmap-readahead`` (not run unless asked for: slow): the same with the
      kernel's readahead (``MADV_NORMAL``);
    - ``ssd``: ``O_DIRECT`` reads with the prefetcher, in the same limit
-     (the prefetch reads as many of the partial top candidates as the
-     measured bandwidth brings while the remaining probes run);
+     (the prefetch policy, models/prefetch.py, picks the step and the
+     count from measured probe time, bandwidth and precision, or no
+     prefetch; ``--prefetch-at`` fixes the step instead);
    - ``ssd-prefetch-all``: the prefetch reads every partial top candidate
-     (ESPN's prefetcher as published: the whole re-rank depth);
+     after a quarter of the probes (ESPN's prefetcher as published);
    - ``ssd-noprefetch``: no prefetch (reads start when the probes end),
-     to show what the prefetch buys.
+     to show what the prefetch buys;
+   - ``ram-compressed``, ``ssd-compressed``: the token embeddings as
+     ``--nbits`` residuals (models/residual.py), in RAM and on SSD with
+     the prefetcher (the limit: a quarter of that smaller file).
    Each: one pass over all queries, one at a time (latency p50/p99,
    quality, re-ranked counts, prefetch hit rate); then closed-loop
    clients (``--clients``, each thread sending the next query as soon as
@@ -126,7 +130,8 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     truth: list[int] = [int(t) for t in cfg["truth"]]
     tokens = index_dir / (late.compressed_name(nbits) if nbits else late.TOKENS_FILE)
     conf = late.LateConfig(candidates=cfg["candidates"], rerank_k=cfg["rerank_k"],
-                           prefetch_at=0.0 if mode == "ssd-noprefetch" else cfg["prefetch_at"], nprobe=cfg["nprobe"],
+                           prefetch_at=0.0 if mode == "ssd-noprefetch" else 0.25 if mode == "ssd-prefetch-all"
+                           else cfg["prefetch_at"], nprobe=cfg["nprobe"],
                            prefetch_k=cfg["candidates"] if mode == "ssd-prefetch-all" else None)
     probe = late.IvfProbe.load(index_dir / vindex.INDEX_FILE)
     tf = late.TokenFile(tokens)
@@ -183,6 +188,10 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
                          if storage == "ssd" else None,
                          "prefetched_mean": float(np.mean(pre)), "target_mean": float(np.mean(tgt))}
     res["ids_digest"] = int(np.array(ids).sum() % 1_000_000_007)
+    # what the prefetch policy measured over the pass, and what it plans now
+    res["prefetch"] = {"plan": searcher.prefetch_plan().why, **searcher.prefetch.state(),
+                       "bandwidth_mb_s": None if st.bandwidth() == float("inf") else st.bandwidth() / 1e6,
+                       "passage_kib": float(tf.nbytes.mean()) / 1024}
     # 2. closed loop, N client threads
     levels = []
     for clients in cfg["clients"]:
@@ -347,17 +356,17 @@ def ratios(modes: list[dict[str, Any]]) -> list[str]:
     for ssd_mode in ("ssd", "ssd-compressed"):
         ssd = by.get(ssd_mode)
         if ram and ssd:
-            out.append(f"- memory, {ssd_mode} against RAM (peak resident): {ram['memory']['VmHWM'] / ssd['memory']['VmHWM']:.1f}x "
-                       f"less ({mb(ssd['memory']['VmHWM'])} vs {mb(ram['memory']['VmHWM'])} MiB); "
-                       f"ESPN reports {PAPER['memory_vs_ram'][0]:g}-{PAPER['memory_vs_ram'][1]:g}x")
+            out.append(f"- memory, peak resident of ram / {ssd_mode}: {ram['memory']['VmHWM'] / ssd['memory']['VmHWM']:.1f}x "
+                       f"({mb(ram['memory']['VmHWM'])} vs {mb(ssd['memory']['VmHWM'])} MiB); "
+                       f"ESPN reports {PAPER['memory_vs_ram'][0]:g}-{PAPER['memory_vs_ram'][1]:g}x less memory than RAM")
         mm = by.get("mmap")
         if mm and ssd:
             s, m = ssd["sequential"], mm["sequential"]
-            rate = (f"; throughput at the SLO {ssd['throughput_at_slo']['rate']:.0f} vs "
-                    f"{mm['throughput_at_slo']['rate']:.0f} q/s")
-            out.append(f"- speed, {ssd_mode} against mmap at the same memory limit: p50 {m['p50_ms'] / s['p50_ms']:.1f}x "
-                       f"lower ({s['p50_ms']:.1f} vs {m['p50_ms']:.1f} ms), p99 {m['p99_ms'] / s['p99_ms']:.1f}x{rate}; "
-                       f"ESPN reports {PAPER['speedup_vs_mmap'][0]:g}-{PAPER['speedup_vs_mmap'][1]:g}x")
+            rate = (f"; throughput at the SLO {ssd['throughput_at_slo']['rate']:.0f} ({ssd_mode}) vs "
+                    f"{mm['throughput_at_slo']['rate']:.0f} (mmap) q/s")
+            out.append(f"- speed, mmap / {ssd_mode} at the same memory limit: p50 {m['p50_ms'] / s['p50_ms']:.1f}x "
+                       f"({m['p50_ms']:.1f} vs {s['p50_ms']:.1f} ms), p99 {m['p99_ms'] / s['p99_ms']:.1f}x{rate}; "
+                       f"ESPN reports {PAPER['speedup_vs_mmap'][0]:g}-{PAPER['speedup_vs_mmap'][1]:g}x faster than mmap")
     return out
 
 
@@ -373,7 +382,8 @@ def report(result: dict[str, Any]) -> str:
           f"{result['token_file_bytes'] / 2**20:,.0f} MiB (fp16, 4 KiB-aligned per passage); IVF nlist "
           f"{modes[0]['nlist']}, nprobe {modes[0]['nprobe']}; {result['config']['candidates']} candidates, "
           f"re-rank depth {result['config']['rerank_k'] or result['config']['candidates']}, prefetch after "
-          f"{result['config']['prefetch_at']:.0%} of the probes; {result['config']['io_threads']} I/O threads. "
+          f"{'a step the policy chose' if result['config']['prefetch_at'] is None else format(result['config']['prefetch_at'], '.0%') + ' of the probes'}"
+          f" (ssd-prefetch-all: the whole depth after 25%); {result['config']['io_threads']} I/O threads. "
           f"Load average after: {result['load_after'][0]:.2f} (before: below).", "",
           "## Quality (1,000 benchmark queries)" if result["queries"] == 1000 else "## Quality", "",
           "| | recall@10 | MRR@10 |", "|---|---:|---:|",
@@ -410,6 +420,15 @@ def report(result: dict[str, Any]) -> str:
                   f"{s['late']['recall@10']:.3f} | {s['late']['mrr@10']:.3f} |")
     for m in failed:
         md.append(f"| {m['mode']} | failed: {m['failed']} | | | | | | | |")
+    md += ["", "Prefetch policy after the sequential pass (per-list probe time, precision of the partial top list "
+           "at 1/8, 1/4, 1/2 of the lists, bandwidth, mean passage read; the plan):", ""]
+    for m in modes:
+        p = m.get("prefetch")
+        if p and m["mode"].startswith("ssd"):
+            per = "-" if p["per_list_ms"] is None else f"{p['per_list_ms']:.3f} ms a list"
+            bw = "-" if p["bandwidth_mb_s"] is None else f"{p['bandwidth_mb_s']:.0f} MB/s"
+            md.append(f"- {m['mode']}: {per}, precision {p['precision']}, {bw}, {p['passage_kib']:.1f} KiB a passage; "
+                      f"{p['plan']}")
     md += ["", "Closed loop (clients: answered q/s, p99 ms):", ""]
     for m in modes:
         md.append(f"- {m['mode']}: " + "; ".join(f"{lv['clients']}: {lv['rate']:.0f} q/s, p99 {lv['p99_ms']:.1f}"
@@ -458,7 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rerank-k", type=int, default=None, help="re-rank depth (default: every candidate)")
     ap.add_argument("--depths", default="0,10,20,50,100", help="re-rank depths for the ESPN-Lite table")
     ap.add_argument("--depth-queries", type=int, default=300, help="queries per depth in the SSD latency sweep")
-    ap.add_argument("--prefetch-at", type=float, default=0.25, help="prefetch step, a fraction of nprobe (0.25)")
+    ap.add_argument("--prefetch-at", type=float, default=None,
+                    help="prefetch step, a fraction of nprobe (default: chosen by the prefetch policy)")
     ap.add_argument("--nprobe", type=int, default=None, help="IVF lists probed (default: the index's tuned value)")
     ap.add_argument("--io-threads", type=int, default=8, help="O_DIRECT reader threads (default 8)")
     ap.add_argument("--nbits", type=int, default=2, choices=(1, 2, 4),
@@ -491,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--clients and --depths take comma-separated integers")
     if not clients or min(clients) < 1 or (depths and min(depths) < 0):
         ap.error("--clients must be >= 1 and --depths >= 0")
-    if not 0 <= a.prefetch_at < 1 or not 0 < a.mem_frac <= 1:
+    if (a.prefetch_at is not None and not 0 <= a.prefetch_at < 1) or not 0 < a.mem_frac <= 1:
         ap.error("--prefetch-at must be in [0, 1) and --mem-frac in (0, 1]")
     out = a.out or RESULTS / ("espn_small" if a.small else "espn")
 
