@@ -51,8 +51,9 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -253,6 +254,11 @@ class TokenFile:
             return np.frombuffer(buf, dtype=np.uint8, count=ntok * rb, offset=at + DOC_HEADER).reshape(ntok, rb)
         return np.frombuffer(buf, dtype=np.float16, count=ntok * dim, offset=at + DOC_HEADER).reshape(ntok, dim)
 
+    def read(self, f: Any, row: int) -> np.ndarray:
+        """Passage ``row``'s rows (as :meth:`parse`) read from the open file ``f``."""
+        f.seek(int(self.offsets[row]))
+        return self.parse(row, f.read(int(self.nbytes[row])))
+
     def vectors(self, rows: np.ndarray) -> np.ndarray:
         """Token vectors from :meth:`parse`'s rows: fp16 as they are, residual records decoded (float32)."""
         return rows if self.codec is None else self.codec.decode(rows)
@@ -340,20 +346,27 @@ def extract_token_file(src: TokenFile, ids: IdsLike, out: Path, fp: str) -> Toke
     rows = src.rows_of(np.asarray(ids, dtype=np.int64))
     if (rows < 0).any():
         raise TokenFileError(f"{src.path} lacks {int((rows < 0).sum())} of the passages asked for")
-    tmp = Path(out).with_name(Path(out).name + f".{os.getpid()}.tmp")
-    writer = TokenFileWriter(tmp, src.dim, codec=src.codec)
-    try:
-        with open(src.path, "rb") as f:
-            for r in rows:
-                f.seek(int(src.offsets[r]))
-                writer.add(int(src.ids[r]), src.parse(int(r), f.read(int(src.nbytes[r]))))
+    with new_token_file(Path(out), src.dim, src.codec) as writer, open(src.path, "rb") as f:
+        for r in rows:
+            writer.add(int(src.ids[r]), src.read(f, int(r)))
         writer.finish(fp)
+    return TokenFile(out)
+
+
+@contextmanager
+def new_token_file(out: Path, dim: int, codec: ResidualCodec | None = None) -> Iterator[TokenFileWriter]:
+    """A writer of a temporary file beside ``out`` that replaces ``out``
+    when the block ends (the block calls ``finish``), or is removed if the
+    block raises: a reader never sees a half-written file."""
+    tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
+    writer = TokenFileWriter(tmp, dim, codec=codec)
+    try:
+        yield writer
     except BaseException:
         writer.close()
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, out)
-    return TokenFile(out)
 
 
 def compressed_name(nbits: int) -> str:
@@ -384,24 +397,15 @@ def compress_token_file(src: TokenFile, out: Path, nbits: int = 2, k: int | None
     order = np.random.default_rng(seed).permutation(src.n)
     take = order[:int(np.searchsorted(np.cumsum(src.ntok[order]), sample)) + 1]
     with open(src.path, "rb") as f:
-        def rows(rs: Iterable[int]) -> list[np.ndarray]:
-            got = []
-            for r in rs:
-                f.seek(int(src.offsets[r]))
-                got.append(src.parse(int(r), f.read(int(src.nbytes[r]))))
-            return got
-
-        x = np.concatenate(rows(np.sort(take))).astype(np.float32)
+        x = np.concatenate([src.read(f, int(r)) for r in np.sort(take)]).astype(np.float32)
         codec = ResidualCodec.train(x, nbits=nbits, k=k, seed=seed, threads=threads, log=log)
         del x
-        tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
-        writer = TokenFileWriter(tmp, src.dim, codec=codec)
         bar = Progress(f"late: compress {out.name}", src.n, float(src.ntok.sum()))
         done_w = 0.0
-        try:
+        with new_token_file(out, src.dim, codec) as writer:
             for s in range(0, src.n, chunk):
                 part = range(s, min(src.n, s + chunk))
-                docs = rows(part)
+                docs = [src.read(f, r) for r in part]
                 recs = codec.encode(np.concatenate(docs))
                 at = 0
                 for r, d in zip(part, docs, strict=True):
@@ -411,11 +415,6 @@ def compress_token_file(src: TokenFile, out: Path, nbits: int = 2, k: int | None
                 if progress:
                     bar.update(part.stop, done_w, final=part.stop == src.n)
             writer.finish(fp)
-        except BaseException:
-            writer.close()
-            tmp.unlink(missing_ok=True)
-            raise
-    os.replace(tmp, out)
     tf = TokenFile(out)
     log(f"late: {tf} from {src.size / 1e6:.1f} MB in {time.monotonic() - t0:.0f} s")
     return tf
