@@ -23,7 +23,7 @@
 //! stage, where its outputs go); joins over candidate stages keep their
 //! progress in a [`JoinRun`] per join, driven from here.
 
-use crate::arena::{request_rows, Tensors};
+use crate::arena::{request_rows, TensorRef, Tensors};
 use crate::error::NodeError;
 use crate::ext::Lookup;
 use crate::join::{JoinRun, Settled};
@@ -383,6 +383,20 @@ impl Request {
         Ok(merged)
     }
 
+    /// `f` of stage `stage`'s input `name` (None when it has none by that
+    /// name), read in place: the stage's other inputs are not copied, as
+    /// [`Request::stage_inputs`] copies them for a batch.
+    fn with_stage_input<R>(&self, stage: usize, name: &str, f: impl FnOnce(&TensorRef) -> R) -> Option<R> {
+        let st = self.state.lock();
+        let parents = &self.pipe.dag.parents[stage];
+        let found = if parents.is_empty() || self.only == Some(stage) {
+            st.inputs.iter().find(|(n, _)| n == name)
+        } else {
+            parents.iter().filter_map(|&p| st.outputs[p].as_ref()).flatten().find(|(n, _)| n == name)
+        };
+        found.map(|(_, t)| f(t))
+    }
+
     /// Record stage `stage`'s outputs and move the request on: enqueue the
     /// children whose parents are now all done, and answer when every sink
     /// has finished.
@@ -528,9 +542,7 @@ impl Job for Request {
 
     fn length(&self, stage: usize) -> Option<Length> {
         let name = self.pipe.stages[stage].length_input.as_deref()?;
-        let inputs = self.stage_inputs(stage).ok()?;
-        let (_, t) = inputs.iter().find(|(n, _)| n == name)?;
-        Some(Length { rows: t.rows(), longest: t.longest_element()? })
+        self.with_stage_input(stage, name, |t| Some(Length { rows: t.rows(), longest: t.longest_element()? }))?
     }
 
     fn finish(self: Arc<Self>, stage: usize, outputs: Tensors) {
