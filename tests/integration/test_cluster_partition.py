@@ -95,7 +95,14 @@ def test_a_partition_leaves_no_request_hanging_and_heals(net: Subnet) -> None:
         net.partition("n3")
         wait_for(lambda: "n3" not in n1.status()["cluster"]["members"], timeout=30)
         wait_for(lambda: "n3" not in json.dumps(n1.status()["cluster"]["placement"]), timeout=30)
-        time.sleep(3.0)
+        # Seen from its own machine, n3 is alive but not routable: it cannot
+        # renew its lease, and says so (liveness never asks etcd).
+        n3_url = nodes["n3"].url
+        wait_for(lambda: _probe_in(net, n3_url, "/readyz")[0] == 503, timeout=30)
+        code, body = _probe_in(net, n3_url, "/readyz")
+        assert code == 503 and any("lease" in why for why in body["held_back"]), body
+        assert _probe_in(net, n3_url, "/healthz")[0] == 200
+        time.sleep(1.0)
         stop.set()
         for t in threads:
             t.join(30)
@@ -117,6 +124,18 @@ def test_a_partition_leaves_no_request_hanging_and_heals(net: Subnet) -> None:
         wait_for(lambda: n1.status()["cluster"]["members"]["n3"]["ready"], timeout=60)
         status, body = n1.infer("diamond", x=[[4.0, 2.0]])
         assert status == 200, body
+        wait_for(lambda: nodes["n3"].request("GET", "/readyz")[0] == 200, timeout=30)
+
+
+def _probe_in(net: Subnet, url: str, path: str) -> tuple[int, dict]:
+    """GET `url + path` from machine n3 (cut off, its node is reachable only from there): (status, JSON body)."""
+    prog = ("import json, sys, urllib.error, urllib.request\n"
+            f"try:\n    r = urllib.request.urlopen({url + path!r}, timeout=5); print(r.status); print(r.read().decode())\n"
+            "except urllib.error.HTTPError as e:\n    print(e.code); print(e.read().decode())\n")
+    out = subprocess.run([*net.wrap("n3"), sys.executable, "-c", prog], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    code, body = out.stdout.split("\n", 1)
+    return int(code), json.loads(body)
 
 
 def _store_call_in(net: Subnet, url: str, code: str) -> subprocess.CompletedProcess[str]:

@@ -82,6 +82,7 @@ pub(crate) async fn join(etcd: &Etcd, node: &Node, cluster: &Cluster) -> Result<
     let tag = crate::feedback::claim_tag(etcd, cluster, lease).await?;
     node.set_request_ids(crate::feedback::first_id(tag));
     put_record(etcd, node, cluster, lease).await?;
+    cluster.lease_renewed();
     Ok(lease)
 }
 
@@ -123,7 +124,7 @@ pub(crate) async fn membership(
         if now >= next_renew {
             next_renew = now + renew;
             match etcd.keep_alive(lease).await {
-                Ok(_) => {}
+                Ok(_) => cluster.lease_renewed(),
                 Err(EtcdError::LeaseExpired(_)) => {
                     match join(&etcd, &node, &cluster).await {
                         Ok(l) => {

@@ -246,6 +246,8 @@ pub struct Cluster {
     /// Set when the agent sees a new deployment: the node stops so that its
     /// launcher restarts it on the new one.
     redeploy: watch::Sender<bool>,
+    /// When the membership lease was last granted or renewed (None: never).
+    renewed: Mutex<Option<std::time::Instant>>,
     /// The data-plane server's counters (set once it listens).
     server: std::sync::OnceLock<slipstream_peer::ServerStats>,
     /// Members whose data plane failed here: node -> (its lease then, since when).
@@ -300,6 +302,11 @@ impl Cluster {
     /// Since when `node` is suspected here.
     pub fn suspected_since(&self, name: &str) -> Option<std::time::Instant> {
         self.suspects.lock().get(name).map(|(_, t)| *t)
+    }
+
+    /// The membership lease was granted or renewed just now.
+    pub(crate) fn lease_renewed(&self) {
+        *self.renewed.lock() = Some(std::time::Instant::now());
     }
 
     /// Forget suspicions of members that rejoined (a new lease) or left.
@@ -385,6 +392,41 @@ impl Service for Cluster {
         doc.set(&["cluster"], self.status());
     }
 
+    /// Routable: the lease held (renewed within its TTL), this node's
+    /// record seen through the watch (what the others route by), a
+    /// placement of this deployment, and every stage placed here reported
+    /// ready in that record. Never etcd itself on the request: the answer
+    /// is from state the agent keeps.
+    fn unready(&self) -> Option<String> {
+        let ttl = self.opts.ttl();
+        match *self.renewed.lock() {
+            Some(t) if t.elapsed() < ttl => {}
+            Some(t) => {
+                return Some(format!(
+                    "cluster: membership lease not renewed for {:.1} s (TTL {} s): etcd unreachable?",
+                    t.elapsed().as_secs_f64(),
+                    ttl.as_secs()
+                ))
+            }
+            None => return Some("cluster: not joined yet".into()),
+        }
+        let view = self.view();
+        let me = self.me();
+        let Some(rec) = view.members.get(me) else {
+            return Some("cluster: this node's member record is not yet seen through the watch".into());
+        };
+        let Some(placement) = view.placement.as_ref().filter(|p| p.deploy == self.opts.deploy) else {
+            return Some("cluster: no placement of this deployment yet".into());
+        };
+        placement
+            .stages
+            .iter()
+            .find(|(key, per_node)| {
+                per_node.get(me).copied().unwrap_or(0) > 0 && rec.ready.get(*key).copied().unwrap_or(0) == 0
+            })
+            .map(|(key, _)| format!("cluster: stage {key} is placed here and not yet reported ready to the others"))
+    }
+
     fn metrics(&self, t: &mut PromText) {
         if let Some(s) = self.store.get() {
             s.metrics(t);
@@ -426,6 +468,7 @@ pub async fn start(
         counters: ClusterCounters::default(),
         costs,
         redeploy: redeploy_tx,
+        renewed: Mutex::new(None),
         server: std::sync::OnceLock::new(),
         suspects: Mutex::new(BTreeMap::new()),
         store: std::sync::OnceLock::new(),

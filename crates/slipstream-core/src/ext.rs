@@ -129,6 +129,12 @@ pub trait Service: Send + Sync {
     fn status(&self, doc: &mut StatusDoc);
     /// Add its samples to `/metrics`.
     fn metrics(&self, t: &mut PromText);
+    /// Why the node must not be reported ready (routable) now, if so: a
+    /// readiness gate (the cluster's: its lease held, its replicas known to
+    /// the others). Liveness never asks.
+    fn unready(&self) -> Option<String> {
+        None
+    }
 }
 
 /// The node's status document (`GET /v1/status`) while it is assembled:

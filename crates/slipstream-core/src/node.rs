@@ -274,12 +274,21 @@ impl Node {
     /// Ready for traffic: started, not draining, and every stage of every
     /// pipeline has a replica whose worker serves.
     pub fn is_ready(&self) -> bool {
-        self.serves() && self.pipelines.values().all(|p| p.is_ready())
+        self.serves() && self.pipelines.values().all(|p| p.is_ready()) && self.gates_open()
     }
 
     /// Ready for one pipeline's traffic.
     pub fn pipeline_ready(&self, p: &PipelineRt) -> bool {
-        self.serves() && p.is_ready()
+        self.serves() && p.is_ready() && self.gates_open()
+    }
+
+    /// Why the registered services hold readiness back (empty: none does).
+    pub fn held_back(&self) -> Vec<String> {
+        self.services().iter().filter_map(|s| s.unready()).collect()
+    }
+
+    fn gates_open(&self) -> bool {
+        self.services().iter().all(|s| s.unready().is_none())
     }
 
     fn serves(&self) -> bool {

@@ -174,7 +174,11 @@ async fn route(app: &App, admin_open: bool, req: hyper::Request<Incoming>) -> Re
         ["readyz"] | ["v2", "health", "ready"] => Ok(if node.is_ready() {
             json_resp(200, &json!({"status": "ready"}))
         } else {
-            json_resp(503, &json!({"status": "not ready", "draining": node.is_draining(), "stages": not_ready(node)}))
+            json_resp(
+                503,
+                &json!({"status": "not ready", "draining": node.is_draining(), "stages": not_ready(node),
+                        "held_back": node.held_back()}),
+            )
         }),
         ["v1", "pipelines"] => Ok(json_resp(
             200,
