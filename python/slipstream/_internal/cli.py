@@ -312,13 +312,26 @@ def cmd_profile(a: argparse.Namespace) -> int:
         if not pipelines:
             return _fail(f"no pipeline named {a.pipeline!r} in {a.app}")
     pipelines = _request_pipelines(pipelines, "profile")
+    if a.neighbour:
+        from slipstream._internal import colocate
+
+        return colocate.run_neighbour(pipelines[0])
     batches = [int(b) for b in a.batches.split(",")] if a.batches else list(slo.DEFAULT_BATCHES)
     threads = int(os.environ.get("SLIPSTREAM_THREADS", "1"))
     profiles = []
     for p in pipelines:
         print(f"profiling {p.name} on cpu ({os.cpu_count()} cores), {threads} thread(s), batch sizes {batches}",
               file=sys.stderr)
-        profiles.append(slo.profile_pipeline(p, batches, a.iters, a.budget, threads=threads))
+        if a.colocated:
+            from slipstream._internal import colocate
+            from slipstream._internal.sizing import usable_cores
+
+            with colocate.neighbours(a.app, p.name, colocate.neighbour_count(usable_cores(), threads)) as near:
+                prof = slo.profile_pipeline(p, batches, a.iters, a.budget, threads=threads)
+            prof["colocated"] = near.record()
+        else:
+            prof = slo.profile_pipeline(p, batches, a.iters, a.budget, threads=threads)
+        profiles.append(prof)
     slo.write_profile(Path(a.out), profiles)
     return 0
 
@@ -344,6 +357,7 @@ def _profile_parent(a: argparse.Namespace) -> int:
     args = ["profile", a.app, "--iters", str(a.iters), "--budget", str(a.budget)]
     args += ["--pipeline", a.pipeline] if a.pipeline else []
     args += ["--batches", a.batches] if a.batches else []
+    args += ["--colocated"] if a.colocated else []
     parts: dict[int, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for t in counts:
@@ -543,6 +557,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--threads", default="1",
                     help="comma-separated thread budgets per replica to measure, e.g. 1,2 (default 1)")
     pr.add_argument("--no-plot", action="store_true", help="write no PNG beside the profile")
+    pr.add_argument("--colocated", action="store_true",
+                    help="measure each stage while single-threaded neighbours run the pipeline's stages on the "
+                         "cores it leaves (at least one): the contention a loaded deployment has")
+    pr.add_argument("--neighbour", action="store_true", help=argparse.SUPPRESS)
     pr.set_defaults(fn=cmd_profile)
 
     pl = sub.add_parser("plan", help="choose replicas, threads and batch limits per stage for this machine or GPUs")

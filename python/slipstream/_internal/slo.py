@@ -118,7 +118,11 @@ def merge_thread_profiles(parts: dict[int, list[dict[str, Any]]]) -> list[dict[s
     base = parts[1] if 1 in parts else parts[min(parts)]
     merged = []
     for prof in base:
-        out = {"pipeline": prof["pipeline"], "stages": {}}
+        out: dict[str, Any] = {"pipeline": prof["pipeline"], "stages": {}}
+        near = {str(t): p["colocated"] for t, profs in sorted(parts.items())
+                for p in profs if p["pipeline"] == prof["pipeline"] and "colocated" in p}
+        if near:
+            out["colocated"] = near  # by thread count: what ran beside each measurement
         for name, st in prof["stages"].items():
             entry: dict[str, Any] = {"points": st["points"]}
             others = {str(t): {"points": next(p for p in profs if p["pipeline"] == prof["pipeline"])
