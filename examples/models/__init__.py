@@ -7,6 +7,10 @@
   apt's package lists (no download from any hub).
 - ``vindex``: embedding a corpus once (cached, resumable) and a faiss IVF
   index over it, with a small slice for tests.
+- ``late``: late-interaction (ESPN) retrieval: the token file, its RAM,
+  mmap and ``O_DIRECT`` storages, the IVF probes and the MaxSim re-rank;
+  ``residual``: its token rows compressed as centroid + few-bit residuals
+  (ColBERTv2); ``prefetch``: when and how much the search prefetches.
 
 Import them with ``examples/`` on ``sys.path`` (an app file under
 ``examples/`` has it: ``slipstream serve`` puts the app's directory there)::
