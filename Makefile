@@ -227,10 +227,11 @@ bench-gpu: setup
 bench-clipper: setup
 	$(PY) -m bench.clipper
 
-# Late-interaction retrieval (ESPN): quality single-vector vs MaxSim, and latency, throughput at the SLO,
-# memory and prefetch hit rate with the token embeddings in RAM, mmap (memory-limited) and on SSD
-# (O_DIRECT + prefetch): bench/results/espn.{json,md}. Full corpus: builds the index and the token
-# file if missing (an hour or more on 2 cores, resumable); ESPN_ARGS=--small for the 2,000-passage slice.
+# Late-interaction retrieval (ESPN): quality single-vector vs MaxSim (fp16 and 2-bit residual tokens),
+# and latency, throughput at the SLO, memory and prefetch hit rate with the token embeddings in RAM,
+# mmap (memory-limited) and on SSD (O_DIRECT + the prefetch policy): bench/results/espn.{json,md}, ~13
+# min. Full corpus: builds what `make data` builds if missing (~40 min on 2 cores, resumable);
+# ESPN_ARGS=--small for the 2,000-passage slice.
 bench-espn: setup
 	$(PY) -m bench.espn $(ESPN_ARGS)
 
