@@ -88,12 +88,12 @@ test-services: setup
 test-rust: test-services
 	$(CARGO) test $(RUST_TESTS) --quiet
 
-# The request decoders against 20 s of mutated requests (corpus in
+# The request decoders against 10 s of mutated requests (corpus in
 # crates/slipstream-core/fuzz/corpus; the test's docs say how to grow it;
 # FUZZ_SECS=600 for a longer hunt). Selected from the workspace, as the other
 # tests are built, so that it reuses their build (`-p slipstream-core` alone
 # resolves features differently and rebuilt 27 crates).
-FUZZ_SECS ?= 20
+FUZZ_SECS ?= 10
 test-fuzz:
 	SLIPSTREAM_FUZZ_SECS=$(FUZZ_SECS) $(CARGO) test $(RUST_WORKSPACE) --test fuzz_codec \
 		-- --nocapture
