@@ -61,6 +61,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .prefetch import PrefetchPlan, PrefetchPolicy, marks
+from .residual import VERSION as RESIDUAL_VERSION
 from .residual import CodecError, ResidualCodec
 
 BLOCK = 4096
@@ -84,10 +85,14 @@ class TokenFileError(RuntimeError):
     """A token file that is missing, of another format, or damaged."""
 
 
-def blocks_for(ntok: int, dim: int, row_bytes: int | None = None) -> int:
-    """4 KiB blocks holding one passage of ``ntok`` rows and its header
-    (fp16 rows of ``dim``, or rows of ``row_bytes``)."""
-    return -(-(DOC_HEADER + ntok * (dim * 2 if row_bytes is None else row_bytes)) // BLOCK)
+def row_bytes(dim: int, codec: ResidualCodec | None = None) -> int:
+    """Bytes of one token's row: fp16 of ``dim``, or a ``codec``'s record."""
+    return 2 * int(dim) if codec is None else codec.token_bytes
+
+
+def blocks_for(ntok: int, dim: int, codec: ResidualCodec | None = None) -> int:
+    """4 KiB blocks holding one passage of ``ntok`` rows and its header."""
+    return -(-(DOC_HEADER + ntok * row_bytes(dim, codec)) // BLOCK)
 
 
 IdsLike = Sequence[int] | np.ndarray
@@ -119,7 +124,6 @@ class TokenFileWriter:
         if codec is not None and codec.dim != int(dim):
             raise ValueError(f"a codec of dimension {codec.dim} for {dim}-d tokens")
         self.path, self.dim, self.codec = Path(path), int(dim), codec
-        self.row_bytes = 2 * self.dim if codec is None else codec.token_bytes
         resume = entries is not None
         self.f = open(self.path, "r+b" if resume else "wb")  # noqa: SIM115 (closed by finish/close)
         if resume:
@@ -144,7 +148,7 @@ class TokenFileWriter:
                 raise ValueError(f"passage {pid}: tokens must be (n >= 1, {self.dim}), got {t.shape}")
             if self.codec is not None:
                 t = self.codec.encode(t)
-        n = blocks_for(t.shape[0], self.dim, self.row_bytes)
+        n = blocks_for(t.shape[0], self.dim, self.codec)
         head = _DOC.pack(t.shape[0], self.dim, int(pid))
         body = t.tobytes()
         self.f.write(head + b"\0" * (DOC_HEADER - len(head)) + body + b"\0" * (n * BLOCK - DOC_HEADER - len(body)))
@@ -216,7 +220,7 @@ class TokenFile:
         if len(raw) != tbytes:
             raise TokenFileError(f"{self.path}: truncated ({len(raw)} of {tbytes} table bytes)")
         self.dim, self.n, self.size = int(dim), int(n), int(toff)
-        self.row_bytes = 2 * self.dim if self.codec is None else self.codec.token_bytes
+        self.row_bytes = row_bytes(self.dim, self.codec)
         self.fingerprint = fp.rstrip(b"\0").decode()
         self.table = np.frombuffer(raw, dtype=TABLE_DTYPE).copy()
         self.ids = self.table["id"].copy()
@@ -383,13 +387,12 @@ def compress_token_file(src: TokenFile, out: Path, nbits: int = 2, k: int | None
     lines. Reused when ``out`` was made from the same file with the same
     parameters (its fingerprint). Not resumable: minutes, not hours (the
     full corpus: ~3.2 M tokens)."""
-    from .residual import VERSION
     from .vindex import Progress
 
     if src.codec is not None:
         raise TokenFileError(f"{src.path} is already compressed")
     out = Path(out)
-    fp = hashlib.sha1(f"{src.fingerprint}/residual-v{VERSION}/nbits={nbits}/k={k}/sample={sample}/seed={seed}"
+    fp = hashlib.sha1(f"{src.fingerprint}/residual-v{RESIDUAL_VERSION}/nbits={nbits}/k={k}/sample={sample}/seed={seed}"
                       .encode()).hexdigest()
     if out.is_file() and read_header_fingerprint(out) == fp:
         return TokenFile(out)
@@ -1001,6 +1004,9 @@ class MaxSimScorer:
     Thread-safe."""
 
     def __init__(self, dim: int, threads: int = 1, codec: ResidualCodec | None = None):
+        self.dim, self.codec = int(dim), codec
+        if codec is not None:
+            return  # residual records are scored by the codec: no graph to build
         import onnxruntime as ort
         from onnx import TensorProto, helper
 
@@ -1016,7 +1022,6 @@ class MaxSimScorer:
         opts.intra_op_num_threads = int(threads)
         opts.inter_op_num_threads = 1
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.dim, self.codec = int(dim), codec
         self.session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
     def __call__(self, q: np.ndarray, docs: Sequence[np.ndarray]) -> np.ndarray:
@@ -1373,6 +1378,17 @@ def token_key(max_length: int) -> str:
     return f"{TOKEN_ONNX_NAME}/max_length={int(max_length)}/{TOKEN_KEY_SUFFIX}"
 
 
+@contextmanager
+def _tokens_lock(index_dir: Path) -> Iterator[None]:
+    """The lock of one index directory's token files: a slice's build does
+    not wait for the full corpus' (an hour), and two builds of one file
+    never mix."""
+    from . import build_lock
+
+    with build_lock(f"tokens-{Path(index_dir).name}"):
+        yield
+
+
 def ensure_tokens(index_dir: Path, threads: int = 2, batch_size: int = 16, progress: bool = True,
                   log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> TokenFile:
     """The token file of a RAG index directory (``<index_dir>/tokens.bin``:
@@ -1380,12 +1396,10 @@ def ensure_tokens(index_dir: Path, threads: int = 2, batch_size: int = 16, progr
     the full corpus' file when that one is built and current, else encoded
     (resumable; minutes per thousands of passages on two cores), one
     process at a time per directory (``build_lock``)."""
-    from . import build_lock, corpus, minilm, vindex
+    from . import corpus, minilm, vindex
 
     index_dir = Path(index_dir)
-    # One lock per index directory: a slice's file does not wait for the
-    # full corpus' (an hour's build), and two builds of one file never mix.
-    with build_lock(f"tokens-{index_dir.name}"):
+    with _tokens_lock(index_dir):
         ids = vindex.indexed_ids(index_dir)
         passages = corpus.load_passages()
         if len(ids) and int(ids.max()) >= len(passages):
@@ -1436,10 +1450,8 @@ def ensure_compressed(index_dir: Path, nbits: int = 2, threads: int = 2, progres
     """The residual token file of a RAG index directory
     (``tokens-r<nbits>.bin``), compressed from its fp16 token file (built
     first if missing: :func:`ensure_tokens`), one process at a time."""
-    from . import build_lock
-
     src = ensure_tokens(index_dir, threads=threads, progress=progress)
-    with build_lock(f"tokens-{Path(index_dir).name}"):
+    with _tokens_lock(index_dir):
         return compress_token_file(src, Path(index_dir) / compressed_name(nbits), nbits=nbits, threads=threads,
                                    progress=progress)
 

@@ -288,7 +288,7 @@ impl Node {
     }
 
     fn gates_open(&self) -> bool {
-        self.services().iter().all(|s| s.unready().is_none())
+        self.held_back().is_empty()
     }
 
     fn serves(&self) -> bool {

@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,8 +32,6 @@ from typing import Any
 
 #: Batch size the neighbours run (capped by each stage's max batch size): busy, not huge.
 NEIGHBOUR_BATCH = 4
-#: Seconds a neighbour may take to build its components and say it is ready.
-READY_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -57,7 +54,9 @@ def neighbour_count(cores: int, threads: int) -> int:
 def neighbours(app: str, pipeline: str, count: int) -> Iterator[Neighbours]:
     """Run ``count`` neighbours of `pipeline` for the block (each
     single-threaded); they are ready (components built, warmed up) when the
-    block starts and stopped, their batches counted, when it ends."""
+    block starts and stopped, their batches counted, when it ends. Waiting
+    for one takes as long as building the components takes (the measuring
+    process builds the same ones); one that exits first is an error."""
     from slipstream._internal.app import THREAD_VARS
 
     env = dict(os.environ, SLIPSTREAM_PROFILE_CHILD="1", SLIPSTREAM_THREADS="1")
@@ -70,14 +69,13 @@ def neighbours(app: str, pipeline: str, count: int) -> Iterator[Neighbours]:
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "slipstream._internal.cli", "profile", app, "--pipeline", pipeline,
                  "--neighbour"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
-        deadline = time.monotonic() + READY_TIMEOUT_S
         for p in procs:
             assert p.stdout is not None
             line = "?"
             while line and line.strip() != "ready":  # what components print first is skipped
                 line = p.stdout.readline()  # blocks until the neighbour has built and warmed up
-            if not line or time.monotonic() > deadline:
-                raise RuntimeError(f"a co-location neighbour did not start (exit {p.poll()}; its errors are above)")
+            if not line:
+                raise RuntimeError(f"a co-location neighbour did not start (exit {p.wait()}; its errors are above)")
         print(f"  {count} co-located neighbour(s) running {pipeline}'s stages", file=sys.stderr)
         yield out
     finally:
@@ -100,22 +98,12 @@ def run_neighbour(pipe: Any) -> int:
     """The neighbour's loop (see the module docs); returns its exit status."""
     import select
 
-    from slipstream._internal import tensors
-    from slipstream._internal.api import Batch
-    from slipstream._internal.slo import _merge_inputs
+    from slipstream._internal.slo import stage_batches
 
     order = pipe.graph.topological_order()
     instances = {n: pipe.stage(n).instantiate() for n in order}
     b = max(1, min([NEIGHBOUR_BATCH] + [pipe.stage(n).max_batch_size for n in order]))
-    roots = pipe.example_batch(b)
-    batches: dict[str, Any] = {}
-    outputs: dict[str, dict[str, Any]] = {}
-    for name in order:  # one round: each stage's batch from its parents' real outputs (and a warm-up)
-        convert = tensors.for_component(pipe.stage(name).tensors, pipe.stage(name).device)
-        inputs = _merge_inputs(pipe, name, outputs, roots)
-        batches[name] = Batch(inputs if convert is None else convert(inputs), [1] * b)
-        result = instances[name](batches[name])
-        outputs[name] = {k: tensors.as_numpy(v) for k, v in result.items()}
+    batches = dict(stage_batches(pipe, instances, b))  # each stage run once: a warm-up
     print("ready", flush=True)
     done = 0
     while True:

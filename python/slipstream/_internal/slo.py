@@ -24,6 +24,7 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,22 @@ def _merge_inputs(pipe: Pipeline, name: str, outputs: dict[str, dict[str, np.nda
     return merged
 
 
+def stage_batches(pipe: Pipeline, instances: dict[str, Any], b: int) -> Iterator[tuple[str, Batch]]:
+    """Each stage's batch of `b` rows, in topological order, made from its
+    parents' real outputs: each stage runs once on its batch before it is
+    yielded (the outputs its children need, and a warm-up). Stages whose
+    max batch size is below `b` are run too (their children need them)."""
+    roots = pipe.example_batch(b)
+    outputs: dict[str, dict[str, np.ndarray]] = {}
+    for name in pipe.graph.topological_order():
+        convert = tensors.for_component(pipe.stage(name).tensors, pipe.stage(name).device)
+        inputs = _merge_inputs(pipe, name, outputs, roots)
+        batch = Batch(inputs if convert is None else convert(inputs), [1] * b)
+        result = instances[name](batch)
+        outputs[name] = {k: np.asarray(tensors.as_numpy(v)) for k, v in result.items()}
+        yield name, batch
+
+
 def profile_pipeline(pipe: Pipeline, batches: list[int], iters: int, budget_s: float,
                      threads: int = 1) -> dict[str, Any]:
     """Measure every stage of `pipe` at each batch size (capped by its max
@@ -68,7 +85,6 @@ def profile_pipeline(pipe: Pipeline, batches: list[int], iters: int, budget_s: f
     environment this process was started with (see `cmd_profile`)."""
     order = pipe.graph.topological_order()
     instances = {}
-    as_torch = {n: tensors.for_component(pipe.stage(n).tensors, pipe.stage(n).device) for n in order}
     for name in order:
         t0 = time.perf_counter()
         instances[name] = pipe.stage(name).instantiate()
@@ -79,17 +95,8 @@ def profile_pipeline(pipe: Pipeline, batches: list[int], iters: int, budget_s: f
     for b in batches:
         if not any(b <= pipe.stage(n).max_batch_size for n in order):
             continue
-        roots = pipe.example_batch(b)
-        outputs: dict[str, dict[str, np.ndarray]] = {}
-        for name in order:
-            comp = pipe.stage(name)
-            inputs = _merge_inputs(pipe, name, outputs, roots)
-            convert = as_torch[name]
-            batch = Batch(inputs if convert is None else convert(inputs), [1] * b)
-            # Run once for the outputs the children need (and as warm-up).
-            result = instances[name](batch)
-            outputs[name] = {k: np.asarray(tensors.as_numpy(v)) for k, v in result.items()}
-            if b > comp.max_batch_size:
+        for name, batch in stage_batches(pipe, instances, b):
+            if b > pipe.stage(name).max_batch_size:
                 continue
             times: list[float] = []
             deadline = time.perf_counter() + budget_s
