@@ -1,7 +1,8 @@
 """Serve-time sizing (issue 27): `slipstream serve app.py` with no flags
 profiles the app on this machine on first start (with progress), plans
 the stages the app leaves unsized, serves the plan, says what it chose in
-`status`, and a second start reuses the cached profile. A stage that pins
+`status`, and a second start reuses the cached profile. The first
+start measures each stage beside neighbours running the others. A stage that pins
 its counts keeps them. (The other tests serve as declared: conftest.py.)"""
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ def test_first_start_profiles_plans_and_serves_and_the_second_reuses_the_profile
         (cached,) = (cache / "profiles").glob("sized-*.json")
         prof = json.loads(cached.read_text())
         assert {s for p in prof["pipelines"] for s in p["stages"]} == {"Heavy", "Light"}
+        # Measured as served: beside neighbours running the pipeline's stages, at every thread count.
+        (near,) = [p["colocated"] for p in prof["pipelines"]]
+        assert set(near) == {str(t) for t in sizing.thread_counts(load_pipelines(APP)[1][0], sizing.usable_cores())}
+        assert all(n["neighbours"] >= 1 and n["neighbour_batches"] > 0 for n in near.values()), near
         stages = _stages(node)
         # Light pins 1 replica x 1 thread; Heavy is the planner's (1..2 x cores replicas).
         assert len(stages["Light"]["replicas"]) == 1 and stages["Light"]["threads"] == 1

@@ -14,6 +14,15 @@ so a second start, or another app with the same components, plans in
 well under a second. ``--sizing declared`` (``SLIPSTREAM_SIZING``) serves
 the declaration as written, planned parts at 1 replica and 1 thread.
 
+The first start profiles under co-location (``slipstream profile
+--colocated``: each stage measured while neighbour processes run the
+pipeline's other stages on the cores it leaves), because that is how a
+served stage runs at the load the plan is for: alone, multimodal's
+VisionEncoder took 84 ms a batch at one thread and 72 ms at two; beside a
+neighbour 91 ms and 294 ms, so a lone profile makes two threads look like
+the better use of a core when they are four times slower where it counts
+(docs/design/planner.md).
+
 The profile is also the node's: routing and admission predict with it,
 as they do with a profile passed by ``--profile``.
 
@@ -44,8 +53,8 @@ from typing import Any
 from slipstream._internal.api import Component, Pipeline
 from slipstream._internal.errors import ConfigError
 
-#: Bumped when what a cached profile holds changes meaning.
-CACHE_FORMAT = 1
+#: Bumped when what a cached profile holds changes meaning (2: measured co-located).
+CACHE_FORMAT = 2
 
 #: Seconds at most per batch size and stage when profiling on first start
 #: (``slipstream profile``'s own default is 3).
@@ -144,13 +153,14 @@ def needs_plan(pipe: Pipeline) -> bool:
 def _profile(app: str, pipe: Pipeline, threads: Sequence[int], out: Path, log: Log) -> None:
     """Measure `pipe` with `slipstream profile` in a child process (its progress goes to stderr)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    log(f"profiling pipeline {pipe.name} on this machine at {', '.join(map(str, threads))} thread(s) "
-        f"(first start; cached in {out.parent} for the next)")
+    log(f"profiling pipeline {pipe.name} on this machine at {', '.join(map(str, threads))} thread(s), "
+        f"beside neighbours running its stages (first start; cached in {out.parent} for the next)")
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
         cmd = [sys.executable, "-m", "slipstream._internal.cli", "profile", app, "--pipeline", pipe.name,
-               "--threads", ",".join(map(str, threads)), "--budget", str(FIRST_START_BUDGET_S), "--no-plot", "--out", str(part)]
+               "--threads", ",".join(map(str, threads)), "--budget", str(FIRST_START_BUDGET_S), "--colocated",
+               "--no-plot", "--out", str(part)]
         env = {k: v for k, v in os.environ.items() if k != "SLIPSTREAM_PROFILE_CHILD"}
         rc = subprocess.run(cmd, env=env, stdout=sys.stderr).returncode
         if rc != 0:
