@@ -26,7 +26,12 @@ compute limit (bench.limit), measure what is answered within the SLO.
 The SLO holds at a rate when the p99 of answered requests is within the
 target and misses (errors, refusals, answers later than the target) are at
 most the allowed share; the headline is the goodput (answers within the
-SLO per second) at the highest such rate, beside the limit.
+SLO per second) at the highest such rate, beside the limit and the
+queueing ceiling (bench.ceiling: the share of the limit an ideal server
+could hold the SLO at with Poisson arrivals; multimodal's and
+audioquery's SLOs are a few requests' CPU time, which puts it far below
+100%). Each rate runs at least `--min-requests` requests (a longer run
+at low rates), so that one miss is not already more than the SLO allows.
 
     .venv/bin/python -m bench.limit            # first: the limit per pipeline
     .venv/bin/python -m bench.goodput          # -> bench/results/goodput.{json,md}
@@ -51,8 +56,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness
+from bench.ceiling import ceiling
 from bench.harness import RESULTS, ROOT
-from bench.limit import load_limit
+from bench.limit import DEFAULT_OUT, load_limit
 
 APPS = {"rag": "examples/rag.py", "recsys": "examples/recsys.py", "multimodal": "examples/multimodal.py",
         "audioquery": "examples/audioquery.py"}
@@ -118,7 +124,7 @@ def measure(name: str, app: str, limit: float, configs: dict[str, tuple[list[str
     # The requests bench.limit measured the components with.
     bodies, source = mix(ROOT / app, pipe)
     print(f"{name}: requests from {source}", file=sys.stderr)
-    rates = [round(limit * f) for f in a.fractions]
+    rates = sorted({max(1, round(limit * f)) if limit >= 20 else round(limit * f, 2) for f in a.fractions})
     results: dict[str, Any] = {}
     for label, (flags, sizing) in configs.items():
         print(f"\n{name} [{label}]: slipstream serve {app} {' '.join(flags)} (sizing {sizing})", file=sys.stderr)
@@ -131,20 +137,26 @@ def measure(name: str, app: str, limit: float, configs: dict[str, tuple[list[str
             print(f"  served as: {sizes}", file=sys.stderr)
             for rate in rates:
                 reps = []
+                seconds = max(a.duration, a.min_requests / max(rate, 1e-9))
                 for _ in range(a.repeat):
-                    row = run_rate(node.url, name, bodies, rate, a.duration, slo_ms)
+                    row = run_rate(node.url, name, bodies, rate, seconds, slo_ms)
                     reps.append(row)
                 m = median_row(reps)
                 rows.append(m)
                 ok = "holds" if holds(m, slo_ms, max_miss) else "missed"
-                print(f"  {rate:>7.0f} req/s offered: goodput {m['goodput_rps']:>7.0f}/s p99 {m['p99_ms']:>7.1f} ms "
+                print(f"  {rate:>7g} req/s offered: goodput {m['goodput_rps']:>7.0f}/s p99 {m['p99_ms']:>7.1f} ms "
                       f"misses {100 * m['miss_rate']:.2f}%  [{ok}]  load {m['load_avg']:.2f}", file=sys.stderr)
                 if not holds(m, slo_ms, max_miss) and rate > limit * 0.9:
                     break  # past the knee
         best = max((r for r in rows if holds(r, slo_ms, max_miss)), key=lambda r: r["goodput_rps"], default=None)
         results[label] = {"rows": rows, "best": best, "served_as": sizes,
                           "goodput_fraction": (best["goodput_rps"] / limit) if best else 0.0}
-    return {"pipeline": name, "app": app, "limit_rps": limit, "slo_ms": slo_ms, "body": source, "configs": results}
+    lim = json.loads(Path(DEFAULT_OUT).read_text())["pipelines"][name]
+    ceil = ceiling(float(lim["cpu_us_per_request"]), int(lim["cores"]), slo_ms, max_miss)
+    print(f"{name}: queueing ceiling {ceil['rate_rps']:.1f} req/s = {100 * ceil['fraction']:.0f}% of the limit "
+          f"({ceil['model']}, {lim['cpu_us_per_request'] / 1e3:.1f} ms a request, SLO {slo_ms:g} ms)", file=sys.stderr)
+    return {"pipeline": name, "app": app, "limit_rps": limit, "slo_ms": slo_ms, "body": source, "configs": results,
+            "ceiling": ceil}
 
 
 def main() -> int:
@@ -154,6 +166,8 @@ def main() -> int:
                     help=f"comma-separated, of {', '.join(CONFIGS)} (see the module doc)")
     ap.add_argument("--cores", type=float, default=float(os.cpu_count() or 2))
     ap.add_argument("--duration", type=float, default=10.0, help="measured seconds per run")
+    ap.add_argument("--min-requests", type=int, default=300,
+                    help="run each rate at least this many requests (longer than --duration at low rates)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--fractions", type=lambda s: [float(x) for x in s.split(",")], default=list(FRACTIONS),
                     help="offered rates as fractions of the limit")
@@ -182,18 +196,22 @@ def main() -> int:
             res["plan"] = plan["pipelines"].get(name)
         out["pipelines"][name] = res
     lines = ["# Goodput at the SLO vs the offline compute limit", "",
-             f"{a.cores:g} cores; median of {a.repeat} runs of {a.duration:g} s per rate "
-             f"(`python -m bench.goodput --pipelines {a.pipelines} --configs {a.configs}`).", "",
-             "| pipeline | config | served as | limit (req/s) | best rate holding the SLO | goodput (req/s) "
-             "| share of limit | p99 (ms) |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+             f"{a.cores:g} cores; median of {a.repeat} runs of {a.duration:g} s (at least {a.min_requests} requests) "
+             "per rate; queueing ceiling: bench.ceiling (M/D/cores at the limit's CPU a request, the SLO's "
+             f"miss budget); `python -m bench.goodput --pipelines {a.pipelines} --configs {a.configs}`.", "",
+             "| pipeline | config | served as | limit (req/s) | queueing ceiling (req/s) | best rate holding the SLO "
+             "| goodput (req/s) | share of limit | share of ceiling | p99 (ms) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, res in out["pipelines"].items():
         for label, c in res["configs"].items():
             b = c["best"]
             served = ", ".join(f"{k} {v}" for k, v in c["served_as"].items())
-            lines.append(f"| {name} | {label} | {served} | {res['limit_rps']:.1f} | {b['offered_rps'] if b else '-'} | "
+            ceil = res["ceiling"]
+            of_ceiling = c["goodput_fraction"] / ceil["fraction"] if ceil["fraction"] else 0.0
+            lines.append(f"| {name} | {label} | {served} | {res['limit_rps']:.1f} | {ceil['rate_rps']:.1f} "
+                         f"({100 * ceil['fraction']:.0f}%) | {b['offered_rps'] if b else '-'} | "
                          f"{b['goodput_rps'] if b else 0:.1f} | {100 * c['goodput_fraction']:.0f}% | "
-                         f"{b['p99_ms'] if b else float('nan'):.1f} |")
+                         f"{100 * of_ceiling:.0f}% | {b['p99_ms'] if b else float('nan'):.1f} |")
     harness.write_results(a.out, out, "\n".join(lines), machine)
     print("\n".join(lines))
     return 0

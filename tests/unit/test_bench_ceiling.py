@@ -1,0 +1,35 @@
+"""bench.ceiling: the M/D/c simulation behind the queueing ceiling agrees
+with what queueing theory says exactly, and the ceiling moves the way the
+SLO and the cores say it must."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.ceiling import ceiling, miss_rate
+
+
+@pytest.mark.parametrize("rho", [0.3, 0.6, 0.9])
+def test_in_one_server_the_share_that_waits_is_the_utilisation(rho: float) -> None:
+    # M/G/1: an arrival finds the server busy with probability rho (PASTA), so
+    # the share whose time in the system exceeds the service time is rho.
+    d = 0.01
+    assert miss_rate(rho / d, d, 1, d * 1.0001, arrivals=60_000) == pytest.approx(rho, abs=0.02)
+
+
+def test_waits_in_one_server_match_pollaczek_khinchine() -> None:
+    # M/D/1 at rho 0.5: mean wait rho d / (2 (1 - rho)) = d / 2; the share
+    # waiting more than 3 d is small but not zero, and more than 30 d none.
+    d = 0.01
+    assert 0 < miss_rate(50.0, d, 1, 4 * d, arrivals=60_000) < 0.05
+    assert miss_rate(50.0, d, 1, 31 * d, arrivals=60_000) == 0.0
+
+
+def test_the_ceiling_rises_with_the_slo_and_the_servers_and_is_zero_when_one_request_misses() -> None:
+    tight = ceiling(100_000, 2, 300, 0.01, arrivals=40_000)
+    loose = ceiling(100_000, 2, 3000, 0.01, arrivals=40_000)
+    wide = ceiling(100_000 / 8, 16, 300, 0.01, arrivals=40_000)  # the same limit on 8x the cores
+    assert 0 < tight["fraction"] < loose["fraction"] < 1
+    assert tight["limit_rps"] == pytest.approx(20.0) and wide["limit_rps"] == pytest.approx(1280.0)
+    assert wide["fraction"] > tight["fraction"]
+    assert ceiling(600_000, 2, 500, 0.01)["fraction"] == 0.0
