@@ -644,6 +644,15 @@ def build_app(target: str, *, batch_wait_s: float = 0.0, ingress_replicas: int =
             return dict(no_cpu)
         return {**no_cpu, "resources": {node_resource(node): NODE_SHARE}}
 
+    def threads_of(comp: Any) -> dict[str, Any]:
+        # A stage's thread budget, as Slipstream gives each replica (app.stage_env);
+        # one thread is what every Ray worker has already (serve_main's environment).
+        if int(comp.threads) <= 1:
+            return {}
+        from slipstream._internal.app import stage_env
+
+        return {"runtime_env": {"env_vars": stage_env(int(comp.threads))}}
+
     deployments, routes = plan_deployments(pipeline_placement(pipeline, nodes, spread, place))
     handles: dict[str, Any] = {}
     for name, (stage, node, count) in deployments.items():
@@ -653,7 +662,7 @@ def build_app(target: str, *, batch_wait_s: float = 0.0, ingress_replicas: int =
             name=name,
             num_replicas=count,
             max_ongoing_requests=max(64, 2 * int(comp.max_batch_size)),
-            ray_actor_options=on(node),
+            ray_actor_options={**on(node), **threads_of(comp)},
         )
         handles[name] = dep.bind(target, stage, int(comp.max_batch_size), batch_wait_s, compute_thread)
     ingress = serve.deployment(

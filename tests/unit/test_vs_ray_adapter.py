@@ -125,14 +125,23 @@ def test_nice_rate_and_outputs_match() -> None:
     assert not compare.outputs_match(a, {"ids": [[1, 2]], "scores": [[0.5, 0.25]]})
 
 
-def test_with_slo_wrapper_serves_the_same_components(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_wrapper_serves_the_same_components_with_another_slo_or_the_plan_counts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compare, "WRAPPERS", tmp_path / "wrappers")
     app, pipe, target = compare.load_target("examples/noop.py:noop")
-    path, serve_target = compare.with_slo(app, "noop", pipe, 50.0)
+    path, serve_target = compare.wrapper(app, "noop", 50.0)
     assert serve_target == f"{path}:noop"
     wrapped = ra.load_pipeline(serve_target)
     assert wrapped.slo.p99_ms == 50.0 and wrapped.name == "noop"
     assert [c.cls.__qualname__ for c in wrapped.graph.nodes.values()] == ["First", "Second"]
+    # The plan's counts, pinned, for both systems; the SLO as declared.
+    path2, target2 = compare.wrapper(app, "noop", None, {"First": (2, 1, 8), "Second": (1, 2, 4)})
+    assert path2 != path
+    sized = ra.load_pipeline(target2)
+    assert sized.slo.p99_ms == pipe.slo.p99_ms
+    got = {n: (c.replicas, c.threads, c.max_batch_size, {"replicas", "threads"} <= c.pinned)
+           for n, c in sized.graph.nodes.items()}
+    assert got == {"First": (2, 1, 8, True), "Second": (1, 2, 4, True)}
 
 
 def test_report_renders_a_result() -> None:
