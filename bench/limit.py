@@ -190,7 +190,7 @@ def _prep(spec: dict[str, Any]) -> dict[str, Any]:
     import pickle
 
     import numpy as np
-    from slipstream._internal.api import Batch
+    from slipstream._internal.api import Batch, completing
 
     pipe = _pipeline(spec["target"])
     order = pipe.graph.topological_order()
@@ -203,7 +203,7 @@ def _prep(spec: dict[str, Any]) -> dict[str, Any]:
         comp = pipe.stage(name)
         parents = pipe.graph.parents(name)
         t0 = time.perf_counter()
-        inst = comp.instantiate()
+        inst = completing(comp.instantiate())
         built = time.perf_counter() - t0
         print(f"  {pipe.name}/{name}: constructed in {built:.1f} s", file=sys.stderr, flush=True)
         per_request = []
@@ -267,8 +267,12 @@ def _stage_batches(spec: dict[str, Any], requests: int) -> list[Any]:
 
 
 def _construct(spec: dict[str, Any]) -> Any:
+    """The stage's component as a function of a batch, run to completion
+    (a streaming stage's whole work: `api.completing`)."""
+    from slipstream._internal.api import completing
+
     pipe = _pipeline(spec["target"])
-    return pipe.stage(spec["stage"]).instantiate()
+    return completing(pipe.stage(spec["stage"]).instantiate())
 
 
 def _sweep(spec: dict[str, Any]) -> dict[str, Any]:

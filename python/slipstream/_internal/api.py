@@ -15,7 +15,7 @@ import keyword
 import os
 import re
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,6 +172,49 @@ class SLO:
             raise ConfigError(f"SLO p99_ms must be > 0, got {self.p99_ms}")
         if not 0 <= self.max_miss_rate < 1:
             raise ConfigError(f"SLO max_miss_rate must be in [0, 1), got {self.max_miss_rate}")
+
+
+def complete(result: Any, on_chunk: Callable[[Any], None] | None = None) -> Any:
+    """A component call's result as the node receives it. A generator (a
+    streaming component) runs to its end, each chunk passed to `on_chunk`,
+    and the result is its return value, else its last chunk; a coroutine (an
+    async component) is run (``asyncio.run``: outside a worker's loop); an
+    async generator is drained the same way (its last chunk). Anything else
+    is the result already."""
+    if inspect.isgenerator(result):
+        last = None
+        while True:
+            try:
+                chunk = next(result)
+            except StopIteration as stop:
+                return last if stop.value is None else stop.value
+            if on_chunk is not None:
+                on_chunk(chunk)
+            last = chunk
+    if inspect.iscoroutine(result):
+        import asyncio
+
+        return asyncio.run(result)
+    if inspect.isasyncgen(result):
+        import asyncio
+
+        async def drain() -> Any:
+            last = None
+            async for chunk in result:
+                if on_chunk is not None:
+                    on_chunk(chunk)
+                last = chunk
+            return last
+
+        return asyncio.run(drain())
+    return result
+
+
+def completing(instance: Any) -> Callable[[Batch], Any]:
+    """A component instance as a plain function of a batch (`complete` on
+    each call): what profiling and benchmarks call outside a worker, so that
+    streaming and async components are measured for their whole work."""
+    return lambda batch: complete(instance(batch))
 
 
 class Batch(Mapping[str, np.ndarray]):

@@ -98,10 +98,11 @@ def run_neighbour(pipe: Any) -> int:
     """The neighbour's loop (see the module docs); returns its exit status."""
     import select
 
+    from slipstream._internal.api import completing
     from slipstream._internal.slo import stage_batches
 
     order = pipe.graph.topological_order()
-    instances = {n: pipe.stage(n).instantiate() for n in order}
+    instances = {n: completing(pipe.stage(n).instantiate()) for n in order}
     b = max(1, min([NEIGHBOUR_BATCH] + [pipe.stage(n).max_batch_size for n in order]))
     batches = dict(stage_batches(pipe, instances, b))  # each stage run once: a warm-up
     print("ready", flush=True)

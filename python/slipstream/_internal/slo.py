@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from slipstream._internal import admin, tensors
-from slipstream._internal.api import Batch, Pipeline
+from slipstream._internal.api import Batch, Pipeline, completing
 from slipstream._internal.client import Client
 from slipstream._internal.errors import ConfigError, from_core
 
@@ -87,7 +87,7 @@ def profile_pipeline(pipe: Pipeline, batches: list[int], iters: int, budget_s: f
     instances = {}
     for name in order:
         t0 = time.perf_counter()
-        instances[name] = pipe.stage(name).instantiate()
+        instances[name] = completing(pipe.stage(name).instantiate())
         print(f"  {pipe.name}/{name}: constructed in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     stages: dict[str, Any] = {name: {"points": []} for name in order}
     plan = [(b, n) for b in batches for n in order if b <= pipe.stage(n).max_batch_size]

@@ -41,7 +41,7 @@ import numpy as np
 
 from slipstream import _core
 from slipstream._internal import groups, protocol, tensors
-from slipstream._internal.api import Batch
+from slipstream._internal.api import Batch, complete
 from slipstream._internal.app import load_pipelines, store_pools
 from slipstream._internal.dtypes import DTYPES, NUMERIC_DTYPES, VAR_DTYPES
 from slipstream._internal.needs import Replica, loaded_versions
@@ -162,17 +162,7 @@ def run_batch(instance: Any, pools: Pools, msg: Mapping[str, Any],
     chunk if it returns nothing."""
     batch = batch_of(pools, msg, as_torch)
     t0 = time.perf_counter()
-    result = instance(batch)
-    if inspect.isgenerator(result):
-        last = None
-        while True:
-            try:
-                chunk = next(result)
-            except StopIteration as stop:
-                result = last if stop.value is None else stop.value
-                break
-            _emit_chunk(pools, msg, chunk, emit)
-            last = chunk
+    result = complete(instance(batch), lambda chunk: _emit_chunk(pools, msg, chunk, emit))
     return result_message(pools, msg, result, int((time.perf_counter() - t0) * 1e6))
 
 
