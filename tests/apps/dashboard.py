@@ -28,4 +28,5 @@ class Rank:
         return {"score": batch["e"].sum(axis=1, keepdims=True)}
 
 
-dash = ss.Pipeline("dash", Embed >> Rank, slo=ss.SLO(p99_ms=100))
+# The example primes the replicas; /v1/history leaves it out (it is polled).
+dash = ss.Pipeline("dash", Embed >> Rank, slo=ss.SLO(p99_ms=100), example={"x": [[0.5] * 8]})

@@ -225,6 +225,10 @@ def test_routes(dash_node: Node) -> None:
     status, h = dash_node.get("/v1/history")
     assert status == 200 and h["reset"] is True
     assert [p["name"] for p in h["pipelines"]] == ["dash"]
+    # The page is polled every second: the pipeline's example request (which may be
+    # half a megabyte of audio) stays on /v1/pipelines/NAME, not in the history.
+    assert "example" not in h["pipelines"][0]
+    assert dash_node.get("/v1/pipelines/dash")[1]["example"] == {"x": [[0.5] * 8]}
     assert h["pipelines"][0]["slo"]["p99_ms"] == 100.0
     assert [(s["name"], s["min_replicas"], s["max_replicas"]) for s in h["pipelines"][0]["stages"]] == [
         ("Embed", 1, 1), ("Rank", 1, 2)]

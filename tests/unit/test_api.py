@@ -130,3 +130,25 @@ def test_a_batch_says_how_long_each_request_has_left() -> None:
     now = time.monotonic()
     left = ss.Batch({"x": x}, [1, 2], deadlines=[now + 0.5, now - 0.1]).time_left()
     assert left.shape == (2,) and 0.4 < left[0] <= 0.5 and left[1] < 0
+
+
+def test_an_example_may_be_a_function_called_and_checked_when_first_needed() -> None:
+    calls = []
+
+    def make() -> dict:
+        calls.append(1)
+        return {"x": [[1.0, 2.0, 3.0, 4.0]]}
+
+    @ss.component(inputs={"x": ss.Tensor("float32", (-1, 4))}, outputs={"y": ss.Tensor("float32", (-1, 4))})
+    class Same:
+        def __call__(self, batch):
+            return {"y": batch["x"]}
+
+    pipe = ss.Pipeline("lazy", Same, example=make)
+    assert calls == []  # declaring the pipeline (every worker imports the app) costs nothing
+    assert pipe.example_batch(2)["x"].tolist() == [[1.0, 2.0, 3.0, 4.0]] * 2
+    assert pipe.to_spec()["example"] == {"x": [[1.0, 2.0, 3.0, 4.0]]}
+    assert calls == [1]
+    wrong = ss.Pipeline("wrong", Same, example=lambda: {"z": [[1.0]]})
+    with pytest.raises(ss.ConfigError, match="example must give exactly the inputs"):
+        wrong.example_batch(1)

@@ -189,7 +189,15 @@ impl History {
             "keep": KEEP,
             "pid": std::process::id(),
             "status_of": status_of_kinds(),
-            "pipelines": node.pipelines().values().map(|p| p.describe()).collect::<Vec<_>>(),
+            // Without the example request: the page never shows it, and it is
+            // polled every second (a spoken example is ~0.5 MB of samples).
+            "pipelines": node.pipelines().values().map(|p| {
+                let mut d = p.describe();
+                if let Some(o) = d.as_object_mut() {
+                    o.remove("example");
+                }
+                d
+            }).collect::<Vec<_>>(),
             "samples": samples,
             "events": events,
         })

@@ -856,6 +856,11 @@ class Pipeline:
     the store at start-up, ``{"/models/minilm": path}`` or ``{key: (path,
     content_type)}`` (relative paths are taken from the current directory;
     the node puts a seed only while its key has no live version).
+    ``example`` is one realistic request (input name -> values with a
+    leading row dimension), what `slipstream profile` and first-start sizing
+    measure the stages on; without one they run synthetic inputs, which
+    can cost a stage nothing (a speech recogniser given silence). A function
+    returning it is called when it is first needed.
     """
 
     def __init__(
@@ -866,7 +871,7 @@ class Pipeline:
         inputs: Mapping[str, Tensor] | None = None,
         outputs: Mapping[str, Tensor] | None = None,
         slo: SLO | None = None,
-        example: Mapping[str, Any] | None = None,
+        example: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
         fallback: Mapping[str, Any] | None = None,
         pools: Iterable[Pool] = (),
         seed: Mapping[str, Any] | None = None,
@@ -900,7 +905,10 @@ class Pipeline:
         if slo is not None and not isinstance(slo, SLO):
             raise ConfigError(f"pipeline {name!r}: slo must be an ss.SLO")
         self.slo = slo
-        self.example = self._check_example(example)
+        # An example may be costly to make (speech synthesised by a tool):
+        # a function is called, and its result checked, when first needed.
+        self._example_of = example if callable(example) else None
+        self._example = None if callable(example) else self._check_example(example)
         self.fallback = self._check_fallback(fallback)
         self._check_acyclic()
         self._check_store_stages(roots)
@@ -963,6 +971,14 @@ class Pipeline:
                                   f"got {list(a.shape)}")
             out[k] = a.tolist()
         return out
+
+    @property
+    def example(self) -> dict[str, Any] | None:
+        """One realistic request, as checked lists (None: not declared)."""
+        if self._example is None and self._example_of is not None:
+            self._example = self._check_example(self._example_of())
+            self._example_of = None
+        return self._example
 
     def _check_example(self, example: Mapping[str, Any] | None) -> dict[str, Any] | None:
         """One realistic request (input name -> nested list with a leading row
