@@ -15,7 +15,9 @@ configuration asked for (`--configs`):
 - ``deadline-order``: out of the box, but batches formed in deadline order
   only (`--no-batch-by-length`): what length-aware batching adds;
 - ``no-admission``: out of the box without admission control
-  (`--no-admission`): what the gate's refusals cost or save.
+  (`--no-admission`): what the gate's refusals cost or save;
+- ``no-autoscale``: out of the box with the autoscaler off
+  (`--autoscale off`): the plan's starting counts, held.
 
 The requests are the pipeline's input mix (``bench.vs_ray.bodies.mix``:
 RAG's 1,000 benchmark queries, sent in turn), the inputs bench.limit
@@ -66,7 +68,8 @@ APPS = {"rag": "examples/rag.py", "recsys": "examples/recsys.py", "multimodal": 
 CONFIGS = {"out-of-box": ([], "plan"), "declared": (["--autoscale", "off"], "declared"),
            "planned": (["--autoscale", "off"], "declared"),
            "deadline-order": (["--no-batch-by-length"], "plan"),
-           "no-admission": (["--no-admission"], "plan")}
+           "no-admission": (["--no-admission"], "plan"),
+           "no-autoscale": (["--autoscale", "off"], "plan")}
 FRACTIONS = (0.6, 0.75, 0.85, 0.9, 0.95, 1.0, 1.05)
 
 
