@@ -69,3 +69,36 @@ def test_a_pipeline_with_async_and_streaming_stages_is_profiled_for_their_whole_
     assert [p["batch"] for p in prof["stages"]["Double"]["points"]] == [1, 2]
     # Each batch size: one run to make the children's inputs, then the timed runs.
     assert len(RUNS) == sum(1 + p["samples"] for p in prof["stages"]["Speak"]["points"])
+
+
+SEEN: list[int] = []
+
+
+@ss.component(max_batch_size=2, inputs={"x": ss.Tensor("float32", (-1, 2))},
+              outputs={"y": ss.Tensor("float32", (-1, 2))})
+class Slow:
+    def __call__(self, batch: Batch) -> dict[str, np.ndarray]:
+        SEEN.append(batch.rows)
+        return {"y": batch["x"] + np.arange(batch.rows, dtype=np.float32)[:, None]}
+
+
+@ss.component(max_batch_size=8, inputs={"y": ss.Tensor("float32", (-1, 2))},
+              outputs={"z": ss.Tensor("float32", (-1, 2))})
+class Wide:
+    def __call__(self, batch: Batch) -> dict[str, np.ndarray]:
+        return {"z": batch["y"]}
+
+
+def test_a_stage_runs_at_most_its_batch_size_for_its_children_s_profile() -> None:
+    # Slow takes 2 requests at most: profiling Wide at 8 repeats Slow's 2 rows
+    # of output instead of running Slow on 8 (audioquery: ASR at 1 s a
+    # request was run on 16, 32 and 64 to profile the stages after it).
+    pipe = ss.Pipeline("wide", Slow >> Wide, example={"x": [[1.0, 2.0]]})
+    SEEN.clear()
+    batches = dict(slo.stage_batches(pipe, {"Slow": Slow.cls(), "Wide": Wide.cls()}, 8))
+    assert SEEN == [2]
+    assert batches["Wide"].rows == 8
+    assert batches["Wide"]["y"].tolist() == [[1.0, 2.0], [2.0, 3.0]] * 4
+    SEEN.clear()
+    prof = slo.profile_pipeline(pipe, [1, 2, 4, 8], iters=2, budget_s=0.01)
+    assert max(SEEN) == 2 and [p["batch"] for p in prof["stages"]["Wide"]["points"]] == [1, 2, 4, 8]

@@ -65,16 +65,24 @@ def _merge_inputs(pipe: Pipeline, name: str, outputs: dict[str, dict[str, np.nda
 def stage_batches(pipe: Pipeline, instances: dict[str, Any], b: int) -> Iterator[tuple[str, Batch]]:
     """Each stage's batch of `b` rows, in topological order, made from its
     parents' real outputs: each stage runs once on its batch before it is
-    yielded (the outputs its children need, and a warm-up). Stages whose
-    max batch size is below `b` are run too (their children need them)."""
+    yielded (the outputs its children need, and a warm-up). A stage whose
+    max batch size is below `b` runs on as many rows as it takes and its
+    outputs are repeated to `b` rows for its children (the roots are one
+    example repeated, so the rows are alike): a speech recogniser that
+    takes 8 requests at most is not run on 256 to profile the search
+    after it."""
     roots = pipe.example_batch(b)
     outputs: dict[str, dict[str, np.ndarray]] = {}
     for name in pipe.graph.topological_order():
-        convert = tensors.for_component(pipe.stage(name).tensors, pipe.stage(name).device)
+        comp = pipe.stage(name)
+        convert = tensors.for_component(comp.tensors, comp.device)
         inputs = _merge_inputs(pipe, name, outputs, roots)
-        batch = Batch(inputs if convert is None else convert(inputs), [1] * b)
+        rows = min(b, comp.max_batch_size)
+        run = inputs if rows == b else {k: v[:rows] for k, v in inputs.items()}
+        batch = Batch(run if convert is None else convert(run), [1] * rows)
         result = instances[name](batch)
-        outputs[name] = {k: np.asarray(tensors.as_numpy(v)) for k, v in result.items()}
+        repeat = np.arange(b) % rows
+        outputs[name] = {k: np.take(np.asarray(tensors.as_numpy(v)), repeat, axis=0) for k, v in result.items()}
         yield name, batch
 
 
