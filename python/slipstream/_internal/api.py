@@ -198,16 +198,19 @@ def complete(result: Any, on_chunk: Callable[[Any], None] | None = None) -> Any:
     if inspect.isasyncgen(result):
         import asyncio
 
-        async def drain() -> Any:
-            last = None
-            async for chunk in result:
-                if on_chunk is not None:
-                    on_chunk(chunk)
-                last = chunk
-            return last
-
-        return asyncio.run(drain())
+        return asyncio.run(drain_async(result, on_chunk))
     return result
+
+
+async def drain_async(chunks: Any, on_chunk: Callable[[Any], None] | None = None) -> Any:
+    """An async generator's chunks, each passed to `on_chunk`; its result is
+    its last chunk (async generators cannot return a value)."""
+    last = None
+    async for chunk in chunks:
+        if on_chunk is not None:
+            on_chunk(chunk)
+        last = chunk
+    return last
 
 
 def completing(instance: Any) -> Callable[[Batch], Any]:

@@ -41,7 +41,7 @@ import numpy as np
 
 from slipstream import _core
 from slipstream._internal import groups, protocol, tensors
-from slipstream._internal.api import Batch, complete
+from slipstream._internal.api import Batch, complete, drain_async
 from slipstream._internal.app import load_pipelines, store_pools
 from slipstream._internal.dtypes import DTYPES, NUMERIC_DTYPES, VAR_DTYPES
 from slipstream._internal.needs import Replica, loaded_versions
@@ -174,10 +174,7 @@ async def run_batch_async(instance: Any, pools: Pools, msg: Mapping[str, Any],
     t0 = time.perf_counter()
     call = instance(batch)
     if inspect.isasyncgen(call):
-        result = None
-        async for chunk in call:
-            _emit_chunk(pools, msg, chunk, emit)
-            result = chunk
+        result = await drain_async(call, lambda chunk: _emit_chunk(pools, msg, chunk, emit))
     else:
         result = await call
     return result_message(pools, msg, result, int((time.perf_counter() - t0) * 1e6))
