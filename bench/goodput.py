@@ -60,7 +60,7 @@ from typing import Any
 from bench import harness
 from bench.ceiling import ceiling
 from bench.harness import RESULTS, ROOT
-from bench.limit import DEFAULT_OUT, load_limit
+from bench.limit import limit_entry
 
 APPS = {"rag": "examples/rag.py", "recsys": "examples/recsys.py", "multimodal": "examples/multimodal.py",
         "audioquery": "examples/audioquery.py"}
@@ -113,13 +113,14 @@ def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def measure(name: str, app: str, limit: float, configs: dict[str, tuple[list[str], str]], a: argparse.Namespace
+def measure(name: str, app: str, lim: dict[str, Any], configs: dict[str, tuple[list[str], str]], a: argparse.Namespace
             ) -> dict[str, Any]:
     from slipstream._internal.api import Pipeline
     from slipstream._internal.app import load_pipelines
 
     from bench.vs_ray.bodies import mix
 
+    limit = float(lim["limit_rps"])
     _, pipes = load_pipelines(str(ROOT / app))
     pipe: Pipeline = next(p for p in pipes if p.name == name)
     assert pipe.slo is not None
@@ -154,7 +155,6 @@ def measure(name: str, app: str, limit: float, configs: dict[str, tuple[list[str
         best = max((r for r in rows if holds(r, slo_ms, max_miss)), key=lambda r: r["goodput_rps"], default=None)
         results[label] = {"rows": rows, "best": best, "served_as": sizes,
                           "goodput_fraction": (best["goodput_rps"] / limit) if best else 0.0}
-    lim = json.loads(Path(DEFAULT_OUT).read_text())["pipelines"][name]
     ceil = ceiling(float(lim["cpu_us_per_request"]), int(lim["cores"]), slo_ms, max_miss)
     print(f"{name}: queueing ceiling {ceil['rate_rps']:.1f} req/s = {100 * ceil['fraction']:.0f}% of the limit "
           f"({ceil['model']}, {lim['cpu_us_per_request'] / 1e3:.1f} ms a request, SLO {slo_ms:g} ms)", file=sys.stderr)
@@ -182,8 +182,8 @@ def main() -> int:
     out: dict[str, Any] = {"cores": a.cores, "pipelines": {}}
     for name in a.pipelines.split(","):
         app = APPS[name]
-        limit = load_limit(name)
-        if not limit:
+        lim = limit_entry(name)
+        if lim is None:
             print(f"{name}: no offline limit in bench/results/limit.json: run python -m bench.limit first",
                   file=sys.stderr)
             return 1
@@ -194,7 +194,7 @@ def main() -> int:
             plan_path = a.out.parent / f"goodput_{name}.plan.json"
             plan = plan_for(app, a.cores, plan_path)
             configs["planned"] = (configs["planned"][0] + ["--plan", str(plan_path)], configs["planned"][1])
-        res = measure(name, app, limit, configs, a)
+        res = measure(name, app, lim, configs, a)
         if plan is not None:
             res["plan"] = plan["pipelines"].get(name)
         out["pipelines"][name] = res

@@ -88,15 +88,23 @@ READY_TIMEOUT_S = 900.0
 CONTENDED = 0.9  # warn when 1-thread processes, one per core, keep fewer than 90% of the cores busy
 
 
-def load_limit(pipeline: str, path: Path | str = DEFAULT_OUT) -> float | None:
-    """The offline compute limit of `pipeline` in requests/s, from `path`
-    (``bench/results/limit.json``), or None if it has not been measured."""
+def limit_entry(pipeline: str, path: Path | str = DEFAULT_OUT) -> dict[str, Any] | None:
+    """`pipeline`'s measurement from `path` (``bench/results/limit.json``:
+    limit_rps, cpu_us_per_request, cores, stages, ...), or None if it has not
+    been measured (no positive limit)."""
     try:
-        doc = json.loads(Path(path).read_text())
-        value = doc["pipelines"][pipeline]["limit_rps"]
+        entry = json.loads(Path(path).read_text())["pipelines"][pipeline]
+        value = entry["limit_rps"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+    return dict(entry) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def load_limit(pipeline: str, path: Path | str = DEFAULT_OUT) -> float | None:
+    """The offline compute limit of `pipeline` in requests/s, or None if it
+    has not been measured."""
+    entry = limit_entry(pipeline, path)
+    return float(entry["limit_rps"]) if entry else None
 
 
 # --------------------------------------------------------------------------
