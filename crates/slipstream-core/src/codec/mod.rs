@@ -136,6 +136,9 @@ enum Source<'a> {
     /// Leaves of a (possibly nested) JSON array in row-major order; their
     /// count has been checked against the shape.
     Json(&'a Value),
+    /// Elements already converted to the dtype (a fixed-size pipeline-API
+    /// input read by `json::DenseSeed`); their count matches the shape.
+    Dense(&'a [u8]),
     /// Raw bytes `[at, at + len)` of the body (v2 binary extension), within
     /// the body; for variable-size dtypes in the length-prefixed layout.
     Raw { at: usize, len: usize },
@@ -153,6 +156,8 @@ fn too_large(name: &str, shape: &[u64]) -> NodeError {
 fn stored_size(p: &Parsed<'_>, body: &BodyParts, arena: &Arena) -> Result<usize, NodeError> {
     match (&p.source, p.dtype.is_variable()) {
         (Source::Raw { len, .. }, false) => Ok(*len),
+        (Source::Dense(b), false) => Ok(b.len()),
+        (Source::Dense(_), true) => unreachable!("only fixed-size inputs are read dense"),
         (Source::Json(_), false) => checked_nbytes(p.dtype, &p.shape)
             .and_then(|n| usize::try_from(n).ok())
             .ok_or_else(|| too_large(&p.name, &p.shape)),
@@ -251,6 +256,7 @@ fn validate_and_store(
         let dst = &mut buf[at..at + size];
         match p.source {
             Source::Raw { at, .. } => body.copy_out(at, dst),
+            Source::Dense(b) => dst.copy_from_slice(b),
             Source::Json(v) if p.dtype.is_variable() => {
                 let mut i = 0;
                 json::for_each_leaf(v, &mut |leaf| {

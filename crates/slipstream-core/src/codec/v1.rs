@@ -9,81 +9,126 @@
 use super::{json, validate_and_store, BodyParts, Parsed, Source};
 use crate::arena::{Arena, Tensors};
 use crate::error::NodeError;
-use serde::de::{self, Deserializer, MapAccess, Visitor};
-use serde::Deserialize;
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, Visitor};
 use serde_json::Value;
 use slipstream_types::{DType, TensorSpec};
 use std::collections::BTreeMap;
 use std::fmt;
 
+/// One entry of a body's `inputs`: read straight into bytes when the
+/// pipeline declares it with a fixed-size dtype, else kept as JSON.
+enum Entry {
+    Dense(json::Dense),
+    Json(Value),
+}
+
 /// A body's `inputs`: its entries in order, names unique; `None` when it is
 /// not an object.
-struct Inputs(Option<Vec<(String, Value)>>);
+struct Inputs(Option<Vec<(String, Entry)>>);
 
 const DUPLICATE: &str = "is given more than once";
 
-impl<'de> Deserialize<'de> for Inputs {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Inputs, D::Error> {
-        struct Entries;
-        impl<'de> Visitor<'de> for Entries {
-            type Value = Inputs;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("an object of named inputs")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Inputs, A::Error> {
-                let mut out: Vec<(String, Value)> = Vec::new();
-                while let Some((k, v)) = m.next_entry::<String, Value>()? {
-                    if out.iter().any(|(n, _)| *n == k) {
-                        return Err(de::Error::custom(format!("input '{k}' {DUPLICATE}")));
-                    }
-                    out.push((k, v));
-                }
-                Ok(Inputs(Some(out)))
-            }
-            // Anything else is well-formed JSON of the wrong shape.
-            fn visit_bool<E>(self, _: bool) -> Result<Inputs, E> {
-                Ok(Inputs(None))
-            }
-            fn visit_i64<E>(self, _: i64) -> Result<Inputs, E> {
-                Ok(Inputs(None))
-            }
-            fn visit_u64<E>(self, _: u64) -> Result<Inputs, E> {
-                Ok(Inputs(None))
-            }
-            fn visit_f64<E>(self, _: f64) -> Result<Inputs, E> {
-                Ok(Inputs(None))
-            }
-            fn visit_str<E>(self, _: &str) -> Result<Inputs, E> {
-                Ok(Inputs(None))
-            }
-            fn visit_unit<E>(self) -> Result<Inputs, E> {
-                Ok(Inputs(None))
-            }
-            fn visit_seq<A: de::SeqAccess<'de>>(self, mut s: A) -> Result<Inputs, A::Error> {
-                while s.next_element::<de::IgnoredAny>()?.is_some() {}
-                Ok(Inputs(None))
-            }
-        }
-        d.deserialize_any(Entries)
+/// Reads a body's `inputs` object, each declared fixed-size input with a
+/// [`json::DenseSeed`].
+struct InputsSeed<'d>(&'d BTreeMap<String, TensorSpec>);
+
+impl<'de> DeserializeSeed<'de> for InputsSeed<'_> {
+    type Value = Inputs;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Inputs, D::Error> {
+        d.deserialize_any(self)
     }
 }
 
-#[derive(Deserialize)]
-struct Body {
-    #[serde(default)]
-    inputs: Option<Inputs>,
+impl<'de> Visitor<'de> for InputsSeed<'_> {
+    type Value = Inputs;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an object of named inputs")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Inputs, A::Error> {
+        let mut out: Vec<(String, Entry)> = Vec::new();
+        while let Some(k) = m.next_key::<String>()? {
+            if out.iter().any(|(n, _)| *n == k) {
+                return Err(de::Error::custom(format!("input '{k}' {DUPLICATE}")));
+            }
+            let entry = match self.0.get(&k) {
+                Some(spec) if !spec.dtype.is_variable() => {
+                    Entry::Dense(m.next_value_seed(json::DenseSeed { dtype: spec.dtype, name: &k })?)
+                }
+                _ => Entry::Json(m.next_value()?),
+            };
+            out.push((k, entry));
+        }
+        Ok(Inputs(Some(out)))
+    }
+    // Anything else is well-formed JSON of the wrong shape.
+    fn visit_bool<E>(self, _: bool) -> Result<Inputs, E> {
+        Ok(Inputs(None))
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Inputs, E> {
+        Ok(Inputs(None))
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Inputs, E> {
+        Ok(Inputs(None))
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Inputs, E> {
+        Ok(Inputs(None))
+    }
+    fn visit_str<E>(self, _: &str) -> Result<Inputs, E> {
+        Ok(Inputs(None))
+    }
+    fn visit_unit<E>(self) -> Result<Inputs, E> {
+        Ok(Inputs(None))
+    }
+    fn visit_seq<A: de::SeqAccess<'de>>(self, mut s: A) -> Result<Inputs, A::Error> {
+        while s.next_element::<de::IgnoredAny>()?.is_some() {}
+        Ok(Inputs(None))
+    }
+}
+
+/// Reads a body: its `inputs` (given once) and nothing else.
+struct BodySeed<'d>(&'d BTreeMap<String, TensorSpec>);
+
+impl<'de> DeserializeSeed<'de> for BodySeed<'_> {
+    type Value = Option<Inputs>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<Inputs>, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for BodySeed<'_> {
+    type Value = Option<Inputs>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an object with an \"inputs\" object")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Option<Inputs>, A::Error> {
+        let mut inputs = None;
+        while let Some(k) = m.next_key::<std::borrow::Cow<'de, str>>()? {
+            if k != "inputs" {
+                m.next_value::<de::IgnoredAny>()?;
+            } else if inputs.is_some() {
+                return Err(de::Error::duplicate_field("inputs"));
+            } else {
+                inputs = Some(m.next_value_seed(InputsSeed(self.0))?);
+            }
+        }
+        Ok(inputs)
+    }
 }
 
 fn not_an_object() -> NodeError {
     NodeError::BadRequest("body must be an object with an \"inputs\" object".into())
 }
 
-/// The `inputs` of a pipeline-API body, names unique.
-fn parse_inputs(text: &[u8]) -> Result<Vec<(String, Value)>, NodeError> {
-    match serde_json::from_slice::<Body>(text) {
-        Ok(Body { inputs: Some(Inputs(Some(entries))) }) => Ok(entries),
+/// The `inputs` of a pipeline-API body, names unique. An error about one
+/// input (its text starts `input '`) is bad input; any other wrong shape of
+/// well-formed JSON is a bad request.
+fn parse_inputs(text: &[u8], declared: &BTreeMap<String, TensorSpec>) -> Result<Vec<(String, Entry)>, NodeError> {
+    let mut de = serde_json::Deserializer::from_slice(text);
+    let parsed = BodySeed(declared).deserialize(&mut de).and_then(|b| de.end().map(|()| b));
+    match parsed {
+        Ok(Some(Inputs(Some(entries)))) => Ok(entries),
         Ok(_) => Err(not_an_object()),
-        Err(e) if e.is_data() && e.to_string().contains(DUPLICATE) => {
+        Err(e) if e.is_data() && e.to_string().starts_with("input '") => {
             let msg = e.to_string();
             Err(NodeError::BadInput(msg.split(" at line").next().unwrap_or(&msg).to_string()))
         }
@@ -98,30 +143,21 @@ pub fn decode_v1(
     declared: &BTreeMap<String, TensorSpec>,
     arena: &Arena,
 ) -> Result<Tensors, NodeError> {
-    let inputs = parse_inputs(&body.contiguous(0, body.len(), arena, true))?;
+    let inputs = parse_inputs(&body.contiguous(0, body.len(), arena, true), declared)?;
     let mut parsed = Vec::with_capacity(inputs.len());
-    for (name, val) in &inputs {
-        let Some(spec) = declared.get(name) else {
-            parsed.push(Parsed {
-                base64_bytes: true,
-                name: name.clone(),
-                dtype: DType::Float32,
-                shape: vec![],
-                source: Source::Json(val),
-            });
-            continue;
+    for (name, entry) in &inputs {
+        let (dtype, shape, source) = match entry {
+            Entry::Dense(d) => (declared[name].dtype, d.shape.clone(), Source::Dense(&d.bytes)),
+            Entry::Json(val) => match declared.get(name) {
+                // Not taken: reported with the other unexpected names.
+                None => (DType::Float32, vec![], Source::Json(val)),
+                Some(_) if !val.is_array() => {
+                    return Err(super::bad(format!("input '{name}' must be a (nested) array")))
+                }
+                Some(spec) => (spec.dtype, json::json_shape(val, name)?, Source::Json(val)),
+            },
         };
-        if !val.is_array() {
-            return Err(super::bad(format!("input '{name}' must be a (nested) array")));
-        }
-        let shape = json::json_shape(val, name)?;
-        parsed.push(Parsed {
-            base64_bytes: true,
-            name: name.clone(),
-            dtype: spec.dtype,
-            shape,
-            source: Source::Json(val),
-        });
+        parsed.push(Parsed { base64_bytes: true, name: name.clone(), dtype, shape, source });
     }
     validate_and_store(parsed, declared, arena, body)
 }
