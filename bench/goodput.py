@@ -63,7 +63,7 @@ from bench.harness import RESULTS, ROOT
 from bench.limit import limit_entry
 
 APPS = {"rag": "examples/rag.py", "recsys": "examples/recsys.py", "multimodal": "examples/multimodal.py",
-        "audioquery": "examples/audioquery.py"}
+        "audioquery": "examples/audioquery.py", "rag_late": "examples/rag_late.py"}
 #: Each configuration: the serve flags and the sizing (see the module doc).
 CONFIGS = {"out-of-box": ([], "plan"), "declared": (["--autoscale", "off"], "declared"),
            "planned": (["--autoscale", "off"], "declared"),

@@ -77,6 +77,7 @@ PIPELINES = {
     "recsys": "examples/recsys.py:recsys",
     "multimodal": "examples/multimodal.py:multimodal",
     "audioquery": "examples/audioquery.py:audioquery",
+    "rag_late": "examples/rag_late.py:rag_late",
     "noop": "examples/noop.py:noop",
 }
 # The variables the node sets per replica (slipstream._internal.app), set

@@ -85,6 +85,7 @@ BUILDERS: dict[str, Callable[[Path, Any], dict[str, Any]]] = {
     "recsys": _recsys,
     "multimodal": _multimodal,
     "rag": _rag,
+    "rag_late": _rag,
     "audioquery": _audioquery,
 }
 
@@ -142,6 +143,7 @@ def _rag_mix(app: Path, pipeline: Any) -> list[dict[str, Any]]:
 
 MIXES: dict[str, Callable[[Path, Any], list[dict[str, Any]]]] = {
     "rag": _rag_mix,
+    "rag_late": _rag_mix,
 }
 
 
