@@ -37,14 +37,32 @@ fn check_rectangular(v: &Value, shape: &[u64], name: &str) -> Result<(), NodeErr
     match (v, shape.split_first()) {
         (Value::Array(a), Some((&n, rest))) => {
             if a.len() as u64 != n {
-                return Err(bad(format!("input '{name}' is ragged: rows of different lengths")));
+                return Err(bad(ragged_rows(name)));
             }
             a.iter().try_for_each(|x| check_rectangular(x, rest, name))
         }
-        (Value::Array(_), None) => Err(bad(format!("input '{name}' is ragged: nesting depth varies"))),
-        (_, Some(_)) => Err(bad(format!("input '{name}' is ragged: nesting depth varies"))),
+        (Value::Array(_), None) | (_, Some(_)) => Err(bad(depth_varies(name))),
         (_, None) => Ok(()),
     }
+}
+
+// The messages of the checks below, one place for the tree path and the
+// one-pass reader (a unit test holds the two to the same answers).
+
+pub(super) fn not_an_array(name: &str) -> String {
+    format!("input '{name}' must be a (nested) array")
+}
+
+fn ragged_rows(name: &str) -> String {
+    format!("input '{name}' is ragged: rows of different lengths")
+}
+
+fn depth_varies(name: &str) -> String {
+    format!("input '{name}' is ragged: nesting depth varies")
+}
+
+fn not_a_value(name: &str, dtype: DType, got: impl fmt::Display) -> String {
+    format!("input '{name}' expects {dtype} values, got {got}")
 }
 
 /// A fixed-size-dtype input read straight from the JSON text: its shape and
@@ -79,7 +97,7 @@ struct DenseState<'n> {
 
 impl DenseState<'_> {
     fn depth_varies<E: de::Error>(&self) -> E {
-        E::custom(format!("input '{}' is ragged: nesting depth varies", self.name))
+        E::custom(depth_varies(self.name))
     }
 
     /// One number or bool at `depth`, converted to the dtype.
@@ -88,19 +106,19 @@ impl DenseState<'_> {
         let at = self.bytes.len();
         self.bytes.resize(at + self.dtype.size(), 0);
         write_number(x, self.dtype, &mut self.bytes[at..])
-            .ok_or_else(|| E::custom(format!("input '{}' expects {} values, got {x}", self.name, self.dtype)))
+            .ok_or_else(|| E::custom(not_a_value(self.name, self.dtype, x)))
     }
 
     /// Anything else where a number belongs (`what`: "a string", ...).
     fn not_a_number<E: de::Error>(&mut self, depth: usize, what: &str) -> Result<(), E> {
         self.at_leaf_depth(depth)?;
-        Err(E::custom(format!("input '{}' expects {} values, got {what}", self.name, self.dtype)))
+        Err(E::custom(not_a_value(self.name, self.dtype, what)))
     }
 
     /// Check that a leaf at `depth` sits where every other leaf does.
     fn at_leaf_depth<E: de::Error>(&mut self, depth: usize) -> Result<(), E> {
         if depth == 0 {
-            return Err(E::custom(format!("input '{}' must be a (nested) array", self.name)));
+            return Err(E::custom(not_an_array(self.name)));
         }
         match self.leaf_depth {
             None if self.dims.get(depth).is_some_and(Option::is_some) => Err(self.depth_varies()),
@@ -120,9 +138,7 @@ impl DenseState<'_> {
         }
         match self.dims[depth] {
             None => self.dims[depth] = Some(n),
-            Some(m) if m != n => {
-                return Err(E::custom(format!("input '{}' is ragged: rows of different lengths", self.name)))
-            }
+            Some(m) if m != n => return Err(E::custom(ragged_rows(self.name))),
             Some(_) => {}
         }
         Ok(())
@@ -290,8 +306,7 @@ pub(super) fn write_scalar(v: &Value, dtype: DType, out: &mut [u8], name: &str) 
         }
         _ => None,
     };
-    x.and_then(|x| write_number(x, dtype, out))
-        .ok_or_else(|| bad(format!("input '{name}' expects {dtype} values, got {v}")))
+    x.and_then(|x| write_number(x, dtype, out)).ok_or_else(|| bad(not_a_value(name, dtype, v)))
 }
 
 /// The bytes of one variable-size JSON element: (length, how to get them).

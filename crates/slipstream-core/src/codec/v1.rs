@@ -151,9 +151,7 @@ pub fn decode_v1(
             Entry::Json(val) => match declared.get(name) {
                 // Not taken: reported with the other unexpected names.
                 None => (DType::Float32, vec![], Source::Json(val)),
-                Some(_) if !val.is_array() => {
-                    return Err(super::bad(format!("input '{name}' must be a (nested) array")))
-                }
+                Some(_) if !val.is_array() => return Err(super::bad(json::not_an_array(name))),
                 Some(spec) => (spec.dtype, json::json_shape(val, name)?, Source::Json(val)),
             },
         };
