@@ -33,8 +33,8 @@ import time
 from typing import Any
 
 from bench import harness
-from bench.goodput import APPS
-from bench.harness import RESULTS, ROOT, cpu_seconds
+from bench.goodput import APPS, served_as
+from bench.harness import RESULTS, ROOT, group_cpu_seconds
 from bench.limit import limit_entry
 
 
@@ -59,18 +59,18 @@ def measure(name: str, rates: list[float], duration: float, repeat: int) -> dict
         st = node.status()
         stages = next(p["stages"] for p in st["pipelines"] if p["name"] == name)
         groups = {"node": [st["pid"]], **{s["name"]: [r["pid"] for r in s["replicas"]] for s in stages}}
-        served_as = {s["name"]: f"{len(s['replicas'])}x{s['threads']}t b{s['max_batch_size']}" for s in stages}
-        print(f"{name}: served as {served_as}; requests from {source}", file=sys.stderr)
+        sizes = served_as(st, name)
+        print(f"{name}: served as {sizes}; requests from {source}", file=sys.stderr)
         for rate in rates:
             runs = []
             for _ in range(repeat):
                 load = os.getloadavg()[0]
-                before = {g: sum(cpu_seconds(p) for p in pids) for g, pids in groups.items()}
+                before = group_cpu_seconds(groups)
                 gen0 = _self_cpu()
                 r = harness.loadgen(f"{node.url}/v1/pipelines/{name}/infer", bodies[0], [rate], duration,
                                     warmup_s=0.0, seed=3, slo_ms=slo_ms, bodies=bodies if len(bodies) > 1 else ())[0]
                 sent = max(int(r["ok"]) + int(r["errors"]), 1)
-                ms = {g: (sum(cpu_seconds(p) for p in pids) - before[g]) * 1e3 / sent for g, pids in groups.items()}
+                ms = {g: (cpu - before[g]) * 1e3 / sent for g, cpu in group_cpu_seconds(groups).items()}
                 ms["generator"] = (_self_cpu() - gen0) * 1e3 / sent
                 runs.append({"ms": ms, "total_ms": sum(ms.values()), "sent": sent, "errors": int(r["errors"]),
                              "p50_ms": r["latency_ms"]["p50"], "p99_ms": r["latency_ms"]["p99"], "load_avg": load})
@@ -82,7 +82,7 @@ def measure(name: str, rates: list[float], duration: float, repeat: int) -> dict
                          "runs": runs})
     lim = limit_entry(name)
     limit_ms = {s: v["cpu_us_per_request"] / 1e3 for s, v in lim["stages"].items()} if lim else {}
-    return {"pipeline": name, "app": app, "served_as": served_as, "body": source, "rows": rows,
+    return {"pipeline": name, "app": app, "served_as": sizes, "body": source, "rows": rows,
             "limit_ms": limit_ms, "limit_rps": lim["limit_rps"] if lim else None}
 
 

@@ -31,7 +31,7 @@ import sys
 from typing import Any
 
 from bench import harness
-from bench.harness import RESULTS, ROOT, cpu_seconds
+from bench.harness import RESULTS, ROOT, group_cpu_seconds
 from bench.run import start_echo
 
 BODY = json.dumps({"inputs": {"x": [[1.0, 2.0, 3.0, 4.0]]}}).encode()
@@ -40,11 +40,11 @@ BODY = json.dumps({"inputs": {"x": [[1.0, 2.0, 3.0, 4.0]]}}).encode()
 def _offer(url: str, rate: float, duration: float, groups: dict[str, list[int]]) -> tuple[dict[str, float], Any]:
     """Microseconds of CPU per request sent, per group of processes, while
     `rate` is offered; and the generator's report."""
-    before = {g: sum(cpu_seconds(p) for p in pids) for g, pids in groups.items()}
+    before = group_cpu_seconds(groups)
     rep = harness.loadgen(url, BODY, [rate], duration, warmup_s=2.0, seed=7)[0]
     # Warm-up requests ran too: charge the CPU to every request sent.
     sent = (rep["ok"] + rep["errors"]) * (duration + 2.0) / duration
-    return {g: (sum(cpu_seconds(p) for p in pids) - before[g]) / sent * 1e6 for g, pids in groups.items()}, rep
+    return {g: (cpu - before[g]) / sent * 1e6 for g, cpu in group_cpu_seconds(groups).items()}, rep
 
 
 def serve(rates: list[float], duration: float, pythonpath: str | None) -> dict[float, dict[str, float]]:

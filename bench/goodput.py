@@ -101,6 +101,13 @@ def run_rate(url: str, pipeline: str, bodies: list[bytes], rate: float, seconds:
             "load_avg": os.getloadavg()[0]}
 
 
+def served_as(status: dict[str, Any], pipeline: str) -> dict[str, str]:
+    """Each stage of `pipeline` as the node serves it (``/v1/status``):
+    replicas x threads and the batch limit, e.g. ``2x1t b8``."""
+    return {s["name"]: f"{len(s['replicas'])}x{s['threads']}t b{s['max_batch_size']}"
+            for p in status["pipelines"] if p["name"] == pipeline for s in p["stages"]}
+
+
 def holds(row: dict[str, Any], slo_ms: float, max_miss: float) -> bool:
     return bool(row["ok"] > 0 and row["p99_ms"] <= slo_ms and row["miss_rate"] <= max_miss)
 
@@ -136,8 +143,7 @@ def measure(name: str, app: str, lim: dict[str, Any], configs: dict[str, tuple[l
         with harness.node(ROOT / app, *flags, sizing=sizing) as node:
             time.sleep(1.0)
             status = node.status()
-            sizes = {s["name"]: f"{len(s['replicas'])}x{s['threads']}t b{s['max_batch_size']}"
-                     for p in status["pipelines"] if p["name"] == name for s in p["stages"]}
+            sizes = served_as(status, name)
             print(f"  served as: {sizes}", file=sys.stderr)
             for rate in rates:
                 reps = []

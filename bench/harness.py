@@ -189,6 +189,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def group_cpu_seconds(groups: dict[str, list[int]]) -> dict[str, float]:
+    """CPU seconds so far of each named group of processes (their sum)."""
+    return {g: sum(cpu_seconds(p) for p in pids) for g, pids in groups.items()}
+
+
 # --------------------------------------------------------------------------
 # Load generators
 

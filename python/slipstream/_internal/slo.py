@@ -81,8 +81,10 @@ def stage_batches(pipe: Pipeline, instances: dict[str, Any], b: int) -> Iterator
         run = inputs if rows == b else {k: v[:rows] for k, v in inputs.items()}
         batch = Batch(run if convert is None else convert(run), [1] * rows)
         result = instances[name](batch)
-        repeat = np.arange(b) % rows
-        outputs[name] = {k: np.take(np.asarray(tensors.as_numpy(v)), repeat, axis=0) for k, v in result.items()}
+        outputs[name] = {k: np.asarray(tensors.as_numpy(v)) for k, v in result.items()}
+        if rows < b:
+            repeat = np.arange(b) % rows
+            outputs[name] = {k: np.take(v, repeat, axis=0) for k, v in outputs[name].items()}
         yield name, batch
 
 
