@@ -107,6 +107,32 @@ def test_slo_rule_excludes_a_batch_that_cannot_fit() -> None:
     assert plan.pipelines["p"].stages["A"].max_batch_size == 16
 
 
+def test_an_elastic_stage_is_counted_at_its_floor_on_the_path() -> None:
+    # B spends 40 ms on any batch when unhurried (a re-rank under a time
+    # budget), with a 100 ms SLO. Planned at its p99, it leaves A 20 ms
+    # (2 x p99 <= 100 - 80): A's batch 4 (p99 10 ms); declared elastic with
+    # a 5 ms floor, it leaves A 90 ms: batch 16 (p99 40 ms), cheaper.
+    a = {"points": [{"batch": b, "mean_ms": 1.0 + 1.0 * b, "p50_ms": 1.0 + b, "p99_ms": 2.5 * b}
+                    for b in (1, 4, 16)]}
+    b_prof = {"points": [{"batch": n, "mean_ms": 40.0, "p50_ms": 40.0, "p99_ms": 40.0} for n in (1, 4, 16)]}
+    plain = two_stage(comp("A", max_batch_size=16), comp("B", max_batch_size=16), slo_ms=100)
+    elastic = two_stage(comp("A", max_batch_size=16), comp("B", max_batch_size=16, elastic_ms=5), slo_ms=100)
+    p0 = cpu_plan(plain, profile(A=a, B=b_prof), cores=2).pipelines["p"]
+    p1 = cpu_plan(elastic, profile(A=a, B=b_prof), cores=2).pipelines["p"]
+    assert p0.stages["A"].max_batch_size == 4
+    assert p1.stages["A"].max_batch_size == 16
+    assert p1.capacity_rps > p0.capacity_rps
+    assert any("B: elastic" in line and "5 ms" in line for line in p1.why), p1.why
+    # The SLO model is told, and clips B's batches as B does (the Rust
+    # model's own tests): at a rate the plan holds, no request misses.
+    from slipstream._internal import slo
+
+    assert slo.model_config(elastic, profile(A=a, B=b_prof), 100, cores=2, duration_s=1)["stages"][1]["elastic_ms"] == 5
+    for pipe, missed in ((plain, True), (elastic, False)):
+        r = slo.predict(pipe, profile(A=a, B=b_prof), [200], cores=2, duration_s=2.0, **BARE)[0]
+        assert (r["miss_rate"] > 0.05) is missed, (pipe.stage("B").elastic_ms, r)
+
+
 def test_no_batch_fits_is_a_clear_error() -> None:
     pipe = two_stage(comp("A"), comp("B"), slo_ms=5)
     with pytest.raises(ConfigError, match="SLO path rule"):

@@ -122,6 +122,17 @@ def test_length_options_are_checked() -> None:
             c(**kw)
 
 
+def test_elastic_ms_is_checked_and_reaches_the_node() -> None:
+    x = {"x": ss.Tensor("float32", (-1,))}
+    ok = comp("E", elastic_ms=20, inputs=x)
+    assert ss.Pipeline("p", ok).to_spec()["stages"][0]["elastic_ms"] == 20.0
+    assert ss.Pipeline("p", comp("F", inputs=x)).to_spec()["stages"][0]["elastic_ms"] is None
+    assert ok.options(elastic_ms=5.5).elastic_ms == 5.5
+    for bad in (0, -1, float("nan"), float("inf"), True, "20"):
+        with pytest.raises(ss.ConfigError, match="elastic_ms must be a number"):
+            comp("E", elastic_ms=bad)
+
+
 def test_a_batch_says_how_long_each_request_has_left() -> None:
     import time
 

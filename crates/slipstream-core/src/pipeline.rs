@@ -485,7 +485,10 @@ impl PipelineBuilder {
                 metrics: PipelineMetrics::new(&slo_targets),
                 timeout: cx.request_timeout,
                 epoch: cx.epoch,
-                gate: Mutex::new(AdmissionGate::new(spec.slo.map_or(0.01, |s| s.max_miss_rate))),
+                gate: Mutex::new(
+                    AdmissionGate::new(spec.slo.map_or(0.01, |s| s.max_miss_rate))
+                        .with_elastic(spec.stages.iter().any(|s| s.elastic_ms.is_some())),
+                ),
                 seen_outputs: std::sync::OnceLock::new(),
                 joins: Vec::new(),
                 join_of: vec![None; n],
@@ -552,6 +555,7 @@ fn former_for(app: &AppSpec, pipe: &PipelineSpec, stage: &StageSpec) -> Result<B
     if stage.length_input.is_some() && b.by_length {
         f.length = Some(LengthModel::new(stage.max_batch_tokens));
     }
+    f.elastic_floor_ns = stage.elastic_ms.map(|ms| (ms * 1e6) as u64);
     Ok(f)
 }
 

@@ -340,6 +340,11 @@ pub struct StageSpec {
     /// element) one batch may hold; none: no bound.
     #[serde(default)]
     pub max_batch_tokens: Option<u64>,
+    /// An elastic stage (it answers by its batch's deadline, doing less
+    /// with less time): the least time a batch needs, ms. None: a plain
+    /// stage (see `slipstream_sched::BatchFormer::elastic_floor_ns`).
+    #[serde(default)]
+    pub elastic_ms: Option<f64>,
     /// Batches a replica's worker may run at once: 1 for a plain
     /// component; more for an `async def __call__` that waits on I/O.
     #[serde(default = "one")]
@@ -474,6 +479,9 @@ impl PipelineSpec {
                     "stage '{}' needs replicas >= 1, threads >= 1 and max_batch_size >= 1",
                     s.name
                 )));
+            }
+            if s.elastic_ms.is_some_and(|ms| !(ms.is_finite() && ms > 0.0)) {
+                return Err(err(format!("stage '{}': elastic_ms must be a number of ms > 0", s.name)));
             }
             let (lo, hi) = s.bounds();
             if !(lo..=hi).contains(&s.replicas) || hi > MAX_REPLICAS {
@@ -662,6 +670,8 @@ mod tests {
             (r#"{"name":"a","component":"A","length_input":"zz"}"#, "not an input"),
             (r#"{"name":"a","component":"A","max_batch_tokens":5}"#, "needs a length input"),
             (r#"{"name":"a","component":"A","length_input":"q","max_batch_tokens":0}"#, ">= 1"),
+            (r#"{"name":"a","component":"A","elastic_ms":0}"#, "elastic_ms"),
+            (r#"{"name":"a","component":"A","elastic_ms":-3.5}"#, "elastic_ms"),
         ] {
             let reason = with(stage).validate().unwrap_err().reason;
             assert!(reason.contains(why), "{stage}: {reason}");

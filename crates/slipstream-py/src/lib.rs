@@ -127,6 +127,9 @@ struct SimStageRequest {
     max_batch: u32,
     /// `[batch, mean µs, p99 µs]`
     points: Vec<(u32, f64, f64)>,
+    /// An elastic stage's floor, ms (none: a plain stage).
+    #[serde(default)]
+    elastic_ms: Option<f64>,
 }
 
 /// Run the SLO model at one offered load; returns the result as JSON.
@@ -145,6 +148,7 @@ fn simulate(py: Python<'_>, config_json: &str) -> PyResult<String> {
                 replicas: s.replicas,
                 max_batch: s.max_batch,
                 profile: LatencyProfile::from_measurements(&s.points),
+                elastic_floor_ns: s.elastic_ms.map(|ms| (ms.max(0.0) * 1e6) as u64),
             })
             .collect(),
         slo_ns: (r.slo_ms * 1e6) as u64,

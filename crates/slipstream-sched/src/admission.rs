@@ -51,6 +51,12 @@
 //! node; this estimate sees it, because it is measured. Admission uses the
 //! larger of the two.
 //!
+//! A pipeline with an elastic stage (see [`crate::BatchFormer::within`])
+//! has no such estimate: its elastic stage spends whatever time its
+//! requests have left, so their time in the pipeline sits near the
+//! deadline at any load, and Little's law would read the deadline as a
+//! queue and refuse the load the stage absorbs.
+//!
 //! Only saturated windows count because below capacity the completion rate
 //! is not the pipeline's capacity: with a few requests in flight at a time
 //! it is about their number over their latency, and a pipeline that
@@ -155,6 +161,8 @@ pub struct AdmissionGate {
     window_admitted: u64,
     window_queued: u64,
     last_event: u64,
+    /// Keeps the Little's-law estimate (off for a pipeline with an elastic stage).
+    sojourn: bool,
 }
 
 impl AdmissionGate {
@@ -177,7 +185,15 @@ impl AdmissionGate {
             window_admitted: 0,
             window_queued: 0,
             last_event: 0,
+            sojourn: true,
         }
+    }
+
+    /// The gate of a pipeline with an elastic stage (`elastic`): no
+    /// Little's-law estimate (see the module doc); otherwise as is.
+    pub fn with_elastic(mut self, elastic: bool) -> AdmissionGate {
+        self.sojourn = !elastic;
+        self
     }
 
     /// Count the time since the last admission or finish as busy if
@@ -239,7 +255,7 @@ impl AdmissionGate {
     /// Little's law: expected time in the pipeline for a request admitted
     /// now (ns); 0 until a completion rate is known.
     pub fn sojourn_ns(&self) -> u64 {
-        if self.rate <= 0.0 {
+        if self.rate <= 0.0 || !self.sojourn {
             0
         } else {
             (self.inflight as f64 / self.rate) as u64

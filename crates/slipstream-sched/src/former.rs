@@ -21,6 +21,14 @@
 //! (see [`crate::length`]): similar lengths grouped, the padded length
 //! bounded, latency predicted from it.
 //!
+//! An elastic stage (an anytime computation: a re-rank under a time
+//! budget, an iterative search) does less with less time: it answers
+//! `elastic_floor_ns` before its batch's budget (the time its most urgent
+//! request has left), keeping that much for what does not shrink (its fixed
+//! work, its answer's way back), and takes at least that much
+//! ([`BatchFormer::within`]). A larger batch does not make a request late,
+//! so it runs whatever is queued up to the limit, and AIMD does not cut.
+//!
 //! Fixed policy (the Triton / Ray Serve baseline, for comparison): run when
 //! `max_batch` requests are queued or the oldest has waited `fixed_wait`;
 //! no deadlines, no expiry, no AIMD.
@@ -80,6 +88,10 @@ pub struct BatchFormer {
     pub drop_late: bool,
     /// For variable-length inputs: batches by length (None: by count only).
     pub length: Option<LengthModel>,
+    /// For an elastic stage, the time a batch keeps back from its budget,
+    /// and the least it takes, ns (see the module doc); None: a batch takes
+    /// what its profile says, whatever its budget.
+    pub elastic_floor_ns: Option<u64>,
     /// Mean gap between arrivals (EWMA), ns; 0 when unknown.
     gap_ns: f64,
     last_arrival: Option<u64>,
@@ -99,6 +111,7 @@ impl BatchFormer {
             decrease: 0.75,
             drop_late: true,
             length: None,
+            elastic_floor_ns: None,
             gap_ns: 0.0,
             last_arrival: None,
         }
@@ -116,6 +129,26 @@ impl BatchFormer {
     /// Expected latency (ns) of a batch of `n` at this stage, without margin.
     pub fn mean_ns(&self, n: usize) -> u64 {
         (self.profile.mean(n as u32) * US) as u64
+    }
+
+    /// How long a batch expected to take `ns` takes when it has `budget_ns`
+    /// before its most urgent request would miss: `ns` for a plain stage;
+    /// for an elastic one at most the budget less its floor, and never
+    /// under the floor.
+    pub fn within(&self, ns: u64, budget_ns: u64) -> u64 {
+        match self.elastic_floor_ns {
+            Some(floor) => ns.min(budget_ns.saturating_sub(floor).max(floor)),
+            None => ns,
+        }
+    }
+
+    /// What a batch of `n` at this stage adds to a request's path, as the
+    /// predictors count it: its expected latency, or for an elastic stage
+    /// at most its floor (it answers by the deadline; the floor is what it
+    /// needs of the time left).
+    pub fn path_ns(&self, n: usize) -> u64 {
+        let mean = self.mean_ns(n);
+        self.elastic_floor_ns.map_or(mean, |floor| mean.min(floor))
     }
 
     /// Latency (ns) to plan a batch of `n` with: expected plus margin.
@@ -210,7 +243,8 @@ impl BatchFormer {
         // Largest n <= cap that still meets the head's deadline; latency
         // grows with n, so scan down from the cap.
         let mut n = cap;
-        while n > 1 && now + self.predict_prefix_ns(n, padded) + rest_ns > head {
+        let budget = head.saturating_sub(now.saturating_add(rest_ns));
+        while n > 1 && now + self.within(self.predict_prefix_ns(n, padded), budget) + rest_ns > head {
             n -= 1;
         }
         // No evidence that batching pays (no profile) or no arrivals to wait for.
@@ -236,7 +270,8 @@ impl BatchFormer {
                 return BatchDecision::Dispatch { expired, n };
             }
             let per_item_then = self.predict_prefix_ns(m, padded) as f64 / m as f64;
-            let fits = now + wait + self.predict_prefix_ns(m, padded) + rest_ns <= head;
+            let left = head.saturating_sub(now + wait + rest_ns);
+            let fits = now + wait + self.within(self.predict_prefix_ns(m, padded), left) + rest_ns <= head;
             if fits && per_item_then < 0.9 * per_item_now {
                 return BatchDecision::WaitUntil { expired, at: now + wait };
             }
@@ -252,10 +287,11 @@ impl BatchFormer {
     /// urgent request would miss (deadline - dispatch time - rest of the
     /// path). Refine the profile; AIMD on the limit (Clipper): a batch that
     /// blew its budget cuts the limit multiplicatively, one that fit and was
-    /// at the limit raises it by one.
+    /// at the limit raises it by one. An elastic stage's batch size does
+    /// not make it late, so its limit is not cut.
     pub fn on_batch_done(&mut self, n: usize, observed_ns: u64, budget_ns: u64) {
         if let BatchPolicy::DeadlineAware = self.policy {
-            if observed_ns > budget_ns {
+            if observed_ns > budget_ns && self.elastic_floor_ns.is_none() {
                 self.limit = ((self.limit as f64 * self.decrease) as u32).max(1);
             } else if n as u32 >= self.limit && self.limit < self.max_batch {
                 self.limit += 1;
@@ -484,6 +520,34 @@ mod tests {
             }
             d => panic!("{d:?}"),
         }
+    }
+
+    #[test]
+    fn an_elastic_stage_runs_the_whole_queue_and_keeps_its_limit() {
+        // Profiled at 1 ms + 0.1 ms a request, but it answers by its budget.
+        let mut f = former();
+        f.elastic_floor_ns = Some(MS);
+        let mut deadlines = vec![3 * MS];
+        deadlines.extend(std::iter::repeat_n(100 * MS, 40));
+        // A plain stage runs 10 of them (see above); an elastic one all 41:
+        // the batch ends by the head's deadline whatever its size.
+        assert_eq!(f.decide(0, &deadlines, 0, MS), BatchDecision::Dispatch { expired: 0, n: 41 });
+        assert_eq!(f.within(5 * MS, 3 * MS), 2 * MS, "clipped to the budget less the floor");
+        assert_eq!(f.within(5 * MS, MS / 2), MS, "never under the floor");
+        assert_eq!(f.within(MS / 2, 3 * MS), MS / 2, "a short batch keeps its time");
+        // Less time than its floor: a batch of one, as a plain stage would.
+        assert_eq!(f.decide(0, &deadlines, 0, 2_500_000), BatchDecision::Dispatch { expired: 0, n: 1 });
+        // What the predictors count: at most the floor.
+        assert_eq!(f.path_ns(64), MS);
+        assert_eq!(former().path_ns(64), former().mean_ns(64));
+        // An overrun does not cut an elastic stage's limit; it does a plain one's.
+        f.limit = 32;
+        f.on_batch_done(16, 5 * MS, 2 * MS);
+        assert_eq!(f.limit, 32);
+        let mut plain = former();
+        plain.limit = 32;
+        plain.on_batch_done(16, 5 * MS, 2 * MS);
+        assert_eq!(plain.limit, 24);
     }
 
     #[test]

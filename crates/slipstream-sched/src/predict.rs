@@ -32,9 +32,11 @@ pub struct ReplicaLoad {
     /// Recent observed queue wait (a moving average): catches what the
     /// backlog model misses, such as replicas of other stages taking the cores.
     pub wait_ns: u64,
-    /// Expected latency of a batch of one.
+    /// Expected latency of a batch of one (an elastic stage's: at most its
+    /// floor, [`BatchFormer::path_ns`]).
     pub single_ns: u64,
-    /// Expected latency of a batch of the size this replica last ran.
+    /// Expected latency of a batch of the size this replica last ran (the
+    /// same way).
     pub typical_ns: u64,
 }
 
@@ -56,8 +58,8 @@ impl ReplicaLoad {
         let mut load = ReplicaLoad {
             accepting,
             wait_ns,
-            single_ns: former.mean_ns(1) + hop_ns,
-            typical_ns: former.mean_ns(last_batch.max(1)) + hop_ns,
+            single_ns: former.path_ns(1) + hop_ns,
+            typical_ns: former.path_ns(last_batch.max(1)) + hop_ns,
             ..ReplicaLoad::default()
         };
         load.set_queue(former, queued, running, hop_ns);
@@ -69,11 +71,12 @@ impl ReplicaLoad {
     /// when a batch ends and the profile learns.
     pub fn set_queue(&mut self, former: &BatchFormer, queued: usize, running: Option<(usize, u64)>, hop_ns: u64) {
         let per = former.limit.max(1) as usize;
-        self.queue_ns = if queued == 0 {
-            0
-        } else {
-            (queued.div_ceil(per) as u64).saturating_mul(former.mean_ns(queued.min(per)) + hop_ns)
-        };
+        // An elastic stage runs whatever is queued up to its limit, and a
+        // request that joins the next batch ends with it, by its own
+        // deadline: only the full batches before it count.
+        let batches = if former.elastic_floor_ns.is_some() { queued / per } else { queued.div_ceil(per) };
+        self.queue_ns =
+            if batches == 0 { 0 } else { (batches as u64).saturating_mul(former.mean_ns(queued.min(per)) + hop_ns) };
         let running_n = running.map_or(0, |(n, _)| n);
         self.outstanding = (queued + running_n).min(u32::MAX as usize) as u32;
         self.queued = queued.min(u32::MAX as usize) as u32;

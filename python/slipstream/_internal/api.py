@@ -12,6 +12,7 @@ import base64
 import copy
 import inspect
 import keyword
+import math
 import os
 import re
 import time
@@ -363,6 +364,11 @@ class Component:
     #: With ``length_of``: the most padded positions (rows x the longest
     #: element's bytes) one batch may hold; None: no bound.
     max_batch_tokens: int | None = None
+    #: An elastic (anytime) component: it reads ``batch.time_left()`` and
+    #: answers this many ms before its batch's deadline, doing less with
+    #: less time, and takes at least this long. None: its latency is what
+    #: its profile says (docs/design/scheduling.md, "Elastic stages").
+    elastic_ms: float | None = None
     #: What the author fixed, of ``"replicas"`` (a count) and ``"threads"``:
     #: the planner sizes the rest (docs/design/planner.md).
     pinned: frozenset[str] = frozenset()
@@ -392,6 +398,7 @@ class Component:
         self._check_concurrency()
         self._check_cache()
         self._check_length()
+        self._check_elastic()
 
     @property
     def is_async(self) -> bool:
@@ -425,6 +432,14 @@ class Component:
             raise ConfigError(f"{self.name}: length_of={name!r} is not one of its inputs ({known})")
         if spec.dtype not in ("string", "bytes"):
             raise ConfigError(f"{self.name}: length_of={name!r} must be a string or bytes input, not {spec.dtype}")
+
+    def _check_elastic(self) -> None:
+        ms = self.elastic_ms
+        if ms is None:
+            return
+        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms <= 0:
+            raise ConfigError(f"{self.name}: elastic_ms must be a number of milliseconds > 0, got {ms!r}")
+        self.elastic_ms = float(ms)
 
     def _check_cache(self) -> None:
         self.cache = _cache_option(self.cache, self.name)
@@ -516,7 +531,7 @@ class Component:
         or ``replicas=(1, 4)``, ``threads=2``."""
         unknown = set(changes) - {"name", "max_batch_size", "replicas", "threads", "inputs", "outputs", "needs",
                                   "watch", "affinity", "tensors", "device", "cache", "length_of",
-                                  "max_batch_tokens"}
+                                  "max_batch_tokens", "elastic_ms"}
         if unknown:
             raise ConfigError(f"unknown component option(s): {', '.join(sorted(unknown))}")
         c = copy.copy(self)
@@ -581,6 +596,7 @@ def component(
     cache: bool | Sequence[str] | Cache | None = None,
     length_of: str | None = None,
     max_batch_tokens: int | None = None,
+    elastic_ms: float | None = None,
 ) -> Any:
     """Declare a component: a class whose ``__call__(self, batch)`` takes a
     :class:`Batch` and returns a dict of arrays. The class is constructed once
@@ -648,7 +664,18 @@ def component(
     could not wait for the next batch), and predicts a batch's latency from
     its padded length. ``max_batch_tokens=N`` also bounds a batch to N
     padded positions: rows x the longest element's bytes (bytes stand in
-    for tokens: the node does not tokenize)."""
+    for tokens: the node does not tokenize).
+
+    Elastic components: ``elastic_ms=20`` says the component does less
+    with less time (an anytime computation: a re-rank under a time budget,
+    an iterative search): it reads ``batch.time_left()`` and answers 20 ms
+    before its batch's deadline (keeping that for the work that does not
+    shrink and the answer's way back), and takes at least that long. The
+    node then runs whatever is queued for it as one batch (up to its
+    limit), counts it at most 20 ms when it predicts a request's finish and
+    the time the stages before it have, and the planner counts it the same
+    way, so that the time it would spend when unhurried is not planned as
+    if it were its cost."""
 
     def wrap(c: type) -> Component:
         if not isinstance(c, type):
@@ -670,6 +697,7 @@ def component(
             cache=cache,  # type: ignore[arg-type]  # resolved to a Cache in __post_init__
             length_of=length_of,
             max_batch_tokens=max_batch_tokens,
+            elastic_ms=elastic_ms,
         )
 
     return wrap(cls) if cls is not None else wrap
@@ -1099,6 +1127,7 @@ class Pipeline:
                     "cache": None if c.cache is None else c.cache.to_json(),
                     "length_input": c.length_of,
                     "max_batch_tokens": c.max_batch_tokens,
+                    "elastic_ms": c.elastic_ms,
                 }
                 for n, c in self.graph.nodes.items()
             ],

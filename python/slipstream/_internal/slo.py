@@ -240,6 +240,7 @@ def model_config(pipe: Pipeline, prof: dict[str, Any], rate: float, *, cores: fl
             "replicas": int(comp.replicas),
             "max_batch": int(comp.max_batch_size),
             "points": pts,
+            "elastic_ms": comp.elastic_ms,
         })
     cfg = {
         "stages": stages, "slo_ms": pipe.slo.p99_ms, "rate": rate, "burst": burst,

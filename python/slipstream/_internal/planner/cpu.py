@@ -119,7 +119,8 @@ def _cpu_stages(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[st
                 raise ConfigError(f"{pipe.name}/{name}: the profile has no point at or under max_batch_size "
                                   f"{comp.max_batch_size}: profile again")
             lo, hi, bounded = _bounds(comp, cap)
-            stages.append(_CpuStage(pipe.name, name, pipe.graph.parents(name), lo, hi, bounded, 1.0, opts))
+            stages.append(_CpuStage(pipe.name, name, pipe.graph.parents(name), lo, hi, bounded, 1.0,
+                                    elastic_ms=comp.elastic_ms, opts=opts))
     return stages
 
 
@@ -169,7 +170,7 @@ def _cpu_program(stages: Sequence[_CpuStage], costs: _Costs, q: float, time_limi
             m.row({x: 1.0, ns[i]: -o.mu}, hi=0.0)                   # x <= mu * n
             v.cpu[x] = o.cpu_s
             v.threads[ns[i]] = float(o.threads)
-            lat[s.key][ys[i]] = q * o.p99_ms + costs.hop_ms
+            lat[s.key][ys[i]] = s.path_ms(o.p99_ms, q, costs)
         m.row(dict.fromkeys(ys.values(), 1.0), lo=1.0, hi=1.0)        # one option per stage
         m.row(dict.fromkeys(ns.values(), 1.0), lo=float(s.lo), hi=float(hi))
     v.rate.update(_pipeline_rates(m, stages, v.stage_tput))
@@ -341,7 +342,7 @@ def _no_plan(stages: Sequence[_CpuStage], costs: _Costs, q: float) -> ConfigErro
     worst = []
     for s in stages:
         slo_ms = costs.slo_ms.get(s.pipeline)
-        best = min(q * o.p99_ms + costs.hop_ms for o in s.opts)
+        best = min(s.path_ms(o.p99_ms, q, costs) for o in s.opts)
         worst.append(f"{s.pipeline}/{s.name} >= {best:.1f} ms" + (f" (SLO {slo_ms:g} ms)" if slo_ms else ""))
     return ConfigError("no plan satisfies the SLO path rule (each stage budgets "
                        f"{q:g} x its batch p99 + {costs.hop_ms:.1f} ms hop, plus {costs.ingress_ms:.1f} ms ingress) "
@@ -466,6 +467,10 @@ def _why_cpu(pipe: Pipeline, stages: Sequence[_CpuStage], sol: _CpuSolution, cos
         lines.append("headroom (spare capacity given to the next bottlenecks): "
                      + ", ".join(f"{s.name} {sol.tput[s.key]:,.0f} req/s" for s in rest))
     for s in mine:
+        if s.elastic_ms is not None:
+            lines.append(f"{s.name}: elastic (it answers by its batch's deadline): counted at most "
+                         f"{s.elastic_ms:g} ms of p99 on the path, not its profiled "
+                         f"{sol.opt[s.key].p99_ms:.1f} ms")
         if s.bounded:
             lines.append(f"{s.name}: declared replicas " + (f"{s.lo} pinned" if s.lo == s.hi else
                                                             f"({s.lo}, {s.hi}) respected"))
@@ -476,7 +481,7 @@ def _breaks_path(mine: Sequence[_CpuStage], sol: _CpuSolution, costs: _Costs, q:
                  bigger: Sequence[_Opt]) -> bool:
     """Whether the next bigger batch of `stage` breaks the SLO path rule."""
     b = min(bigger, key=lambda o: o.batch)
-    lat = {s.name: q * (b if s is stage else sol.opt[s.key]).p99_ms + costs.hop_ms for s in mine}
+    lat = {s.name: s.path_ms((b if s is stage else sol.opt[s.key]).p99_ms, q, costs) for s in mine}
     done: dict[str, float] = {}
     for s in mine:  # topological order
         done[s.name] = lat[s.name] + max((done[p] for p in s.parents), default=0.0)

@@ -195,7 +195,7 @@ def _gpu_stages(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[st
                                   "models -> fraction -> rps, p99_ms, batch)")
             lo, hi, bounded = _bounds(pipe.stage(name), total)
             st = _GpuStage(pipe.name, name, pipe.graph.parents(name), lo, hi, bounded, float(gp.get("demand", 1.0)),
-                           float(gp["memory_gb"]))
+                           elastic_ms=pipe.stage(name).elastic_ms, memory_gb=float(gp["memory_gb"]))
             for k, sl in enumerate(slices):
                 pt = _gpu_point(gp, groups[sl.group].model.name, sl.fraction)
                 if pt is not None and pt.rps > 0 and st.memory_gb <= sl.memory_gb + TOL:
@@ -238,7 +238,7 @@ def _gpu_program(stages: Sequence[_GpuStage], groups: Sequence[GpuGroup], slices
             if costs.slo_ms.get(s.pipeline) is not None:
                 u = m.var(0, 1, integer=True)
                 m.row({r: 1.0, u: -float(max(hi, 1))}, hi=0.0)
-                lat[s.key][u] = q * pt.p99_ms + costs.hop_ms
+                lat[s.key][u] = s.path_ms(pt.p99_ms, q, costs)
         m.row({v.r[(s.key, k)]: 1.0 for k in s.points}, lo=float(s.lo), hi=float(s.hi))
     for k, sl in enumerate(slices):
         grp = groups[sl.group]

@@ -7,8 +7,10 @@ The SLO path rule. A batch limit is allowed only if every path through the
 DAG fits: ``sum over the path of (q p99(b) + hop) + ingress <= SLO`` with
 ``q = 2`` (a request may wait for the batch ahead of it, then its own). It is
 a linear constraint on the option binaries (a longest-path potential per
-stage). The rule is necessary, not sufficient: the CPU planner checks its
-plan with the SLO model as well (see `cpu`).
+stage). An elastic stage (``elastic_ms``: it answers by its batch's
+deadline) counts at most ``q elastic_ms``: what it would spend unhurried is
+not its cost (`path_ms`). The rule is necessary, not sufficient: the CPU
+planner checks its plan with the SLO model as well (see `cpu`).
 """
 
 from __future__ import annotations
@@ -214,10 +216,19 @@ class _StageBase:
     hi: int
     bounded: bool
     demand: float
+    #: The component's ``elastic_ms`` (None: not elastic).
+    elastic_ms: float | None = None
 
     @property
     def key(self) -> Key:
         return (self.pipeline, self.name)
+
+    def path_ms(self, p99_ms: float, q: float, costs: _Costs) -> float:
+        """What a batch of this stage whose p99 is `p99_ms` counts for on a
+        path under the path rule: ``q`` of it plus the hop; an elastic
+        stage's p99 at most its ``elastic_ms``."""
+        counted = p99_ms if self.elastic_ms is None else min(p99_ms, self.elastic_ms)
+        return q * counted + costs.hop_ms
 
 
 def _bounds(comp: Component, cap: int) -> tuple[int, int, bool]:
