@@ -109,6 +109,21 @@ def test_what_the_author_gives_is_pinned_and_the_rest_planned() -> None:
     assert sizing.profile_path(other, [1, 2]) != one
 
 
+def test_the_cache_key_follows_the_environment_the_source_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An app configured by environment variables (rag_late's re-rank
+    budget) gets another profile when one its source names is set or
+    changed; variables it does not name leave the key alone."""
+    _, (pipe,) = load_pipelines(APP)
+    monkeypatch.delenv("SIZED_SPIN_MS", raising=False)
+    unset = sizing.profile_path(pipe, [1])
+    monkeypatch.setenv("SOME_OTHER_SETTING", "1")
+    assert sizing.profile_path(pipe, [1]) == unset
+    monkeypatch.setenv("SIZED_SPIN_MS", "2")
+    two = sizing.profile_path(pipe, [1])
+    monkeypatch.setenv("SIZED_SPIN_MS", "3")
+    assert len({unset, two, sizing.profile_path(pipe, [1])}) == 3
+
+
 def test_a_planned_stage_with_bounds_keeps_them() -> None:
     from slipstream._internal.planner import StagePlan
     from slipstream._internal.planner.plan import _configured

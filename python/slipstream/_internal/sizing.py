@@ -9,7 +9,8 @@ needs a latency profile of every stage at a few thread counts on this
 machine: the first start measures it (``slipstream profile`` in a child
 process, with its progress on stderr) and keeps it in a cache keyed by
 the machine (CPU model, cores this process may use, memory) and by the
-components' versions (their source files, options and bound arguments),
+components' versions (their source files, options, bound arguments and
+the environment variables their source names, as set),
 so a second start, or another app with the same components, plans in
 well under a second. ``--sizing declared`` (``SLIPSTREAM_SIZING``) serves
 the declaration as written, planned parts at 1 replica and 1 thread.
@@ -41,6 +42,7 @@ import inspect
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -97,14 +99,29 @@ def machine() -> dict[str, Any]:
     return {"cpu": model, "cores": usable_cores(), "memory_gib": mem_gib, "python": platform.python_version()}
 
 
+#: A name in quotes in a component's source that may be an environment
+#: variable it reads (``os.environ.get("RAG_LATE_BUDGET_MS")``).
+_ENV_NAME = re.compile(rb"""["']([A-Z][A-Z0-9_]{2,})["']""")
+
+
 def component_version(comp: Component) -> str:
     """A digest of what a component's latency depends on: its source file,
-    its options and its bound arguments."""
+    its options, its bound arguments, and the values of the environment
+    variables its source file names that are set (an app configured by
+    the environment, as the examples are: rag_late's re-rank budget
+    changes its Search's latency, and a profile taken at another budget
+    planned the wrong batch limits)."""
     h = hashlib.sha256()
     try:
         src = inspect.getsourcefile(comp.cls)
         if src:
-            h.update(Path(src).read_bytes())
+            text = Path(src).read_bytes()
+            h.update(text)
+            # (Not the runtime's own SLIPSTREAM_* variables: the node sets
+            # some in workers, and they are not the component's settings.)
+            names = sorted({n for n in (m.decode() for m in _ENV_NAME.findall(text))
+                            if not n.startswith("SLIPSTREAM_")})
+            h.update(repr([(n, os.environ[n]) for n in names if n in os.environ]).encode())
     except (TypeError, OSError):
         h.update(comp.cls.__module__.encode())
     h.update(comp.cls.__qualname__.encode())
