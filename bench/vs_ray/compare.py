@@ -265,6 +265,15 @@ def outputs_match(a: Any, b: Any, rtol: float = 1e-3, atol: float = 1e-4) -> boo
     return bool(a == b)
 
 
+def outputs_differing(a: Any, b: Any) -> list[str]:
+    """The names of the outputs that differ between two answers (dicts of
+    output name -> value; one entry, "outputs", for anything else): a
+    mismatch names what to look at, e.g. a count that depends on timing."""
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return [] if outputs_match(a, b) else ["outputs"]
+    return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not outputs_match(a[k], b[k]))
+
+
 def load_target(target: str) -> tuple[Path, Any, str]:
     """(app path, the ss.Pipeline, what `slipstream serve` should get)."""
     from slipstream._internal.app import load_module, load_pipelines
@@ -475,7 +484,8 @@ def main() -> int:
             entry["failed"] = f"{type(e).__name__}: {e}"
             result["pipelines"].append(entry)
             continue
-        entry["outputs_match"] = outputs_match(ray.pop("outputs"), ss_.pop("outputs"))
+        entry["outputs_differ"] = outputs_differing(ray.pop("outputs"), ss_.pop("outputs"))
+        entry["outputs_match"] = not entry["outputs_differ"]
         entry["fixed_basis"] = "ray goodput" if ray["goodput_rps"] else "ray capacity (Ray never met the SLO)"
         entry["systems"] = {"ray": ray, "slipstream": ss_}
         entry["goodput_ratio"] = (round(ss_["goodput_rps"] / ray["goodput_rps"], 2)
@@ -484,7 +494,9 @@ def main() -> int:
         entry["wall_s"] = round(time.monotonic() - t0, 1)
         result["pipelines"].append(entry)
         log(f"{pipe.name}: goodput Slipstream {ss_['goodput_rps']:g} vs Ray {ray['goodput_rps']:g} req/s "
-            f"(ratio {entry['goodput_ratio']}); outputs match: {entry['outputs_match']}; {entry['wall_s']:.0f}s")
+            f"(ratio {entry['goodput_ratio']}); outputs match: {entry['outputs_match']}"
+            + (f" (differ: {', '.join(entry['outputs_differ'])})" if entry["outputs_differ"] else "")
+            + f"; {entry['wall_s']:.0f}s")
         # Partial results survive an interrupted run.
         harness.write_results(out_path, result, report.markdown(result), machine)
     result["wall_s"] = round(time.monotonic() - t_all, 1)

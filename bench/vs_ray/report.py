@@ -33,6 +33,14 @@ def _bytes(x: Any) -> str:
     return f"{x:.0f} B"
 
 
+def _equal(p: dict[str, Any]) -> str:
+    """'yes', or 'NO' with the outputs that differ where the run named them."""
+    if p["outputs_match"]:
+        return "yes"
+    differ = p.get("outputs_differ")
+    return f"NO ({', '.join(differ)})" if differ else "NO"
+
+
 def _goodput(system: dict[str, Any]) -> str:
     """The goodput, or "< R" when even the lowest rate tried (R) missed the SLO."""
     if system["goodput_rps"]:
@@ -78,7 +86,7 @@ def markdown(res: dict[str, Any]) -> str:
         lines.append(
             f"| {p['name']} | {len(p['stages'])} | {slo} | {_rps(limit)} | {_goodput(s)}{_of_limit(s, limit)} "
             f"| {_goodput(r)}{_of_limit(r, limit)} | {ratio} "
-            f"| {_ms(s['unloaded_ms'])} / {_ms(r['unloaded_ms'])} ms | {'yes' if p['outputs_match'] else 'NO'} |")
+            f"| {_ms(s['unloaded_ms'])} / {_ms(r['unloaded_ms'])} ms | {_equal(p)} |")
     lines += ["", "Ray's transport between stages, chosen per pipeline: "
               + "; ".join(f"{p['name']} {p['systems']['ray'].get('transport', '?')}" for p in pipes) + "."]
     lines += ["", "Search resolution (lowest failing / goodput): "

@@ -123,6 +123,10 @@ def test_nice_rate_and_outputs_match() -> None:
     assert compare.outputs_match(a, {"ids": [[1, 2]], "scores": [[0.50001, 0.25]], "text": ["x"]})
     assert not compare.outputs_match(a, {"ids": [[1, 3]], "scores": [[0.5, 0.25]], "text": ["x"]})
     assert not compare.outputs_match(a, {"ids": [[1, 2]], "scores": [[0.5, 0.25]]})
+    # A mismatch names the outputs that differ (or are missing on one side).
+    assert compare.outputs_differing(a, dict(a)) == []
+    assert compare.outputs_differing(a, {"ids": [[1, 3]], "scores": [[0.5, 0.25]]}) == ["ids", "text"]
+    assert compare.outputs_differing([1], [2]) == ["outputs"]
 
 
 def test_the_wrapper_serves_the_same_components_with_another_slo_or_the_plan_counts(
