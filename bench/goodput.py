@@ -17,7 +17,10 @@ configuration asked for (`--configs`):
 - ``no-admission``: out of the box without admission control
   (`--no-admission`): what the gate's refusals cost or save;
 - ``no-autoscale``: out of the box with the autoscaler off
-  (`--autoscale off`): the plan's starting counts, held.
+  (`--autoscale off`): the plan's starting counts, held;
+- ``max-wait-MS`` (e.g. ``max-wait-50``): out of the box with delayed
+  batching, a replica waiting up to MS ms for a larger batch
+  (`--max-wait-ms MS`; off by default, docs/design/scheduling.md).
 
 The requests are the pipeline's input mix (``bench.vs_ray.bodies.mix``:
 RAG's 1,000 benchmark queries, sent in turn), the inputs bench.limit
@@ -70,6 +73,19 @@ CONFIGS = {"out-of-box": ([], "plan"), "declared": (["--autoscale", "off"], "dec
            "deadline-order": (["--no-batch-by-length"], "plan"),
            "no-admission": (["--no-admission"], "plan"),
            "no-autoscale": (["--autoscale", "off"], "plan")}
+def config(name: str) -> tuple[list[str], str]:
+    """The serve flags and sizing of configuration `name` (see the module doc)."""
+    if name in CONFIGS:
+        return CONFIGS[name]
+    ms = name.removeprefix("max-wait-")
+    try:
+        if ms != name and float(ms) >= 0:
+            return ["--max-wait-ms", ms], "plan"
+    except ValueError:
+        pass
+    raise ValueError(f"unknown configuration {name!r}: use one of {', '.join(CONFIGS)} or max-wait-MS")
+
+
 FRACTIONS = (0.6, 0.75, 0.85, 0.9, 0.95, 1.0, 1.05)
 
 
@@ -194,7 +210,11 @@ def main() -> int:
                   file=sys.stderr)
             return 1
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        configs = {c: CONFIGS[c] for c in a.configs.split(",")}
+        try:
+            configs = {c: config(c) for c in a.configs.split(",")}
+        except ValueError as e:
+            print(str(e), file=sys.stderr)
+            return 2
         plan = None
         if "planned" in configs:
             plan_path = a.out.parent / f"goodput_{name}.plan.json"

@@ -121,7 +121,9 @@ def component_version(comp: Component) -> str:
             # some in workers, and they are not the component's settings.)
             names = sorted({n for n in (m.decode() for m in _ENV_NAME.findall(text))
                             if not n.startswith("SLIPSTREAM_")})
-            h.update(repr([(n, os.environ[n]) for n in names if n in os.environ]).encode())
+            env = [(n, os.environ[n]) for n in names if n in os.environ]
+            if env:  # (none set: the key it had before the environment counted)
+                h.update(repr(env).encode())
     except (TypeError, OSError):
         h.update(comp.cls.__module__.encode())
     h.update(comp.cls.__qualname__.encode())
