@@ -227,3 +227,15 @@ def test_example_module_imports_a_package_by_its_own_name(tmp_path: Path) -> Non
     finally:
         for name in ("bench_harness_pkg", "bench_harness_pkg.sub", "bench_harness_client"):
             sys.modules.pop(name, None)
+
+
+def test_goodput_configurations_by_name() -> None:
+    from bench import goodput
+
+    assert goodput.config("out-of-box") == ([], "plan")
+    assert goodput.config("no-admission") == (["--no-admission"], "plan")
+    assert goodput.config("max-wait-50") == (["--max-wait-ms", "50"], "plan")
+    assert goodput.config("max-wait-0.5") == (["--max-wait-ms", "0.5"], "plan")
+    for bad in ("max-wait-", "max-wait--1", "max-wait-x", "fastest"):
+        with pytest.raises(ValueError, match="unknown configuration"):
+            goodput.config(bad)
