@@ -408,7 +408,7 @@ fn form(ctx: &ReplicaCtx, works: Vec<Work>, budget_ns: u64, padded: Option<u64>)
     if members.is_empty() {
         return None;
     }
-    let expected_ns = ctx.me.begin_batch(members.len(), mean_wait, padded);
+    let expected_ns = ctx.me.begin_batch(members.len(), mean_wait, padded, budget_ns);
     Some(Batch { id: next_batch_id(), members, keep: Vec::new(), expected_ns, budget_ns, padded, sent: Instant::now() })
 }
 

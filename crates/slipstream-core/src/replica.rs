@@ -417,11 +417,14 @@ impl Replica {
 
     /// A batch of `n` is being sent to the worker, after its requests
     /// waited `mean_wait_ns` on average; `padded` is its padded length, for
-    /// a stage that batches by length. Returns its expected latency.
-    pub fn begin_batch(&self, n: usize, mean_wait_ns: u64, padded: Option<u64>) -> u64 {
+    /// a stage that batches by length; `budget_ns` the time its most urgent
+    /// request has before it would miss (an elastic stage answers within
+    /// it: `BatchFormer::within`, as the SLO model counts it). Returns its
+    /// expected latency.
+    pub fn begin_batch(&self, n: usize, mean_wait_ns: u64, padded: Option<u64>, budget_ns: u64) -> u64 {
         let now = self.now_ns();
         let mut st = self.state.lock();
-        let expected = st.former.expected_ns(n, padded);
+        let expected = st.former.within(st.former.expected_ns(n, padded), budget_ns);
         st.running = Some((n, now + expected));
         st.wait_ns = if st.wait_ns == 0 {
             mean_wait_ns
@@ -612,14 +615,14 @@ mod tests {
     #[test]
     fn batches_keep_the_outstanding_count_by_construction() {
         let (r, _d) = replica();
-        r.begin_batch(3, 1000, None);
+        r.begin_batch(3, 1000, None, u64::MAX);
         assert_eq!(r.load().outstanding, 3);
         assert!(r.load().busy_until_ns > 0);
         r.end_batch(3, 1_000_000, u64::MAX, None);
         let l = r.load();
         assert_eq!((l.outstanding, l.busy_until_ns), (0, 0));
         // A dead worker loses its batch: nothing stays counted.
-        r.begin_batch(2, 0, None);
+        r.begin_batch(2, 0, None, u64::MAX);
         r.worker_died();
         assert_eq!(r.load().outstanding, 0);
     }

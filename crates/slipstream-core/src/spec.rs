@@ -341,8 +341,9 @@ pub struct StageSpec {
     #[serde(default)]
     pub max_batch_tokens: Option<u64>,
     /// An elastic stage (it answers by its batch's deadline, doing less
-    /// with less time): the least time a batch needs, ms. None: a plain
-    /// stage (see `slipstream_sched::BatchFormer::elastic_floor_ns`).
+    /// with less time): the time a batch keeps back from its deadline, and
+    /// the least it takes, ms. None: a plain stage (see
+    /// `slipstream_sched::BatchFormer::elastic_floor_ns`).
     #[serde(default)]
     pub elastic_ms: Option<f64>,
     /// Batches a replica's worker may run at once: 1 for a plain
