@@ -8,7 +8,7 @@ Prometheus computes from the exported histogram buckets must agree with the
 node's own p99 (`/v1/status`, an HdrHistogram of the same observations)
 within the resolution of the buckets, and the SLO attainment read from the
 bucket at the SLO target must equal the node's own count of answers within
-the target. The dashboard (deploy/grafana/slipstream.json) may only name
+the target. The dashboard (deploy/helm/slipstream/dashboards/slipstream.json) may only name
 metrics the node exports, and each of its queries must be valid PromQL that
 Prometheus evaluates.
 """
@@ -46,7 +46,7 @@ pytestmark = pytest.mark.skipif(
 PIPE = "metered"
 SLO_LE = "0.037"  # tests/apps/metered.py: SLO(p99_ms=37), a target between the ladder's 30 and 40 ms
 LATENCY = "slipstream_request_latency_seconds"
-DASHBOARD = ROOT / "deploy" / "grafana" / "slipstream.json"
+DASHBOARD = ROOT / "deploy" / "helm" / "slipstream" / "dashboards" / "slipstream.json"
 LOAD_S = 12.0
 CLIENTS = 4
 
