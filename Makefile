@@ -80,10 +80,13 @@ test-beside-py:
 test-rust test-fuzz: MAKEFLAGS =
 
 # The programs the tests start: etcd, Prometheus, headless Chromium, espeak-ng, ip,
-# and Triton's perf_analyzer (from a wheel, under .venv/opt).
+# debootstrap, Triton's perf_analyzer (from a wheel, under .venv/opt), and
+# the Debian root the image test builds the image on (made once, kept).
+DEBIAN_ROOT := $(VENV)/opt/rootfs/bookworm
 test-services: setup
 	@scripts/bootstrap.sh test
 	@scripts/install_perf_analyzer.sh >/dev/null
+	@if [ "$$(id -u)" -eq 0 ]; then scripts/debian_root.sh bookworm $(DEBIAN_ROOT); fi
 
 test-rust: test-services
 	$(CARGO) test $(RUST_TESTS) --quiet

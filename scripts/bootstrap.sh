@@ -48,6 +48,7 @@ for target in "$@"; do
       want "test_dashboard.py loads /dashboard in headless Chromium" "has chromium || has chromium-browser" chromium
       want "test_prometheus.py scrapes a node with a real Prometheus" "has prometheus" prometheus
       want "the AudioQuery tests speak their questions" "has espeak-ng" espeak-ng
+      want "the image test runs the Dockerfile's steps on a Debian root it makes" "has debootstrap" debootstrap
       want "Triton's perf_analyzer (a gRPC test, bench/perf_analyzer.py) links it" \
         "ldconfig -p | grep libb64.so.0d" libb64-0d
       ;;

@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 import zipfile
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
+from tests.wheel import build_wheel
 
 pytestmark = pytest.mark.wheel
 
@@ -40,20 +40,7 @@ def _env() -> dict[str, str]:
 
 
 def test_wheel_installs_and_serves_outside_the_repository(tmp_path: Path) -> None:
-    maturin = shutil.which("maturin", path=str(Path(sys.executable).parent)) or shutil.which("maturin")
-    if maturin is None:
-        pytest.skip("maturin is not installed")
-    wheels = tmp_path / "wheels"
-    t0 = time.monotonic()
-    build = subprocess.run(
-        [maturin, "build", "--release", "--interpreter", sys.executable, "-o", str(wheels)],
-        cwd=ROOT, capture_output=True, text=True, timeout=1800,
-        env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"},
-    )
-    build_s = time.monotonic() - t0
-    assert build.returncode == 0, build.stderr[-4000:]
-    print(f"maturin build: {build_s:.1f} s")  # seconds when `maturin develop` built the same sources
-    (wheel,) = wheels.glob("slipstream-*.whl")
+    wheel = build_wheel(tmp_path / "wheels")
     names = set(zipfile.ZipFile(wheel).namelist())
     for need in ("slipstream/__init__.py", "slipstream/_core.abi3.so", "slipstream/_internal/worker.py",
                  "slipstream/_internal/cli.py", "slipstream/_internal/tensors.py", "slipstream/py.typed"):

@@ -203,17 +203,93 @@ def _wait_ready(etcd: Etcd, a: argparse.Namespace, token: str, deploy_id: str, s
     return fail(f"not ready after {a.wait:.0f} s: {last}")
 
 
-def cmd_node(a: argparse.Namespace) -> int:
-    from slipstream import _core
+class WaitingProbes:
+    """`/healthz` (200) and `/readyz` (503, saying why) on the node's own
+    address while ``slipstream node`` has no deployment to run yet, so that
+    an orchestrator's startup and liveness probes see a live process
+    instead of a refused connection (Kubernetes would restart the pod in a
+    loop). Closed before the node itself listens there."""
 
+    def __init__(self, host: str, port: int, why: str) -> None:
+        import http.server
+        import threading
+
+        body = json.dumps({"status": "not ready", "held_back": [why]}).encode()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+                path = self.path.split("?")[0]
+                if path in ("/healthz", "/v2/health/live"):
+                    self._answer(200, b'{"status": "live"}')
+                elif path in ("/readyz", "/v2/health/ready"):
+                    self._answer(503, body)
+                else:
+                    self._answer(503, body)
+
+            def _answer(self, code: int, payload: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the stdlib's name)
+                pass
+
+        http.server.ThreadingHTTPServer.allow_reuse_address = True
+        self.server = http.server.ThreadingHTTPServer((host, port), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class _Waiting:
+    """The probes' listener while the node waits (see `WaitingProbes`):
+    opened when waiting starts, closed before the node binds its port."""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        opts = json.loads(node_options(a))
+        self.host, self.port = opts.get("host") or "127.0.0.1", opts.get("port")
+        self.probes: WaitingProbes | None = None
+
+    def open(self, why: str) -> None:
+        if self.probes is not None or not self.port:  # port 0: nothing could probe it
+            return
+        try:
+            self.probes = WaitingProbes(self.host, int(self.port), why)
+        except OSError as e:  # the port is taken: the node's own bind will say so
+            print(f"slipstream: cannot answer probes while waiting: {e}", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.probes is not None:
+            self.probes.close()
+            self.probes = None
+
+
+def cmd_node(a: argparse.Namespace) -> int:
     try:
         token = _token(a)
         etcd = Etcd(a.cluster)
     except EtcdError as e:
         return fail(str(e))
     name = a.name or f"{os.uname().nodename}-{json.loads(node_options(a))['port'] or 8000}"
+    waiting = _Waiting(a)
+    try:
+        return _run_node(a, etcd, token, name, waiting)
+    finally:
+        waiting.close()
+
+
+def _run_node(a: argparse.Namespace, etcd: Etcd, token: str, name: str, waiting: _Waiting) -> int:
+    """`cmd_node`'s loop: wait for a deployment, run it; again after a redeploy."""
+    from slipstream import _core
+
     waiting_said = False
     while True:
+        waiting.open(f"node {name}: waiting for a deployment in cluster '{a.cluster_name}'")
         try:
             raw = etcd.get(_root(a) + "deploy")
         except EtcdError as e:
@@ -249,6 +325,7 @@ def cmd_node(a: argparse.Namespace) -> int:
                    "store_replicas": a.store_replicas, "standbys": not a.no_standbys,
                    **({"advertise": a.advertise} if a.advertise else {})}
         print(f"slipstream: node {name}: running deployment {d['id']} ({app})", file=sys.stderr)
+        waiting.close()
         try:
             _core.serve(json.dumps(spec), node_options(a), cluster_json=json.dumps(cluster))
         except _core.CoreError as e:
