@@ -24,7 +24,7 @@
 //!   the node's one owner of replica sets ([`Node::change`]).
 
 use super::autoscale::{Meter, REPORT_EVERY};
-use super::{open, seal, Cluster, Member, Placement, Report, View};
+use super::{open, seal, Cluster, Cordon, Member, Placement, Report, View};
 use slipstream_core::events::EventKind;
 use slipstream_core::replica::Phase;
 use slipstream_core::scaling::{Change, Elsewhere};
@@ -162,6 +162,8 @@ const SETTLE: Duration = Duration::from_millis(1000);
 /// The raw state of the cluster's keys.
 struct Keys {
     members: BTreeMap<String, Kv>,
+    /// `cordon/<node>` records (see [`Cordon`]).
+    cordons: BTreeMap<String, Kv>,
     placement: Option<Kv>,
     deploy: Option<Kv>,
     /// When a member last came or went.
@@ -170,7 +172,13 @@ struct Keys {
 
 impl Default for Keys {
     fn default() -> Keys {
-        Keys { members: BTreeMap::new(), placement: None, deploy: None, members_changed: tokio::time::Instant::now() }
+        Keys {
+            members: BTreeMap::new(),
+            cordons: BTreeMap::new(),
+            placement: None,
+            deploy: None,
+            members_changed: tokio::time::Instant::now(),
+        }
     }
 }
 
@@ -182,6 +190,8 @@ impl Keys {
                 if let Some(name) = key.strip_prefix(&format!("{root}members/")) {
                     self.members.remove(name);
                     self.members_changed = tokio::time::Instant::now();
+                } else if let Some(name) = key.strip_prefix(&format!("{root}cordon/")) {
+                    self.cordons.remove(name);
                 } else if key == format!("{root}placement") {
                     self.placement = None;
                 } else if key == format!("{root}deploy") {
@@ -197,6 +207,8 @@ impl Keys {
             if self.members.insert(name.to_string(), kv).is_none() {
                 self.members_changed = tokio::time::Instant::now();
             }
+        } else if let Some(name) = kv.key.strip_prefix(&format!("{root}cordon/")) {
+            self.cordons.insert(name.to_string(), kv);
         } else if kv.key == format!("{root}placement") {
             self.placement = Some(kv);
         } else if kv.key == format!("{root}deploy") {
@@ -289,6 +301,20 @@ async fn reconcile(etcd: &Etcd, node: &Arc<Node>, cluster: &Arc<Cluster>, keys: 
             Err(e) => refuse(&kv.key, e),
         }
     }
+    // Cordons of the members' current leases (a stale one names an
+    // incarnation that is gone).
+    let mut cordoned = std::collections::BTreeSet::new();
+    for (name, kv) in &keys.cordons {
+        match open::<Cordon>(&cluster.key, "cordon", &kv.value) {
+            Ok(c) if c.node == *name => {
+                if members.get(name).is_some_and(|m: &Member| m.lease == c.lease) {
+                    cordoned.insert(name.clone());
+                }
+            }
+            Ok(_) => refuse(&kv.key, "its record names another node".into()),
+            Err(e) => refuse(&kv.key, e),
+        }
+    }
     let current =
         keys.placement.as_ref().and_then(|kv| match open::<Placement>(&cluster.key, "placement", &kv.value) {
             Ok(p) => Some((p, kv.mod_revision)),
@@ -300,11 +326,15 @@ async fn reconcile(etcd: &Etcd, node: &Arc<Node>, cluster: &Arc<Cluster>, keys: 
     // The leader writes the placement, once the membership has settled.
     let settled = keys.members_changed.elapsed() >= SETTLE;
     if settled && members.keys().next().map(String::as_str) == Some(cluster.me()) {
-        let names: Vec<String> = members.keys().cloned().collect();
+        // Cordoned members get nothing: what they run moves to the others.
+        let sized = View { members: members.clone(), cordoned: cordoned.clone(), ..View::default() };
+        let names: Vec<String> = sized.placeable().map(str::to_string).collect();
+        let placeable: BTreeMap<String, Member> =
+            members.iter().filter(|(n, _)| names.contains(n)).map(|(n, m)| (n.clone(), m.clone())).collect();
         let in_force = current.as_ref().map(|(p, _)| p).filter(|p| &p.deploy == deploy);
         let (prev, prev_standby) = (in_force.map(|p| &p.stages), in_force.map(|p| &p.standby));
         // Declared counts, or the autoscaler's for stages with bounds.
-        let wanted = cluster.scaler.wanted(node, &members, prev);
+        let wanted = cluster.scaler.wanted(node, &placeable, prev);
         let want = &wanted.serving;
         // Stages that read affinity groups go where the groups are (the
         // groups are counted only when some stage reads them).
@@ -351,9 +381,9 @@ async fn reconcile(etcd: &Etcd, node: &Arc<Node>, cluster: &Arc<Cluster>, keys: 
     }
     cluster.prune_suspects(&members);
     cluster.view.send_if_modified(|v| {
-        let changed = v.members != members || v.placement != placement;
+        let changed = v.members != members || v.placement != placement || v.cordoned != cordoned;
         if changed {
-            *v = Arc::new(View { members, placement, suspects: v.suspects.clone() });
+            *v = Arc::new(View { members, placement, suspects: v.suspects.clone(), cordoned });
         }
         changed
     });

@@ -288,7 +288,7 @@ impl ClusterScaler {
                     json!({"level_rps": m.level_rps, "slope_rps_per_s": m.slope_rps_per_s,
                            "forecast_rps": m.forecast_rps, "lead_s": m.lead_s,
                            "replica_capacity_rps": m.replica_capacity_rps, "need": m.need,
-                           "max_usable": m.max_usable})
+                           "max_usable": m.max_usable, "need_uncapped": m.need_uncapped})
                 });
                 let last = s.last.as_ref().map(|(at, what)| json!({"ago_s": at.elapsed().as_secs_f64(), "what": what}));
                 (

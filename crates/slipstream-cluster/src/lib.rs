@@ -166,8 +166,9 @@ pub struct Member {
     pub load: Report,
     /// The deployment it runs.
     pub deploy: String,
-    /// Its membership lease (filled in from etcd, not signed).
-    #[serde(skip)]
+    /// Its membership lease (filled in from etcd, not signed; shown in the
+    /// status, where a [`Cordon`] record's writer reads it).
+    #[serde(skip_deserializing, skip_serializing_if = "is_zero")]
     pub lease: i64,
 }
 
@@ -194,6 +195,20 @@ pub fn open<T: for<'de> Deserialize<'de>>(key: &ClusterKey, kind: &str, bytes: &
     serde_json::from_str(&env.body).map_err(|e| format!("malformed {kind} record: {e}"))
 }
 
+fn is_zero(v: &i64) -> bool {
+    *v == 0
+}
+
+/// A member being emptied before it is removed (`cordon/<node>`, written
+/// by whoever removes it: the Kubernetes scaling loop before it shrinks
+/// the StatefulSet). It holds for that member's lease only, so a node
+/// started again under the same name is not cordoned by a stale record.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Cordon {
+    pub node: String,
+    pub lease: i64,
+}
+
 /// What this node knows of the cluster (published by the agent).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct View {
@@ -202,9 +217,20 @@ pub struct View {
     pub placement: Option<Placement>,
     /// Members whose data plane failed on this node (see [`Cluster::suspect`]).
     pub suspects: std::collections::BTreeSet<String>,
+    /// Members being emptied (see [`Cordon`]): they serve and hold data
+    /// until they leave, but get no replicas, standbys or store copies.
+    pub cordoned: std::collections::BTreeSet<String>,
 }
 
 impl View {
+    /// The members that take replicas and store copies: all but the
+    /// cordoned ones (all of them when every member is cordoned, so a
+    /// cluster is never left with nowhere to place).
+    pub fn placeable(&self) -> impl Iterator<Item = &str> + '_ {
+        let all = self.members.keys().all(|m| self.cordoned.contains(m));
+        self.members.keys().map(String::as_str).filter(move |m| all || !self.cordoned.contains(*m))
+    }
+
     /// Whether `node` takes work for stage `key` now: a live member, not
     /// suspected here, reporting a ready replica or a warm standby of it
     /// (a standby takes work another node sends while the stage has no
@@ -346,6 +372,7 @@ impl Cluster {
             "deploy": self.opts.deploy,
             "members": v.members,
             "placement": v.placement,
+            "cordoned": v.cordoned,
             "merge_threshold_bytes": self.costs.merge_threshold,
             "counters": {
                 "sent_batches": c.sent_batches.load(Relaxed),
@@ -584,5 +611,39 @@ mod tests {
         assert!(v.serves("n2", "p/u"), "a warm standby takes work sent to it");
         v.suspects.insert("n2".into());
         assert!(!v.serves("n2", "p/s"));
+        // The lease shows in the status (a cordon's writer reads it) but a
+        // record read from etcd takes its lease from etcd, not from the body.
+        let shown = serde_json::to_value(&v.members["n2"]).unwrap();
+        assert_eq!(shown["lease"], 7);
+        let read: Member = serde_json::from_value(shown).unwrap();
+        assert_eq!(read.lease, 0);
+    }
+
+    #[test]
+    fn cordoned_members_take_nothing_new_unless_all_are() {
+        let mut v = View::default();
+        for n in ["a", "b", "c"] {
+            let m = Member {
+                node: n.into(),
+                http: String::new(),
+                data: "127.0.0.1:1".parse().unwrap(),
+                cores: 2,
+                memory_bytes: 0,
+                gpus: vec![],
+                store_keys: 0,
+                ready: BTreeMap::new(),
+                standby: BTreeMap::new(),
+                load: Report::default(),
+                tag: 0,
+                deploy: "d".into(),
+                lease: 1,
+            };
+            v.members.insert(n.into(), m);
+        }
+        assert_eq!(v.placeable().collect::<Vec<_>>(), ["a", "b", "c"]);
+        v.cordoned.insert("c".into());
+        assert_eq!(v.placeable().collect::<Vec<_>>(), ["a", "b"]);
+        v.cordoned.extend(["a".to_string(), "b".to_string()]);
+        assert_eq!(v.placeable().collect::<Vec<_>>(), ["a", "b", "c"], "never nowhere to place");
     }
 }

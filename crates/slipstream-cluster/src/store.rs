@@ -410,7 +410,7 @@ impl ClusterStore {
     /// group's key, or a key).
     fn replica_set_of(&self, group: &str, rf: usize) -> Result<Vec<String>, StoreError> {
         let view = self.cluster.view();
-        let live = view.members.keys().map(String::as_str).filter(|m| !view.suspects.contains(*m));
+        let live = view.placeable().filter(|m| !view.suspects.contains(*m));
         let mut set = rendezvous(group, live);
         set.truncate(rf);
         if set.is_empty() {

@@ -268,6 +268,11 @@ pub struct ScaleModel {
     pub need: usize,
     /// The most replicas the stage may use (bounds and cores).
     pub max_usable: usize,
+    /// Serving replicas the load needs within the stage's declared bounds
+    /// only, as if cores were unlimited: above `max_usable` when the
+    /// machines, not the bounds, hold the stage back (what a loop that adds
+    /// machines acts on).
+    pub need_uncapped: usize,
     /// Serving now.
     pub active: usize,
     /// Standbys now.
@@ -299,7 +304,8 @@ pub fn decide(
     let lead = v.lead_s.unwrap_or(DEFAULT_LEAD_S);
     let near = trend.forecast(o.tick_ns as f64 / 1e9 * 4.0);
     let ahead = trend.forecast(lead);
-    let need = |rate: f64, util: f64| ((rate / (util * cap)).ceil() as usize).clamp(lo, hi);
+    let need_within = |rate: f64, util: f64, top: usize| ((rate / (util * cap)).ceil() as usize).clamp(lo, top);
+    let need = |rate: f64, util: f64| need_within(rate, util, hi);
     // More serving replicas are needed when the level alone says so, or
     // the near forecast has said so two ticks in a row.
     mem.short_ticks = if need(near, o.utilization) > v.active { mem.short_ticks + 1 } else { 0 };
@@ -314,6 +320,7 @@ pub fn decide(
         observed_capacity_rps: v.observed,
         need: need_now,
         max_usable: hi,
+        need_uncapped: need_within(trend.level, o.utilization, v.hi.max(lo)),
         active: v.active,
         standby: v.standby,
     };
@@ -485,6 +492,20 @@ mod tests {
         let (model, steps) = decide(&o, steady(200.0), 0, &v, &mut StageMemory::default(), 0).unwrap();
         assert_eq!((model.max_usable, model.need), (1, 1));
         assert!(steps.is_empty(), "{steps:?}");
+    }
+
+    #[test]
+    fn the_load_s_need_beyond_the_cores_is_reported() {
+        // 200 req/s on replicas of 100 at 70%: 3 needed; 2 cores of 2
+        // threads allow 1, the bounds 4.
+        let o = ScaleOptions { cores: 2.0, ..opts() };
+        let v = StageView { threads: 2, ..view(1, 0) };
+        let (model, _) = decide(&o, steady(200.0), 0, &v, &mut StageMemory::default(), 0).unwrap();
+        assert_eq!((model.max_usable, model.need, model.need_uncapped), (1, 1, 3));
+        // With cores enough, the two agree.
+        let o = ScaleOptions { cores: 16.0, ..opts() };
+        let (model, _) = decide(&o, steady(200.0), 0, &v, &mut StageMemory::default(), 0).unwrap();
+        assert_eq!((model.need, model.need_uncapped), (3, 3));
     }
 
     #[test]

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from slipstream._internal import app_bundle
+from slipstream._internal import app_bundle, kube
 from slipstream._internal.errors import RequestError, from_core
 from slipstream._internal.http_transport import Transport
 from slipstream._internal.serve_cli import add_node_args, add_spec_args, build_spec, node_options
@@ -326,6 +326,7 @@ def _run_node(a: argparse.Namespace, etcd: Etcd, token: str, name: str, waiting:
                    **({"advertise": a.advertise} if a.advertise else {})}
         print(f"slipstream: node {name}: running deployment {d['id']} ({app})", file=sys.stderr)
         waiting.close()
+        scaling = _node_scaling(a, etcd, token)
         try:
             _core.serve(json.dumps(spec), node_options(a), cluster_json=json.dumps(cluster))
         except _core.CoreError as e:
@@ -337,7 +338,49 @@ def _run_node(a: argparse.Namespace, etcd: Etcd, token: str, name: str, waiting:
             raise from_core(e) from None
         except KeyboardInterrupt:
             pass
+        finally:
+            if scaling is not None:
+                scaling.stop()
         return 0
+
+
+def _node_scaling(a: argparse.Namespace, etcd: Etcd, token: str) -> kube.NodeCountLoop | None:
+    """The Kubernetes node-count loop (kube.py), when `SLIPSTREAM_K8S_STATEFULSET` names the StatefulSet."""
+    sts = os.environ.get("SLIPSTREAM_K8S_STATEFULSET")
+    if not sts:
+        return None
+    env = os.environ.get
+    try:
+        api = kube.KubeApi.from_env()
+        policy = kube.Policy(min_nodes=int(env("SLIPSTREAM_K8S_MIN_NODES", "1")),
+                             max_nodes=int(env("SLIPSTREAM_K8S_MAX_NODES", "10")),
+                             down_after_s=float(env("SLIPSTREAM_K8S_DOWN_AFTER_S", "300")),
+                             drain_timeout_s=float(env("SLIPSTREAM_K8S_DRAIN_TIMEOUT_S", "300")))
+        every = float(env("SLIPSTREAM_K8S_CHECK_EVERY_S", "5"))
+    except (kube.KubeError, ValueError) as e:
+        print(f"slipstream: node scaling is off: {e}", file=sys.stderr)
+        return None
+    if not 1 <= policy.min_nodes <= policy.max_nodes:
+        print(f"slipstream: node scaling is off: min nodes {policy.min_nodes} and max {policy.max_nodes} "
+              "must satisfy 1 <= min <= max", file=sys.stderr)
+        return None
+    port = json.loads(node_options(a)).get("port") or 8000
+    status_url = Transport(f"http://127.0.0.1:{port}", what="this node", hint="")
+
+    def status() -> dict[str, Any]:
+        resp = status_url.request("GET", "/v1/status", timeout=5.0)
+        out: dict[str, Any] = json.loads(bytes(resp.body))
+        return out
+
+    def cordon(node: str, lease: int) -> None:
+        etcd.put(_root(a) + "cordon/" + node, seal(token, "cordon", {"node": node, "lease": lease}))
+
+    def uncordon(node: str) -> None:
+        etcd.delete(_root(a) + "cordon/" + node)
+
+    loop = kube.NodeCountLoop(api, sts, status, cordon, uncordon, policy, every_s=every)
+    loop.start()
+    return loop
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:

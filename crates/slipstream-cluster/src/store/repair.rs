@@ -38,7 +38,8 @@ pub(crate) struct RepairCounters {
     passes: AtomicU64,
     repaired: AtomicU64,
     repaired_bytes: AtomicU64,
-    /// Found under-replicated in the last pass (versions, bytes).
+    /// Under-replicated as the last pass left them (versions, bytes):
+    /// what it found, less what it repaired.
     under: AtomicU64,
     under_bytes: AtomicU64,
     /// Versions no live node holds (last pass).
@@ -66,7 +67,7 @@ impl RepairCounters {
     pub(crate) fn metrics(&self, t: &mut PromText) {
         t.gauge(
             "slipstream_cluster_store_under_replicated_bytes",
-            "Bytes of live versions with fewer holders than their copies (last repair pass).",
+            "Bytes of live versions with fewer holders than their copies (as the last repair pass left them).",
             &[],
             self.under_bytes.load(Relaxed) as f64,
         );
@@ -105,7 +106,8 @@ pub(crate) async fn run(store: Arc<ClusterStore>, mut stop: watch::Receiver<bool
             _ = stop.wait_for(|s| *s) => return,
         };
         let view = store.cluster.view();
-        let members: BTreeSet<String> = view.members.keys().cloned().collect();
+        // A member that left or was cordoned: its copies are made elsewhere.
+        let members: BTreeSet<String> = view.placeable().map(str::to_string).collect();
         let lost_member = known.difference(&members).next().is_some();
         known = members;
         if timed {
@@ -131,7 +133,7 @@ impl ClusterStore {
         let c = &self.repair;
         c.passes.fetch_add(1, Relaxed);
         let view = self.cluster.view();
-        let live: BTreeSet<&str> = view.members.keys().map(String::as_str).collect();
+        let live: BTreeSet<&str> = view.placeable().collect();
         let (kvs, _) = self.etcd.get_prefix(&format!("{}ver", self.root)).await.map_err(unavailable)?;
         let mut under = Vec::new();
         for kv in &kvs {
@@ -142,21 +144,29 @@ impl ClusterStore {
                 under.push((kv.mod_revision, target, rec));
             }
         }
-        c.under.store(under.len() as u64, Relaxed);
-        c.under_bytes.store(under.iter().map(|(_, _, r)| r.size).sum(), Relaxed);
+        // What this pass leaves short: counted down as it repairs.
+        let (mut short, mut short_bytes) = (under.len() as u64, under.iter().map(|(_, _, r)| r.size).sum::<u64>());
+        c.under.store(short, Relaxed);
+        c.under_bytes.store(short_bytes, Relaxed);
         let mut lost = 0;
         let mut repaired = 0;
         for (mod_rev, target, rec) in under {
-            let have: Vec<String> = rec.holders.iter().filter(|h| live.contains(h.as_str())).cloned().collect();
-            if have.is_empty() {
+            // Counted: copies on placeable members; fetched from: any member's
+            // (a cordoned member's copy is read until it leaves).
+            if !rec.holders.iter().any(|h| view.members.contains_key(h)) {
                 lost += 1;
                 continue;
             }
+            let have: Vec<String> = rec.holders.iter().filter(|h| live.contains(h.as_str())).cloned().collect();
             match self.repair_one(&rec, mod_rev, have, target).await {
                 Ok(true) => {
                     repaired += 1;
                     c.repaired.fetch_add(1, Relaxed);
                     c.repaired_bytes.fetch_add(rec.size, Relaxed);
+                    short -= 1;
+                    short_bytes -= rec.size;
+                    c.under.store(short, Relaxed);
+                    c.under_bytes.store(short_bytes, Relaxed);
                 }
                 Ok(false) => {}
                 Err(e) => tracing::warn!("cluster store: cannot repair {} v{}: {e}", rec.key, rec.version),
