@@ -46,6 +46,8 @@ ROOTFS = ROOT / ".venv" / "opt" / "rootfs"
 NAMESPACE = "serving"
 RELEASE = "ss"
 PODS = 3
+# A client's patience: the pipeline's SLO is 2 s; a request to a machine cut off hangs until this.
+CLIENT_TIMEOUT_S = 3.0
 ERRORS: list[tuple[float, str, str]] = []  # (when, pod, what): requests that got no answer
 
 
@@ -183,7 +185,13 @@ class Pod:
             wait_for(lambda: self.probe("startupProbe"), timeout=timeout, every=0.5)
             wait_for(lambda: self.probe("readinessProbe"), timeout=timeout, every=0.5)
         except AssertionError:
-            raise AssertionError(f"{self.name} did not become ready:\n{self.tail()}") from None
+            raise AssertionError(f"{self.name} did not become ready:\n{self.tail()}\n{self.debug()}") from None
+
+    def debug(self) -> str:
+        """What its /tmp holds and what is mounted for it, for a failure's message."""
+        tmp = subprocess.run(["find", str(self.root / "tmp"), "-maxdepth", "2"], capture_output=True, text=True)
+        mounts = [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if self.name in line]
+        return f"--- its /tmp:\n{tmp.stdout}\n--- its mounts:\n" + "\n".join(mounts)
 
     def terminate(self) -> float:
         """What deleting the pod does: out of the Service, the preStop hook,
@@ -316,7 +324,7 @@ def _infer(pod: Pod, x: list[float]) -> int:
     req = urllib.request.Request(f"http://{pod.ip}:{pod.port}/v1/pipelines/diamond/infer", data=body, method="POST",
                                  headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=10) as r:
+        with urllib.request.urlopen(req, timeout=CLIENT_TIMEOUT_S) as r:
             out = json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code
@@ -364,7 +372,7 @@ def test_a_cluster_from_the_image_and_the_chart_serves_through_restarts_kills_an
         svc = Service(pods)
         wait_for(lambda: all(svc.ready.values()), timeout=30)
         load = svc.load()
-        time.sleep(2.0)
+        time.sleep(1.0)
 
         # A rolling restart, as the StatefulSet does one: highest ordinal first.
         rolled_from = time.monotonic()
@@ -376,7 +384,6 @@ def test_a_cluster_from_the_image_and_the_chart_serves_through_restarts_kills_an
             p.start()
             p.wait_ready()
             wait_for(lambda p=p: svc.ready[p.name], timeout=30)
-            time.sleep(1.0)
         rolled = [r for r in svc.results if r[0] >= rolled_from]
         statuses = Counter(r[2] for r in rolled)
         print(f"rolling restart: {len(rolled)} requests, {dict(statuses)}, stops took "
@@ -389,11 +396,11 @@ def test_a_cluster_from_the_image_and_the_chart_serves_through_restarts_kills_an
         lost = pods[1]
         killed = time.monotonic()
         lost.kill()
-        time.sleep(4.0)
+        time.sleep(2.0)
         lost.start()
         lost.wait_ready()
         wait_for(lambda: svc.ready[lost.name], timeout=30)
-        time.sleep(2.0)
+        time.sleep(1.0)
         after = [r for r in svc.results if r[0] >= killed]
         print(f"kill: {len(after)} requests, {dict(Counter(r[2] for r in after))}")
         assert 0 not in {r[2] for r in after}  # never a wrong answer
@@ -404,15 +411,15 @@ def test_a_cluster_from_the_image_and_the_chart_serves_through_restarts_kills_an
         cut_at = time.monotonic()
         net.partition(cut.machine)
         wait_for(lambda: not svc.ready[cut.name], timeout=30)
-        time.sleep(4.0)
-        recent = [r for r in svc.results if r[0] >= time.monotonic() - 2.0]
+        out_of_service = time.monotonic()
+        time.sleep(CLIENT_TIMEOUT_S + 1.0)  # clients that were waiting on it give up
+        recent = [r for r in svc.results if r[0] >= out_of_service]
         assert recent and all(r[2] == 200 for r in recent), Counter(r[2] for r in recent)
         net.heal(cut.machine)
         wait_for(lambda: svc.ready[cut.name], timeout=60)
         after_cut = [r for r in svc.results if r[0] >= cut_at]
         print(f"cut off: {len(after_cut)} requests, {dict(Counter(r[2] for r in after_cut))}")
         assert 0 not in {r[2] for r in after_cut}
-        assert max(r[1] for r in after_cut) < 12.0  # nothing hangs past the request timeout
         svc.stop.set()
         for t in load:
             t.join(30)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -120,7 +121,8 @@ def test_the_leader_adds_a_node_when_the_cores_run_out_and_empties_it_before_rem
     ctl, api = cluster
     leader = ctl.nodes[f"{STS}-0"]
     newest = f"{STS}-3"
-    load = _load([leader, ctl.nodes[f"{STS}-1"]], rate=150.0, seconds=40.0)
+    t0 = time.monotonic()
+    load = _load([leader, ctl.nodes[f"{STS}-1"]], rate=150.0, seconds=15.0)
 
     def model() -> dict[str, Any]:
         stage = _status(leader)["autoscale"]["stages"].get("slow/Slow") or {}
@@ -133,6 +135,7 @@ def test_the_leader_adds_a_node_when_the_cores_run_out_and_empties_it_before_rem
     wait_for(lambda: newest in ctl.nodes and newest in _status(leader)["members"], timeout=60, every=0.5)
     wait_for(lambda: (_status(leader)["placement"]["stages"].get("slow/Slow") or {}).get(newest, 0) > 0,
              timeout=60, every=0.5)
+    print(f"grown in {time.monotonic() - t0:.1f} s")
     patches = [(v, p, b) for v, p, b in api.calls if v == "PATCH"]
     assert patches[0] == ("PATCH", f"/apis/apps/v1/namespaces/{NS}/statefulsets/{STS}/scale",
                           {"spec": {"replicas": 4}}), patches
@@ -141,7 +144,9 @@ def test_the_leader_adds_a_node_when_the_cores_run_out_and_empties_it_before_rem
 
     # The load gone: after the hysteresis the fourth is annotated, cordoned,
     # emptied, and only then the StatefulSet shrinks.
+    t1 = time.monotonic()
     wait_for(lambda: api.replicas == 3, timeout=120, every=0.5)
+    print(f"shrunk in {time.monotonic() - t1:.1f} s")
     verbs = [(v, p.rsplit("/", 1)[-1]) for v, p, _ in api.calls if v == "PATCH"]
     assert verbs == [("PATCH", "scale"), ("PATCH", newest), ("PATCH", "scale")], verbs
     assert ctl.checked == [(3, [])], ctl.checked  # the leaving node held nothing when the patch came

@@ -106,13 +106,29 @@ async fn gone(child: &mut Child, e: impl std::fmt::Display) -> String {
     }
 }
 
+/// A worker's listening socket's path, removed when the spawn is done with
+/// it (connected, failed or abandoned).
+struct SocketFile(std::path::PathBuf);
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 impl Worker {
     /// Start the worker of `ctx`'s replica and wait until it is ready (or fails).
     async fn spawn(launch: &WorkerCommand, ctx: &ReplicaCtx, env: &BTreeMap<String, String>) -> Result<Worker, String> {
         let (pipeline, stage, replica) = (ctx.pipe.name(), &ctx.stage().name, ctx.me.id);
-        let sock = launch.socket_dir.join(format!("{pipeline}-{stage}-{replica}.sock"));
-        let _ = std::fs::remove_file(&sock);
-        let listener = UnixListener::bind(&sock).map_err(|e| format!("cannot bind {}: {e}", sock.display()))?;
+        // One path per spawn: two spawns of one replica can overlap (a
+        // start abandoned while the next begins), and a shared path let the
+        // second's unlink-and-bind pull the socket from under the first's
+        // worker as it connected (seen as ENOENT when a cluster node
+        // restarted into a placement that was still moving).
+        static SPAWNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = SPAWNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let sock = SocketFile(launch.socket_dir.join(format!("{pipeline}-{stage}-{replica}-{n}.sock")));
+        let listener = UnixListener::bind(&sock.0).map_err(|e| format!("cannot bind {}: {e}", sock.0.display()))?;
         let (exe, args) = launch.argv.split_first().ok_or("empty worker command")?;
         let mut cmd = Command::new(exe);
         cmd.args(args)
@@ -123,7 +139,7 @@ impl Worker {
             .arg("--replica")
             .arg(replica.to_string())
             .arg("--connect")
-            .arg(&sock)
+            .arg(&sock.0)
             .arg("--pool-prefix")
             .arg(ctx.arena.path_prefix())
             .arg("--pool")
@@ -142,7 +158,7 @@ impl Worker {
             },
             status = child.wait() => return Err(format!("worker exited before connecting ({})", describe_exit(status))),
         };
-        let _ = std::fs::remove_file(&sock);
+        drop(sock);
         let mut buf = Vec::new();
         let hello = tokio::select! {
             r = tokio::time::timeout_at(deadline, read_frame::<_, FromWorker>(&mut conn, &mut buf)) => r,
