@@ -109,6 +109,30 @@ def test_gpu_values_ask_for_gpus_and_turn_on_metrics() -> None:
     assert dashboard == json.loads((chart.CHART / "dashboards" / "slipstream.json").read_text())
 
 
+def test_the_node_count_loop_gets_its_statefulset_and_only_the_rights_it_needs() -> None:
+    off = chart.render()
+    assert not [d for d in off if d["kind"] in ("Role", "RoleBinding", "ServiceAccount")]
+    pod = chart.node_statefulset(off)["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False and "serviceAccountName" not in pod
+    assert not any(e["name"].startswith("SLIPSTREAM_K8S_") for e in chart.node_container(off)["env"])
+
+    docs = chart.render(chart.gpu_values())  # scaleNodes on
+    sts = chart.node_statefulset(docs)
+    pod = sts["spec"]["template"]["spec"]
+    account = chart.one(docs, "ServiceAccount")["metadata"]["name"]
+    assert pod["serviceAccountName"] == account
+    env = {e["name"]: e.get("value") for e in chart.node_container(docs)["env"]}
+    assert env["SLIPSTREAM_K8S_STATEFULSET"] == sts["metadata"]["name"]
+    assert (env["SLIPSTREAM_K8S_MIN_NODES"], env["SLIPSTREAM_K8S_MAX_NODES"]) == ("2", "8")
+    rules = chart.one(docs, "Role")["rules"]
+    assert {(r["apiGroups"][0], res, v) for r in rules for res in r["resources"] for v in r["verbs"]} == {
+        ("apps", "statefulsets/scale", "get"), ("apps", "statefulsets/scale", "patch"), ("", "pods", "patch")}
+    assert rules[0]["resourceNames"] == [sts["metadata"]["name"]]
+    binding = chart.one(docs, "RoleBinding")
+    assert binding["roleRef"]["name"] == chart.one(docs, "Role")["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": "serving"}]
+
+
 def test_the_node_reads_the_rendered_configuration_as_the_chart_meant(tmp_path) -> None:
     for values in (None, chart.gpu_values()):
         docs = chart.render(values)
