@@ -97,6 +97,12 @@ def test_a_shrink_empties_the_highest_ordinal_before_it_patches(api: FakeApi) ->
                                                                                    "StatefulSet shrinks"}}}
     # At the scale patch: node 2 empty, and cordoned before (with that member's lease).
     assert seen_empty == [(2, True, True)]
+    # Once it has left the members, its cordon record is removed.
+    assert ("uncordon", f"{STS}-2") not in events
+    loop.status = lambda: _status(2, need=1, usable=4)
+    loop.policy.min_nodes = 2
+    loop.check()
+    assert ("uncordon", f"{STS}-2") in events
 
 
 def test_a_node_that_does_not_empty_is_left_and_uncordoned(api: FakeApi) -> None:

@@ -197,6 +197,7 @@ class NodeCountLoop:
         self.say = say
         self._short_checks = 0
         self._fits_since: float | None = None
+        self._removed: set[str] = set()  # cordoned and scaled away: their records go once they have left
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -219,6 +220,9 @@ class NodeCountLoop:
         st = self.status()
         cluster = st.get("cluster") or {}
         members = sorted((cluster.get("members") or {}).keys())
+        for gone in sorted(self._removed - set(members)):
+            self.uncordon(gone)  # it left: its cordon record has nothing more to say
+            self._removed.discard(gone)
         if not members or members[0] != cluster.get("node"):
             self._short_checks, self._fits_since = 0, None
             return  # only the leader scales
@@ -253,6 +257,7 @@ class NodeCountLoop:
         while time.monotonic() < until and not self._stop.is_set():
             if is_empty(self.status(), victim):
                 self.api.set_replicas(self.sts, current - 1)
+                self._removed.add(victim)
                 self.say(f"{victim} emptied; scaled to {current - 1}")
                 return True
             time.sleep(0.5)
