@@ -158,3 +158,36 @@ def test_the_leader_adds_a_node_when_the_cores_run_out_and_empties_it_before_rem
     said = [line.strip() for line in leader.lines if "node scaling:" in line]
     print("\n".join(said))
     assert any("3 -> 4 nodes" in s for s in said) and any("emptied; scaled to 3" in s for s in said), said
+
+
+def test_a_node_waiting_for_a_deployment_is_live_and_says_why_it_is_not_ready() -> None:
+    """What an orchestrator's probes see between installing the nodes and
+    the first `slipstream deploy`: live (no restart loop), not ready, and
+    the node then serves on the same port once deployed."""
+    etcd = Etcd(1)
+    node = None
+    try:
+        port = free_port()
+        node = start_node(etcd, "early", "--port", str(port))
+        assert node.url == f"http://127.0.0.1:{port}", node.log()
+        status, _, body = node.request("GET", "/healthz")
+        assert status == 200, body
+        status, _, body = node.request("GET", "/readyz")
+        assert status == 503 and "waiting for a deployment" in json.loads(body)["held_back"][0], body
+        out = deploy(etcd, APP, wait=0)
+        assert out.returncode == 0, out.stdout + out.stderr
+        wait_for(lambda: _ready(node), timeout=60)  # the node takes the port over from the probes
+        status, body = node.infer("slow", x=[[1.0, 2.0]])
+        assert status == 200 and body["outputs"]["y"] == [[2.0, 4.0]], body
+    finally:
+        if node is not None:
+            node.stop()
+        etcd.stop()
+
+
+def _ready(node: Node) -> bool:
+    """The readiness probe, once; a connection refused or reset (the port changing hands) is "not yet"."""
+    try:
+        return node.is_ready()
+    except OSError:
+        return False

@@ -260,6 +260,8 @@ class _Waiting:
             return
         try:
             self.probes = WaitingProbes(self.host, int(self.port), why)
+            print(f"slipstream: answering probes while waiting (/healthz live, /readyz not ready), "
+                  f"listening on http://{self.host}:{self.port}", file=sys.stderr)
         except OSError as e:  # the port is taken: the node's own bind will say so
             print(f"slipstream: cannot answer probes while waiting: {e}", file=sys.stderr)
 
