@@ -122,7 +122,7 @@ def test_the_leader_adds_a_node_when_the_cores_run_out_and_empties_it_before_rem
     leader = ctl.nodes[f"{STS}-0"]
     newest = f"{STS}-3"
     t0 = time.monotonic()
-    load = _load([leader, ctl.nodes[f"{STS}-1"]], rate=150.0, seconds=15.0)
+    load = _load([leader, ctl.nodes[f"{STS}-1"]], rate=150.0, seconds=10.0)
 
     def model() -> dict[str, Any]:
         stage = _status(leader)["autoscale"]["stages"].get("slow/Slow") or {}
@@ -174,6 +174,9 @@ def test_a_node_waiting_for_a_deployment_is_live_and_says_why_it_is_not_ready() 
         assert status == 200, body
         status, _, body = node.request("GET", "/readyz")
         assert status == 503 and "waiting for a deployment" in json.loads(body)["held_back"][0], body
+        # A request that reaches it early is refused as unavailable (retry elsewhere), not "not implemented".
+        status, body = node.infer("slow", x=[[1.0, 2.0]])
+        assert status == 503 and body["status"] == "not ready", body
         out = deploy(etcd, APP, wait=0)
         assert out.returncode == 0, out.stdout + out.stderr
         wait_for(lambda: _ready(node), timeout=60)  # the node takes the port over from the probes

@@ -226,6 +226,16 @@ class WaitingProbes:
                 else:
                     self._answer(503, body)
 
+            def _refuse(self) -> None:
+                """Anything but a probe: 503 (not 501), the request read so the answer reaches the client."""
+                n = int(self.headers.get("Content-Length") or 0)
+                if 0 < n <= 1 << 20:
+                    self.rfile.read(n)
+                self.close_connection = True
+                self._answer(503, body)
+
+            do_POST = do_PUT = do_DELETE = do_PATCH = _refuse  # noqa: N815 (the stdlib's names)
+
             def _answer(self, code: int, payload: bytes) -> None:
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
