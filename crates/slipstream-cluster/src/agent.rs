@@ -24,7 +24,7 @@
 //!   the node's one owner of replica sets ([`Node::change`]).
 
 use super::autoscale::{Meter, REPORT_EVERY};
-use super::{open, seal, Cluster, Cordon, Member, Placement, Report, View};
+use super::{open, placeable, seal, Cluster, Cordon, Member, Placement, Report, View};
 use slipstream_core::events::EventKind;
 use slipstream_core::replica::Phase;
 use slipstream_core::scaling::{Change, Elsewhere};
@@ -327,14 +327,13 @@ async fn reconcile(etcd: &Etcd, node: &Arc<Node>, cluster: &Arc<Cluster>, keys: 
     let settled = keys.members_changed.elapsed() >= SETTLE;
     if settled && members.keys().next().map(String::as_str) == Some(cluster.me()) {
         // Cordoned members get nothing: what they run moves to the others.
-        let sized = View { members: members.clone(), cordoned: cordoned.clone(), ..View::default() };
-        let names: Vec<String> = sized.placeable().map(str::to_string).collect();
-        let placeable: BTreeMap<String, Member> =
-            members.iter().filter(|(n, _)| names.contains(n)).map(|(n, m)| (n.clone(), m.clone())).collect();
+        let names: Vec<String> = placeable(&members, &cordoned).map(str::to_string).collect();
+        let placeable_members: BTreeMap<String, Member> =
+            names.iter().map(|n| (n.clone(), members[n].clone())).collect();
         let in_force = current.as_ref().map(|(p, _)| p).filter(|p| &p.deploy == deploy);
         let (prev, prev_standby) = (in_force.map(|p| &p.stages), in_force.map(|p| &p.standby));
         // Declared counts, or the autoscaler's for stages with bounds.
-        let wanted = cluster.scaler.wanted(node, &placeable, prev);
+        let wanted = cluster.scaler.wanted(node, &placeable_members, prev);
         let want = &wanted.serving;
         // Stages that read affinity groups go where the groups are (the
         // groups are counted only when some stage reads them).

@@ -209,6 +209,16 @@ pub struct Cordon {
     pub lease: i64,
 }
 
+/// The names of `members` that take replicas and store copies (see
+/// [`View::placeable`]); the leader asks before its view is published.
+pub(crate) fn placeable<'a>(
+    members: &'a BTreeMap<String, Member>,
+    cordoned: &'a std::collections::BTreeSet<String>,
+) -> impl Iterator<Item = &'a str> + 'a {
+    let all = members.keys().all(|m| cordoned.contains(m));
+    members.keys().map(String::as_str).filter(move |m| all || !cordoned.contains(*m))
+}
+
 /// What this node knows of the cluster (published by the agent).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct View {
@@ -227,8 +237,7 @@ impl View {
     /// cordoned ones (all of them when every member is cordoned, so a
     /// cluster is never left with nowhere to place).
     pub fn placeable(&self) -> impl Iterator<Item = &str> + '_ {
-        let all = self.members.keys().all(|m| self.cordoned.contains(m));
-        self.members.keys().map(String::as_str).filter(move |m| all || !self.cordoned.contains(*m))
+        placeable(&self.members, &self.cordoned)
     }
 
     /// Whether `node` takes work for stage `key` now: a live member, not

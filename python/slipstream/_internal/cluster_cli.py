@@ -221,9 +221,7 @@ class WaitingProbes:
                 path = self.path.split("?")[0]
                 if path in ("/healthz", "/v2/health/live"):
                     self._answer(200, b'{"status": "live"}')
-                elif path in ("/readyz", "/v2/health/ready"):
-                    self._answer(503, body)
-                else:
+                else:  # readiness, and anything else: not ready yet
                     self._answer(503, body)
 
             def _refuse(self) -> None:
@@ -260,9 +258,8 @@ class _Waiting:
     """The probes' listener while the node waits (see `WaitingProbes`):
     opened when waiting starts, closed before the node binds its port."""
 
-    def __init__(self, a: argparse.Namespace) -> None:
-        opts = json.loads(node_options(a))
-        self.host, self.port = opts.get("host") or "127.0.0.1", opts.get("port")
+    def __init__(self, host: str, port: int | None) -> None:
+        self.host, self.port = host, port
         self.probes: WaitingProbes | None = None
 
     def open(self, why: str) -> None:
@@ -287,15 +284,16 @@ def cmd_node(a: argparse.Namespace) -> int:
         etcd = Etcd(a.cluster)
     except EtcdError as e:
         return fail(str(e))
-    name = a.name or f"{os.uname().nodename}-{json.loads(node_options(a))['port'] or 8000}"
-    waiting = _Waiting(a)
+    opts = json.loads(node_options(a))
+    name = a.name or f"{os.uname().nodename}-{opts['port'] or 8000}"
+    waiting = _Waiting(opts.get("host") or "127.0.0.1", opts.get("port"))
     try:
-        return _run_node(a, etcd, token, name, waiting)
+        return _run_node(a, etcd, token, name, waiting, opts.get("port") or 8000)
     finally:
         waiting.close()
 
 
-def _run_node(a: argparse.Namespace, etcd: Etcd, token: str, name: str, waiting: _Waiting) -> int:
+def _run_node(a: argparse.Namespace, etcd: Etcd, token: str, name: str, waiting: _Waiting, port: int) -> int:
     """`cmd_node`'s loop: wait for a deployment, run it; again after a redeploy."""
     from slipstream import _core
 
@@ -338,7 +336,7 @@ def _run_node(a: argparse.Namespace, etcd: Etcd, token: str, name: str, waiting:
                    **({"advertise": a.advertise} if a.advertise else {})}
         print(f"slipstream: node {name}: running deployment {d['id']} ({app})", file=sys.stderr)
         waiting.close()
-        scaling = _node_scaling(a, etcd, token)
+        scaling = _node_scaling(a, etcd, token, port)
         try:
             _core.serve(json.dumps(spec), node_options(a), cluster_json=json.dumps(cluster))
         except _core.CoreError as e:
@@ -356,7 +354,7 @@ def _run_node(a: argparse.Namespace, etcd: Etcd, token: str, name: str, waiting:
         return 0
 
 
-def _node_scaling(a: argparse.Namespace, etcd: Etcd, token: str) -> kube.NodeCountLoop | None:
+def _node_scaling(a: argparse.Namespace, etcd: Etcd, token: str, port: int) -> kube.NodeCountLoop | None:
     """The Kubernetes node-count loop (kube.py), when `SLIPSTREAM_K8S_STATEFULSET` names the StatefulSet."""
     sts = os.environ.get("SLIPSTREAM_K8S_STATEFULSET")
     if not sts:
@@ -376,7 +374,6 @@ def _node_scaling(a: argparse.Namespace, etcd: Etcd, token: str) -> kube.NodeCou
         print(f"slipstream: node scaling is off: min nodes {policy.min_nodes} and max {policy.max_nodes} "
               "must satisfy 1 <= min <= max", file=sys.stderr)
         return None
-    port = json.loads(node_options(a)).get("port") or 8000
     status_url = Transport(f"http://127.0.0.1:{port}", what="this node", hint="")
 
     def status() -> dict[str, Any]:

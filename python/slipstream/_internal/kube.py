@@ -274,16 +274,12 @@ def is_empty(status: dict[str, Any], node: str) -> bool:
     placement = cluster.get("placement") or {}
     if node not in set(cluster.get("cordoned") or []):
         return False  # the cordon has not reached this node's view yet
-    for where in (placement.get("stages") or {}).values():
-        if int(where.get(node, 0)) > 0:
-            return False
-    for where in (placement.get("standby") or {}).values():
-        if node in (where if isinstance(where, (list, dict)) else [where]):
-            return False
-    member = (cluster.get("members") or {}).get(node) or {}
-    if any(int(n) > 0 for n in (member.get("ready") or {}).values()):
+    # Replicas and standbys placed on it (stage -> {node: count}), and those it runs.
+    placed = [*(placement.get("stages") or {}).values(), *(placement.get("standby") or {}).values()]
+    if any(int(where.get(node, 0)) > 0 for where in placed):
         return False
-    if any(int(n) > 0 for n in (member.get("standby") or {}).values()):
+    member = (cluster.get("members") or {}).get(node) or {}
+    if any(int(n) > 0 for kind in ("ready", "standby") for n in (member.get(kind) or {}).values()):
         return False
     repair = (cluster.get("store") or {}).get("repair") or {}
     return int(repair.get("under_replicated_versions", 0)) == 0
