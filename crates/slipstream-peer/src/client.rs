@@ -1,7 +1,7 @@
 //! The calling side: one kept-open connection per peer address.
 
 use crate::frame::{encode, Head, Incoming, Kind, Outgoing};
-use crate::handshake::{check_node_id, handshake, Role};
+use crate::handshake::{check_node_id, establish, Established, ReadHalf, Role};
 use crate::io::{writer_loop, FrameReader, Job, QUEUE_DEPTH};
 use crate::{alloc_checked, Allocator, ClusterKey, CounterSnapshot, Counters, PeerConfig, PeerError};
 use parking_lot::Mutex;
@@ -10,7 +10,6 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
-use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::AbortHandle;
@@ -65,6 +64,7 @@ struct Connecting<A: Allocator> {
 #[derive(Clone, Debug)]
 enum ConnectError {
     Refused,
+    Untrusted(String),
     Io(std::io::ErrorKind, String),
     Abandoned(String),
 }
@@ -73,6 +73,7 @@ impl From<ConnectError> for PeerError {
     fn from(e: ConnectError) -> PeerError {
         match e {
             ConnectError::Refused => PeerError::Refused,
+            ConnectError::Untrusted(why) => PeerError::Untrusted(why),
             ConnectError::Io(kind, msg) => PeerError::Io(std::io::Error::new(kind, msg)),
             ConnectError::Abandoned(why) => PeerError::Disconnected(why),
         }
@@ -318,16 +319,18 @@ async fn connect_task<A: Allocator>(inner: Arc<Inner<A>>, addr: SocketAddr, me: 
 
 async fn open<A: Allocator>(inner: &Arc<Inner<A>>, addr: SocketAddr) -> Result<Arc<Conn<A>>, ConnectError> {
     let limit = inner.config.handshake_timeout;
-    let mut stream = match tokio::time::timeout(limit, TcpStream::connect(addr)).await {
+    let stream = match tokio::time::timeout(limit, TcpStream::connect(addr)).await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => return Err(ConnectError::Io(e.kind(), format!("connect to {addr}: {e}"))),
         Err(_) => return Err(ConnectError::Io(std::io::ErrorKind::TimedOut, format!("connect to {addr} timed out"))),
     };
-    let _ = stream.set_nodelay(true);
-    let peer_id = handshake(&mut stream, &inner.key, &inner.node_id, Role::Client, limit)
-        .await
-        .map_err(|_| ConnectError::Refused)?;
-    let (rd, wr) = stream.into_split();
+    let Established { peer_id, rd, wr } =
+        establish(stream, addr, &inner.key, &inner.node_id, Role::Client, &inner.config).await.map_err(
+            |e| match e {
+                PeerError::Untrusted(why) => ConnectError::Untrusted(why),
+                _ => ConnectError::Refused,
+            },
+        )?;
     let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
     let conn = Arc::new(Conn {
         addr,
@@ -363,7 +366,7 @@ async fn open<A: Allocator>(inner: &Arc<Inner<A>>, addr: SocketAddr) -> Result<A
 
 async fn reader_task<A: Allocator>(
     conn: Arc<Conn<A>>,
-    rd: OwnedReadHalf,
+    rd: ReadHalf,
     alloc: Arc<A>,
     counters: Arc<Counters>,
     limits: crate::frame::Limits,
@@ -382,7 +385,7 @@ async fn reader_task<A: Allocator>(
 /// Read one frame and hand it to its caller. `Ok(false)` at end of stream.
 async fn read_reply<A: Allocator>(
     conn: &Conn<A>,
-    reader: &mut FrameReader<OwnedReadHalf>,
+    reader: &mut FrameReader<ReadHalf>,
     alloc: &A,
     counters: &Counters,
 ) -> Result<bool, PeerError> {

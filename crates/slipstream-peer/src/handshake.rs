@@ -7,10 +7,72 @@
 //! never a valid answer for the other; each proof covers the other side's
 //! fresh nonce, so a recorded proof is worth nothing later. Any failure,
 //! including a timeout, is [`PeerError::Refused`].
+//!
+//! With TLS configured ([`crate::PeerConfig::tls`]), [`establish`] runs the
+//! TLS handshake first (both sides show a certificate of the cluster's CA)
+//! and this exchange inside it, then checks that the peer's certificate is
+//! issued for the node id its hello gave: a failure there is
+//! [`PeerError::Untrusted`], saying why.
 
-use crate::{ClusterKey, PeerError};
+use crate::{ClusterKey, PeerConfig, PeerError};
+use std::net::SocketAddr;
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// The reading half of an established connection.
+pub(crate) type ReadHalf = Box<dyn AsyncRead + Send + Unpin>;
+/// The writing half of an established connection.
+pub(crate) type WriteHalf = Box<dyn AsyncWrite + Send + Unpin>;
+
+/// An authenticated connection: the peer's node id and the two halves.
+pub(crate) struct Established {
+    pub peer_id: String,
+    pub rd: ReadHalf,
+    pub wr: WriteHalf,
+}
+
+/// Make `stream` an authenticated connection (TLS when configured, then
+/// the token handshake), all within the config's handshake timeout.
+pub(crate) async fn establish(
+    stream: TcpStream,
+    peer_addr: SocketAddr,
+    key: &ClusterKey,
+    node_id: &str,
+    role: Role,
+    config: &PeerConfig,
+) -> Result<Established, PeerError> {
+    let _ = stream.set_nodelay(true);
+    let limit = config.handshake_timeout;
+    let work = async {
+        let Some(tls) = &config.tls else {
+            let mut stream = stream;
+            let peer_id = handshake(&mut stream, key, node_id, role, limit).await?;
+            let (rd, wr) = stream.into_split();
+            return Ok(Established { peer_id, rd: Box::new(rd), wr: Box::new(wr) });
+        };
+        let untrusted = |e: std::io::Error| PeerError::Untrusted(e.to_string());
+        let mut stream: tokio_rustls::TlsStream<TcpStream> = match role {
+            // The name is not what is checked: see `slipstream_tls`.
+            Role::Client => tls
+                .peer_connector()
+                .connect(rustls::pki_types::ServerName::IpAddress(peer_addr.ip().into()), stream)
+                .await
+                .map_err(untrusted)?
+                .into(),
+            Role::Server => tls.peer_acceptor().accept(stream).await.map_err(untrusted)?.into(),
+        };
+        let peer_id = handshake(&mut stream, key, node_id, role, limit).await?;
+        slipstream_tls::check_peer_name(stream.get_ref().1.peer_certificates(), &peer_id)
+            .map_err(PeerError::Untrusted)?;
+        let (rd, wr) = tokio::io::split(stream);
+        Ok(Established { peer_id, rd: Box::new(rd), wr: Box::new(wr) })
+    };
+    match tokio::time::timeout(limit, work).await {
+        Ok(r) => r,
+        Err(_) => Err(PeerError::Refused),
+    }
+}
 
 pub(crate) const MAGIC: &[u8; 4] = b"SSPR";
 pub(crate) const VERSION: u16 = 1;

@@ -192,6 +192,8 @@ pub(crate) async fn writer_loop<W: AsyncWrite + Unpin>(
             stats.push(job.stats);
         }
         write_segments(&mut w, &mut segs).await?;
+        // A no-op on a socket; TLS may hold the end of a record back.
+        w.flush().await?;
         for s in stats.drain(..) {
             counters.sent(&s);
         }

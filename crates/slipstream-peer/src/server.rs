@@ -2,7 +2,7 @@
 //! per Call.
 
 use crate::frame::{encode, encode_error, Incoming, Kind, Outgoing};
-use crate::handshake::{check_node_id, handshake, Role};
+use crate::handshake::{check_node_id, establish, Established, ReadHalf, Role};
 use crate::io::{writer_loop, FrameReader, Job, QUEUE_DEPTH};
 use crate::{alloc_checked, Allocator, ClusterKey, CounterSnapshot, Counters, PeerConfig, PeerError};
 use std::future::Future;
@@ -10,7 +10,6 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::task::{AbortHandle, JoinHandle, JoinSet};
@@ -177,8 +176,8 @@ where
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => {
-                    conns.spawn(serve_conn(stream, shared.clone()));
+                Ok((stream, from)) => {
+                    conns.spawn(serve_conn(stream, from, shared.clone()));
                 }
                 // Out of file descriptors and the like: wait, then go on.
                 Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
@@ -205,16 +204,15 @@ impl Drop for AbortOnDrop {
     }
 }
 
-async fn serve_conn<A, H, F>(mut stream: TcpStream, shared: Arc<Shared<A, H>>)
+async fn serve_conn<A, H, F>(stream: TcpStream, from: SocketAddr, shared: Arc<Shared<A, H>>)
 where
     A: Allocator,
     H: Fn(String, Incoming<A::Buf>) -> F + Send + Sync + 'static,
     F: Future<Output = Outgoing> + Send + 'static,
 {
-    let _ = stream.set_nodelay(true);
-    let hs = handshake(&mut stream, &shared.key, &shared.node_id, Role::Server, shared.config.handshake_timeout).await;
-    let peer = match hs {
-        Ok(peer) => peer,
+    let hs = establish(stream, from, &shared.key, &shared.node_id, Role::Server, &shared.config).await;
+    let Established { peer_id: peer, rd, wr } = match hs {
+        Ok(e) => e,
         Err(_) => {
             shared.state.refused.fetch_add(1, Relaxed);
             return;
@@ -222,7 +220,6 @@ where
     };
     shared.state.open.fetch_add(1, Relaxed);
     let _open = OpenGuard(shared.state.clone());
-    let (rd, wr) = stream.into_split();
     let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
     let mut writer = tokio::spawn(writer_loop(wr, rx, shared.state.counters.clone()));
     let _stop_writer = AbortOnDrop(writer.abort_handle());
@@ -244,7 +241,7 @@ where
 
 /// Read one Call and start its handler. `Ok(false)` at end of stream.
 async fn serve_one<A, H, F>(
-    reader: &mut FrameReader<OwnedReadHalf>,
+    reader: &mut FrameReader<ReadHalf>,
     shared: &Arc<Shared<A, H>>,
     peer: &str,
     tx: &mpsc::Sender<Job>,
@@ -321,6 +318,7 @@ fn reply_job(mut out: Outgoing, id: u64, config: &PeerConfig, threshold: usize) 
 mod tests {
     use super::*;
     use crate::frame::{prefix, OutTensor};
+    use crate::handshake::handshake;
     use crate::{Peers, VecAlloc};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
