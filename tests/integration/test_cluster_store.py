@@ -5,7 +5,9 @@ increment one counter exactly, versions and reads by time agree on every
 node, and a value with two copies survives a holder killed with SIGKILL.
 The promise tested is the one docs/design/store.md states. Each node runs
 on a machine of its own: a network namespace with its own address
-(tests/integration/subnet.py; loopback where the host cannot make them)."""
+(tests/integration/subnet.py; loopback where the host cannot make them),
+and everything between machines is mutual TLS from a cluster CA
+(`slipstream tls`): etcd's clients and peers, and the data plane."""
 
 from __future__ import annotations
 
@@ -13,17 +15,21 @@ import hashlib
 import os
 import shutil
 import signal
+import socket
+import ssl
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import slipstream as ss
-from slipstream.testing import Etcd, deploy, start_node
+from slipstream._internal.testing import ClusterCA
+from slipstream.testing import TOKEN, Etcd, deploy, start_node
 
 from tests.conftest import APPS, Node, wait_for
 from tests.integration.subnet import Subnet
@@ -53,7 +59,9 @@ def machines(names: tuple[str, ...]) -> Iterator[tuple[Etcd, Callable[..., Node]
     except Exception as e:  # noqa: BLE001 (any failure to make one means: not here)
         warnings.warn(f"the cluster store tests run on loopback: no network namespaces here ({e})", stacklevel=2)
         net = None
-    etcd = Etcd(1, host=net.host_ip) if net else Etcd(1)
+    # TLS everywhere, as across real machines: etcd (clients and peers,
+    # certificates required) and the data plane between the nodes.
+    etcd = Etcd(1, host=net.host_ip, tls=True) if net else Etcd(1, tls=True)
 
     def start(name: str, **kw: Any) -> Node:
         if net is None:
@@ -117,6 +125,56 @@ def test_a_put_through_one_node_is_read_through_the_others(cluster: dict[str, No
     assert fetched >= 1
     store(cluster[outsider]).get("/cs/blob/1")
     assert store_status(cluster[outsider])["fetches"] == fetched
+    # The copies crossed the data plane, encrypted.
+    view = cluster[outsider].status()["cluster"]
+    assert view["data_plane_tls"] and view["data_plane"]["bytes_received"] >= 1 << 20, view["data_plane"]
+
+
+def test_only_holders_of_a_certificate_for_their_name_get_in(cluster: dict[str, Node]) -> None:
+    """A node with another CA's certificate cannot even reach etcd; one with
+    a certificate for another name is stopped before it starts; a TLS
+    connection to the data plane with a stranger's certificate, or one
+    without TLS, is refused at the handshake."""
+    n1 = cluster["n1"]
+    view = n1.status()["cluster"]
+    before = view["counters"]["refused_handshakes"]
+    stranger = ClusterCA()
+    try:
+        intruder = Node(None, "--cluster", view["etcd"], "--token", TOKEN, "--name", "n9",
+                        "--tls", str(stranger.issue("n9")), command="node")
+        assert intruder.proc.wait(30) != 0
+        assert "certificate" in intruder.log() and "etcd" in intruder.log(), intruder.log()
+        argv = list(n1.proc.args)  # type: ignore[arg-type]
+        ours = Path(argv[argv.index("--tls") + 1])  # n1's own directory, for another name
+        impostor = Node(None, "--cluster", view["etcd"], "--token", TOKEN, "--name", "n7", "--tls", str(ours),
+                        command="node")
+        assert impostor.proc.wait(30) != 0
+        assert "not issued for this node's name \"n7\"" in impostor.log(), impostor.log()
+
+        host, port = view["data"].rsplit(":", 1)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE  # get as far as the node's own check
+        d = stranger.issue("n9")
+        context.load_cert_chain(d / "tls.crt", d / "tls.key")
+        with socket.create_connection((host, int(port)), timeout=5) as raw:
+            try:
+                with context.wrap_socket(raw) as tls:
+                    tls.sendall(b"SSPR" + b"\x00" * 64)
+                    while tls.recv(4096):
+                        pass
+            except (OSError, ssl.SSLError):
+                pass  # refused during or right after the handshake
+        with socket.create_connection((host, int(port)), timeout=5) as plain:
+            plain.sendall(b"SSPR\x01\x00\x02n9" + b"\x00" * 32)
+            try:
+                while plain.recv(4096):
+                    pass
+            except OSError:
+                pass
+        wait_for(lambda: n1.status()["cluster"]["counters"]["refused_handshakes"] >= before + 2, timeout=10)
+    finally:
+        stranger.stop()
 
 
 def test_each_pool_keeps_its_own_number_of_copies(cluster: dict[str, Node]) -> None:

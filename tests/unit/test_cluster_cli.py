@@ -27,6 +27,9 @@ def test_seal_matches_the_node_and_unseal_refuses_other_tokens_and_tampering() -
 def test_etcd_urls() -> None:
     assert Etcd("etcd://a:1,b:2").endpoints == ["http://a:1", "http://b:2"]
     assert Etcd("http://h:2379").endpoints == ["http://h:2379"]
-    for bad in ("h:2379", "https://h:1", "etcd://"):
+    for bad in ("h:2379", "ftp://h:1", "etcd://"):
         with pytest.raises(EtcdError, match="expected etcd://"):
             Etcd(bad)
+    for secure in ("https://h:1", "etcds://h:1"):
+        with pytest.raises(EtcdError, match="TLS to etcd needs a CA and a client certificate: --tls DIR"):
+            Etcd(secure)

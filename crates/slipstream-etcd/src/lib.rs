@@ -118,8 +118,24 @@ impl Etcd {
     /// both; each may repeat the scheme; the port defaults to 2379; IPv6
     /// hosts in brackets). Connects to nothing yet.
     pub fn new(url: &str) -> Result<Etcd, EtcdError> {
-        let endpoints = parse_url(url)?;
-        Ok(Etcd { transport: Arc::new(Transport::new(endpoints)), timeout: DEFAULT_TIMEOUT })
+        Etcd::with_tls(url, None)
+    }
+
+    /// As [`Etcd::new`]; an `https://` (or `etcds://`) URL is spoken over
+    /// TLS with `tls`'s CA and client certificate, and needs it. An
+    /// `http://` URL stays plain whatever `tls` is.
+    pub fn with_tls(url: &str, tls: Option<&slipstream_tls::NodeTls>) -> Result<Etcd, EtcdError> {
+        let (endpoints, secure) = parse_url(url)?;
+        let tls = match (secure, tls) {
+            (false, _) => None,
+            (true, Some(t)) => Some(t.etcd_connector()),
+            (true, None) => {
+                return Err(EtcdError::BadUrl(format!(
+                    "{url:?}: TLS to etcd needs a CA and a client certificate (the node's --tls directory)"
+                )))
+            }
+        };
+        Ok(Etcd { transport: Arc::new(Transport::new(endpoints, tls)), timeout: DEFAULT_TIMEOUT })
     }
 
     /// The time limit of each request on each endpoint (default 2 s), so a
@@ -313,19 +329,20 @@ fn put_request(key: &str, value: &[u8], lease: Option<i64>) -> Value {
     put
 }
 
-/// The endpoints of an `etcd://` or `http://` URL, as `host:port`.
-fn parse_url(url: &str) -> Result<Vec<String>, EtcdError> {
+/// The endpoints of an `etcd://`, `http://`, `etcds://` or `https://` URL,
+/// as `host:port`, and whether they speak TLS.
+fn parse_url(url: &str) -> Result<(Vec<String>, bool), EtcdError> {
     let url = url.trim();
     let bad = |why: &str| Err(EtcdError::BadUrl(format!("{url:?}: {why}")));
     let (scheme, rest) = match url.split_once("://") {
         Some((s, r)) => (s.to_ascii_lowercase(), r),
         None => return bad("expected etcd://host:port[,host:port...] or http://host:port[,...]"),
     };
-    match scheme.as_str() {
-        "etcd" | "http" => {}
-        "https" | "etcds" => return bad("TLS (https) is not supported yet; use an http:// endpoint"),
-        _ => return bad(&format!("unknown scheme {scheme:?}; expected etcd:// or http://")),
-    }
+    let secure = match scheme.as_str() {
+        "etcd" | "http" => false,
+        "https" | "etcds" => true,
+        _ => return bad(&format!("unknown scheme {scheme:?}; expected etcd://, http://, etcds:// or https://")),
+    };
     let mut endpoints = Vec::new();
     for item in rest.split(',') {
         let mut item = item.trim();
@@ -347,7 +364,7 @@ fn parse_url(url: &str) -> Result<Vec<String>, EtcdError> {
             Err(why) => return bad(&format!("endpoint {item:?}: {why}")),
         }
     }
-    Ok(endpoints)
+    Ok((endpoints, secure))
 }
 
 /// `host`, `host:port`, `[v6]` or `[v6]:port`, as `host:port` (port 2379 by default).
@@ -396,7 +413,6 @@ mod tests {
         for bad in [
             "",
             "h:1",
-            "https://h:1",
             "ftp://h:1",
             "etcd://",
             "etcd://h:1,",
@@ -413,7 +429,7 @@ mod tests {
             assert!(matches!(e, EtcdError::BadUrl(_)), "{bad}: {e}");
         }
         let e = Etcd::new("https://h:1").unwrap_err().to_string();
-        assert!(e.contains("not supported yet"), "{e}");
+        assert!(e.contains("needs a CA and a client certificate"), "{e}");
     }
 
     #[test]

@@ -52,6 +52,8 @@ enum Failure {
 pub(crate) struct Transport {
     /// `host:port` each.
     pub endpoints: Vec<String>,
+    /// TLS to every endpoint (an `https://` URL), with a client certificate.
+    tls: Option<slipstream_tls::TlsConnector>,
     /// The endpoint that answered last.
     preferred: AtomicUsize,
     /// One idle connection per endpoint, at most.
@@ -59,9 +61,22 @@ pub(crate) struct Transport {
 }
 
 impl Transport {
-    pub fn new(endpoints: Vec<String>) -> Transport {
+    pub fn new(endpoints: Vec<String>, tls: Option<slipstream_tls::TlsConnector>) -> Transport {
         let idle = Mutex::new(endpoints.iter().map(|_| None).collect());
-        Transport { endpoints, preferred: AtomicUsize::new(0), idle }
+        Transport { endpoints, tls, preferred: AtomicUsize::new(0), idle }
+    }
+
+    /// A new HTTP/1.1 connection (over TLS when configured); the task
+    /// driving it is returned so that a long-lived user (a watch) can end it.
+    pub async fn connect(&self, authority: &str) -> Result<(Sender, JoinHandle<()>), String> {
+        let tcp = TcpStream::connect(authority).await.map_err(|e| format!("connect: {e}"))?;
+        // Small requests: send them now, not when the last one is acknowledged.
+        let _ = tcp.set_nodelay(true);
+        let Some(tls) = &self.tls else { return drive(tcp).await };
+        let host = authority.rsplit_once(':').map_or(authority, |(h, _)| h);
+        let name = slipstream_tls::server_name(host).map_err(|e| e.to_string())?;
+        let stream = tls.connect(name, tcp).await.map_err(|e| format!("TLS with {authority}: {e}"))?;
+        drive(stream).await
     }
 
     pub fn preferred(&self) -> usize {
@@ -135,7 +150,7 @@ impl Transport {
                 },
             }
         }
-        let (mut sender, _conn) = match timeout_at(deadline, connect(authority)).await {
+        let (mut sender, _conn) = match timeout_at(deadline, self.connect(authority)).await {
             Err(_) => return Err(Failure::NotSent("connecting timed out".into())),
             Ok(Err(e)) => return Err(Failure::NotSent(e)),
             Ok(Ok(c)) => c,
@@ -190,13 +205,12 @@ pub(crate) fn request(authority: &str, path: &str, body: Bytes) -> Result<Reques
         .map_err(|e| EtcdError::BadUrl(format!("{authority}{path}: {e}")))
 }
 
-/// A new HTTP/1.1 connection; the task driving it is returned so that a
-/// long-lived user (a watch) can end it.
-pub(crate) async fn connect(authority: &str) -> Result<(Sender, JoinHandle<()>), String> {
-    let tcp = TcpStream::connect(authority).await.map_err(|e| format!("connect: {e}"))?;
-    // Small requests: send them now, not when the last one is acknowledged.
-    let _ = tcp.set_nodelay(true);
-    let (sender, conn) = http1::handshake(TokioIo::new(tcp)).await.map_err(|e| format!("handshake: {e}"))?;
+/// HTTP/1.1 on an open connection, driven by a task of its own.
+async fn drive<S>(io: S) -> Result<(Sender, JoinHandle<()>), String>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+{
+    let (sender, conn) = http1::handshake(TokioIo::new(io)).await.map_err(|e| format!("handshake: {e}"))?;
     let task = tokio::spawn(async move {
         // Its errors reach the request that was in flight.
         let _ = conn.await;

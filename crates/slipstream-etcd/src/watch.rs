@@ -12,7 +12,7 @@
 //! events after the Resync may already be in the reload (they carry their
 //! `mod_revision` to tell).
 
-use crate::transport::{connect, request};
+use crate::transport::request;
 use crate::wire::{b64, prefix_range, snippet, StreamLine, WatchResponse};
 use crate::{Etcd, EtcdError, WatchEvent, MAX_ANSWER_BYTES};
 use bytes::Bytes;
@@ -118,7 +118,7 @@ impl Watcher {
         let broken = End::Broken { created: false };
         let authority = &self.etcd.transport.endpoints[ep];
         let deadline = Instant::now() + self.etcd.timeout;
-        let (mut sender, conn) = match timeout_at(deadline, connect(authority)).await {
+        let (mut sender, conn) = match timeout_at(deadline, self.etcd.transport.connect(authority)).await {
             Err(_) | Ok(Err(_)) => return broken,
             Ok(Ok(c)) => c,
         };

@@ -197,7 +197,8 @@ pub struct CounterSnapshot {
     pub merged_runs: u64,
     /// Tensors sent by copying them into a merge buffer.
     pub merged_tensors: u64,
-    /// Tensors sent from their own memory, without a copy.
+    /// Tensors handed to the connection from their own memory, without a
+    /// copy (over TLS, encryption then copies them once).
     pub zero_copy_tensors: u64,
     pub frames_received: u64,
     /// Frame bytes read: headers and payloads.

@@ -3,8 +3,9 @@
 //! What crosses it: `serve` (run a node until SIGINT/SIGTERM, with the GIL
 //! released), `node_settings`/`check_config` (the node's settings table and
 //! its checks, so the front end declares no setting of its own), `bench`
-//! (the open-loop load generator), and `Pool` (a worker's handle on its
-//! shared-memory pool, for allocating output blocks).
+//! (the open-loop load generator), `Pool` (a worker's handle on its
+//! shared-memory pool, for allocating output blocks), and the cluster's
+//! certificates (`tls_make_ca`, `tls_issue`, `tls_check`).
 //! Arguments arrive as JSON strings or plain scalars so that the Python side
 //! owns all user-facing validation and messages; errors come back as
 //! `CoreError(kind, message)`.
@@ -237,8 +238,31 @@ impl Pool {
     }
 }
 
+/// Make a cluster CA in `dir` (`ca.crt`, `ca.key`); the files written.
+#[pyfunction]
+fn tls_make_ca(dir: PathBuf, days: u32) -> PyResult<Vec<PathBuf>> {
+    slipstream_tls::make_ca(&dir, days).map_err(|e| core_err("invalid_option", e))
+}
+
+/// Issue a certificate for `names` with the CA in `ca_dir` into `out`; the
+/// files written and the last day it is valid.
+#[pyfunction]
+fn tls_issue(ca_dir: PathBuf, out: PathBuf, names: Vec<String>, days: u32) -> PyResult<(Vec<PathBuf>, String)> {
+    let issued = slipstream_tls::issue(&ca_dir, &out, &names, days).map_err(|e| core_err("invalid_option", e))?;
+    Ok((issued.files, issued.not_after))
+}
+
+/// Load a node's TLS directory as the node named `name` will: Ok, or why not.
+#[pyfunction]
+fn tls_check(dir: PathBuf, name: &str) -> PyResult<()> {
+    slipstream_tls::NodeTls::load(&dir).and_then(|t| t.check_own_name(name)).map_err(|e| core_err("invalid_option", e))
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(tls_make_ca, m)?)?;
+    m.add_function(wrap_pyfunction!(tls_issue, m)?)?;
+    m.add_function(wrap_pyfunction!(tls_check, m)?)?;
     m.add_function(wrap_pyfunction!(serve, m)?)?;
     m.add_function(wrap_pyfunction!(node_settings, m)?)?;
     m.add_function(wrap_pyfunction!(check_config, m)?)?;

@@ -76,6 +76,8 @@ fn provider() -> Arc<CryptoProvider> {
 #[derive(Clone)]
 pub struct NodeTls {
     dir: PathBuf,
+    /// This node's own certificate (the first of `tls.crt`).
+    own: CertificateDer<'static>,
     peer_client: Arc<ClientConfig>,
     peer_server: Arc<ServerConfig>,
     etcd_client: Arc<ClientConfig>,
@@ -126,6 +128,7 @@ impl NodeTls {
         let store = Arc::new(store);
         let provider = provider();
         let tls13 = &[&rustls::version::TLS13];
+        let own = chain[0].clone();
         let check = |e: rustls::Error| bad(format!("{CERT_FILE} and {KEY_FILE}: {e}"));
         let members = Arc::new(MemberVerifier { roots: store.clone(), provider: provider.clone() });
         let peer_client = ClientConfig::builder_with_provider(provider.clone())
@@ -152,9 +155,23 @@ impl NodeTls {
             .map_err(check)?;
         Ok(NodeTls {
             dir,
+            own,
             peer_client: Arc::new(peer_client),
             peer_server: Arc::new(peer_server),
             etcd_client: Arc::new(etcd_client),
+        })
+    }
+
+    /// Whether this node's certificate names `node_id`, as its peers will
+    /// require (see [`check_peer_name`]): a node started with another
+    /// node's certificate learns it at once, not from every peer refusing it.
+    pub fn check_own_name(&self, node_id: &str) -> Result<(), TlsError> {
+        check_peer_name(Some(std::slice::from_ref(&self.own)), node_id).map_err(|_| {
+            bad(format!(
+                "{}: {CERT_FILE} is not issued for this node's name {node_id:?} (its peers would refuse it; \
+                 issue one with `slipstream tls cert --ca CA_DIR --out DIR {node_id}`)",
+                self.dir.display()
+            ))
         })
     }
 

@@ -55,6 +55,9 @@ async fn members_of_one_ca_talk_and_are_bound_to_their_names() {
     assert!(e.contains("not issued for that name"), "{e}");
     assert!(check_peer_name(None, "node-a").unwrap_err().contains("no certificate"));
     assert!(check_peer_name(Some(&client_cert), "not a name!").unwrap_err().contains("not a DNS name"));
+    a.check_own_name("node-a").unwrap();
+    let e = a.check_own_name("node-b").unwrap_err().to_string();
+    assert!(e.contains("not issued for this node's name \"node-b\""), "{e}");
 }
 
 #[tokio::test]

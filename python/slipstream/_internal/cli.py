@@ -1,7 +1,7 @@
 """The ``slipstream`` command line: status, scale, bench, profile, plan,
 slo; ``serve`` lives in ``serve_cli``, the cluster's commands (deploy,
 node) in ``cluster_cli``, the object store's (put, get, ls, versions, rm)
-in ``store_cli``.
+in ``store_cli``, the cluster CA's (tls ca, tls cert) in ``tls_cli``.
 
 Entry points stay thin: parse arguments, call into the library, print.
 Requests to a node go through ``ss.Client`` and ``admin``; their errors
@@ -26,6 +26,7 @@ from slipstream._internal.errors import Error, RequestError, from_core
 from slipstream._internal.serve_cli import add_serve_command, model_overheads
 from slipstream._internal.store_cli import add_store_commands
 from slipstream._internal.store_cli import fail as _fail
+from slipstream._internal.tls_cli import add_tls_commands
 
 DEFAULT_URL = os.environ.get("SLIPSTREAM_URL", "http://127.0.0.1:8000")
 
@@ -503,6 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_command(sub)
     add_cluster_commands(sub)
+    add_tls_commands(sub)
     config.add_command(sub)
 
     st = sub.add_parser("status", help="stages, replicas, queue depths, batch sizes of a running node")

@@ -22,6 +22,7 @@ import hashlib
 import hmac
 import json
 import os
+import ssl
 import sys
 import time
 from pathlib import Path
@@ -41,13 +42,21 @@ class EtcdError(Exception):
 class Etcd:
     """The few etcd calls the CLI needs, over the JSON gateway."""
 
-    def __init__(self, url: str, timeout: float = 3.0) -> None:
+    def __init__(self, url: str, timeout: float = 3.0, tls: str | Path | None = None) -> None:
         scheme, sep, rest = url.partition("://")
-        if not sep or scheme not in ("etcd", "http") or not rest:
-            raise EtcdError(f"--cluster {url!r}: expected etcd://HOST:PORT[,HOST:PORT...]")
-        self.endpoints = [f"http://{e.strip()}" for e in rest.rstrip("/").split(",") if e.strip()]
+        scheme = scheme.lower()
+        if not sep or scheme not in ("etcd", "http", "etcds", "https") or not rest:
+            raise EtcdError(f"--cluster {url!r}: expected etcd://HOST:PORT[,HOST:PORT...] "
+                            "(etcds:// or https:// for TLS)")
+        secure = scheme in ("etcds", "https")
+        context = _etcd_tls(tls) if secure else None
+        if secure and context is None:
+            raise EtcdError(f"--cluster {url!r}: TLS to etcd needs a CA and a client certificate: "
+                            "--tls DIR (or $SLIPSTREAM_TLS_DIR)")
+        endpoints = [e.strip().partition("://")[2] or e.strip() for e in rest.rstrip("/").split(",") if e.strip()]
+        self.endpoints = [f"{'https' if secure else 'http'}://{e}" for e in endpoints]
         self.timeout = timeout
-        self._http = {ep: Transport(ep, what="etcd member", hint="") for ep in self.endpoints}
+        self._http = {ep: Transport(ep, what="etcd member", hint="", ssl_context=context) for ep in self.endpoints}
 
     def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST to the first endpoint that answers; its JSON answer."""
@@ -97,6 +106,38 @@ def _b64(b: bytes) -> str:
     return base64.b64encode(b).decode()
 
 
+def _etcd_tls(tls: str | Path | None) -> ssl.SSLContext | None:
+    """What `slipstream node --tls DIR` shows etcd: DIR/tls.crt as a client
+    certificate; etcd's certificate must chain to DIR/ca.crt and name the
+    host dialled."""
+    if tls is None:
+        return None
+    d = Path(tls)
+    try:
+        context = ssl.create_default_context(cafile=str(d / "ca.crt"))
+        context.load_cert_chain(str(d / "tls.crt"), str(d / "tls.key"))
+    except (OSError, ssl.SSLError) as e:
+        raise EtcdError(f"--tls {d}: {e}") from None
+    return context
+
+
+def _check_tls(tls: str | None, name: str) -> None:
+    """Read the TLS directory as the node `name` will, now rather than when
+    a deployment arrives."""
+    if tls is None:
+        return
+    from slipstream import _core
+
+    try:
+        _core.tls_check(tls, name)
+    except _core.CoreError as e:
+        raise EtcdError(f"--tls {tls}: {from_core(e)}") from None
+
+
+def _etcd(a: argparse.Namespace) -> Etcd:
+    return Etcd(a.cluster, tls=a.tls)
+
+
 def _cluster_key(token: str) -> bytes:
     return hashlib.sha256(b"slipstream-cluster-v1\0" + token.encode()).digest()
 
@@ -141,7 +182,7 @@ def _file_sha256(path: Path) -> str:
 def cmd_deploy(a: argparse.Namespace) -> int:
     try:
         token = _token(a)
-        etcd = Etcd(a.cluster)
+        etcd = _etcd(a)
         app = Path(a.app.split(":")[0]).resolve()
         if not app.is_file():
             return fail(f"no app file {app}")
@@ -281,11 +322,12 @@ class _Waiting:
 def cmd_node(a: argparse.Namespace) -> int:
     try:
         token = _token(a)
-        etcd = Etcd(a.cluster)
+        etcd = _etcd(a)
+        opts = json.loads(node_options(a))
+        name = a.name or f"{os.uname().nodename}-{opts['port'] or 8000}"
+        _check_tls(a.tls, name)
     except EtcdError as e:
         return fail(str(e))
-    opts = json.loads(node_options(a))
-    name = a.name or f"{os.uname().nodename}-{opts['port'] or 8000}"
     waiting = _Waiting(opts.get("host") or "127.0.0.1", opts.get("port"))
     try:
         return _run_node(a, etcd, token, name, waiting, opts.get("port") or 8000)
@@ -333,6 +375,7 @@ def _run_node(a: argparse.Namespace, etcd: Etcd, token: str, name: str, waiting:
         cluster = {"etcd": a.cluster, "name": name, "cluster": a.cluster_name, "token": token,
                    "data_listen": a.data_listen, "ttl_s": a.ttl, "deploy": d["id"],
                    "store_replicas": a.store_replicas, "standbys": not a.no_standbys,
+                   **({"tls": str(Path(a.tls).resolve())} if a.tls else {}),
                    **({"advertise": a.advertise} if a.advertise else {})}
         print(f"slipstream: node {name}: running deployment {d['id']} ({app})", file=sys.stderr)
         waiting.close()
@@ -400,6 +443,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", default=os.environ.get("SLIPSTREAM_CLUSTER_TOKEN"),
                    help="the cluster's shared secret: nodes without it cannot join, place work or send "
                         "frames (default: $SLIPSTREAM_CLUSTER_TOKEN)")
+    p.add_argument("--tls", default=os.environ.get("SLIPSTREAM_TLS_DIR") or None, metavar="DIR",
+                   help="a directory of ca.crt, tls.crt and tls.key (`slipstream tls`, or a Kubernetes TLS "
+                        "Secret): mutual TLS between nodes, and the client certificate for an etcds:// "
+                        "cluster (default: $SLIPSTREAM_TLS_DIR)")
 
 
 def _positive(text: str) -> int:

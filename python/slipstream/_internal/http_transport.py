@@ -72,12 +72,15 @@ class Response:
 class _Server:
     """A server's URL, split: where to connect and the path prefix of every request."""
 
-    def __init__(self, url: str, what: str, hint: str):
+    def __init__(self, url: str, what: str, hint: str, ssl_context: ssl.SSLContext | None = None):
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise BadRequest(f"not an http(s) URL: {url!r}", status=None)
         self.url = url
         self.https = parts.scheme == "https"
+        #: For https: whom to trust and which client certificate to show
+        #: (None: the system's CAs, no client certificate).
+        self.ssl_context = ssl_context
         self.host = parts.hostname
         self.port = parts.port or (443 if self.https else 80)
         self.base = parts.path.rstrip("/")
@@ -153,8 +156,9 @@ class Transport:
     an ``Unreachable`` (``no node answers at ...; is `slipstream serve`
     running?``)."""
 
-    def __init__(self, url: str, *, max_idle: int = 8, what: str = "node", hint: str = _NODE_HINT):
-        self._server = _Server(url, what, hint)
+    def __init__(self, url: str, *, max_idle: int = 8, what: str = "node", hint: str = _NODE_HINT,
+                 ssl_context: ssl.SSLContext | None = None):
+        self._server = _Server(url, what, hint, ssl_context)
         self.max_idle = max_idle
         self._idle: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
@@ -252,8 +256,10 @@ class Transport:
             c.close()
 
     def _connection(self, timeout: float) -> http.client.HTTPConnection:
-        cls = http.client.HTTPSConnection if self._server.https else http.client.HTTPConnection
-        return cls(self._server.host, self._server.port, timeout=timeout)
+        server = self._server
+        if server.https:
+            return http.client.HTTPSConnection(server.host, server.port, timeout=timeout, context=server.ssl_context)
+        return http.client.HTTPConnection(server.host, server.port, timeout=timeout)
 
     def _acquire(self, timeout: float) -> tuple[http.client.HTTPConnection, bool]:
         """An idle connection still open (True), else a new one (False)."""

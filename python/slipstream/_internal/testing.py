@@ -238,19 +238,48 @@ class Node:
         self.stop()
 
 
+class ClusterCA:
+    """A cluster CA in a private directory (``slipstream tls ca``);
+    ``issue(name, ...)`` is the directory of a certificate for `name` (made
+    once: ``slipstream tls cert``), what ``--tls`` takes."""
+
+    def __init__(self) -> None:
+        from slipstream import _core
+
+        self.dir = Path(tempfile.mkdtemp(prefix="slipstream-ca-"))
+        _core.tls_make_ca(self.dir / "ca", 2)
+
+    def issue(self, *names: str) -> Path:
+        from slipstream import _core
+
+        out = self.dir / names[0]
+        if not out.exists():
+            _core.tls_issue(self.dir / "ca", out, list(names), 1)
+        return out
+
+    def stop(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 class Etcd:
     """`members` real etcd processes forming one cluster on `host`, each in a
-    private data directory removed by ``stop()``."""
+    private data directory removed by ``stop()``. With ``tls=True`` they
+    speak TLS to clients and to each other and require client certificates,
+    all from a ``ClusterCA`` of their own (``ca``): ``url`` is then
+    ``etcds://``, and ``deploy``/``start_node`` show certificates of it."""
 
-    def __init__(self, members: int = 1, host: str = "127.0.0.1") -> None:
+    def __init__(self, members: int = 1, host: str = "127.0.0.1", tls: bool = False) -> None:
         if shutil.which("etcd") is None:
             raise RuntimeError("etcd not found: apt-get install etcd-server (scripts/bootstrap.sh does)")
         self.host = host
         self.dir = Path(tempfile.mkdtemp(prefix="slipstream-etcd-"))
+        self.ca = ClusterCA() if tls else None
+        self.scheme = "https" if tls else "http"
         self.names = [f"e{i}" for i in range(members)]
         self.client = [free_port() for _ in self.names]
         self.peer = [free_port() for _ in self.names]
-        self.initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names, self.peer, strict=True))
+        self.initial = ",".join(f"{n}={self.scheme}://127.0.0.1:{p}"
+                                for n, p in zip(self.names, self.peer, strict=True))
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * members
         try:
             for i in range(members):
@@ -262,22 +291,33 @@ class Etcd:
 
     @property
     def url(self) -> str:
-        """The cluster address nodes take: ``etcd://HOST:PORT,...``."""
-        return "etcd://" + ",".join(f"{self.host}:{p}" for p in self.client)
+        """The cluster address nodes take: ``etcd://HOST:PORT,...`` (``etcds://`` with TLS)."""
+        return ("etcds://" if self.ca else "etcd://") + ",".join(f"{self.host}:{p}" for p in self.client)
+
+    def tls_args(self, name: str) -> list[str]:
+        """``--tls DIR`` with a certificate for `name`, when etcd speaks TLS."""
+        return ["--tls", str(self.ca.issue(name))] if self.ca else []
 
     def start(self, i: int) -> None:
         """Start member `i` (again: on its data directory, rejoining the cluster)."""
         n = self.names[i]
+        tls: list[str] = []
+        if self.ca:
+            d = self.ca.issue(f"etcd-{n}", self.host, "127.0.0.1")
+            files = ["--cert-file", str(d / "tls.crt"), "--key-file", str(d / "tls.key"),
+                     "--trusted-ca-file", str(d / "ca.crt")]
+            tls = [*files, "--client-cert-auth", *[f.replace("--", "--peer-", 1) for f in files],
+                   "--peer-client-cert-auth"]
         log = open(self.dir / f"{n}.log", "ab")  # noqa: SIM115 (lives as long as the process)
         self.procs[i] = subprocess.Popen(
             ["etcd", "--name", n, "--data-dir", str(self.dir / n),
-             "--listen-client-urls", f"http://{self.host}:{self.client[i]}",
-             "--advertise-client-urls", f"http://{self.host}:{self.client[i]}",
-             "--listen-peer-urls", f"http://127.0.0.1:{self.peer[i]}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer[i]}",
+             "--listen-client-urls", f"{self.scheme}://{self.host}:{self.client[i]}",
+             "--advertise-client-urls", f"{self.scheme}://{self.host}:{self.client[i]}",
+             "--listen-peer-urls", f"{self.scheme}://127.0.0.1:{self.peer[i]}",
+             "--initial-advertise-peer-urls", f"{self.scheme}://127.0.0.1:{self.peer[i]}",
              "--initial-cluster", self.initial,
              "--initial-cluster-state", "existing" if (self.dir / n).exists() else "new",
-             "--heartbeat-interval", "50", "--election-timeout", "500"],
+             "--heartbeat-interval", "50", "--election-timeout", "500", *tls],
             stdout=log, stderr=subprocess.STDOUT)
         log.close()  # the child has its own descriptor
 
@@ -294,7 +334,13 @@ class Etcd:
         while time.monotonic() < deadline:
             try:
                 port = next(c for c, p in zip(self.client, self.procs, strict=True) if p is not None)
-                with urllib.request.urlopen(f"http://{self.host}:{port}/health", timeout=1) as r:
+                context = None
+                if self.ca:
+                    from slipstream._internal.cluster_cli import _etcd_tls
+
+                    context = _etcd_tls(self.ca.issue("health"))
+                with urllib.request.urlopen(f"{self.scheme}://{self.host}:{port}/health", timeout=1,
+                                            context=context) as r:
                     if b"true" in r.read():
                         return
             except (OSError, StopIteration):
@@ -306,6 +352,8 @@ class Etcd:
         for i in range(len(self.procs)):
             self.kill(i)
         shutil.rmtree(self.dir, ignore_errors=True)
+        if self.ca:
+            self.ca.stop()
 
     def __enter__(self) -> Etcd:
         return self
@@ -320,16 +368,17 @@ def deploy(etcd: Etcd, app: str | Path, *args: str, token: str = TOKEN, wait: fl
     """`slipstream deploy APP --cluster ETCD`: publish an app to the cluster
     (`wait`: seconds to wait for it to be placed, 0 to return at once)."""
     return subprocess.run([*CLI, "deploy", str(app), "--cluster", etcd.url, "--token", token,
-                           "--wait", str(wait), *args], cwd=cwd, env={**os.environ, **(env or {})},
+                           "--wait", str(wait), *etcd.tls_args("deploy"), *args], cwd=cwd, env={**os.environ, **(env or {})},
                           capture_output=True, text=True, timeout=wait + 60)
 
 
 def start_node(etcd: Etcd, name: str, *args: str, token: str = TOKEN, ttl: int = 2, wrap: list[str] | None = None,
                env: dict[str, str] | None = None) -> Node:
     """A cluster member (`slipstream node`) named `name`, joined through
-    `etcd`, with a `ttl`-second lease (short, so a killed member leaves soon)."""
+    `etcd`, with a `ttl`-second lease (short, so a killed member leaves soon);
+    with a certificate for `name` (``--tls``) when etcd speaks TLS."""
     return Node(None, "--cluster", etcd.url, "--token", token, "--name", name, "--ttl", str(ttl),
-                "--request-timeout", "10", *args, command="node", wrap=wrap, env=env)
+                "--request-timeout", "10", *etcd.tls_args(name), *args, command="node", wrap=wrap, env=env)
 
 
 class Cluster:
