@@ -144,7 +144,7 @@ def test_only_holders_of_a_certificate_for_their_name_get_in(cluster: dict[str, 
                         "--tls", str(stranger.issue("n9")), command="node")
         assert intruder.proc.wait(30) != 0
         assert "certificate" in intruder.log() and "etcd" in intruder.log(), intruder.log()
-        argv = list(n1.proc.args)  # type: ignore[arg-type]
+        argv = [str(a) for a in n1.proc.args]  # the list the node was started with
         ours = Path(argv[argv.index("--tls") + 1])  # n1's own directory, for another name
         impostor = Node(None, "--cluster", view["etcd"], "--token", TOKEN, "--name", "n7", "--tls", str(ours),
                         command="node")

@@ -57,8 +57,12 @@ pub struct ClusterOptions {
     /// The cluster's name: its keys live under `/slipstream/<cluster>/`.
     #[serde(default = "default_cluster")]
     pub cluster: String,
-    /// The shared secret nodes authenticate each other with.
+    /// The shared secret nodes authenticate each other with (and sign with).
     pub token: String,
+    /// Other tokens accepted, never signed with: the old or the next one,
+    /// while a token is rotated.
+    #[serde(default)]
+    pub accept_tokens: Vec<String>,
     /// Where the data plane listens (port 0: any free port).
     #[serde(default = "default_data_listen")]
     pub data_listen: String,
@@ -508,7 +512,7 @@ pub async fn start(
     };
     let data_addr = SocketAddr::new(host, bound.port());
     let costs = tokio::task::spawn_blocking(slipstream_peer::measure_costs).await.map_err(|e| e.to_string())?;
-    let key = ClusterKey::from_token(&opts.token);
+    let key = ClusterKey::with_accepted(&opts.token, &opts.accept_tokens);
     let alloc = Arc::new(wire::ArenaAlloc(node.arena().clone()));
     let peer_config = slipstream_peer::PeerConfig {
         merge_threshold: costs.merge_threshold,

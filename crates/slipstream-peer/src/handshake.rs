@@ -192,6 +192,18 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn nodes_on_neighbouring_phases_of_a_token_rotation_connect() {
+        let p1 = ClusterKey::with_accepted("old", &["new".into()]);
+        let p2 = ClusterKey::with_accepted("new", &["old".into()]);
+        let (c, s) = pair(p1.clone(), p2.clone()).await;
+        assert!(c.is_ok() && s.is_ok());
+        let (c, s) = pair(p2, ClusterKey::from_token("new")).await;
+        assert!(c.is_ok() && s.is_ok());
+        let (c, s) = pair(ClusterKey::from_token("old"), ClusterKey::from_token("new")).await;
+        assert!(c.is_err() && s.is_err(), "a node that skipped a phase is refused");
+    }
+
+    #[tokio::test]
     async fn a_silent_peer_times_out_as_refused() {
         let (_c, mut s) = tokio::io::duplex(4096);
         let start = Instant::now();

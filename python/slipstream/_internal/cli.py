@@ -1,7 +1,8 @@
 """The ``slipstream`` command line: status, scale, bench, profile, plan,
 slo; ``serve`` lives in ``serve_cli``, the cluster's commands (deploy,
 node) in ``cluster_cli``, the object store's (put, get, ls, versions, rm)
-in ``store_cli``, the cluster CA's (tls ca, tls cert) in ``tls_cli``.
+in ``store_cli``, the cluster CA's (tls ca, tls cert) in ``tls_cli``, and
+re-signing a cluster's records after a token change in ``reseal``.
 
 Entry points stay thin: parse arguments, call into the library, print.
 Requests to a node go through ``ss.Client`` and ``admin``; their errors
@@ -23,6 +24,7 @@ from slipstream._internal import admin, config
 from slipstream._internal.client import Client
 from slipstream._internal.cluster_cli import add_cluster_commands
 from slipstream._internal.errors import Error, RequestError, from_core
+from slipstream._internal.reseal import add_reseal_command
 from slipstream._internal.serve_cli import add_serve_command, model_overheads
 from slipstream._internal.store_cli import add_store_commands
 from slipstream._internal.store_cli import fail as _fail
@@ -504,6 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_command(sub)
     add_cluster_commands(sub)
+    add_reseal_command(sub)
     add_tls_commands(sub)
     config.add_command(sub)
 

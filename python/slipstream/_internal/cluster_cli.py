@@ -25,6 +25,7 @@ import os
 import ssl
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,22 @@ class Etcd:
     def get_prefix(self, prefix: str) -> dict[str, bytes]:
         kvs = self._call("/v3/kv/range", _range(prefix)).get("kvs") or []
         return {base64.b64decode(kv["key"]).decode(): base64.b64decode(kv.get("value", "")) for kv in kvs}
+
+    def records(self, prefix: str) -> list[tuple[str, bytes, int]]:
+        """(key, value, mod_revision) of every key under `prefix`."""
+        kvs = self._call("/v3/kv/range", _range(prefix)).get("kvs") or []
+        return [(base64.b64decode(kv["key"]).decode(), base64.b64decode(kv.get("value", "")),
+                 int(kv.get("mod_revision", 0))) for kv in kvs]
+
+    def replace_if_unchanged(self, key: str, value: bytes, mod_revision: int) -> bool:
+        """Put `value` at `key` if nobody wrote it since `mod_revision`,
+        keeping the lease it is bound to; whether it was put."""
+        k = _b64(key.encode())
+        out = self._call("/v3/kv/txn", {
+            "compare": [{"key": k, "target": "MOD", "result": "EQUAL", "mod_revision": str(mod_revision)}],
+            "success": [{"request_put": {"key": k, "value": _b64(value), "ignore_lease": True}}],
+        })
+        return bool(out.get("succeeded"))
 
     def keys(self, prefix: str) -> list[str]:
         kvs = self._call("/v3/kv/range", {**_range(prefix), "keys_only": True}).get("kvs") or []
@@ -152,14 +169,28 @@ def _sign(token: str, parts: list[bytes]) -> str:
 
 
 def seal(token: str, kind: str, value: Any) -> bytes:
-    body = json.dumps(value, separators=(",", ":"))
+    return seal_body(token, kind, json.dumps(value, separators=(",", ":")))
+
+
+def seal_body(token: str, kind: str, body: str) -> bytes:
+    """A record: `body` (JSON text) and its signature under `token`."""
     return json.dumps({"body": body, "sig": _sign(token, [kind.encode(), body.encode()])}).encode()
 
 
-def unseal(token: str, kind: str, raw: bytes) -> Any:
+def signed_by(tokens: str | Sequence[str], kind: str, env: Any) -> str | None:
+    """Which of `tokens` signed the record envelope `env` as a `kind`; None: none of them."""
+    body, sig = env.get("body"), env.get("sig")
+    if not isinstance(body, str) or not isinstance(sig, str):
+        return None
+    return next((t for t in ([tokens] if isinstance(tokens, str) else tokens)
+                 if hmac.compare_digest(_sign(t, [kind.encode(), body.encode()]), sig)), None)
+
+
+def unseal(tokens: str | Sequence[str], kind: str, raw: bytes) -> Any:
+    """A record's value, if one of `tokens` (the token, then those accepted
+    while rotating it) signed it as a `kind`."""
     env = json.loads(raw)
-    want = _sign(token, [kind.encode(), env["body"].encode()])
-    if not hmac.compare_digest(want, env.get("sig", "")):
+    if signed_by(tokens, kind, env) is None:
         raise EtcdError(f"the {kind} record is not signed with this cluster token")
     return json.loads(env["body"])
 
@@ -173,6 +204,11 @@ def _token(a: argparse.Namespace) -> str:
         raise EtcdError("a cluster token is required: --token or $SLIPSTREAM_CLUSTER_TOKEN "
                         "(every node and deploy must hold the same one)")
     return str(a.token)
+
+
+def tokens(a: argparse.Namespace) -> list[str]:
+    """The token, then the others accepted (never signed with) while it is rotated."""
+    return [_token(a), *(t for t in a.accept_token if t != a.token)]
 
 
 def _file_sha256(path: Path) -> str:
@@ -227,7 +263,7 @@ def _wait_ready(etcd: Etcd, a: argparse.Namespace, token: str, deploy_id: str, s
         nodes = 0
         for raw in etcd.get_prefix(_root(a) + "members/").values():
             try:
-                m = unseal(token, "member", raw)
+                m = unseal(tokens(a), "member", raw)
             except (EtcdError, ValueError, KeyError):
                 continue
             if m.get("deploy") == deploy_id:
@@ -354,7 +390,7 @@ def _run_node(a: argparse.Namespace, etcd: Etcd, token: str, name: str, waiting:
             time.sleep(0.5)
             continue
         try:
-            d = unseal(token, "deploy", raw)
+            d = unseal(tokens(a), "deploy", raw)
         except (EtcdError, ValueError, KeyError) as e:
             return fail(f"cluster '{a.cluster_name}': {e}")
         spec = d["spec"]
@@ -373,6 +409,7 @@ def _run_node(a: argparse.Namespace, etcd: Etcd, token: str, name: str, waiting:
                             "(a shared file system or the same image)")
         spec["worker_argv"][0] = sys.executable
         cluster = {"etcd": a.cluster, "name": name, "cluster": a.cluster_name, "token": token,
+                   "accept_tokens": tokens(a)[1:],
                    "data_listen": a.data_listen, "ttl_s": a.ttl, "deploy": d["id"],
                    "store_replicas": a.store_replicas, "standbys": not a.no_standbys,
                    **({"tls": str(Path(a.tls).resolve())} if a.tls else {}),
@@ -443,6 +480,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", default=os.environ.get("SLIPSTREAM_CLUSTER_TOKEN"),
                    help="the cluster's shared secret: nodes without it cannot join, place work or send "
                         "frames (default: $SLIPSTREAM_CLUSTER_TOKEN)")
+    p.add_argument("--accept-token", action="append", metavar="TOKEN",
+                   default=[t for t in os.environ.get("SLIPSTREAM_CLUSTER_ACCEPT_TOKENS", "").split(",") if t],
+                   help="another token to accept but never sign with, while the token is rotated "
+                        "(repeatable; default: the comma-separated $SLIPSTREAM_CLUSTER_ACCEPT_TOKENS)")
     p.add_argument("--tls", default=os.environ.get("SLIPSTREAM_TLS_DIR") or None, metavar="DIR",
                    help="a directory of ca.crt, tls.crt and tls.key (`slipstream tls`, or a Kubernetes TLS "
                         "Secret): mutual TLS between nodes, and the client certificate for an etcds:// "

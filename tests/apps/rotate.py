@@ -1,0 +1,21 @@
+"""Test app for a token rotation: a two-stage chain, one replica each (the
+cluster keeps a warm standby of each on the other node)."""
+
+import slipstream as ss
+
+X = {"x": ss.Tensor("float32", (-1, 2))}
+
+
+@ss.component(max_batch_size=16, inputs=X)
+class Double:
+    def __call__(self, batch: ss.Batch) -> dict:
+        return {"x": batch["x"] * 2}
+
+
+@ss.component(max_batch_size=16)
+class AddOne:
+    def __call__(self, batch: ss.Batch) -> dict:
+        return {"y": batch["x"] + 1.0}
+
+
+chain = ss.Pipeline("chain", Double >> AddOne, slo=ss.SLO(p99_ms=2000))
