@@ -88,6 +88,8 @@ def container_env(docs: list[dict[str, Any]], container: dict[str, Any], fields:
             env[e["name"]] = expand(str(e["value"]), env)
         elif "secretKeyRef" in e["valueFrom"]:
             ref = e["valueFrom"]["secretKeyRef"]
+            if ref.get("optional") and ref["key"] not in one(docs, "Secret", ref["name"]).get("data", {}):
+                continue  # the kubelet leaves an optional key that is not there unset
             env[e["name"]] = secret_value(docs, ref["name"], ref["key"])
         elif "fieldRef" in e["valueFrom"]:
             env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]

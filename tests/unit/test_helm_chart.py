@@ -9,6 +9,7 @@ exactly what the chart renders."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from typing import Any
 
@@ -100,7 +101,7 @@ def test_gpu_values_ask_for_gpus_and_turn_on_metrics() -> None:
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert c["resources"]["limits"]["memory"] == "64Gi"
     assert not [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"].endswith("-etcd")]
-    assert "etcd://etcd-0.etcd.platform.svc:2379," in " ".join(c["args"])
+    assert "etcds://etcd-0.etcd.platform.svc:2379," in " ".join(c["args"])
     monitor = chart.one(docs, "ServiceMonitor")
     api = chart.one(docs, "Service", "ss-slipstream")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= api["metadata"]["labels"].items()
@@ -155,12 +156,45 @@ def test_the_node_reads_the_rendered_configuration_as_the_chart_meant(tmp_path) 
         assert out.stdout.split() == ["ss-slipstream-0", "10.1.2.3", args[args.index("--cluster") + 1]]
 
 
+def test_tls_and_accepted_tokens_reach_the_node_as_it_reads_them() -> None:
+    docs = chart.render({"tls": {"secretName": "ss-node-tls", "etcd": True},
+                         "etcd": {"bundled": False, "endpoints": ["etcd.infra:2379"]},
+                         "cluster": {"token": "new", "acceptTokens": ["old"]}})
+    c = chart.node_container(docs)
+    env = chart.container_env(docs, c, {"metadata.name": "ss-slipstream-0", "status.podIP": "10.1.2.3",
+                                        "metadata.namespace": "serving"})
+    assert env["SLIPSTREAM_CLUSTER_TOKEN"] == "new" and env["SLIPSTREAM_CLUSTER_ACCEPT_TOKENS"] == "old"
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "tls")
+    assert mount["readOnly"] and env["SLIPSTREAM_TLS_DIR"] == mount["mountPath"]
+    pod = chart.node_statefulset(docs)["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "tls")["secret"]
+    assert volume["secretName"] == "ss-node-tls" and volume["defaultMode"] & 0o040, "the node's group reads it"
+    args = [chart.expand(a, {**env, "POD_NAME": "ss-slipstream-0", "POD_IP": "10.1.2.3"}) for a in c["args"]]
+    out = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-c",
+                          "import sys; from slipstream._internal.cli import build_parser; "
+                          "from slipstream._internal.cluster_cli import tokens; "
+                          "a = build_parser().parse_args(sys.argv[1:]); print(a.cluster, a.tls, ','.join(tokens(a)))",
+                          *args], capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["etcds://etcd.infra:2379", "/var/run/slipstream/tls", "new,old"]
+    # Off by default: no mount, no TLS variable, no accepted tokens.
+    plain = chart.render(None)
+    c = chart.node_container(plain)
+    assert not any(m["name"] == "tls" for m in c["volumeMounts"])
+    env = chart.container_env(plain, c, {"metadata.name": "n", "status.podIP": "1.2.3.4",
+                                         "metadata.namespace": "serving"})
+    assert "SLIPSTREAM_TLS_DIR" not in env and "SLIPSTREAM_CLUSTER_ACCEPT_TOKENS" not in env
+
+
 @pytest.mark.parametrize("bad, why", [
     ({"nodes": -1}, "/nodes"),
     ({"nodez": 3}, "nodez"),
     ({"config": {"port": 9000}}, "/config"),
     ({"etcd": {"replicas": 2}}, "/etcd/replicas"),
     ({"etcd": {"bundled": False}}, "etcd.endpoints"),
+    ({"tls": {"etcd": True, "secretName": "x"}}, "the bundled etcd speaks plain HTTP"),
+    ({"tls": {"etcd": True}, "etcd": {"bundled": False, "endpoints": ["e:1"]}}, "needs tls.secretName"),
+    ({"cluster": {"acceptTokens": ["a,b"]}}, "/cluster/acceptTokens"),
 ])
 def test_bad_values_are_refused_with_the_key_named(bad: dict[str, Any], why: str) -> None:
     from helm_python import errors

@@ -39,6 +39,13 @@ app.kubernetes.io/component: etcd
 
 {{/* etcd://host:port[,host:port...]: the bundled members by their stable DNS names, or the given endpoints. */}}
 {{- define "slipstream.etcdUrl" -}}
+{{- $scheme := ternary "etcds" "etcd" (.Values.tls.etcd | default false) -}}
+{{- if and .Values.tls.etcd .Values.etcd.bundled -}}
+{{- fail "tls.etcd: the bundled etcd speaks plain HTTP; set etcd.bundled=false and list etcd.endpoints of an etcd with TLS" -}}
+{{- end -}}
+{{- if and .Values.tls.etcd (not .Values.tls.secretName) -}}
+{{- fail "tls.etcd: needs tls.secretName (the certificate shown to etcd)" -}}
+{{- end -}}
 {{- if .Values.etcd.bundled -}}
 {{- $name := include "slipstream.etcdName" . -}}
 {{- $members := list -}}
@@ -50,7 +57,7 @@ app.kubernetes.io/component: etcd
 {{- if not .Values.etcd.endpoints -}}
 {{- fail "etcd.endpoints: list your etcd's host:port endpoints, or set etcd.bundled=true" -}}
 {{- end -}}
-{{- printf "etcd://%s" (join "," .Values.etcd.endpoints) -}}
+{{- printf "%s://%s" $scheme (join "," .Values.etcd.endpoints) -}}
 {{- end -}}
 {{- end -}}
 
