@@ -157,7 +157,7 @@ def test_the_node_reads_the_rendered_configuration_as_the_chart_meant(tmp_path) 
 
 
 def test_tls_and_accepted_tokens_reach_the_node_as_it_reads_them() -> None:
-    docs = chart.render({"tls": {"secretName": "ss-node-tls", "etcd": True},
+    docs = chart.render({"tls": {"secretName": "ss-node-tls", "etcd": True, "ingressSecretName": "ss-api-tls"},
                          "etcd": {"bundled": False, "endpoints": ["etcd.infra:2379"]},
                          "cluster": {"token": "new", "acceptTokens": ["old"]}})
     c = chart.node_container(docs)
@@ -169,6 +169,11 @@ def test_tls_and_accepted_tokens_reach_the_node_as_it_reads_them() -> None:
     pod = chart.node_statefulset(docs)["spec"]["template"]["spec"]
     volume = next(v for v in pod["volumes"] if v["name"] == "tls")["secret"]
     assert volume["secretName"] == "ss-node-tls" and volume["defaultMode"] & 0o040, "the node's group reads it"
+    # The ingress's certificate, and probes that speak HTTPS to it.
+    api = next(m for m in c["volumeMounts"] if m["name"] == "ingress-tls")
+    assert env["SLIPSTREAM_INGRESS_TLS"] == api["mountPath"]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"]["scheme"] == "HTTPS", probe
     args = [chart.expand(a, {**env, "POD_NAME": "ss-slipstream-0", "POD_IP": "10.1.2.3"}) for a in c["args"]]
     out = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-c",
                           "import sys; from slipstream._internal.cli import build_parser; "
@@ -184,6 +189,7 @@ def test_tls_and_accepted_tokens_reach_the_node_as_it_reads_them() -> None:
     env = chart.container_env(plain, c, {"metadata.name": "n", "status.podIP": "1.2.3.4",
                                          "metadata.namespace": "serving"})
     assert "SLIPSTREAM_TLS_DIR" not in env and "SLIPSTREAM_CLUSTER_ACCEPT_TOKENS" not in env
+    assert "SLIPSTREAM_INGRESS_TLS" not in env and "scheme" not in c["readinessProbe"]["httpGet"]
 
 
 @pytest.mark.parametrize("bad, why", [

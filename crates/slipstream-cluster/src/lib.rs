@@ -466,13 +466,22 @@ impl Service for Cluster {
         let Some(placement) = view.placement.as_ref().filter(|p| p.deploy == self.opts.deploy) else {
             return Some("cluster: no placement of this deployment yet".into());
         };
-        placement
-            .stages
-            .iter()
-            .find(|(key, per_node)| {
-                per_node.get(me).copied().unwrap_or(0) > 0 && rec.ready.get(*key).copied().unwrap_or(0) == 0
-            })
-            .map(|(key, _)| format!("cluster: stage {key} is placed here and not yet reported ready to the others"))
+        let cold = |placed: &Assignment, warm: &BTreeMap<String, u32>| {
+            placed
+                .iter()
+                .find(|(key, per_node)| {
+                    per_node.get(me).copied().unwrap_or(0) > 0 && warm.get(*key).copied().unwrap_or(0) == 0
+                })
+                .map(|(key, _)| key.clone())
+        };
+        if let Some(key) = cold(&placement.stages, &rec.ready) {
+            return Some(format!("cluster: stage {key} is placed here and not yet reported ready to the others"));
+        }
+        // A standby placed here counts too: it is what keeps its stage
+        // serving when the node holding its replicas goes, so a rolling
+        // restart must not take that node down before this one is warm.
+        cold(&placement.standby, &rec.standby)
+            .map(|key| format!("cluster: a standby of stage {key} is placed here and not yet warm"))
     }
 
     fn metrics(&self, t: &mut PromText) {

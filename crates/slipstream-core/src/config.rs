@@ -165,6 +165,11 @@ settings! {
     refusal_rate: u64 = 5000;
     /// Bearer token for the admin routes (scale, reset-metrics, store writes).
     admin_token: Option<String> = None;
+    /// A directory with tls.crt and tls.key (a Kubernetes TLS Secret's
+    /// layout): the HTTP and gRPC ports speak TLS with that certificate
+    /// (plain HTTP is then answered only to connections from this machine:
+    /// the node's workers, local tools).
+    ingress_tls: Option<String> = None;
     /// How the node logs to stderr: human-readable lines, or one JSON object per line.
     log_format: String = "text".into(), choices = ["text", "json"];
     /// The object store's directory, kept across restarts (unset: an

@@ -42,6 +42,8 @@ pub struct EdgeOptions {
     /// Bearer token the admin routes require. Without one they are open on
     /// a loopback listener and refused on any other.
     pub admin_token: Option<String>,
+    /// TLS on the HTTP and gRPC ports (see [`crate::conn`]).
+    pub tls: Option<slipstream_tls::IngressTls>,
 }
 
 /// How the node logs.
@@ -87,6 +89,13 @@ impl RunOptions {
                 max_body_bytes: cfg.max_body_bytes()?,
                 drain_timeout: seconds("drain_timeout_s", cfg.drain_timeout_s)?,
                 admin_token: cfg.admin_token.clone().filter(|t| !t.is_empty()),
+                tls: match cfg.ingress_tls.as_deref().filter(|d| !d.is_empty()) {
+                    Some(dir) => Some(
+                        slipstream_tls::IngressTls::load(std::path::Path::new(dir), cfg.grpc)
+                            .map_err(|e| format!("ingress_tls: {e}"))?,
+                    ),
+                    None => None,
+                },
                 refusal_rate: u32::try_from(cfg.refusal_rate)
                     .map_err(|_| format!("refusal_rate is too large: {}", cfg.refusal_rate))?,
             },

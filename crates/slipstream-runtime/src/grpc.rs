@@ -284,7 +284,10 @@ pub(crate) async fn accept(listener: Option<&TcpListener>) -> std::io::Result<(T
 /// speak it) until it closes or the graceful shutdown `watcher` belongs to
 /// ends it. Connections come from gRPC's own port or from the HTTP port
 /// ([`crate::conn`]).
-pub(crate) async fn serve_connection(app: &App, stream: TcpStream, watcher: Watcher) {
+pub(crate) async fn serve_connection<S>(app: &App, stream: S, watcher: Watcher)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let svc = TowerToHyperService::new(service(app));
     let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
         .timer(TokioTimer::new())

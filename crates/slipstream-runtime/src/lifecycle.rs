@@ -412,7 +412,8 @@ pub async fn run(
     seed_store(&spec, &node).await?;
     let mut redeploy = joined.as_ref().map(|j| j.redeploy.clone());
     let first_starts = node.start_replicas();
-    tracing::info!("listening on http://{local}{}", if app.edge.grpc { " (HTTP and gRPC)" } else { "" });
+    let scheme = if app.edge.tls.is_some() { "https" } else { "http" };
+    tracing::info!("listening on {scheme}://{local}{}", if app.edge.grpc { " (HTTP and gRPC)" } else { "" });
     if let Some(g) = grpc_addrs.first() {
         tracing::info!("gRPC listening on {g}");
     }
@@ -438,7 +439,7 @@ pub async fn run(
         node.mark_serving();
         compose::start_serving(&installed, in_cluster, feed_start, &stop_rx);
         let names: Vec<&str> = node.pipelines().keys().map(|s| s.as_str()).collect();
-        tracing::info!("ready, serving {} on http://{local}", names.join(", "));
+        tracing::info!("ready, serving {} on {scheme}://{local}", names.join(", "));
         Ok(())
     };
     tokio::pin!(startup);

@@ -46,6 +46,7 @@ use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, ServerConfig, S
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+pub use tokio_rustls::server::TlsStream as ServerTlsStream;
 pub use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 /// The certificates a peer's chain must end at.
@@ -104,15 +105,63 @@ fn certs(path: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, TlsErr
     Ok(certs)
 }
 
+/// `tls.crt` and `tls.key` of `dir`.
+fn own_pair(dir: &Path) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), TlsError> {
+    let (cert, key) = (dir.join(CERT_FILE), dir.join(KEY_FILE));
+    let chain = certs(&cert, &read(&cert)?)?;
+    let key_der = PrivateKeyDer::from_pem_slice(&read(&key)?)
+        .map_err(|e| TlsError::File { path: key.clone(), why: format!("not a PEM private key: {e}") })?;
+    Ok((chain, key_der))
+}
+
+/// The HTTP and gRPC ingress's TLS: the certificate and key in a directory
+/// (`tls.crt`, `tls.key`: a Kubernetes TLS Secret's layout; a `ca.crt`
+/// beside them is not needed), no client certificates, TLS 1.3 (curl,
+/// browsers, Python, gRPC and Triton's clients all speak it), HTTP/2 (gRPC)
+/// and HTTP/1.1 offered by ALPN.
+#[derive(Clone)]
+pub struct IngressTls {
+    dir: PathBuf,
+    acceptor: TlsAcceptor,
+}
+
+impl std::fmt::Debug for IngressTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "IngressTls({})", self.dir.display())
+    }
+}
+
+impl IngressTls {
+    /// `http2`: offer HTTP/2 by ALPN (the node serves gRPC).
+    pub fn load(dir: &Path, http2: bool) -> Result<IngressTls, TlsError> {
+        let (chain, key) = own_pair(dir)?;
+        let mut config = ServerConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(bad)?
+            .with_no_client_auth()
+            .with_single_cert(chain, key)
+            .map_err(|e| bad(format!("{}: {CERT_FILE} and {KEY_FILE}: {e}", dir.display())))?;
+        config.alpn_protocols = if http2 { vec![b"h2".to_vec()] } else { Vec::new() };
+        config.alpn_protocols.push(b"http/1.1".to_vec());
+        Ok(IngressTls { dir: dir.to_owned(), acceptor: TlsAcceptor::from(Arc::new(config)) })
+    }
+
+    pub fn acceptor(&self) -> &TlsAcceptor {
+        &self.acceptor
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
 impl NodeTls {
     /// Read `ca.crt`, `tls.crt` and `tls.key` from `dir`.
     pub fn load(dir: &Path) -> Result<NodeTls, TlsError> {
-        let (ca, cert, key) = (dir.join(CA_FILE), dir.join(CERT_FILE), dir.join(KEY_FILE));
+        let ca = dir.join(CA_FILE);
         let roots = certs(&ca, &read(&ca)?)?;
-        let chain = certs(&cert, &read(&cert)?)?;
-        let key_der = PrivateKeyDer::from_pem_slice(&read(&key)?)
-            .map_err(|e| TlsError::File { path: key.clone(), why: format!("not a PEM private key: {e}") })?;
-        NodeTls::new(dir.to_owned(), roots, chain, key_der)
+        let (chain, key) = own_pair(dir)?;
+        NodeTls::new(dir.to_owned(), roots, chain, key)
     }
 
     fn new(

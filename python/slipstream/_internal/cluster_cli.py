@@ -285,9 +285,11 @@ class WaitingProbes:
     address while ``slipstream node`` has no deployment to run yet, so that
     an orchestrator's startup and liveness probes see a live process
     instead of a refused connection (Kubernetes would restart the pod in a
-    loop). Closed before the node itself listens there."""
+    loop). Closed before the node itself listens there. With `tls` (the
+    node's ingress_tls directory) it speaks TLS, as the node will, so that
+    probes configured for HTTPS pass from the start."""
 
-    def __init__(self, host: str, port: int, why: str) -> None:
+    def __init__(self, host: str, port: int, why: str, tls: str | None = None) -> None:
         import http.server
         import threading
 
@@ -323,6 +325,14 @@ class WaitingProbes:
 
         http.server.ThreadingHTTPServer.allow_reuse_address = True
         self.server = http.server.ThreadingHTTPServer((host, port), Handler)
+        if tls:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            try:
+                context.load_cert_chain(str(Path(tls) / "tls.crt"), str(Path(tls) / "tls.key"))
+            except (OSError, ssl.SSLError):
+                self.server.server_close()
+                raise
+            self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
@@ -335,18 +345,18 @@ class _Waiting:
     """The probes' listener while the node waits (see `WaitingProbes`):
     opened when waiting starts, closed before the node binds its port."""
 
-    def __init__(self, host: str, port: int | None) -> None:
-        self.host, self.port = host, port
+    def __init__(self, host: str, port: int | None, tls: str | None = None) -> None:
+        self.host, self.port, self.tls = host, port, tls
         self.probes: WaitingProbes | None = None
 
     def open(self, why: str) -> None:
         if self.probes is not None or not self.port:  # port 0: nothing could probe it
             return
         try:
-            self.probes = WaitingProbes(self.host, int(self.port), why)
+            self.probes = WaitingProbes(self.host, int(self.port), why, self.tls)
             print(f"slipstream: answering probes while waiting (/healthz live, /readyz not ready), "
-                  f"listening on http://{self.host}:{self.port}", file=sys.stderr)
-        except OSError as e:  # the port is taken: the node's own bind will say so
+                  f"listening on {'https' if self.tls else 'http'}://{self.host}:{self.port}", file=sys.stderr)
+        except (OSError, ssl.SSLError) as e:  # the port is taken (the node's own bind will say so), or the cert
             print(f"slipstream: cannot answer probes while waiting: {e}", file=sys.stderr)
 
     def close(self) -> None:
@@ -364,7 +374,7 @@ def cmd_node(a: argparse.Namespace) -> int:
         _check_tls(a.tls, name)
     except EtcdError as e:
         return fail(str(e))
-    waiting = _Waiting(opts.get("host") or "127.0.0.1", opts.get("port"))
+    waiting = _Waiting(opts.get("host") or "127.0.0.1", opts.get("port"), opts.get("ingress_tls") or None)
     try:
         return _run_node(a, etcd, token, name, waiting, opts.get("port") or 8000)
     finally:

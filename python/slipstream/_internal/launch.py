@@ -170,9 +170,9 @@ def launch(app: str | Path | Pipeline | Iterable[Pipeline], *flags: str, echo: b
         log.append(line)
         if echo:
             sys.stderr.write("  " + line)
-        m = re.search(r"listening on (http://[\d.]+:\d+)", line)
+        m = re.search(r"listening on https?://([\d.]+:\d+)", line)
         if m:
-            url = m.group(1)
+            url = "http://" + m.group(1)  # plain HTTP is answered from this machine on a TLS port too
         m = re.search(r"gRPC listening on (\S+:\d+)", line)
         if m:
             grpc_url = m.group(1)

@@ -7,7 +7,9 @@ Invariants:
   just found free, where the program cannot take port 0: etcd), so tests
   and benchmarks running side by side never collide.
 - A ``Node`` knows its URL from the node's own log line ``listening on
-  http://HOST:PORT`` and its readiness from ``ready, serving``; both are
+  http(s)://HOST:PORT`` (a TLS port answers plain HTTP from this machine, so
+  ``url`` is always ``http://``; ``scheme`` says what others must speak)
+  and its readiness from ``ready, serving``; both are
   matched as substrings, whatever prefix or other lines the node prints.
 - The node's output is drained by a thread into ``Node.lines`` from the
   start, so a node never blocks on a full pipe and a failure can show it.
@@ -46,7 +48,7 @@ CLI = [sys.executable, "-m", "slipstream._internal.cli"]
 #: The cluster token `deploy`, `start_node` and `Cluster` use unless given another.
 TOKEN = "test-cluster-token"
 
-_LISTENING = re.compile(r"listening on http://(\S+):(\d+)")
+_LISTENING = re.compile(r"listening on (https?)://(\S+):(\d+)")
 _GRPC_LISTENING = re.compile(r"gRPC listening on (\S+:\d+)")
 _READY = "ready, serving"
 
@@ -118,6 +120,8 @@ class Node:
         #: "HOST:PORT" of its gRPC endpoint, None when it has none.
         self.grpc_url: str | None = None
         self._url: str | None = None
+        #: "https" when the node's ports speak TLS (its ingress_tls setting).
+        self.scheme = "http"
         self._serving = False  # it printed the ready line
         self._ready = threading.Event()  # or exited
         self._listening = threading.Event()  # or exited
@@ -140,9 +144,12 @@ class Node:
                 self.grpc_url = grpc.group(1)
             http = _LISTENING.search(line)
             if http and self._url is None:
-                host, port = http.groups()
+                scheme, host, port = http.groups()
                 # A node listening on every interface is reached on loopback.
                 host = "127.0.0.1" if host in ("0.0.0.0", "[::]") else host
+                self.scheme = scheme
+                # A TLS port answers plain HTTP from this machine too: the
+                # helpers below need no certificate.
                 self._url = f"http://{host}:{port}"
                 self._listening.set()
             if _READY in line:
