@@ -1,5 +1,7 @@
 """The cluster token rotated without downtime, on a real etcd and two real
-nodes under load: three rolling restarts (accept the new token; sign with
+nodes under load (each running a replica of every stage: what is tested is
+the token change, not a singleton's failover, which test_cluster.py and
+test_image.py cover): three rolling restarts (accept the new token; sign with
 it, accepting the old; then the new alone) with `slipstream reseal`
 between the second and the third. Every request sent meanwhile is answered
 correctly; afterwards every record in etcd is signed with the new token
@@ -27,9 +29,19 @@ def ready(n: Node, members: int) -> bool:
     return n.request("GET", "/readyz")[0] == 200 and len(n.status()["cluster"]["members"]) == members
 
 
+def settled(nodes: dict[str, Node]) -> bool:
+    """Every node applies the same placement, and it gives each node a
+    replica of every stage (so either serves the chain alone)."""
+    views = [n.status()["cluster"] for n in nodes.values()]
+    if not all(v["placement"] for v in views) or len({v["placement"]["epoch"] for v in views}) != 1:
+        return False
+    return all(set(per_node) == set(nodes) for per_node in views[0]["placement"]["stages"].values())
+
+
 def wait_ready(nodes: dict[str, Node], name: str) -> None:
     try:
         wait_for(lambda: ready(nodes[name], len(nodes)), timeout=90)
+        wait_for(lambda: settled(nodes) and all(ready(n, len(nodes)) for n in nodes.values()), timeout=60)
     except AssertionError:
         logs = "\n".join(f"--- {k} ---\n{n.log()[-2500:]}" for k, n in nodes.items())
         raise AssertionError(f"{name} did not become ready:\n{logs}") from None
