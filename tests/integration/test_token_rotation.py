@@ -1,5 +1,5 @@
 """The cluster token rotated without downtime, on a real etcd and two real
-nodes under load (each running a replica of every stage: what is tested is
+nodes under load (each running a replica of the one stage: what is tested is
 the token change, not a singleton's failover, which test_cluster.py and
 test_image.py cover): three rolling restarts (accept the new token; sign with
 it, accepting the old; then the new alone) with `slipstream reseal`
@@ -31,7 +31,7 @@ def ready(n: Node, members: int) -> bool:
 
 def settled(nodes: dict[str, Node]) -> bool:
     """Every node applies the same placement, and it gives each node a
-    replica of every stage (so either serves the chain alone)."""
+    replica of the stage (so either serves it alone)."""
     views = [n.status()["cluster"] for n in nodes.values()]
     if not all(v["placement"] for v in views) or len({v["placement"]["epoch"] for v in views}) != 1:
         return False
@@ -112,8 +112,6 @@ def test_a_token_is_rotated_by_three_rolling_restarts_failing_no_request(etcd: E
                 wait_ready(nodes, name)
                 load.avoid = None
             assert not load.failures, (what, load.failures[:5])
-        sent = load.sent
-        wait_for(lambda: load is not None and load.sent > sent + 20, timeout=30)
         load.stop.set()
         load.thread.join(30)
         assert not load.failures, load.failures[:5]
