@@ -48,7 +48,7 @@ RELEASE = "ss"
 PODS = 3
 # A client's patience: the pipeline's SLO is 2 s; a request to a machine cut off hangs until this.
 CLIENT_TIMEOUT_S = 2.5
-ERRORS: list[tuple[float, str, str]] = []  # (when, pod, what): requests that got no answer
+ERRORS: list[tuple[float, str, str]] = []  # (when, pod, what): requests answered with an error, or not at all
 
 
 @pytest.fixture(scope="module")
@@ -334,6 +334,7 @@ def _infer(pod: Pod, x: list[float]) -> int:
         with urllib.request.urlopen(req, timeout=CLIENT_TIMEOUT_S) as r:
             out = json.loads(r.read())
     except urllib.error.HTTPError as e:
+        ERRORS.append((time.monotonic(), pod.name, f"{e.code} {e.read()[:300].decode(errors='replace')}"))
         return e.code
     except (urllib.error.URLError, OSError) as e:
         ERRORS.append((time.monotonic(), pod.name, repr(e)))
@@ -359,7 +360,7 @@ def test_a_cluster_from_the_image_and_the_chart_serves_through_restarts_kills_an
     svc: Service | None = None
     try:
         values = {"etcd": {"bundled": False, "endpoints": [etcd.url.removeprefix("etcd://")]},
-                  "cluster": {"token": TOKEN, "ttlSeconds": 2}, "preStopSleepSeconds": 1,
+                  "cluster": {"token": TOKEN, "ttlSeconds": 2}, "preStopSleepSeconds": 2,
                   "config": {"drain_timeout_s": 10, "request_timeout_s": 10}}
         docs = chart.render(values, name=RELEASE, namespace=NAMESPACE)
         pods = [Pod(image, docs, i, net, tmp_path) for i in range(PODS)]
