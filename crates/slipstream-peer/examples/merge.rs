@@ -34,9 +34,7 @@
 
 use bytes::Bytes;
 use serde_json::{json, Value};
-use slipstream_peer::{
-    measure_costs, serve, ClusterKey, CounterSnapshot, Incoming, OutTensor, Outgoing, Peers, VecAlloc,
-};
+use slipstream_peer::{measure_costs, serve, ClusterKey, CounterSnapshot, OutTensor, Outgoing, Peers, VecAlloc};
 use slipstream_types::DType;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -81,27 +79,11 @@ struct Setup {
     _server: slipstream_peer::ServerHandle,
 }
 
-/// The handler: the call's tensors back, sliced from the received buffer.
-fn echo(call: Incoming<Vec<u8>>) -> Outgoing {
-    let payload = Bytes::from(call.payload);
-    let tensors = call
-        .tensors
-        .iter()
-        .map(|t| OutTensor {
-            name: t.name.clone(),
-            dtype: t.dtype,
-            shape: t.shape.clone(),
-            data: payload.slice(t.range()),
-        })
-        .collect();
-    Outgoing::reply(call.meta, tensors)
-}
-
 async fn setup(key: &ClusterKey, threshold: usize) -> Res<Setup> {
     let listener = TcpListener::bind("127.0.0.1:0").await.map_err(|e| format!("bind: {e}"))?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let server = serve(listener, key.clone(), "bench-server".into(), Arc::new(VecAlloc), threshold, |_, call| async {
-        echo(call)
+        Outgoing::echo(call)
     });
     let peers = Peers::new(key.clone(), "bench-client".into(), Arc::new(VecAlloc), threshold);
     Ok(Setup { peers, addr, _server: server })

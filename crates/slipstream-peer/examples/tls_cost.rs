@@ -16,9 +16,7 @@
 
 use bytes::Bytes;
 use serde_json::{json, Value};
-use slipstream_peer::{
-    serve_with_config, ClusterKey, Incoming, OutTensor, Outgoing, PeerConfig, Peers, ServerHandle, VecAlloc,
-};
+use slipstream_peer::{serve_with_config, ClusterKey, OutTensor, Outgoing, PeerConfig, Peers, ServerHandle, VecAlloc};
 use slipstream_types::DType;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -35,21 +33,6 @@ struct Setup {
     _server: ServerHandle,
 }
 
-fn echo(call: Incoming<Vec<u8>>) -> Outgoing {
-    let payload = Bytes::from(call.payload);
-    let tensors = call
-        .tensors
-        .iter()
-        .map(|t| OutTensor {
-            name: t.name.clone(),
-            dtype: t.dtype,
-            shape: t.shape.clone(),
-            data: payload.slice(t.range()),
-        })
-        .collect();
-    Outgoing::reply(call.meta, tensors)
-}
-
 async fn setup(tls: Option<(slipstream_tls::NodeTls, slipstream_tls::NodeTls)>) -> Setup {
     let key = ClusterKey::from_token("tls-cost");
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -61,7 +44,7 @@ async fn setup(tls: Option<(slipstream_tls::NodeTls, slipstream_tls::NodeTls)>) 
     let cfg = |tls| PeerConfig { tls, ..PeerConfig::default() };
     let server =
         serve_with_config(listener, key.clone(), "server".into(), Arc::new(VecAlloc), cfg(server_tls), |_, c| async {
-            echo(c)
+            Outgoing::echo(c)
         });
     let peers = Peers::with_config(key, "client".into(), Arc::new(VecAlloc), cfg(client_tls));
     Setup { peers, addr, _server: server }

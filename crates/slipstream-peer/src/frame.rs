@@ -102,6 +102,23 @@ impl Outgoing {
         Outgoing { kind: Kind::Call, id: 0, meta, tensors }
     }
 
+    /// A reply carrying `call`'s metadata and tensors back, sliced from the
+    /// received payload without a copy (for echo servers: tests, benchmarks).
+    pub fn echo(call: Incoming<Vec<u8>>) -> Outgoing {
+        let payload = bytes::Bytes::from(call.payload);
+        let tensors = call
+            .tensors
+            .iter()
+            .map(|t| OutTensor {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                data: payload.slice(t.range()),
+            })
+            .collect();
+        Outgoing::reply(call.meta, tensors)
+    }
+
     pub fn reply(meta: Vec<u8>, tensors: Vec<OutTensor>) -> Outgoing {
         Outgoing { kind: Kind::Reply, id: 0, meta, tensors }
     }

@@ -4,8 +4,8 @@ use bytes::Bytes;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use slipstream_peer::frame::{decode_head, encode, HeadDecoder, Limits};
 use slipstream_peer::{
-    measure_costs, serve, serve_with_config, Allocator, ClusterKey, Incoming, Kind, OutTensor, Outgoing, PeerConfig,
-    PeerError, Peers, ServerHandle, VecAlloc,
+    measure_costs, serve, serve_with_config, Allocator, ClusterKey, Kind, OutTensor, Outgoing, PeerConfig, PeerError,
+    Peers, ServerHandle, VecAlloc,
 };
 use slipstream_types::DType;
 use std::net::SocketAddr;
@@ -38,22 +38,6 @@ fn f32_tensor(name: &str, elems: usize, seed: u64) -> OutTensor {
     }
 }
 
-/// A reply carrying the call's tensors back, without copying them again.
-fn echo(call: Incoming<Vec<u8>>) -> Outgoing {
-    let payload = Bytes::from(call.payload);
-    let tensors = call
-        .tensors
-        .iter()
-        .map(|t| OutTensor {
-            name: t.name.clone(),
-            dtype: t.dtype,
-            shape: t.shape.clone(),
-            data: payload.slice(t.range()),
-        })
-        .collect();
-    Outgoing::reply(call.meta, tensors)
-}
-
 async fn echo_server(threshold: usize) -> (ServerHandle, SocketAddr) {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
@@ -61,7 +45,7 @@ async fn echo_server(threshold: usize) -> (ServerHandle, SocketAddr) {
         if let Some(t) = call.tensors.iter().find(|t| t.offset % 64 != 0) {
             return Outgoing::error(format!("{} arrived at offset {}", t.name, t.offset));
         }
-        echo(call)
+        Outgoing::echo(call)
     });
     (h, addr)
 }
@@ -194,7 +178,7 @@ async fn strangers_are_refused_and_the_server_keeps_serving() {
     let config = PeerConfig { handshake_timeout: Duration::from_millis(300), ..PeerConfig::default() };
     let server = serve_with_config(l, key(), "server".into(), Arc::new(VecAlloc), config, move |_, call| {
         count.fetch_add(1, SeqCst);
-        async move { echo(call) }
+        async move { Outgoing::echo(call) }
     });
 
     // Another token: refused on both sides, no handler runs.
@@ -246,7 +230,7 @@ async fn calls_in_flight_fail_fast_when_the_server_dies_and_the_next_call_reconn
     let addr = l.local_addr().unwrap();
     let server = serve(l, key(), "server".into(), Arc::new(VecAlloc), 1024, |_, call| async move {
         tokio::time::sleep(Duration::from_secs(30)).await;
-        echo(call)
+        Outgoing::echo(call)
     });
     let peers = Peers::new(key(), "client".into(), Arc::new(VecAlloc), 1024);
     let mut calls = Vec::new();
@@ -269,7 +253,8 @@ async fn calls_in_flight_fail_fast_when_the_server_dies_and_the_next_call_reconn
 
     // A new server on the same port: the next call reconnects.
     let l = TcpListener::bind(addr).await.unwrap();
-    let _server = serve(l, key(), "server2".into(), Arc::new(VecAlloc), 1024, |_, call| async move { echo(call) });
+    let _server =
+        serve(l, key(), "server2".into(), Arc::new(VecAlloc), 1024, |_, call| async move { Outgoing::echo(call) });
     let msg = Outgoing::call(b"again".to_vec(), vec![bytes_tensor("x", 5000, 9)]);
     let mut reply = peers.call(addr, msg, LONG).await.unwrap();
     assert_eq!(reply.meta, b"again");
@@ -302,7 +287,7 @@ async fn an_allocation_failure_fails_one_call_not_the_connection() {
     let count = handled.clone();
     let server = serve(l, key(), "server".into(), server_alloc.clone(), 1024, move |_, call| {
         count.fetch_add(1, SeqCst);
-        async move { echo(call) }
+        async move { Outgoing::echo(call) }
     });
     let client_alloc = Arc::new(Flaky::default());
     let peers = Peers::new(key(), "client".into(), client_alloc.clone(), 1024);
@@ -343,7 +328,7 @@ async fn a_timed_out_call_leaves_the_connection_usable() {
         if call.meta == b"slow" {
             tokio::time::sleep(Duration::from_millis(300)).await;
         }
-        echo(call)
+        Outgoing::echo(call)
     });
     let peers = Peers::new(key(), "client".into(), Arc::new(VecAlloc), 1024);
     let big = vec![bytes_tensor("x", 1 << 20, 3)];
@@ -461,7 +446,7 @@ async fn a_panicking_handler_answers_with_an_error() {
         if call.meta == b"boom" {
             panic!("handler bug (expected by the test)");
         }
-        echo(call)
+        Outgoing::echo(call)
     });
     let peers = Peers::new(key(), "client".into(), Arc::new(VecAlloc), 1024);
     let start = Instant::now();

@@ -3,9 +3,7 @@
 use bytes::Bytes;
 use parking_lot::Mutex;
 use slipstream_peer::ClusterKey;
-use slipstream_peer::{
-    serve_with_config, Incoming, OutTensor, Outgoing, PeerConfig, PeerError, Peers, ServerHandle, VecAlloc,
-};
+use slipstream_peer::{serve_with_config, OutTensor, Outgoing, PeerConfig, PeerError, Peers, ServerHandle, VecAlloc};
 use slipstream_tls::{issue, make_ca, NodeTls};
 use slipstream_types::DType;
 use std::net::SocketAddr;
@@ -44,21 +42,6 @@ fn marked(n: usize) -> OutTensor {
     OutTensor { name: "x".into(), dtype: DType::Uint8, shape: vec![n as u64], data: Bytes::from(data) }
 }
 
-fn echo(call: Incoming<Vec<u8>>) -> Outgoing {
-    let payload = Bytes::from(call.payload);
-    let tensors = call
-        .tensors
-        .iter()
-        .map(|t| OutTensor {
-            name: t.name.clone(),
-            dtype: t.dtype,
-            shape: t.shape.clone(),
-            data: payload.slice(t.range()),
-        })
-        .collect();
-    Outgoing::reply(call.meta, tensors)
-}
-
 struct Server {
     handle: ServerHandle,
     addr: SocketAddr,
@@ -72,7 +55,7 @@ async fn server(tls: Option<NodeTls>) -> Server {
     let count = handled.clone();
     let handle = serve_with_config(l, key(), "server".into(), Arc::new(VecAlloc), config(tls), move |_, call| {
         count.fetch_add(1, SeqCst);
-        async move { echo(call) }
+        async move { Outgoing::echo(call) }
     });
     Server { handle, addr, handled }
 }
@@ -187,7 +170,7 @@ async fn a_member_cannot_pass_itself_off_as_another_node() {
         "server".into(),
         Arc::new(VecAlloc),
         config(Some(node(tmp.path(), "ca", "worker-2"))),
-        |_, c| async move { echo(c) },
+        |_, c| async move { Outgoing::echo(c) },
     );
     let honest =
         Peers::with_config(key(), "client".into(), Arc::new(VecAlloc), config(Some(node(tmp.path(), "ca", "client"))));

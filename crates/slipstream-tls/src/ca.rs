@@ -70,6 +70,21 @@ fn create(path: &Path, contents: &str, mode: u32) -> Result<(), TlsError> {
     f.write_all(contents.as_bytes()).map_err(|e| file(e.to_string()))
 }
 
+/// A certificate and its key, neither written unless both can be: the key
+/// readable by its owner alone.
+fn write_pair(crt: &Path, crt_pem: &str, key: &Path, key_pem: &str) -> Result<(), TlsError> {
+    for p in [crt, key] {
+        if p.exists() {
+            return Err(TlsError::File {
+                path: p.to_owned(),
+                why: "exists already; not overwritten (remove it first)".into(),
+            });
+        }
+    }
+    create(key, key_pem, 0o600)?;
+    create(crt, crt_pem, 0o644)
+}
+
 fn mkdir(dir: &Path) -> Result<(), TlsError> {
     std::fs::create_dir_all(dir).map_err(|e| TlsError::File { path: dir.to_owned(), why: e.to_string() })
 }
@@ -82,16 +97,7 @@ pub fn make_ca(dir: &Path, days: u32) -> Result<Vec<PathBuf>, TlsError> {
     let key = KeyPair::generate().map_err(bad)?;
     let cert = params.self_signed(&key).map_err(bad)?;
     let (crt, k) = (dir.join(CA_FILE), dir.join(CA_KEY_FILE));
-    for p in [&crt, &k] {
-        if p.exists() {
-            return Err(TlsError::File {
-                path: p.clone(),
-                why: "exists already; not overwritten (remove it first)".into(),
-            });
-        }
-    }
-    create(&k, &key.serialize_pem(), 0o600)?;
-    create(&crt, &cert.pem(), 0o644)?;
+    write_pair(&crt, &cert.pem(), &k, &key.serialize_pem())?;
     Ok(vec![crt, k])
 }
 
@@ -130,16 +136,7 @@ pub fn issue(ca_dir: &Path, out: &Path, names: &[String], days: u32) -> Result<I
 
     mkdir(out)?;
     let (crt, k, ca) = (out.join(CERT_FILE), out.join(KEY_FILE), out.join(CA_FILE));
-    for p in [&crt, &k] {
-        if p.exists() {
-            return Err(TlsError::File {
-                path: p.clone(),
-                why: "exists already; not overwritten (remove it first)".into(),
-            });
-        }
-    }
-    create(&k, &key.serialize_pem(), 0o600)?;
-    create(&crt, &cert.pem(), 0o644)?;
+    write_pair(&crt, &cert.pem(), &k, &key.serialize_pem())?;
     let mut files = vec![crt, k];
     match std::fs::read(&ca) {
         Ok(existing) if existing == ca_pem => {}
