@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from slipstream.testing import Etcd, Node, deploy, free_port, start_node, wait_for
+from slipstream.testing import Etcd, Node, deploy, free_port, start_node, stop_all, wait_for
 
 from bench.harness import RESULTS, ROOT, percentile
 from bench.store import REDIS, HttpClient, RedisClient, log
@@ -137,8 +137,7 @@ def cluster_point(rf: int, rep: int, quick: bool) -> dict[str, Any]:
             out[label] = point
             log(f"  RF {rf} {label}: " + ", ".join(f"{k} p50 {v['p50_ms']:.2f} ms" for k, v in point.items()))
     finally:
-        for node in nodes.values():
-            node.stop()
+        stop_all(nodes.values())
         etcd.stop()
     return out
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 import slipstream as ss
-from slipstream.testing import Etcd, Node, deploy, start_node, wait_for
+from slipstream.testing import Etcd, Node, deploy, start_node, stop_all, wait_for
 
 from bench import harness
 from bench.goodput import run_rate
@@ -95,8 +95,7 @@ def serving(cluster: int, env: dict[str, str]) -> Iterator[tuple[str, str, str]]
         print(f"freshness: {cluster} nodes ready", file=sys.stderr)
         yield nodes[0].url, nodes[len(nodes) // 2].url, nodes[-1].url
     finally:
-        for n in nodes:
-            n.stop()
+        stop_all(nodes)
         etcd.stop()
 
 

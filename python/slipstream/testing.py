@@ -25,7 +25,8 @@ processes, each on a free port, and stop them::
 - ``Etcd(members)``: real etcd processes forming one cluster in a private
   data directory; ``kill(i)``/``start(i)`` take a member down and back.
 - ``deploy(etcd, app)``, ``start_node(etcd, name)``: publish an app to a
-  cluster, start one member.
+  cluster, start one member; ``stop_all(nodes)``: stop members together (one
+  by one, each would first hand its stages over to those still running).
 - ``Cluster(app, nodes)``: etcd, the app deployed and ``nodes`` members,
   all ready.
 - ``wait_for(predicate)``, ``free_port()``.
@@ -45,7 +46,8 @@ from slipstream._internal.testing import (
     deploy,
     free_port,
     start_node,
+    stop_all,
     wait_for,
 )
 
-__all__ = ["CLI", "TOKEN", "Cluster", "Etcd", "Node", "deploy", "free_port", "start_node", "wait_for"]
+__all__ = ["CLI", "TOKEN", "Cluster", "Etcd", "Node", "deploy", "free_port", "start_node", "stop_all", "wait_for"]

@@ -7,6 +7,7 @@ import numpy as np
 import slipstream as ss
 
 X = {"x": ss.Tensor("float32", (-1, 2))}
+SLOW_FROM = 10_000.0
 
 
 def _node(rows: int) -> np.ndarray:
@@ -32,6 +33,9 @@ class Sum:
 @ss.component(max_batch_size=16, replicas=1)  # a singleton: the cluster keeps a warm standby elsewhere
 class Prod:
     def __call__(self, batch: ss.Batch) -> dict:
+        x = batch["x"]
+        if (x[:, 0] >= SLOW_FROM).any():  # x[:, 0] = SLOW_FROM + n: sleep n ms (a slow answer, off the CPU)
+            time.sleep(float(x[:, 0].max() - SLOW_FROM) / 1000.0)
         return {"prod": batch["x"].prod(axis=1, keepdims=True), "prod_node": _node(batch.rows)}
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from slipstream.testing import Etcd, deploy, start_node
+from slipstream.testing import Etcd, deploy, start_node, stop_all
 
 from tests.conftest import APPS, Node, wait_for
 
@@ -50,16 +50,6 @@ def placement_settled(ns: dict[str, Node]) -> bool:
     if not all(v["placement"] for v in views) or len({v["placement"]["epoch"] for v in views}) != 1:
         return False
     return {name for counts in views[0]["placement"]["stages"].values() for name in counts} == set(ns)
-
-
-def stop_all(ns: list[Node]) -> None:
-    """SIGTERM every node at once and wait for all (each drains, or is
-    killed after 30 s, on its own clock)."""
-    stops = [threading.Thread(target=n.stop) for n in ns]
-    for t in stops:
-        t.start()
-    for t in stops:
-        t.join()
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +151,37 @@ def test_a_tensor_crosses_nodes_with_one_copy_per_receive(nodes: dict[str, Node]
     assert dp1["zero_copy_tensors"] - dp0["zero_copy_tensors"] >= 1, (dp0, dp1)
     assert dp1["merge_copied_bytes"] - dp0["merge_copied_bytes"] < 4096, (dp0, dp1)
     assert dp1["bytes_received"] - dp0["bytes_received"] >= mb
+
+
+def test_a_slow_singleton_is_waited_for_when_nothing_else_could_take_its_work(nodes: dict[str, Node]) -> None:
+    """diamond/Prod, a singleton with a warm standby, answers one request
+    slowly, twice its ingress's patience with a node: the ingress gives up
+    on the replica's node and retries the batch on the standby, which is as
+    slow with it. With nowhere else to go (the first node is suspected now),
+    the ingress waits for that answer within the deadline instead of
+    failing the request with 503 (what it did before: a second timeout
+    found no replica)."""
+    n_any = next(iter(nodes.values()))
+    holder = next(iter(placed(n_any)["diamond/Prod"]))
+    spare_of = lambda: cluster_of(n_any)["placement"].get("standby", {}).get("diamond/Prod", {})  # noqa: E731
+    wait_for(lambda: spare_of() and next(iter(spare_of())) != holder, timeout=30)
+    spare = next(iter(spare_of()))
+    wait_for(lambda: cluster_of(n_any)["members"][spare].get("standby", {}).get("diamond/Prod") == 1, timeout=60)
+    (ingress,) = [n for name, n in nodes.items() if name not in (holder, spare)]
+    for i in range(20):  # the remote replica learns a batch takes about a millisecond
+        status, body = ask(ingress, i)
+        assert status == 200, body
+    before = cluster_of(ingress)["counters"]
+    slow_ms = 600  # more than twice the shortest patience (250 ms)
+    status, body = ingress.infer("diamond", x=[[10_000.0 + slow_ms, 2.0]])
+    assert status == 200, body
+    assert body["outputs"]["both"] == [[10_000.0 + slow_ms + 2.0, (10_000.0 + slow_ms) * 2.0]], body
+    after = cluster_of(ingress)["counters"]
+    assert after["retried"] > before["retried"], (before, after)
+    assert after["patient_calls"] > before["patient_calls"], (before, after)
+    # The first node answers a probe and takes work again.
+    wait_for(lambda: not cluster_of(ingress)["suspects"], timeout=30)
+    wait_for(lambda: all_ready(ingress), timeout=30)
 
 
 def test_feedback_on_an_answer_is_accepted_by_any_node(nodes: dict[str, Node]) -> None:

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import pytest
 import slipstream as ss
-from slipstream.testing import Etcd, deploy, start_node
+from slipstream.testing import Etcd, deploy, start_node, stop_all
 
 from tests.conftest import APPS, Node, wait_for
 from tests.integration.subnet import Subnet
@@ -58,8 +58,7 @@ def cluster_across(net: Subnet) -> Iterator[dict[str, Node]]:
                                      wrap=net.wrap(name))
         yield nodes
     finally:
-        for n in nodes.values():
-            n.stop()
+        stop_all(nodes.values())
         etcd.stop()
         net.heal("n3")
 

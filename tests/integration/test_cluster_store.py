@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import slipstream as ss
 from slipstream._internal.testing import ClusterCA
-from slipstream.testing import TOKEN, Etcd, deploy, start_node
+from slipstream.testing import TOKEN, Etcd, deploy, start_node, stop_all
 
 from tests.conftest import APPS, Node, wait_for
 from tests.integration.subnet import Subnet
@@ -90,8 +90,7 @@ def cluster() -> Iterator[dict[str, Node]]:
                 wait_for(lambda n=n: n.is_ready() and len(n.status()["cluster"]["members"]) == 3, timeout=90)
             yield nodes
         finally:
-            for n in nodes.values():
-                n.stop()
+            stop_all(nodes.values())
 
 
 def store(n: Node) -> Any:
@@ -469,8 +468,7 @@ def test_a_deployment_runs_where_its_files_are_not_and_triggers_fire_once(tmp_pa
         try:
             run_bundled(etcd, start, src, weights, tmp_path, nodes)
         finally:
-            for n in nodes:
-                n.stop()
+            stop_all(nodes)
 
 
 def run_bundled(etcd: Etcd, start: Callable[..., Node], src: Any, weights: Any, tmp_path: Any,

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from slipstream.testing import Etcd, deploy, free_port, start_node
+from slipstream.testing import Etcd, deploy, free_port, start_node, stop_all
 
 from tests.conftest import APPS, Node, wait_for
 from tests.fake_kube import NS, STS, TOKEN, FakeApi
@@ -76,8 +76,7 @@ class Controller:
                 threading.Thread(target=victim.stop, daemon=True).start()
 
     def stop(self) -> None:
-        for n in list(self.nodes.values()):
-            n.stop()
+        stop_all(list(self.nodes.values()))
 
 
 @pytest.fixture()

@@ -17,7 +17,7 @@ import pytest
 from slipstream._internal.cluster_cli import Etcd as EtcdClient
 from slipstream._internal.cluster_cli import signed_by
 from slipstream._internal.reseal import KINDS
-from slipstream.testing import CLI, Etcd, deploy, start_node
+from slipstream.testing import CLI, Etcd, deploy, start_node, stop_all
 
 from tests.conftest import APPS, Node, wait_for
 
@@ -131,5 +131,4 @@ def test_a_token_is_rotated_by_three_rolling_restarts_failing_no_request(etcd: E
     finally:
         if load is not None:
             load.stop.set()
-        for n in nodes.values():
-            n.stop()
+        stop_all(nodes.values())

@@ -24,6 +24,7 @@
 mod agent;
 mod autoscale;
 mod feedback;
+mod handover;
 mod remote;
 mod serve;
 mod store;
@@ -268,6 +269,9 @@ pub struct ClusterCounters {
     pub served_batches: AtomicU64,
     /// Requests retried elsewhere after a remote node failed with them.
     pub retried: AtomicU64,
+    /// Batches waited for past their patience, as no other replica could
+    /// take them (see `remote.rs`).
+    pub patient_calls: AtomicU64,
     /// Records ignored for a bad signature.
     pub refused_records: AtomicU64,
     pub placements_written: AtomicU64,
@@ -390,12 +394,15 @@ impl Cluster {
             "members": v.members,
             "placement": v.placement,
             "cordoned": v.cordoned,
+            // Members whose data plane failed here, out of routing until a probe answers.
+            "suspects": v.suspects,
             "merge_threshold_bytes": self.costs.merge_threshold,
             "counters": {
                 "sent_batches": c.sent_batches.load(Relaxed),
                 "sent_requests": c.sent_requests.load(Relaxed),
                 "served_batches": c.served_batches.load(Relaxed),
                 "retried": c.retried.load(Relaxed),
+                "patient_calls": c.patient_calls.load(Relaxed),
                 "refused_records": c.refused_records.load(Relaxed),
                 "refused_handshakes": server.map_or(0, |s| s.refused()),
                 "placements_written": c.placements_written.load(Relaxed),
@@ -421,10 +428,19 @@ pub struct Joined {
     pub redeploy: watch::Receiver<bool>,
     leave: watch::Sender<bool>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
+    etcd: slipstream_etcd::Etcd,
     _server: slipstream_peer::ServerHandle,
 }
 
 impl Joined {
+    /// Before [`Joined::leave`] on a graceful stop: take this node out of
+    /// what the leader places and wait, at most `limit`, until every stage
+    /// with a replica here is ready on another member (`handover.rs`),
+    /// serving all the while. What it did, for the log.
+    pub async fn hand_over(&self, limit: Duration) -> String {
+        handover::hand_over(&self.etcd, &self.cluster, limit).await
+    }
+
     /// Leave the cluster now (revoke the lease: the others stop routing
     /// here at once) and stop following it; waits briefly for the revoke.
     pub async fn leave(&mut self) {
@@ -583,7 +599,7 @@ pub async fn start(
     .await?;
     let _ = cluster.store.set(shared.clone());
     node.set_shared_store(shared);
-    tasks.push(tokio::spawn(agent::follow(etcd, node.clone(), cluster.clone(), stop)));
+    tasks.push(tokio::spawn(agent::follow(etcd.clone(), node.clone(), cluster.clone(), stop)));
     // Until the view holds this node, the store has no replica set to
     // write to (the seeds are put next).
     let mut views = cluster.view.subscribe();
@@ -599,7 +615,7 @@ pub async fn start(
         if cluster.opts.tls.is_some() { " with mutual TLS" } else { "" },
         cluster.costs.merge_threshold
     );
-    Ok(Joined { cluster, redeploy, leave, tasks, _server: server })
+    Ok(Joined { cluster, redeploy, leave, tasks, etcd, _server: server })
 }
 
 #[cfg(test)]

@@ -11,7 +11,8 @@
 //! admission predict with.
 //!
 //! A remote node that fails (connection lost, refused, or a reply that
-//! does not come) takes its replica here down: the requests of the batch
+//! does not come while another replica could take the batch) takes its
+//! replica here down: the requests of the batch
 //! in flight are retried once on another replica of the stage if one
 //! serves (else they fail with 503), queued ones move to serving siblings,
 //! and the replica comes back when the node reports ready again (or
@@ -143,11 +144,28 @@ impl Backend for RemoteNode {
         c.sent_requests.fetch_add(n as u64, Relaxed);
         // A node that does not answer within a few times the batch's expected
         // latency is taken for partitioned: its requests are retried elsewhere
-        // rather than left to wait for their deadline.
+        // rather than left to wait for their deadline. But only when there
+        // is an elsewhere: a slow node (a loaded machine, one draining) is
+        // still the requests' best chance when no other replica or warm
+        // standby of the stage would take them, so then the call is waited
+        // for until the deadline's margin, as a retry would have failed
+        // them at once (seen as 503s in rolling restarts under CI load).
         let expected = Duration::from_nanos(batch.expected_ns);
         let patience = (expected * 4 + Duration::from_millis(100)).max(MIN_PATIENCE).min(wait);
         let at = &self.at;
-        let inc = match self.cluster.peers.call(at.addr, msg, patience).await {
+        let call = self.cluster.peers.call(at.addr, msg, wait);
+        tokio::pin!(call);
+        let answer = tokio::select! {
+            answer = &mut call => answer,
+            _ = tokio::time::sleep(patience) => match stage.has_alternative_to(ctx.replica()) {
+                true => Err(PeerError::Timeout),
+                false => {
+                    c.patient_calls.fetch_add(1, Relaxed);
+                    call.await
+                }
+            },
+        };
+        let inc = match answer {
             Ok(inc) => inc,
             // The node refused the whole batch (shutting down, say): elsewhere.
             Err(PeerError::Remote(why)) => return Err(format!("node {}: {why}", at.node)),

@@ -276,6 +276,12 @@ impl StageRt {
         self.choose_or_stand_in(&self.replicas(), tiebreak, &|r| !is(not, r))
     }
 
+    /// Whether work on `r` could go elsewhere now (another replica accepts,
+    /// or a warm standby stands in): what a retry of it would find.
+    pub fn has_alternative_to(&self, r: &Replica) -> bool {
+        self.choose(0, Some(r)).is_some()
+    }
+
     /// Join-shortest-queue among the accepting `eligible` replicas of
     /// `set`, else a warm standby among them ([`stand_in`]).
     fn choose_or_stand_in(

@@ -7,7 +7,8 @@
 //! (import error, constructor raised) fails start-up with its message.
 //!
 //! Shutdown (SIGINT/SIGTERM, or the `shutdown` future): stop accepting (on
-//! the HTTP and the gRPC listener), let in-flight requests finish (bounded
+//! the HTTP and the gRPC listener), in a cluster hand this node's stages
+//! over to the others and leave, let in-flight requests finish (bounded
 //! by `drain_timeout`), close idle connections of both, tell workers to
 //! exit, remove shared-memory files.
 
@@ -25,6 +26,13 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
+
+/// The longest a stopping cluster member waits for what it serves to be
+/// ready on the others before it leaves (slipstream-cluster's
+/// `handover.rs`): a warm standby's promotion takes well under a second; a
+/// stage started cold elsewhere may not make it, and the node then leaves
+/// as it would have without handing over.
+const HANDOVER_LIMIT: Duration = Duration::from_secs(10);
 
 /// Why a node could not run (or stopped).
 #[derive(Debug, thiserror::Error)]
@@ -484,6 +492,11 @@ pub async fn run(
     drop(listener);
     drop(grpc_listener);
     if let Some(j) = &mut joined {
+        // Not for a redeploy: every node restarts onto the new deployment.
+        if outcome.is_ok() {
+            let done = j.hand_over(HANDOVER_LIMIT.min(drain_timeout)).await;
+            tracing::info!("cluster: {done}");
+        }
         j.leave().await;
     }
 

@@ -379,6 +379,17 @@ def deploy(etcd: Etcd, app: str | Path, *args: str, token: str = TOKEN, wait: fl
                           capture_output=True, text=True, timeout=wait + 60)
 
 
+def stop_all(nodes: Iterable[Node]) -> None:
+    """SIGTERM every node at once and wait for all (each drains, or is killed
+    after 30 s, on its own clock). Cluster members stopped one by one would
+    each hand their stages over to the ones still running first."""
+    stops = [threading.Thread(target=n.stop) for n in nodes]
+    for t in stops:
+        t.start()
+    for t in stops:
+        t.join()
+
+
 def start_node(etcd: Etcd, name: str, *args: str, token: str = TOKEN, ttl: int = 2, wrap: list[str] | None = None,
                env: dict[str, str] | None = None) -> Node:
     """A cluster member (`slipstream node`) named `name`, joined through
@@ -419,8 +430,7 @@ class Cluster:
         return self.nodes[0].url
 
     def stop(self) -> None:
-        for n in self.nodes:
-            n.stop()
+        stop_all(self.nodes)
         self.etcd.stop()
 
     def __enter__(self) -> Cluster:

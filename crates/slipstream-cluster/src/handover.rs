@@ -1,0 +1,175 @@
+//! A graceful stop hands this node's stages over before it leaves.
+//!
+//! Revoking the lease at once (what a stop did first) makes the others
+//! stop routing here at once, but the leader then has to place what ran
+//! here elsewhere, and until that replica is ready a stage this node held
+//! alone has nothing serving it: a warm standby stands in, unless the
+//! rolling restart that is stopping this node has just restarted the
+//! standby's node too, or a call in flight here times out as this node
+//! drains and its retry finds no other replica (both seen as single 503s
+//! in rolling restarts under load).
+//!
+//! So a stop first takes this node out of what the leader places: a
+//! [`Cordon`] record under its own lease (it goes with the lease, so it
+//! never outlives this incarnation). The leader places the stages
+//! elsewhere (a warm standby is promoted where it is), and this node keeps
+//! serving everything sent to it meanwhile. Once every stage that had a
+//! replica here is reported ready by another member, or after a bounded
+//! wait, the node leaves as before. This is the path a placement change
+//! under load already takes (tests/integration/test_cluster.py), started
+//! by the node itself instead of by a scale-down.
+
+use crate::{seal, Cluster, Cordon, View};
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+/// The stages (`pipeline/stage`) with a serving replica on `me` in the
+/// placement of `deploy`: what another member must serve before `me` leaves.
+pub(crate) fn held(view: &View, me: &str, deploy: &str) -> BTreeSet<String> {
+    let Some(p) = view.placement.as_ref().filter(|p| p.deploy == deploy) else {
+        return BTreeSet::new();
+    };
+    p.stages.iter().filter(|(_, by)| by.get(me).copied().unwrap_or(0) > 0).map(|(k, _)| k.clone()).collect()
+}
+
+/// What `me` still waits for before it can leave without emptying one of
+/// the `held` stages; `None` when nothing (or when nowhere else could take
+/// them: every member is cordoned, all stopping together).
+pub(crate) fn waiting_for(view: &View, me: &str, deploy: &str, held: &BTreeSet<String>) -> Option<String> {
+    if view.members.keys().all(|m| view.cordoned.contains(m)) {
+        return None;
+    }
+    if !view.cordoned.contains(me) {
+        return Some("the cordon to come back through the watch".into());
+    }
+    if let Some(p) = view.placement.as_ref().filter(|p| p.deploy == deploy) {
+        if let Some((key, _)) = p.stages.iter().find(|(_, by)| by.get(me).copied().unwrap_or(0) > 0) {
+            return Some(format!("a placement without {key} here"));
+        }
+    }
+    let elsewhere = |key: &str| {
+        view.members
+            .iter()
+            .any(|(n, m)| n != me && m.ready.get(key).copied().unwrap_or(0) > 0 && !view.suspects.contains(n))
+    };
+    held.iter().find(|k| !elsewhere(k)).map(|k| format!("{k} to be ready on another member"))
+}
+
+/// Cordon this node and wait (at most `limit`) until every stage it serves
+/// is ready elsewhere. Returns what it did, for the log.
+pub(crate) async fn hand_over(etcd: &slipstream_etcd::Etcd, cluster: &Cluster, limit: Duration) -> String {
+    let started = Instant::now();
+    let me = cluster.me().to_string();
+    let deploy = cluster.opts.deploy.clone();
+    let view = cluster.view();
+    let held = held(&view, &me, &deploy);
+    if held.is_empty() {
+        return "nothing placed here to hand over".into();
+    }
+    let Some(lease) = view.members.get(&me).map(|m| m.lease).filter(|l| *l != 0) else {
+        return "not a member any more: nothing to hand over".into();
+    };
+    if view.placeable().all(|m| m == me) {
+        return "no other member to hand over to".into();
+    }
+    let key = format!("{}cordon/{me}", cluster.opts.root());
+    let record = seal(&cluster.key, "cordon", &Cordon { node: me.clone(), lease });
+    match tokio::time::timeout(limit, etcd.put(&key, &record, Some(lease))).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => return format!("could not cordon itself ({e}); leaving at once"),
+        Err(_) => return "etcd did not take the cordon in time; leaving at once".into(),
+    }
+    let mut views = cluster.view.subscribe();
+    let until = tokio::time::Instant::now() + limit.saturating_sub(started.elapsed());
+    loop {
+        let why = waiting_for(&views.borrow_and_update(), &me, &deploy, &held);
+        let Some(why) = why else {
+            return format!("handed {} stage(s) over in {:.2} s", held.len(), started.elapsed().as_secs_f64());
+        };
+        tokio::select! {
+            changed = views.changed() => if changed.is_err() {
+                return "the cluster view closed; leaving".into();
+            },
+            _ = tokio::time::sleep_until(until) => {
+                return format!("handing over timed out after {:.1} s waiting for {why}; leaving anyway", limit.as_secs_f64());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Assignment, Member, Placement, Report};
+
+    fn member(name: &str, ready: &[(&str, u32)]) -> Member {
+        Member {
+            node: name.into(),
+            http: String::new(),
+            data: "127.0.0.1:1".parse().unwrap(),
+            cores: 2,
+            memory_bytes: 0,
+            gpus: vec![],
+            store_keys: 0,
+            ready: ready.iter().map(|(k, n)| (k.to_string(), *n)).collect(),
+            standby: Default::default(),
+            tag: 0,
+            load: Report::default(),
+            deploy: "d".into(),
+            lease: 1,
+        }
+    }
+
+    fn view(placed: &[(&str, &str, u32)], members: &[Member]) -> View {
+        let mut stages = Assignment::new();
+        for (k, n, c) in placed {
+            stages.entry(k.to_string()).or_default().insert(n.to_string(), *c);
+        }
+        View {
+            members: members.iter().map(|m| (m.node.clone(), m.clone())).collect(),
+            placement: Some(Placement {
+                deploy: "d".into(),
+                epoch: 1,
+                stages,
+                standby: Default::default(),
+                by: "a".into(),
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_node_leaves_once_what_it_held_is_ready_elsewhere() {
+        let mut v = view(&[("p/s", "a", 1), ("p/t", "a", 1), ("p/t", "b", 1)], &[member("a", &[]), member("b", &[])]);
+        let held = held(&v, "a", "d");
+        assert_eq!(held, ["p/s".to_string(), "p/t".to_string()].into());
+        assert!(held_for_another_deploy_is_empty(&v));
+        assert!(waiting_for(&v, "a", "d", &held).unwrap().contains("cordon"));
+        v.cordoned.insert("a".into());
+        assert!(waiting_for(&v, "a", "d", &held).unwrap().contains("placement without p/s"));
+        // The leader's new placement: everything on b, not ready there yet.
+        v = View {
+            cordoned: v.cordoned.clone(),
+            ..view(&[("p/s", "b", 1), ("p/t", "b", 2)], &[member("a", &[]), member("b", &[("p/t", 1)])])
+        };
+        assert!(waiting_for(&v, "a", "d", &held).unwrap().contains("p/s to be ready"));
+        v.members.get_mut("b").unwrap().ready.insert("p/s".into(), 1);
+        v.suspects.insert("b".into());
+        assert!(waiting_for(&v, "a", "d", &held).is_some(), "a member this node cannot reach does not count");
+        v.suspects.clear();
+        assert_eq!(waiting_for(&v, "a", "d", &held), None);
+    }
+
+    fn held_for_another_deploy_is_empty(v: &View) -> bool {
+        held(v, "a", "other").is_empty()
+    }
+
+    #[test]
+    fn nodes_stopping_together_do_not_wait_for_each_other() {
+        let mut v = view(&[("p/s", "a", 1), ("p/s", "b", 1)], &[member("a", &[]), member("b", &[])]);
+        let held = held(&v, "a", "d");
+        v.cordoned.extend(["a".to_string(), "b".to_string()]);
+        assert_eq!(waiting_for(&v, "a", "d", &held), None);
+    }
+}
