@@ -104,11 +104,13 @@ test-fuzz:
 # pytest-xdist workers: more than the cores, as the integration tests mostly
 # wait (nodes starting, deadlines, sleeps); each module runs whole on one
 # worker (--dist loadscope), so its module-scoped nodes start once. (Handing
-# modules out longest first instead of by number of tests was tried: the
-# suite took 7:28 and 9:17 against 7:03-8:02 before, so it was undone.)
+# modules out longest first instead of by number of tests was tried once
+# and undone (7:28 and 9:17 against 7:03-8:02); it is back, in the order
+# tests/conftest.py gives: xdist's own order handed a two-minute module of
+# two tests out late and it ran alone for a minute and a half.)
 PYTEST_WORKERS ?= 3
 test-py: setup test-services
-	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadscope --durations=15 tests
+	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=15 tests
 
 demo: setup
 	$(PY) examples/demo.py

@@ -39,6 +39,18 @@ def local_counts(n: Node) -> dict[str, int]:
             for p in n.status()["pipelines"] for s in p["stages"]}
 
 
+def prod_holder_and_warm_spare(nodes: dict[str, Node]) -> tuple[str, str]:
+    """The node holding diamond/Prod's only replica and the one holding its
+    standby, once that standby is warm (its member record says so)."""
+    n_any = next(iter(nodes.values()))
+    holder = next(iter(placed(n_any)["diamond/Prod"]))
+    spare_of = lambda: cluster_of(n_any)["placement"].get("standby", {}).get("diamond/Prod", {})  # noqa: E731
+    wait_for(lambda: spare_of() and next(iter(spare_of())) != holder, timeout=30)
+    spare = next(iter(spare_of()))
+    wait_for(lambda: cluster_of(n_any)["members"][spare].get("standby", {}).get("diamond/Prod") == 1, timeout=60)
+    return holder, spare
+
+
 def all_ready(n: Node) -> bool:
     return n.request("GET", "/readyz")[0] == 200
 
@@ -161,12 +173,7 @@ def test_a_slow_singleton_is_waited_for_when_nothing_else_could_take_its_work(no
     the ingress waits for that answer within the deadline instead of
     failing the request with 503 (what it did before: a second timeout
     found no replica)."""
-    n_any = next(iter(nodes.values()))
-    holder = next(iter(placed(n_any)["diamond/Prod"]))
-    spare_of = lambda: cluster_of(n_any)["placement"].get("standby", {}).get("diamond/Prod", {})  # noqa: E731
-    wait_for(lambda: spare_of() and next(iter(spare_of())) != holder, timeout=30)
-    spare = next(iter(spare_of()))
-    wait_for(lambda: cluster_of(n_any)["members"][spare].get("standby", {}).get("diamond/Prod") == 1, timeout=60)
+    holder, spare = prod_holder_and_warm_spare(nodes)
     (ingress,) = [n for name, n in nodes.items() if name not in (holder, spare)]
     for i in range(20):  # the remote replica learns a batch takes about a millisecond
         status, body = ask(ingress, i)
@@ -332,13 +339,7 @@ def test_a_killed_node_leaves_and_its_singleton_s_standby_takes_over_losing_no_r
     """SIGKILL the node holding the only replica of diamond/Prod: the warm
     standby the placement keeps on another node stands in at once (no 503
     while the victim's lease runs out), then becomes the stage's replica."""
-    n_any = next(iter(nodes.values()))
-    victim = next(iter(placed(n_any)["diamond/Prod"]))
-    spare_of = lambda: cluster_of(n_any)["placement"].get("standby", {}).get("diamond/Prod", {})  # noqa: E731
-    wait_for(lambda: spare_of() and next(iter(spare_of())) != victim, timeout=30)
-    spare = next(iter(spare_of()))
-    # The spare's standby is warm (its member record says so).
-    wait_for(lambda: cluster_of(n_any)["members"][spare].get("standby", {}).get("diamond/Prod") == 1, timeout=60)
+    victim, spare = prod_holder_and_warm_spare(nodes)
     survivors = [n for name, n in nodes.items() if name != victim]
     observer = survivors[0]
     load = Load(survivors)

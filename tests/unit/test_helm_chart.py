@@ -62,11 +62,13 @@ def test_probes_and_shutdown_say_what_they_mean() -> None:
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert c["startupProbe"]["httpGet"]["path"] == "/healthz"
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    # The kubelet waits out the preStop and the node's own drain before it kills.
+    # The kubelet waits out the preStop, the node's hand-over of its stages
+    # (HANDOVER_LIMIT in crates/slipstream-runtime/src/lifecycle.rs: 10 s)
+    # and its own drain before it kills.
     (sleep,) = [int(a) for a in c["lifecycle"]["preStop"]["exec"]["command"][1:]]
     toml = chart.config_file(docs, "ss-slipstream-config", "node.toml")
     drain = float(_settings(toml)["drain_timeout_s"]["value"])
-    assert pod["terminationGracePeriodSeconds"] > sleep + drain
+    assert pod["terminationGracePeriodSeconds"] > sleep + 10 + drain
     # Shared memory for the data path: a memory-backed /dev/shm larger than the pool.
     shm = next(v for v in pod["volumes"] if v["name"] == "shm")
     assert shm["emptyDir"]["medium"] == "Memory"

@@ -101,25 +101,7 @@ pub(crate) async fn hand_over(etcd: &slipstream_etcd::Etcd, cluster: &Cluster, l
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Assignment, Member, Placement, Report};
-
-    fn member(name: &str, ready: &[(&str, u32)]) -> Member {
-        Member {
-            node: name.into(),
-            http: String::new(),
-            data: "127.0.0.1:1".parse().unwrap(),
-            cores: 2,
-            memory_bytes: 0,
-            gpus: vec![],
-            store_keys: 0,
-            ready: ready.iter().map(|(k, n)| (k.to_string(), *n)).collect(),
-            standby: Default::default(),
-            tag: 0,
-            load: Report::default(),
-            deploy: "d".into(),
-            lease: 1,
-        }
-    }
+    use crate::{member_for_tests as member, Assignment, Member, Placement};
 
     fn view(placed: &[(&str, &str, u32)], members: &[Member]) -> View {
         let mut stages = Assignment::new();

@@ -618,6 +618,26 @@ pub async fn start(
     Ok(Joined { cluster, redeploy, leave, tasks, etcd, _server: server })
 }
 
+/// A member of deployment "d" with 2 cores, lease 1 and `ready` replicas.
+#[cfg(test)]
+pub(crate) fn member_for_tests(name: &str, ready: &[(&str, u32)]) -> Member {
+    Member {
+        node: name.into(),
+        http: String::new(),
+        data: "127.0.0.1:1".parse().unwrap(),
+        cores: 2,
+        memory_bytes: 0,
+        gpus: vec![],
+        store_keys: 0,
+        ready: ready.iter().map(|(k, n)| (k.to_string(), *n)).collect(),
+        standby: BTreeMap::new(),
+        load: Report::default(),
+        tag: 0,
+        deploy: "d".into(),
+        lease: 1,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -684,22 +704,7 @@ mod tests {
     fn cordoned_members_take_nothing_new_unless_all_are() {
         let mut v = View::default();
         for n in ["a", "b", "c"] {
-            let m = Member {
-                node: n.into(),
-                http: String::new(),
-                data: "127.0.0.1:1".parse().unwrap(),
-                cores: 2,
-                memory_bytes: 0,
-                gpus: vec![],
-                store_keys: 0,
-                ready: BTreeMap::new(),
-                standby: BTreeMap::new(),
-                load: Report::default(),
-                tag: 0,
-                deploy: "d".into(),
-                lease: 1,
-            };
-            v.members.insert(n.into(), m);
+            v.members.insert(n.into(), member_for_tests(n, &[]));
         }
         assert_eq!(v.placeable().collect::<Vec<_>>(), ["a", "b", "c"]);
         v.cordoned.insert("c".into());
