@@ -45,9 +45,18 @@ lint: setup
 	$(PY) -m mypy.stubtest slipstream._core
 
 # Every test: the Python tests with the Rust build and the fuzz test beside
-# them, then the other Rust tests alone (some of them time sleeps).
+# them, then the other Rust tests alone (some of them time sleeps). The
+# package's wheel is built first, once, for the tests that install it
+# (tests/wheel.py): built beside the Rust test build, it waited minutes for
+# that build's lock on the target directory (a nice-19 build on a busy
+# machine), and then it ran twice, once per test.
+TEST_WHEELS := $(VENV)/opt/test-wheels
 test: setup test-services
-	@$(MAKE) --no-print-directory -j2 --output-sync=target -o $(VENV)/.installed test-py test-beside-py
+	@rm -rf $(TEST_WHEELS)
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/maturin build --release --locked -q \
+		--interpreter $(CURDIR)/$(PY) -o $(TEST_WHEELS)
+	@SLIPSTREAM_TEST_WHEELS=$(CURDIR)/$(TEST_WHEELS) \
+		$(MAKE) --no-print-directory -j2 --output-sync=target -o $(VENV)/.installed test-py test-beside-py
 	@$(MAKE) --no-print-directory -o $(VENV)/.installed test-rust
 
 # Beside the Python tests, at the lowest CPU priority (so on the CPU that
