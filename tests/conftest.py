@@ -11,18 +11,11 @@ on first use is built under a lock (``examples/models``). A test marked
 runs with no other test beside it: every test holds a shared lock of the
 run while it runs (setup and teardown included), an ``alone`` one an
 exclusive lock, taken through a turnstile so that a stream of shared
-holders cannot starve it.
-
-Modules are handed out longest first (``tests/module_seconds.json``, made by
-``scripts/test_durations.py``; `make test` turns xdist's own order, most
-tests first, off), those with an ``alone`` test last: the longest go out
-one to each worker at the start and short ones fill in at the end, so no
-worker runs a two-minute module by itself while the others are done."""
+holders cannot starve it."""
 
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,23 +28,6 @@ from slipstream.testing import CLI, Node, wait_for  # noqa: F401 (wait_for: re-e
 # counts, and profiling on first start would take seconds per app.
 # test_sizing.py serves with the default (planned) sizing.
 os.environ.setdefault("SLIPSTREAM_SIZING", "declared")
-
-MODULE_SECONDS = Path(__file__).with_name("module_seconds.json")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Longest modules first, and modules with an ``alone`` test after all
-    the others (a stable sort: tests keep their order within a module, and
-    unlisted modules, all short, keep theirs). An ``alone`` test waits for
-    every test running beside it to end: early on, one of them is a
-    two-minute test, and two workers sat idle behind the lock for a minute."""
-    try:
-        seconds: dict[str, float] = json.loads(MODULE_SECONDS.read_text())
-    except (OSError, ValueError):
-        seconds = {}
-    module = lambda item: item.nodeid.split("::", 1)[0]  # noqa: E731
-    alone = {module(i) for i in items if i.get_closest_marker("alone")}
-    items.sort(key=lambda i: (module(i) in alone, -seconds.get(module(i), 0.0)))
 
 ROOT = Path(__file__).resolve().parent.parent
 APPS = Path(__file__).resolve().parent / "apps"
