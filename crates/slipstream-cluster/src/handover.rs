@@ -30,30 +30,29 @@ pub(crate) fn held(view: &View, me: &str, deploy: &str) -> BTreeSet<String> {
     let Some(p) = view.placement.as_ref().filter(|p| p.deploy == deploy) else {
         return BTreeSet::new();
     };
-    p.stages.iter().filter(|(_, by)| by.get(me).copied().unwrap_or(0) > 0).map(|(k, _)| k.clone()).collect()
+    p.stages.keys().filter(|k| p.count(k, me) > 0).cloned().collect()
 }
 
 /// What `me` still waits for before it can leave without emptying one of
-/// the `held` stages; `None` when nothing (or when nowhere else could take
-/// them: every member is cordoned, all stopping together).
-pub(crate) fn waiting_for(view: &View, me: &str, deploy: &str, held: &BTreeSet<String>) -> Option<String> {
+/// the stages it was `holding` (see [`held`]); `None` when nothing (or
+/// when nowhere else could take them: every member is cordoned, all
+/// stopping together).
+pub(crate) fn waiting_for(view: &View, me: &str, deploy: &str, holding: &BTreeSet<String>) -> Option<String> {
     if view.members.keys().all(|m| view.cordoned.contains(m)) {
         return None;
     }
     if !view.cordoned.contains(me) {
         return Some("the cordon to come back through the watch".into());
     }
-    if let Some(p) = view.placement.as_ref().filter(|p| p.deploy == deploy) {
-        if let Some((key, _)) = p.stages.iter().find(|(_, by)| by.get(me).copied().unwrap_or(0) > 0) {
-            return Some(format!("a placement without {key} here"));
-        }
+    if let Some(key) = held(view, me, deploy).first() {
+        return Some(format!("a placement without {key} here"));
     }
     let elsewhere = |key: &str| {
         view.members
             .iter()
             .any(|(n, m)| n != me && m.ready.get(key).copied().unwrap_or(0) > 0 && !view.suspects.contains(n))
     };
-    held.iter().find(|k| !elsewhere(k)).map(|k| format!("{k} to be ready on another member"))
+    holding.iter().find(|k| !elsewhere(k)).map(|k| format!("{k} to be ready on another member"))
 }
 
 /// Cordon this node and wait (at most `limit`) until every stage it serves
@@ -124,34 +123,30 @@ mod tests {
     #[test]
     fn a_node_leaves_once_what_it_held_is_ready_elsewhere() {
         let mut v = view(&[("p/s", "a", 1), ("p/t", "a", 1), ("p/t", "b", 1)], &[member("a", &[]), member("b", &[])]);
-        let held = held(&v, "a", "d");
-        assert_eq!(held, ["p/s".to_string(), "p/t".to_string()].into());
-        assert!(held_for_another_deploy_is_empty(&v));
-        assert!(waiting_for(&v, "a", "d", &held).unwrap().contains("cordon"));
+        let holding = held(&v, "a", "d");
+        assert_eq!(holding, ["p/s".to_string(), "p/t".to_string()].into());
+        assert!(held(&v, "a", "other").is_empty(), "another deployment's placement");
+        assert!(waiting_for(&v, "a", "d", &holding).unwrap().contains("cordon"));
         v.cordoned.insert("a".into());
-        assert!(waiting_for(&v, "a", "d", &held).unwrap().contains("placement without p/s"));
+        assert!(waiting_for(&v, "a", "d", &holding).unwrap().contains("placement without p/s"));
         // The leader's new placement: everything on b, not ready there yet.
         v = View {
             cordoned: v.cordoned.clone(),
             ..view(&[("p/s", "b", 1), ("p/t", "b", 2)], &[member("a", &[]), member("b", &[("p/t", 1)])])
         };
-        assert!(waiting_for(&v, "a", "d", &held).unwrap().contains("p/s to be ready"));
+        assert!(waiting_for(&v, "a", "d", &holding).unwrap().contains("p/s to be ready"));
         v.members.get_mut("b").unwrap().ready.insert("p/s".into(), 1);
         v.suspects.insert("b".into());
-        assert!(waiting_for(&v, "a", "d", &held).is_some(), "a member this node cannot reach does not count");
+        assert!(waiting_for(&v, "a", "d", &holding).is_some(), "a member this node cannot reach does not count");
         v.suspects.clear();
-        assert_eq!(waiting_for(&v, "a", "d", &held), None);
-    }
-
-    fn held_for_another_deploy_is_empty(v: &View) -> bool {
-        held(v, "a", "other").is_empty()
+        assert_eq!(waiting_for(&v, "a", "d", &holding), None);
     }
 
     #[test]
     fn nodes_stopping_together_do_not_wait_for_each_other() {
         let mut v = view(&[("p/s", "a", 1), ("p/s", "b", 1)], &[member("a", &[]), member("b", &[])]);
-        let held = held(&v, "a", "d");
+        let holding = held(&v, "a", "d");
         v.cordoned.extend(["a".to_string(), "b".to_string()]);
-        assert_eq!(waiting_for(&v, "a", "d", &held), None);
+        assert_eq!(waiting_for(&v, "a", "d", &holding), None);
     }
 }

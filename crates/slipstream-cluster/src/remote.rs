@@ -12,11 +12,10 @@
 //!
 //! A remote node that fails (connection lost, refused, or a reply that
 //! does not come while another replica could take the batch) takes its
-//! replica here down: the requests of the batch
-//! in flight are retried once on another replica of the stage if one
-//! serves (else they fail with 503), queued ones move to serving siblings,
-//! and the replica comes back when the node reports ready again (or
-//! answers a probe).
+//! replica here down: the requests of the batch in flight are retried once
+//! on another replica of the stage if one serves (else they fail with
+//! 503), queued ones move to serving siblings, and the replica comes back
+//! when the node reports ready again (or answers a probe).
 //!
 //! A standby on another node is a remote standby here: held back from
 //! routing like a local one, it stands in when no replica of the stage
