@@ -282,6 +282,12 @@ impl StageRt {
         self.choose(0, Some(r)).is_some()
     }
 
+    /// Whether a replica that is not leaving accepts work: what a replica
+    /// the cluster placed elsewhere waits for before it drains.
+    pub fn served_without_leaving(&self) -> bool {
+        self.choose_among(&self.replicas(), 0, &|r| !r.leaving()).is_some()
+    }
+
     /// Join-shortest-queue among the accepting `eligible` replicas of
     /// `set`, else a warm standby among them ([`stand_in`]).
     fn choose_or_stand_in(

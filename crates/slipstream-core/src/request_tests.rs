@@ -220,6 +220,45 @@ async fn a_drained_replica_leaves_though_its_node_last_reported_a_backlog() {
     .expect("the drained replica leaves its stage");
 }
 
+/// Waits until `f` holds (5 s at most).
+async fn until(what: &str, f: impl Fn() -> bool) {
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while !f() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{what}"));
+}
+
+#[tokio::test]
+async fn a_replica_placed_elsewhere_serves_until_another_one_does() {
+    let t = TestNode::new(&app(5000.0, r#"[{"name": "a", "component": "A"}]"#), Fake::echo()).await;
+    let p = t.node.pipeline("p").unwrap();
+    let st = &p.stages[0];
+    let old = st.replicas()[0].clone();
+    until("the first replica is ready", || old.phase() == Phase::Ready).await;
+    // Placed elsewhere while nothing else of the stage serves here (the
+    // replica that replaces it is still starting on another node): it
+    // keeps serving, past the grace period, instead of leaving the stage
+    // empty.
+    let c = t.node.change(&p, 0, Change::Place(0));
+    assert_eq!((c.from, c.to, c.draining.clone()), (1, 0, vec![old.id]));
+    assert!(old.leaving());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(old.phase(), Phase::Ready);
+    let ans = t.infer("p", &[("x", &[1.0, 2.0])]).await.unwrap();
+    assert_eq!(floats(&ans.outputs, "x"), vec![1.0, 2.0]);
+    // Once another replica serves, it drains after the grace period.
+    let c = t.node.change(&p, 0, Change::Place(1));
+    assert_eq!((c.from, c.to, c.added.len()), (0, 1, 1));
+    let new = st.replicas().iter().find(|r| r.id == c.added[0]).unwrap().clone();
+    until("the new replica is ready", || new.phase() == Phase::Ready).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(old.phase(), Phase::Ready, "the grace period: other nodes catch up");
+    until("the replaced replica drains", || !old.phase().will_serve()).await;
+}
+
 /// A join that runs both candidates and answers with the first that arrived.
 struct First {
     candidates: Vec<String>,

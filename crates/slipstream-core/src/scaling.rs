@@ -30,11 +30,19 @@ use slipstream_sched::scale::ScaleAction;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-/// How long a replica the cluster placed elsewhere keeps serving before it
-/// drains (other nodes apply the new placement within this).
+/// How long a replica the cluster placed elsewhere keeps serving once
+/// another replica of its stage accepts work, before it drains (other
+/// nodes see that replica ready within this).
 const PLACEMENT_GRACE: Duration = Duration::from_secs(2);
+
+/// The longest a replica placed elsewhere waits for another replica of its
+/// stage to accept work (its replacement failing to start, say).
+const LEAVING_LIMIT: Duration = Duration::from_secs(30);
+
+/// How often a leaving replica looks for one that replaces it.
+const LEAVING_POLL: Duration = Duration::from_millis(50);
 
 /// A change to one stage's replicas.
 #[derive(Clone, Copy, Debug)]
@@ -205,17 +213,8 @@ impl Node {
             removal_order(&mut serving);
             for r in serving.into_iter().take(from - n) {
                 if placed {
-                    r.mark_leaving();
-                    self.record(pipe, st, Some(r.id), EventKind::Leaving, "placed elsewhere".into());
-                    let events = self.events().clone();
-                    let (pipe, stage) = (pipe.name().to_string(), st.name.clone());
                     out.draining.push(r.id);
-                    tokio::spawn(async move {
-                        tokio::time::sleep(PLACEMENT_GRACE).await;
-                        if r.drain() {
-                            events.record(&pipe, &stage, Some(r.id), EventKind::Draining, "placed elsewhere".into());
-                        }
-                    });
+                    self.leave_when_replaced(pipe, st, r, PLACEMENT_GRACE, "placed elsewhere".into());
                 } else if r.drain() {
                     self.record(pipe, st, Some(r.id), EventKind::Draining, "scaled down".into());
                     out.draining.push(r.id);
@@ -224,6 +223,30 @@ impl Node {
         }
         out.to = census(st).serving.len();
         out
+    }
+
+    /// Make before break: `r`, which the cluster placed elsewhere, keeps
+    /// serving until another replica of its stage (not leaving) accepts
+    /// work, then `grace` longer, and then drains; at most
+    /// [`LEAVING_LIMIT`] in all. A placement that moves a replica (a node
+    /// joined, say) would otherwise leave the stage with nothing serving
+    /// while the new one's worker starts: seconds under load, and every
+    /// request meanwhile waits at the stage until its deadline.
+    fn leave_when_replaced(&self, pipe: &Arc<PipelineRt>, st: &StageRt, r: Arc<Replica>, grace: Duration, why: String) {
+        r.mark_leaving();
+        self.record(pipe, st, Some(r.id), EventKind::Leaving, why.clone());
+        let (events, pipe, index) = (self.events().clone(), pipe.clone(), st.index);
+        tokio::spawn(async move {
+            let st = &pipe.stages[index];
+            let give_up = Instant::now() + LEAVING_LIMIT;
+            while r.phase().will_serve() && !st.served_without_leaving() && Instant::now() < give_up {
+                tokio::time::sleep(LEAVING_POLL).await;
+            }
+            tokio::time::sleep(grace.min(give_up.saturating_duration_since(Instant::now()))).await;
+            if r.drain() {
+                events.record(pipe.name(), &st.name, Some(r.id), EventKind::Draining, why);
+            }
+        });
     }
 
     /// Start `n` replicas of `st` (as standbys: held back until promoted).
@@ -306,6 +329,16 @@ impl Node {
         for r in serving.into_iter().chain(standbys) {
             let at = r.remote.as_ref().expect("filtered");
             let there = nodes.get(&at.node).filter(|e| e.addr == at.addr);
+            // One placed elsewhere serves on until replaced (see
+            // `leave_when_replaced`), unless its node is gone.
+            if r.leaving() {
+                if there.is_none() && r.drain() {
+                    let why = format!("node {} left", at.node);
+                    self.record(pipe, st, Some(r.id), EventKind::Draining, why);
+                    out.draining.push(r.id);
+                }
+                continue;
+            }
             let kept = |standby: bool| have.get(&(at.node.as_str(), standby)).copied().unwrap_or(0);
             let wants = |standby: bool| there.map_or(0, |e| if standby { e.standby } else { e.serving });
             let role = if !r.is_standby() {
@@ -324,6 +357,12 @@ impl Node {
             };
             match role {
                 Some(standby) => *have.entry((at.node.as_str(), standby)).or_default() += 1,
+                // Still on a node that is a member: the placement moved it.
+                None if there.is_some() && !r.is_standby() => {
+                    out.draining.push(r.id);
+                    let why = format!("placed elsewhere than node {}", at.node);
+                    self.leave_when_replaced(pipe, st, r.clone(), Duration::ZERO, why);
+                }
                 None => {
                     if r.drain() {
                         let why = format!("node {} left or lost it", at.node);
