@@ -192,6 +192,17 @@ def test_tls_and_accepted_tokens_reach_the_node_as_it_reads_them() -> None:
                                          "metadata.namespace": "serving"})
     assert "SLIPSTREAM_TLS_DIR" not in env and "SLIPSTREAM_CLUSTER_ACCEPT_TOKENS" not in env
     assert "SLIPSTREAM_INGRESS_TLS" not in env and "scheme" not in c["readinessProbe"]["httpGet"]
+    assert "SLIPSTREAM_API_TOKEN" not in env, "inference open unless apiToken is set"
+
+
+def test_the_api_token_reaches_the_node_from_the_values_or_an_existing_secret() -> None:
+    docs = chart.render({"apiToken": "t0ken"})
+    c = chart.node_container(docs)
+    env = chart.container_env(docs, c, {"metadata.name": "n", "status.podIP": "1.2.3.4",
+                                        "metadata.namespace": "serving"})
+    assert env["SLIPSTREAM_API_TOKEN"] == "t0ken" and env["SLIPSTREAM_ADMIN_TOKEN"] != "t0ken"
+    ref = next(e for e in c["env"] if e["name"] == "SLIPSTREAM_API_TOKEN")["valueFrom"]["secretKeyRef"]
+    assert (ref["key"], ref["optional"]) == ("api-token", True), "a Secret of one's own may lack it"
 
 
 @pytest.mark.parametrize("bad, why", [

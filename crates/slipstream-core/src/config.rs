@@ -165,6 +165,10 @@ settings! {
     refusal_rate: u64 = 5000;
     /// Bearer token for the admin routes (scale, reset-metrics, store writes).
     admin_token: Option<String> = None;
+    /// Bearer token for inference (HTTP and gRPC), feedback and store
+    /// reads (unset: open; the admin token passes too). Probes, metrics
+    /// and the status stay open.
+    api_token: Option<String> = None;
     /// A directory with tls.crt and tls.key (a Kubernetes TLS Secret's
     /// layout): the HTTP and gRPC ports speak TLS with that certificate
     /// (plain HTTP is then answered only to connections from this machine:

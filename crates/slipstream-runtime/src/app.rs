@@ -7,6 +7,7 @@
 //! core's, the edge's listeners, the cluster's; features with settings of
 //! their own read them from the app's spec.
 
+use crate::access::Access;
 use crate::pacing::RefusalPacer;
 use hyper::body::Incoming;
 use hyper::header::AUTHORIZATION;
@@ -39,9 +40,8 @@ pub struct EdgeOptions {
     pub drain_timeout: Duration,
     /// Held refusals answered a second (see [`crate::pacing`]).
     pub refusal_rate: u32,
-    /// Bearer token the admin routes require. Without one they are open on
-    /// a loopback listener and refused on any other.
-    pub admin_token: Option<String>,
+    /// The admin and API tokens (see [`crate::access`]).
+    pub access: Access,
     /// TLS on the HTTP and gRPC ports (see [`crate::conn`]).
     pub tls: Option<slipstream_tls::IngressTls>,
 }
@@ -88,7 +88,7 @@ impl RunOptions {
                 threads: cfg.node_threads,
                 max_body_bytes: cfg.max_body_bytes()?,
                 drain_timeout: seconds("drain_timeout_s", cfg.drain_timeout_s)?,
-                admin_token: cfg.admin_token.clone().filter(|t| !t.is_empty()),
+                access: Access::new(cfg.admin_token.clone(), cfg.api_token.clone()),
                 tls: match cfg.ingress_tls.as_deref().filter(|d| !d.is_empty()) {
                     Some(dir) => Some(
                         slipstream_tls::IngressTls::load(std::path::Path::new(dir), cfg.grpc)
@@ -127,34 +127,21 @@ pub(crate) struct App {
 }
 
 impl App {
-    /// Admin routes change the node: they need the node's bearer token when
-    /// it has one, and are refused outright on a non-loopback listener
-    /// without one. `admin_open`: the listener is on loopback.
+    /// An admin route may run (see [`crate::access`]). `admin_open`: the
+    /// listener is on loopback.
     pub(crate) fn authorise_admin(&self, admin_open: bool, req: &hyper::Request<Incoming>) -> Result<(), NodeError> {
-        let Some(token) = self.edge.admin_token.as_deref() else {
-            return if admin_open {
-                Ok(())
-            } else {
-                Err(NodeError::Forbidden(format!(
-                    "admin routes are disabled: the node listens on {} without an admin token \
-                     (start it with --admin-token or SLIPSTREAM_ADMIN_TOKEN)",
-                    self.edge.host
-                )))
-            };
-        };
-        let given =
-            req.headers().get(AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
-        match given {
-            Some(g) if constant_time_eq(g.trim().as_bytes(), token.as_bytes()) => Ok(()),
-            Some(_) => Err(NodeError::Unauthorized("wrong admin token".into())),
-            None => Err(NodeError::Unauthorized("admin routes need 'Authorization: Bearer <admin token>'".into())),
-        }
+        self.edge.access.admin(admin_open, &self.edge.host, authorization(req))
+    }
+
+    /// A route that runs work or reads data may run (see [`crate::access`]).
+    pub(crate) fn authorise_api(&self, req: &hyper::Request<Incoming>) -> Result<(), NodeError> {
+        self.edge.access.api(authorization(req))
     }
 }
 
-/// Compare without an early exit, so timing does not reveal a prefix.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+/// The request's `Authorization` header, if it is text.
+fn authorization(req: &hyper::Request<Incoming>) -> Option<&str> {
+    req.headers().get(AUTHORIZATION).and_then(|v| v.to_str().ok())
 }
 
 #[cfg(test)]
@@ -166,11 +153,11 @@ mod tests {
         let o = RunOptions::default();
         assert_eq!((o.edge.port, o.edge.grpc_port, o.edge.max_body_bytes), (8000, Some(8001), 64 << 20));
         assert_eq!(o.edge.drain_timeout, Duration::from_secs(30));
-        assert!(o.edge.admin_token.is_none() && o.cluster.is_none());
+        assert!(o.edge.access.admin_token().is_none() && o.cluster.is_none());
         assert_eq!(o.log, LogFormat::Text);
         let c = NodeConfig { log_format: "json".into(), admin_token: Some(String::new()), ..Default::default() };
         let o = RunOptions::from_config(&c).unwrap();
-        assert_eq!((o.log, o.edge.admin_token), (LogFormat::Json, None));
+        assert_eq!((o.log, o.edge.access.admin_token()), (LogFormat::Json, None));
         let bad = NodeConfig { drain_timeout_s: -1.0, ..Default::default() };
         assert!(RunOptions::from_config(&bad).unwrap_err().contains("drain_timeout_s"));
     }

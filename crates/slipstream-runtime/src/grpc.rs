@@ -38,6 +38,7 @@
 //! any handler runs: `OUT_OF_RANGE` ("decoded message length too large"),
 //! without the kind trailer.
 
+use crate::access::Access;
 use crate::app::App;
 use crate::pacing::{ConnMemory, RefusalPacer};
 use crate::respond::{
@@ -246,6 +247,8 @@ async fn stream_answer(node: &Node, req: ModelInferRequest, arrival: Arrival, ou
 /// The service, answering from one node.
 pub(crate) struct InferenceService {
     node: Arc<Node>,
+    /// Who may call (the inference calls need the API token, if any).
+    access: Access,
     /// Refusals to a connection that did not wait as told are held
     /// ([`crate::pacing`]); one service per connection, so `told` is the
     /// connection's.
@@ -254,6 +257,12 @@ pub(crate) struct InferenceService {
 }
 
 impl InferenceService {
+    /// An inference call may run (the API token, see [`crate::access`]).
+    fn authorise(&self, md: &MetadataMap) -> Result<(), Status> {
+        let given = md.get("authorization").and_then(|v| v.to_str().ok());
+        self.access.api(given).map_err(|e| status_of(&e))
+    }
+
     /// The status an inference error is answered with, once any hold is over.
     async fn refusal(&self, e: NodeError) -> Status {
         status_of(&self.pacer.pace(&self.told, e).await)
@@ -263,7 +272,12 @@ impl InferenceService {
 /// The service for one connection as a tower service over HTTP/2
 /// requests, with the node's body limit as its largest message.
 fn service(app: &App) -> GrpcInferenceServiceServer<InferenceService> {
-    let svc = InferenceService { node: app.node.clone(), pacer: app.pacer.clone(), told: ConnMemory::default() };
+    let svc = InferenceService {
+        node: app.node.clone(),
+        access: app.edge.access.clone(),
+        pacer: app.pacer.clone(),
+        told: ConnMemory::default(),
+    };
     GrpcInferenceServiceServer::new(svc).max_decoding_message_size(app.edge.max_body_bytes)
 }
 
@@ -351,6 +365,7 @@ impl GrpcInferenceService for InferenceService {
     }
 
     async fn model_infer(&self, req: Request<ModelInferRequest>) -> Result<Response<ModelInferResponse>, Status> {
+        self.authorise(req.metadata())?;
         let arrival = arrival_of(req.metadata()).map_err(|e| status_of(&e))?;
         let (resp, fallback) = match infer(&self.node, req.into_inner(), arrival, None).await {
             Ok(r) => r,
@@ -375,6 +390,7 @@ impl GrpcInferenceService for InferenceService {
         &self,
         req: Request<Streaming<ModelInferRequest>>,
     ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
+        self.authorise(req.metadata())?;
         let call_deadline = call_timeout(req.metadata()).map_err(|e| status_of(&e))?.map(|t| Instant::now() + t);
         let each = deadline_budget(req.metadata().get(DEADLINE_HEADER).map(|v| v.as_encoded_bytes()))
             .map_err(|e| status_of(&e))?;

@@ -70,6 +70,16 @@ async fn route(app: &App, admin_open: bool, req: hyper::Request<Incoming>) -> Re
     let post = method == Method::POST;
     let wrong_method = || NodeError::MethodNotAllowed(method.to_string());
     let limit = app.edge.max_body_bytes;
+    // Routes that run work (and the store's, which read data): the API token.
+    if matches!(
+        parts.as_slice(),
+        ["v1", "store", ..]
+            | ["v1", "pipelines", _, "infer" | "stream" | "feedback"]
+            | ["v2", "models", _, "infer" | "infer_stream"]
+            | ["v2", "models", _, "versions", _, "infer" | "infer_stream"]
+    ) {
+        app.authorise_api(&req)?;
+    }
     match parts.as_slice() {
         ["v1", "store", ..] => crate::store_http::route(app, admin_open, req).await,
         ["v1", "pipelines", name, "infer"] => {

@@ -10,11 +10,12 @@
 //!   statistics extensions), over one plumbing module ([`respond`]: bodies,
 //!   responses, errors) and one decoder of query strings and paths
 //!   ([`query`]); [`app`]: what the edge serves from, and the node's
-//!   settings; [`logging`]: the log.
+//!   settings; [`access`]: the admin and API tokens; [`logging`]: the log.
 //!
 //! The request path itself is `slipstream-core`'s: every entry point calls
 //! `Node::accept` and `Node::answer`.
 
+mod access;
 mod app;
 mod compose;
 mod conn;
@@ -29,6 +30,7 @@ mod store_http;
 mod stream;
 mod triton;
 
+pub use access::Access;
 pub use app::{EdgeOptions, LogFormat, RunOptions};
 pub use lifecycle::{run, run_blocking, RunError};
 pub use slipstream_cluster::ClusterOptions;

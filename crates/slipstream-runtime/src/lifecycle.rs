@@ -374,8 +374,8 @@ pub async fn run(
     if let Some(c) = &cluster {
         worker_env.insert("SLIPSTREAM_NODE_NAME".into(), c.name.clone());
     }
-    if let Some(t) = &edge.admin_token {
-        worker_env.insert("SLIPSTREAM_STORE_TOKEN".into(), t.clone());
+    if let Some(t) = edge.access.worker_token() {
+        worker_env.insert("SLIPSTREAM_STORE_TOKEN".into(), t.to_string());
     }
     let command = WorkerCommand {
         argv: spec.worker_argv.clone(),

@@ -300,7 +300,7 @@ def _text_outputs(desc: Mapping[str, Any] | None) -> dict[str, bool]:
 
 class _Base:
     def __init__(self, url: str | None, timeout: float, max_connections: int,
-                 retry: RetryPolicy | None | bool = True):
+                 retry: RetryPolicy | None | bool = True, token: str | None = None):
         url = (url or DEFAULT_URL).rstrip("/")
         if "://" not in url:
             url = "http://" + url
@@ -309,6 +309,9 @@ class _Base:
         self.url = url
         self.timeout = float(timeout)
         self.max_connections = int(max_connections)
+        token = os.environ.get("SLIPSTREAM_API_TOKEN") if token is None else token
+        #: Sent with every request: the node's API token, when it has one.
+        self._auth = {"Authorization": f"Bearer {token}"} if token else {}
         self._retrier: Retrier | None = as_retrier(retry)
         # Pipeline descriptions, cached: dtypes of inputs given as lists,
         # and which BYTES outputs are text.
@@ -551,12 +554,14 @@ class Client(_Base):
     call without a deadline. ``max_connections``: idle connections kept for
     reuse (more threads at once open more, which close after use).
     ``retry``: how 429 and 503 are retried (``RetryPolicy``; the default
-    one when True; None: never; see ``retry.py``)."""
+    one when True; None: never; see ``retry.py``). ``token``: the node's
+    API token, if it has one (default ``$SLIPSTREAM_API_TOKEN``; the admin
+    token passes too)."""
 
     def __init__(self, url: str | None = None, *, timeout: float = 60.0, max_connections: int = 8,
-                 retry: RetryPolicy | None | bool = True):
-        super().__init__(url, timeout, max_connections, retry)
-        self._http = Transport(self.url, max_idle=self.max_connections)
+                 retry: RetryPolicy | None | bool = True, token: str | None = None):
+        super().__init__(url, timeout, max_connections, retry, token)
+        self._http = Transport(self.url, max_idle=self.max_connections, headers=self._auth)
 
     @property
     def connections_opened(self) -> int:
@@ -686,9 +691,9 @@ class AsyncClient(_Base):
     ``Client``."""
 
     def __init__(self, url: str | None = None, *, timeout: float = 60.0, max_connections: int = 16,
-                 retry: RetryPolicy | None | bool = True):
-        super().__init__(url, timeout, max_connections, retry)
-        self._http = AsyncTransport(self.url, max_connections=self.max_connections)
+                 retry: RetryPolicy | None | bool = True, token: str | None = None):
+        super().__init__(url, timeout, max_connections, retry, token)
+        self._http = AsyncTransport(self.url, max_connections=self.max_connections, headers=self._auth)
 
     @property
     def connections_opened(self) -> int:

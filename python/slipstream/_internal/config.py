@@ -236,7 +236,7 @@ def cmd_config(a: argparse.Namespace) -> int:
     width = max(len(k) for k in cfg.values)
     for s in settings():
         v = cfg.values[s.name]
-        shown = "(unset)" if v is None else ("***" if s.name == "admin_token" else json.dumps(v))
+        shown = "(unset)" if v is None else ("***" if s.name in ("admin_token", "api_token") else json.dumps(v))
         print(f"{s.name:<{width}}  {shown:<16}  {cfg.sources[s.name]}")
     return 0
 

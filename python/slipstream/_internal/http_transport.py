@@ -154,11 +154,12 @@ class Transport:
     ``url``: ``http(s)://host[:port][/base]``. ``max_idle``: idle
     connections kept for reuse. ``what`` and ``hint`` word the message of
     an ``Unreachable`` (``no node answers at ...; is `slipstream serve`
-    running?``)."""
+    running?``). ``headers``: sent with every request (a bearer token)."""
 
     def __init__(self, url: str, *, max_idle: int = 8, what: str = "node", hint: str = _NODE_HINT,
-                 ssl_context: ssl.SSLContext | None = None):
+                 ssl_context: ssl.SSLContext | None = None, headers: Mapping[str, str] | None = None):
         self._server = _Server(url, what, hint, ssl_context)
+        self._headers = dict(headers or {})
         self.max_idle = max_idle
         self._idle: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
@@ -182,7 +183,7 @@ class Transport:
                         self.connections_opened += 1
                 conn.sock.settimeout(timeout)
                 conn.putrequest(method, target, skip_accept_encoding=True)
-                for k, v in (headers or {}).items():
+                for k, v in {**self._headers, **(headers or {})}.items():
                     conn.putheader(k, v)
                 if _sends_length(method, size):
                     conn.putheader("Content-Length", str(size))
@@ -236,7 +237,7 @@ class Transport:
             self.connections_opened += 1
         try:
             conn.putrequest(method, server.target(path, None), skip_accept_encoding=True)
-            for k, v in {**(headers or {}), "Content-Length": str(sum(len(p) for p in body))}.items():
+            for k, v in {**self._headers, **(headers or {}), "Content-Length": str(sum(len(p) for p in body))}.items():
                 conn.putheader(k, v)
             conn.endheaders()
             for part in body:
@@ -350,10 +351,12 @@ class AsyncTransport:
     """Keep-alive connections to one server for asyncio: at most
     ``max_connections`` at once, a request waiting for a free one. One
     transport serves one event loop at a time; used from another loop, it
-    starts afresh. ``what`` and ``hint``: as ``Transport``'s."""
+    starts afresh. ``what``, ``hint`` and ``headers``: as ``Transport``'s."""
 
-    def __init__(self, url: str, *, max_connections: int = 16, what: str = "node", hint: str = _NODE_HINT):
+    def __init__(self, url: str, *, max_connections: int = 16, what: str = "node", hint: str = _NODE_HINT,
+                 headers: Mapping[str, str] | None = None):
         self._server = _Server(url, what, hint)
+        self._headers = dict(headers or {})
         self.max_connections = max_connections
         self._idle: list[_AsyncConnection] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -367,7 +370,7 @@ class AsyncTransport:
         server = self._server
         size = sum(len(p) for p in body)
         lines = [f"{method} {server.target(path, None)} HTTP/1.1", f"Host: {server.hostport}"]
-        lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+        lines += [f"{k}: {v}" for k, v in {**self._headers, **(headers or {})}.items()]
         if _sends_length(method, size):
             lines.append(f"Content-Length: {size}")
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
@@ -405,7 +408,8 @@ class AsyncTransport:
         once the answer's head arrived."""
         server = self._server
         lines = [f"{method} {server.target(path, None)} HTTP/1.1", f"Host: {server.hostport}",
-                 f"Content-Length: {sum(len(p) for p in body)}", *(f"{k}: {v}" for k, v in (headers or {}).items())]
+                 f"Content-Length: {sum(len(p) for p in body)}",
+                 *(f"{k}: {v}" for k, v in {**self._headers, **(headers or {})}.items())]
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(server.host, server.port, ssl=True if server.https else None), timeout)
