@@ -91,6 +91,51 @@ def test_threads_when_replicas_are_bounded() -> None:
     assert plan.pipelines["p"].capacity_rps == pytest.approx(2000 / 3, rel=1e-3)
 
 
+def test_a_cluster_plan_places_replicas_per_node_within_each_node_s_cores() -> None:
+    # A 3 ms, B 1 ms per request on nodes of 3 and 1 cores: the cluster's 4
+    # cores hold 1,000 req/s as one 4-core machine does; every replica is
+    # on a named node, and no node gets more work than its cores.
+    pipe = two_stage(comp("A", max_batch_size=8), comp("B", max_batch_size=8))
+    prof = profile(A={"points": points(3.0)}, B={"points": points(1.0)})
+    plan = cpu_plan(pipe, prof, cores=0, nodes={"big": 3.0, "small": 1.0}, network_ms=0.0)
+    pp = plan.pipelines["p"]
+    assert pp.capacity_rps == pytest.approx(1000, rel=1e-3)
+    assert plan.inventory == {"cores": 4.0, "nodes": {"big": 3.0, "small": 1.0}, "network_ms": 0.0}
+    for st in pp.stages.values():
+        assert st.nodes is not None and set(st.nodes) <= {"big", "small"} and sum(st.nodes.values()) == st.replicas
+    # Busy replicas each take a core: the small node holds at most one's worth.
+    assert (pp.stages["A"].replicas, pp.stages["B"].replicas) == (3, 1)
+    assert pp.stages["A"].nodes.get("small", 0) + pp.stages["B"].nodes.get("small", 0) <= 2
+    assert "big:" in planner.format_plan(plan) and "2 nodes (4 cores" in planner.format_plan(plan)
+    # The plan file keeps the counts per node.
+    again = planner.Plan.from_json(json.loads(json.dumps(plan.to_json())))
+    assert again.pipelines["p"].stages["A"].nodes == pp.stages["A"].nodes
+    with pytest.raises(ConfigError, match="cores > 0"):
+        cpu_plan(pipe, prof, cores=0, nodes={"big": 3.0, "small": 0.0})
+
+
+def test_a_replica_s_threads_fit_the_node_it_is_placed_on() -> None:
+    # One replica (pinned) of A, 3.6x faster at 4 threads: only the 4-core
+    # node can run it so; the 2-core node could run it at 2 threads only.
+    pipe = ss.Pipeline("p", comp("A", replicas=1), slo=ss.SLO(p99_ms=1000))
+    a = {"points": points(4.0), "by_threads": {"2": {"points": points(4.0, speedup=1.9)},
+                                               "4": {"points": points(4.0, speedup=3.6)}}}
+    plan = cpu_plan(pipe, profile(A=a), cores=0, nodes={"n0": 2.0, "n1": 4.0})
+    st = plan.pipelines["p"].stages["A"]
+    assert (st.threads, st.nodes) == (4, {"n1": 1})
+    assert plan.pipelines["p"].capacity_rps == pytest.approx(3.6 / 4.0 * 1000, rel=1e-3)
+
+
+def test_the_network_hop_counts_on_a_cluster_plan_s_path() -> None:
+    # Batch 4's p99 (4 ms) fits a 10 ms SLO on one machine (2 x 4 ms); with
+    # 3 ms per hop between nodes it does not, and batch 1 (1 ms) is chosen.
+    pipe = ss.Pipeline("p", comp("A", max_batch_size=4), slo=ss.SLO(p99_ms=10))
+    a = {"points": [{"batch": b, "mean_ms": 0.5 + 0.1 * b, "p50_ms": 0.5, "p99_ms": float(b)} for b in (1, 4)]}
+    assert cpu_plan(pipe, profile(A=a), cores=2).pipelines["p"].stages["A"].max_batch_size == 4
+    far = cpu_plan(pipe, profile(A=a), cores=0, nodes={"n0": 1.0, "n1": 1.0}, network_ms=3.0)
+    assert far.pipelines["p"].stages["A"].max_batch_size == 1
+
+
 def test_slo_rule_excludes_a_batch_that_cannot_fit() -> None:
     # Batch 16 is cheapest per request but its p99 (40 ms) cannot fit a 50 ms
     # SLO with queueing room (2 x p99 per stage); batch 4 (p99 10 ms) can.
@@ -320,6 +365,22 @@ def test_cli_plan_recsys_and_serve_plan_parsing(tmp_path: Path) -> None:
     for name, st in doc["pipelines"]["recsys"]["stages"].items():
         c = planned.stage(name)
         assert (c.replicas, c.max_batch_size, c.threads) == (st["replicas"], st["max_batch_size"], st["threads"])
+
+
+def test_cli_plans_across_nodes_and_refuses_bad_inventories(tmp_path: Path) -> None:
+    out = tmp_path / "recsys.plan.json"
+    r = cli("plan", "examples/recsys.py", "--nodes", "2x1,big=2", "--out", str(out), "--no-check")
+    assert r.returncode == 0, r.stderr
+    assert "3 nodes (4 cores" in r.stdout, r.stdout
+    doc = json.loads(out.read_text())
+    assert doc["inventory"]["nodes"] == {"n0": 1.0, "n1": 1.0, "big": 2.0}
+    for st in doc["pipelines"]["recsys"]["stages"].values():
+        assert sum(st["nodes"].values()) == st["replicas"] and set(st["nodes"]) <= {"n0", "n1", "big"}
+    for bad, why in (("n0=0", "cores > 0"), ("n0=2,n0=4", "named twice"), ("eight", "NAME=CORES")):
+        r = cli("plan", "examples/recsys.py", "--nodes", bad, "--out", str(out))
+        assert r.returncode == 2 and why in r.stderr, (bad, r.stderr)
+    r = cli("plan", "examples/recsys.py", "--network-ms", "2", "--out", str(out))
+    assert r.returncode != 0 and "give --nodes too" in r.stderr
 
 
 def test_profile_by_threads_is_read_for_planned_threads(tmp_path: Path) -> None:

@@ -355,7 +355,9 @@ async fn reconcile(etcd: &Etcd, node: &Arc<Node>, cluster: &Arc<Cluster>, keys: 
         // A standby becomes the stage's next replica: one that stood in
         // for a lost node's, or the autoscaler's when the stage grows.
         let adopted = prev_standby.map(|sb| slipstream_sched::placement::adopt_standbys(want, &names, prev, sb));
-        let stages = slipstream_sched::placement::place_near(want, &names, adopted.as_ref().or(prev), &data);
+        let before = adopted.as_ref().or(prev);
+        let stages = slipstream_sched::placement::place_near(want, &names, before, &data);
+        let stages = slipstream_sched::placement::follow_plan(stages, want, &names, before, &cluster.opts.planned);
         let failover = cluster.opts.standbys;
         let standby = slipstream_sched::placement::standbys(&stages, &names, prev_standby, &wanted.standby, failover);
         if prev != Some(&stages) || prev_standby != Some(&standby) {

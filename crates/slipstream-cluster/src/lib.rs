@@ -87,6 +87,12 @@ pub struct ClusterOptions {
     /// data plane, and the client certificate for an `https://` etcd.
     #[serde(default)]
     pub tls: Option<std::path::PathBuf>,
+    /// The planner's replicas per node for the stages it placed
+    /// (`slipstream deploy --plan` with a plan from `slipstream plan
+    /// --nodes`): "pipeline/stage" -> node -> replicas. The leader follows
+    /// it on the nodes that are members ([`slipstream_sched::placement::follow_plan`]).
+    #[serde(default)]
+    pub planned: slipstream_sched::placement::Assignment,
 }
 
 fn default_standbys() -> bool {

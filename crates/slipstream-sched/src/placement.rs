@@ -156,6 +156,51 @@ pub fn place_near(
     out
 }
 
+/// The planner's placement (`slipstream plan --nodes`, deployed with
+/// `--plan`) for the stages it names, over what [`place_near`] chose: a
+/// planned stage runs its planned count on each planned node that is a
+/// member, as many as `want` allows (fewer when the count was lowered:
+/// off the nodes with the most), and replicas planned on nodes that are
+/// not members go where `prev` had more of the stage than the plan (a
+/// standby adopted there, say), else to the live nodes with the fewest of
+/// it, then the fewest replicas. The plan weighs each node's cores, so the
+/// replica-count balancing must not undo it; stages the plan does not name
+/// keep the balanced placement.
+pub fn follow_plan(
+    mut placed: Assignment,
+    want: &BTreeMap<String, u32>,
+    nodes: &[String],
+    prev: Option<&Assignment>,
+    planned: &Assignment,
+) -> Assignment {
+    if nodes.is_empty() {
+        return placed;
+    }
+    for (stage, plan) in planned {
+        let Some(&n) = want.get(stage) else { continue };
+        let mut counts: BTreeMap<&str, u32> = nodes.iter().map(|k| (k.as_str(), 0)).collect();
+        for (node, &c) in plan {
+            if let Some(slot) = counts.get_mut(node.as_str()) {
+                *slot = c;
+            }
+        }
+        while counts.values().sum::<u32>() > n {
+            let fullest = *counts.iter().max_by_key(|(k, &c)| (c, Reverse(*k))).map(|(k, _)| k).expect("nodes");
+            *counts.get_mut(fullest).expect("present") -= 1;
+        }
+        let before = |k: &str| prev.and_then(|p| p.get(stage)).and_then(|m| m.get(k)).copied().unwrap_or(0);
+        let total = |k: &str| placed.values().map(|m| m.get(k).copied().unwrap_or(0)).sum::<u32>();
+        while counts.values().sum::<u32>() < n {
+            let to =
+                *counts.iter().min_by_key(|(k, &c)| (before(k) <= c, c, total(k), *k)).map(|(k, _)| k).expect("nodes");
+            *counts.get_mut(to).expect("present") += 1;
+        }
+        let counts = counts.into_iter().filter(|(_, c)| *c > 0).map(|(k, c)| (k.to_string(), c)).collect();
+        placed.insert(stage.clone(), counts);
+    }
+    placed
+}
+
 /// A standby that stood in becomes the replica it stood in for: where a
 /// stage's replicas in `prev` were on nodes that are gone, the missing
 /// ones are given first to the live nodes that held its warm standbys in
@@ -411,6 +456,35 @@ mod tests {
             assert!(c.iter().max().unwrap() - c.iter().min().unwrap() <= 1, "{stage}: {c:?}");
         }
         assert_eq!(place(&w, &nodes(&["n1", "n2", "n3", "n4"]), Some(&four)), four, "stable");
+    }
+
+    #[test]
+    fn a_planned_stage_follows_the_plan_on_its_live_nodes_and_the_rest_stay_balanced() {
+        let planned: Assignment =
+            [("p/A".to_string(), [("big".to_string(), 3), ("small".to_string(), 1)].into_iter().collect())]
+                .into_iter()
+                .collect();
+        let wanted = want(&[("p/A", 4), ("p/B", 2)]);
+        let all = nodes(&["big", "small"]);
+        let placed = place(&wanted, &all, None);
+        let a = follow_plan(placed, &wanted, &all, None, &planned);
+        assert_eq!(a["p/A"], [("big".to_string(), 3), ("small".to_string(), 1)].into_iter().collect());
+        assert_eq!(sum(&a, "p/B"), 2, "an unplanned stage keeps its count");
+        // A count lowered (the autoscaler's): off the fullest planned node.
+        let fewer = want(&[("p/A", 2), ("p/B", 2)]);
+        let a = follow_plan(place(&fewer, &all, None), &fewer, &all, None, &planned);
+        assert_eq!(a["p/A"], [("big".to_string(), 1), ("small".to_string(), 1)].into_iter().collect());
+        // "big" lost: its 3 go to the live nodes, first where the previous
+        // placement had more than the plan (an adopted standby).
+        let live = nodes(&["small", "spare"]);
+        let prev: Assignment =
+            [("p/A".to_string(), [("small".to_string(), 1), ("spare".to_string(), 1)].into_iter().collect())]
+                .into_iter()
+                .collect();
+        let a = follow_plan(place(&wanted, &live, Some(&prev)), &wanted, &live, Some(&prev), &planned);
+        assert_eq!(sum(&a, "p/A"), 4);
+        assert!(a["p/A"]["spare"] >= 1 && !a["p/A"].contains_key("big"));
+        assert!(follow_plan(Assignment::new(), &wanted, &[], None, &planned).is_empty());
     }
 
     #[test]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -470,6 +471,32 @@ def cmd_slo(a: argparse.Namespace) -> int:
     return 0
 
 
+def _node_inventory(text: str) -> dict[str, float]:
+    """``--nodes``: ``NAME=CORES,...`` or ``COUNTxCORES,...`` (named n0, n1, ...)."""
+    out: dict[str, float] = {}
+    for part in (p.strip() for p in text.split(",")):
+        label, eq, given = part.partition("=")
+        count, x, each = part.partition("x")
+        try:
+            if eq:
+                items = [(label.strip(), float(given))]
+            elif x:
+                items = [(f"n{len(out) + i}", float(each)) for i in range(int(count))]
+            else:
+                raise ValueError
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected NAME=CORES or COUNTxCORES (e.g. n0=8 or 3x4)") from None
+        for name, cores in items:
+            if not name or not (cores > 0 and math.isfinite(cores)):
+                raise argparse.ArgumentTypeError(f"{part!r}: a node needs a name and cores > 0")
+            if name in out:
+                raise argparse.ArgumentTypeError(f"node {name!r} is named twice")
+            out[name] = cores
+    if not out:
+        raise argparse.ArgumentTypeError("no nodes given")
+    return out
+
+
 def cmd_plan(a: argparse.Namespace) -> int:
     from slipstream._internal import planner, slo
     from slipstream._internal.app import default_profile_path, load_pipelines, split_target
@@ -485,11 +512,17 @@ def cmd_plan(a: argparse.Namespace) -> int:
         return _fail(f"no profile {', '.join(missing)}: run `slipstream profile {a.app}` first")
     pipelines = _request_pipelines(pipelines, "plan")
     profiles = {p.name: slo.load_profile_for(p, paths) for p in pipelines}
+    if a.gpus and a.nodes:
+        return _fail("--gpus and --nodes do not go together yet: plan a cluster's CPU nodes, or one machine's GPUs")
+    if a.network_ms is not None and not a.nodes:
+        return _fail("--network-ms is for a cluster plan: give --nodes too")
     if a.gpus:
         plan = planner.plan_gpu(pipelines, profiles, a.gpus, rate=a.rate, app=a.app)
     else:
+        extra = {"nodes": a.nodes, "network_ms": a.network_ms if a.network_ms is not None else planner.NETWORK_MS}
         plan = planner.plan_cpu(pipelines, profiles, cores=a.cores, overheads=_overheads(a, a.app), rate=a.rate,
-                                app=a.app, check_slo=not a.no_check, sim_duration_s=a.sim_duration)
+                                app=a.app, check_slo=not a.no_check, sim_duration_s=a.sim_duration,
+                                **(extra if a.nodes else {}))
     out = Path(a.out) if a.out else split_target(a.app)[0].with_suffix(".plan.json")
     out.write_text(json.dumps(plan.to_json(), indent=2))
     if a.json:
@@ -575,6 +608,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--cores", type=float, default=float(os.cpu_count() or 1), help="cores to plan for")
     pl.add_argument("--gpus", metavar="SPEC", help="plan on GPUs instead: e.g. 12xA30, 4xA100-80GB:nomig, "
                                                     "or a JSON inventory")
+    pl.add_argument("--nodes", metavar="SPEC", type=_node_inventory,
+                    help="plan across a cluster's nodes instead of this machine: NAME=CORES,... "
+                         "(e.g. n0=8,n1=8,n2=4) or COUNTxCORES,... (e.g. 2x8,1x4: nodes n0, n1, n2); "
+                         "the plan gives each stage's replicas per node")
+    pl.add_argument("--network-ms", type=float, default=None, metavar="MS",
+                    help="with --nodes: what a hop between nodes adds to each stage on a path (default 1.0)")
     pl.add_argument("--profile", action="append", default=[], help="profile file(s) (default: APP.profile.json)")
     pl.add_argument("--out", help="plan file (default: APP.plan.json beside the app)")
     pl.add_argument("--pipeline", help="only this pipeline")

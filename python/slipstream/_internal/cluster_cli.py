@@ -224,8 +224,11 @@ def cmd_deploy(a: argparse.Namespace) -> int:
             return fail(f"no app file {app}")
         a.app = str(app) + (":" + a.app.split(":", 1)[1] if ":" in a.app else "")
         spec = build_spec(a, size_here=False)
-        body = json.dumps(spec, sort_keys=True)
+        planned = _planned_nodes(a, etcd)
+        body = json.dumps({"spec": spec, "planned": planned} if planned else spec, sort_keys=True)
         record = {"spec": spec, "app": str(app), "app_sha256": _file_sha256(app), "at": time.time()}
+        if planned:
+            record["planned"] = planned
         if a.bundle:
             # The files travel with the deployment (app_bundle.py): written
             # before the record that names them.
@@ -251,6 +254,29 @@ def cmd_deploy(a: argparse.Namespace) -> int:
     if a.wait <= 0:
         return 0
     return _wait_ready(etcd, a, token, deploy_id, spec)
+
+
+def _planned_nodes(a: argparse.Namespace, etcd: Etcd) -> dict[str, dict[str, int]]:
+    """A cluster plan's replicas per node ("pipeline/stage" -> node ->
+    count) from ``--plan``, for the leader to follow; empty for a plan made
+    for one machine. Names the plan's nodes that are not members now (their
+    replicas go to the others until they join)."""
+    if not a.plan:
+        return {}
+    from slipstream._internal.planner import Plan
+
+    plan = Plan.load(Path(a.plan))
+    planned = {f"{p}/{s}": dict(sp.nodes) for p, pp in plan.pipelines.items() for s, sp in pp.stages.items()
+               if sp.nodes is not None}
+    if not planned:
+        return {}
+    names = sorted({n for per in planned.values() for n in per})
+    members = {k.rsplit("/", 1)[-1] for k in etcd.get_prefix(_root(a) + "members/")}
+    absent = [n for n in names if n not in members]
+    print(f"placing per the plan on {', '.join(names)}"
+          + (f" ({', '.join(absent)} not a member now: their replicas go to the others until they join)"
+             if absent else ""), file=sys.stderr)
+    return planned
 
 
 def _wait_ready(etcd: Etcd, a: argparse.Namespace, token: str, deploy_id: str, spec: dict[str, Any]) -> int:
@@ -422,6 +448,7 @@ def _run_node(a: argparse.Namespace, etcd: Etcd, token: str, name: str, waiting:
                    "accept_tokens": tokens(a)[1:],
                    "data_listen": a.data_listen, "ttl_s": a.ttl, "deploy": d["id"],
                    "store_replicas": a.store_replicas, "standbys": not a.no_standbys,
+                   "planned": d.get("planned") or {},
                    **({"tls": str(Path(a.tls).resolve())} if a.tls else {}),
                    **({"advertise": a.advertise} if a.advertise else {})}
         print(f"slipstream: node {name}: running deployment {d['id']} ({app})", file=sys.stderr)

@@ -64,14 +64,23 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def wait_for(predicate: Callable[[], T], timeout: float = 20.0, every: float = 0.05) -> T:
     """Call `predicate` every `every` seconds until it returns something true
-    and return that; AssertionError after `timeout` seconds."""
+    and return that; AssertionError after `timeout` seconds. A connection
+    reset or refused while polling counts as "not yet" (a node that waited
+    for a deployment hands its port from the waiting server to the node,
+    and a request caught in between is reset); the last one is named if
+    time runs out."""
     deadline = time.monotonic() + timeout
+    last: ConnectionError | None = None
     while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
+        try:
+            value = predicate()
+        except ConnectionError as e:
+            last = e
+        else:
+            if value:
+                return value
         time.sleep(every)
-    raise AssertionError("condition not met in time")
+    raise AssertionError("condition not met in time" + (f" (last: {last!r})" if last else ""))
 
 
 class Node:

@@ -22,12 +22,13 @@ exactly in milliseconds.
 
 The modules: `milp` (the program builder, the objective, the SLO path rule),
 `plan` (what a plan is and how it is applied and printed), `cpu` (one
-machine's cores, checked with the SLO model), `gpu` (GPUs with MIG). Pure
+machine's cores, or a cluster's nodes with replicas per node, checked with
+the SLO model), `gpu` (GPUs with MIG). Pure
 functions: no I/O but reading the files passed in; `slipstream plan`
 (cli.py) prints and writes.
 """
 
-from slipstream._internal.planner.cpu import plan_cpu
+from slipstream._internal.planner.cpu import NETWORK_MS, plan_cpu
 from slipstream._internal.planner.gpu import GPU_MODELS, GpuGroup, GpuModel, parse_inventory, plan_gpu
 from slipstream._internal.planner.plan import (
     PipelinePlan,
@@ -40,5 +41,5 @@ from slipstream._internal.planner.plan import (
     with_components,
 )
 
-__all__ = ["GPU_MODELS", "GpuGroup", "GpuModel", "PipelinePlan", "Plan", "StagePlan", "apply_plan", "format_plan",
+__all__ = ["GPU_MODELS", "NETWORK_MS", "GpuGroup", "GpuModel", "PipelinePlan", "Plan", "StagePlan", "apply_plan", "format_plan",
            "parse_inventory", "plan_cpu", "plan_gpu", "profiles_for_threads", "stage_points", "with_components"]

@@ -69,6 +69,10 @@ from slipstream._internal.planner.plan import (
 #: Replica threads may exceed the cores by this factor (time-sharing).
 OVERSUBSCRIBE = 2.0
 
+#: What a hop between nodes adds to a stage's path in a cluster plan, ms
+#: (a data-plane round trip of a small batch on one switch, with margin).
+NETWORK_MS = 1.0
+
 
 # --- stages and options ------------------------------------------------------------------
 
@@ -88,8 +92,10 @@ class _CpuStage(_StageBase):
 
 
 def _cpu_stages(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, Any]], cores: float,
-                batch_cpu_us: float) -> list[_CpuStage]:
-    max_threads = max(1, int(math.floor(cores + TOL)))
+                batch_cpu_us: float, max_threads_cores: float | None = None) -> list[_CpuStage]:
+    """Each stage's options from its profile; a replica's threads at most
+    `max_threads_cores` (the widest node's cores; default `cores`)."""
+    max_threads = max(1, int(math.floor((cores if max_threads_cores is None else max_threads_cores) + TOL)))
     cap = max(1, int(math.floor(OVERSUBSCRIBE * cores + TOL)))
     stages = []
     for pipe in pipelines:
@@ -137,47 +143,71 @@ def thread_cap(stages: Sequence[_CpuStage], cores: float) -> float:
     return OVERSUBSCRIBE * cores + float(sum(s.lo for s in stages))
 
 
+#: One machine's program has one node, without a name.
+ONE_MACHINE = ""
+
+
 @dataclass
 class _CpuVars:
     m: _Model
     y: dict[tuple[Key, int], int]
-    n: dict[tuple[Key, int], int]
-    x: dict[tuple[Key, int], int]
+    #: Replicas and the throughput given to them, per (stage, option, node).
+    n: dict[tuple[Key, int, str], int]
+    x: dict[tuple[Key, int, str], int]
     rate: dict[str, int]
     cpu: dict[int, float]
     threads: dict[int, float]
 
     def stage_tput(self, s: _StageBase) -> dict[int, float]:
-        return {v: 1.0 / s.demand for (k, _), v in self.x.items() if k == s.key}
+        return {v: 1.0 / s.demand for (k, _, _), v in self.x.items() if k == s.key}
 
 
 def _cpu_program(stages: Sequence[_CpuStage], costs: _Costs, q: float, time_limit_s: float,
-                 only: Mapping[Key, _Opt] | None = None, n_max: Mapping[Key, int] | None = None) -> _CpuVars:
+                 only: Mapping[Key, _Opt] | None = None, n_max: Mapping[Key, int] | None = None,
+                 nodes: Mapping[str, tuple[float, int]] | None = None) -> _CpuVars:
+    """The program on one machine, or on `nodes` (a size class -> (cores of
+    each node, nodes of that size)): then each class's cores and threads
+    bound what runs there, a replica's threads fit its node, the stage's
+    option is one for all its replicas, and the ingresses' CPU is spread
+    over the nodes by their share of the cores."""
+    nodes = dict(nodes) if nodes else {ONE_MACHINE: (costs.cores, 1)}
+    total = sum(c * k for c, k in nodes.values())
     m = _Model(time_limit_s)
     v = _CpuVars(m, {}, {}, {}, {}, {}, {})
+    cpu_at: dict[str, dict[int, float]] = {k: {} for k in nodes}
+    threads_at: dict[str, dict[int, float]] = {k: {} for k in nodes}
     lat: dict[Key, dict[int, float]] = {}
     for s in stages:
         hi = min(s.hi, n_max[s.key]) if n_max else s.hi
         lat[s.key] = {}
-        ys, ns = {}, {}
+        ys: dict[int, int] = {}
+        ns: list[int] = []
         for i, o in enumerate(s.opts):
             if only is not None and o != only[s.key]:
                 continue
             ys[i] = v.y[(s.key, i)] = m.var(0, 1, integer=True)
-            ns[i] = v.n[(s.key, i)] = m.var(0, hi, integer=True)
-            x = v.x[(s.key, i)] = m.var()
-            m.row({ns[i]: 1.0, ys[i]: -float(hi)}, hi=0.0)   # n <= hi * y
-            m.row({x: 1.0, ns[i]: -o.mu}, hi=0.0)                   # x <= mu * n
-            v.cpu[x] = o.cpu_s
-            v.threads[ns[i]] = float(o.threads)
+            mine: dict[int, float] = {}
+            for k, (cores, _) in nodes.items():
+                if len(nodes) > 1 and o.threads > max(1, math.floor(cores + TOL)):
+                    continue  # its threads would not fit that node
+                n = v.n[(s.key, i, k)] = m.var(0, hi, integer=True)
+                x = v.x[(s.key, i, k)] = m.var()
+                m.row({x: 1.0, n: -o.mu}, hi=0.0)                   # x <= mu * n
+                v.cpu[x] = cpu_at[k][x] = o.cpu_s
+                v.threads[n] = threads_at[k][n] = float(o.threads)
+                mine[n] = 1.0
+                ns.append(n)
+            m.row({**mine, ys[i]: -float(hi)}, hi=0.0)             # its replicas <= hi * y
             lat[s.key][ys[i]] = s.path_ms(o.p99_ms, q, costs)
         m.row(dict.fromkeys(ys.values(), 1.0), lo=1.0, hi=1.0)        # one option per stage
-        m.row(dict.fromkeys(ns.values(), 1.0), lo=float(s.lo), hi=float(hi))
+        m.row(dict.fromkeys(ns, 1.0), lo=float(s.lo), hi=float(hi))
     v.rate.update(_pipeline_rates(m, stages, v.stage_tput))
     for x in v.rate.values():
         v.cpu[x] = costs.node_cpu_s
-    m.row(v.cpu, hi=costs.cores)
-    m.row(v.threads, hi=thread_cap(stages, costs.cores))
+    for k, (cores, count) in nodes.items():
+        ingress = {x: costs.node_cpu_s * cores * count / total for x in v.rate.values()}
+        m.row({**cpu_at[k], **ingress}, hi=cores * count)
+        m.row(threads_at[k], hi=thread_cap(stages, cores) * count)
     _path_rule(m, stages, lat, costs)
     return v
 
@@ -192,6 +222,9 @@ class _CpuSolution:
     threads_used: int
     levels: list[tuple[float, list[Any]]]
     timed_out: bool = False
+    #: Replicas per node size class (classes with none left out; one
+    #: machine's is ``{"": n}``); `_spread` gives them to the nodes.
+    per_node: dict[Key, dict[str, int]] = field(default_factory=dict)
 
 
 def _read_cpu(stages: Sequence[_CpuStage], v: _CpuVars, sol: list[float],
@@ -206,8 +239,11 @@ def _read_cpu(stages: Sequence[_CpuStage], v: _CpuVars, sol: list[float],
             y = v.y.get((s.key, i))
             if y is not None and sol[y] > 0.5:
                 out.opt[s.key] = o
-                out.n[s.key] = int(round(sol[v.n[(s.key, i)]]))
-                out.tput[s.key] = held.get(s.key, min(sol[v.x[(s.key, i)]], o.mu * out.n[s.key]) / s.demand)
+                counts = {k: int(round(sol[n])) for (key, j, k), n in v.n.items() if key == s.key and j == i}
+                out.per_node[s.key] = {k: c for k, c in counts.items() if c > 0}
+                out.n[s.key] = sum(counts.values())
+                given = sum(sol[x] for (key, j, _), x in v.x.items() if key == s.key and j == i)
+                out.tput[s.key] = held.get(s.key, min(given, o.mu * out.n[s.key]) / s.demand)
         out.threads_used += out.n[s.key] * out.opt[s.key].threads
     out.timed_out = v.m.timed_out
     out.cpu_used = sum(out.tput[s.key] * s.demand * out.opt[s.key].cpu_s for s in stages) \
@@ -216,20 +252,22 @@ def _read_cpu(stages: Sequence[_CpuStage], v: _CpuVars, sol: list[float],
 
 
 def _solve_cpu_max(stages: Sequence[_CpuStage], costs: _Costs, q: float, time_limit_s: float,
-                   only: Mapping[Key, _Opt] | None = None, n_max: Mapping[Key, int] | None = None) -> _CpuSolution:
+                   only: Mapping[Key, _Opt] | None = None, n_max: Mapping[Key, int] | None = None,
+                   nodes: Mapping[str, tuple[float, int]] | None = None) -> _CpuSolution:
     """Lexicographic max-min: pipeline rates first, then stage throughputs;
     then, everything held, the fewest replica threads."""
-    v = _cpu_program(stages, costs, q, time_limit_s, only, n_max)
+    v = _cpu_program(stages, costs, q, time_limit_s, only, n_max, nodes)
     levels = _lex_objective(v.m, v.rate, {s.key: v.stage_tput(s) for s in stages})
     sol = v.m.solve(v.threads, maximize=False)
     return _read_cpu(stages, v, sol, levels)
 
 
 def _solve_cpu_rate(stages: Sequence[_CpuStage], costs: _Costs, q: float, time_limit_s: float,
-                    need: Mapping[str, float], best: _CpuSolution) -> _CpuSolution:
+                    need: Mapping[str, float], best: _CpuSolution,
+                    nodes: Mapping[str, tuple[float, int]] | None = None) -> _CpuSolution:
     """The fewest replica threads whose capacity covers `need` per pipeline,
     with the max plan's options and at most its replica counts."""
-    v = _cpu_program(stages, costs, q, time_limit_s, only=best.opt, n_max=best.n)
+    v = _cpu_program(stages, costs, q, time_limit_s, only=best.opt, n_max=best.n, nodes=nodes)
     for p, r in need.items():
         v.m.row({v.rate[p]: 1.0}, lo=min(r, best.rate[p] * (1 - EPS)))
     sol = v.m.solve(v.threads, maximize=False)
@@ -306,7 +344,8 @@ def _target(pipe: Pipeline, prof: Mapping[str, Any], sol: _CpuSolution, cores: f
 
 def _solve_max_checked(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, Any]],
                        stages: list[_CpuStage], costs: _Costs, overheads: Mapping[str, Any], check_slo: bool,
-                       sim_s: float, time_limit_s: float) -> tuple[_CpuSolution, float, dict[str, Any]]:
+                       sim_s: float, time_limit_s: float,
+                       nodes: Mapping[str, tuple[float, int]] | None = None) -> tuple[_CpuSolution, float, dict[str, Any]]:
     """The max plan, with targets the SLO model accepts: if no rung holds for
     some pipeline, raise q (smaller batches) and solve again."""
     notes: dict[str, Any] = {}
@@ -314,7 +353,7 @@ def _solve_max_checked(pipelines: Sequence[Pipeline], profiles: Mapping[str, Map
     used = QUEUE_FACTOR
     for q in (QUEUE_FACTOR, 3.0, 4.0):
         try:
-            attempt = _solve_cpu_max(stages, costs, q, time_limit_s)
+            attempt = _solve_cpu_max(stages, costs, q, time_limit_s, nodes=nodes)
         except _Infeasible:
             if sol is not None:
                 break
@@ -324,7 +363,10 @@ def _solve_max_checked(pipelines: Sequence[Pipeline], profiles: Mapping[str, Map
         ok = True
         for pipe in pipelines:
             if not check_slo:
-                notes[pipe.name] = (TARGET_LOAD * sol.rate[pipe.name], None, ["SLO model check skipped"])
+                notes[pipe.name] = (TARGET_LOAD * sol.rate[pipe.name], None, [
+                    "SLO model check skipped" if nodes is None else
+                    "not checked with the SLO model, which simulates one machine (20 nodes as one took 80 s "
+                    "and sent every request through one ingress): the path rule holds, with the network hop"])
                 continue
             cores = _pipe_cores(stages, sol, costs, pipe.name)
             tgt, pred, why = _target(pipe, profiles[pipe.name], sol, cores, overheads, sim_s)
@@ -351,30 +393,48 @@ def _no_plan(stages: Sequence[_CpuStage], costs: _Costs, q: float) -> ConfigErro
 
 def plan_cpu(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, Any]], *, cores: float,
              overheads: Mapping[str, Any] | None = None, rate: float | None = None, app: str = "",
-             check_slo: bool = True, sim_duration_s: float = 10.0, time_limit_s: float = 20.0) -> Plan:
-    """Plan `pipelines` on one machine of `cores` cores (see the module doc).
-    `profiles` maps a pipeline's name to its profile (`slo.load_profile_for`);
-    `overheads` are the SLO model's (calibration or `slo.DEFAULTS`)."""
+             check_slo: bool = True, sim_duration_s: float = 10.0, time_limit_s: float = 20.0,
+             nodes: Mapping[str, float] | None = None, network_ms: float = NETWORK_MS) -> Plan:
+    """Plan `pipelines` on one machine of `cores` cores (see the module doc),
+    or across a cluster's `nodes` (name -> cores; `cores` is then their
+    sum): replicas per node, each stage's path budgeting `network_ms` more
+    per hop. `profiles` maps a pipeline's name to its profile
+    (`slo.load_profile_for`); `overheads` are the SLO model's (calibration
+    or `slo.DEFAULTS`)."""
     from slipstream._internal import slo
 
     t0 = time.perf_counter()
     over = dict(slo.DEFAULTS) | dict(overheads or {})
+    members: dict[str, list[str]] = {}
+    if nodes:
+        bad = {k: c for k, c in nodes.items() if not k or not c > 0}
+        if bad:
+            raise ConfigError(f"every node needs a name and cores > 0: {bad}")
+        cores = float(sum(nodes.values()))
+        over["hop_us"] = float(over["hop_us"]) + network_ms * 1e3
+        check_slo = False  # see `_solve_max_checked`
+        for name, c in sorted(nodes.items()):
+            members.setdefault(f"{float(c):g} cores", []).append(name)
+    classes = {label: (float(nodes[names[0]]), len(names)) for label, names in members.items()} if nodes else None
     costs = _costs(pipelines, cores, over)
-    stages = _cpu_stages(pipelines, profiles, cores, float(over["batch_cpu_us"]))
+    widest = max(nodes.values()) if nodes else cores
+    stages = _cpu_stages(pipelines, profiles, cores, float(over["batch_cpu_us"]), max_threads_cores=widest)
     best, q, notes = _solve_max_checked(pipelines, profiles, stages, costs, over, check_slo, sim_duration_s,
-                                        time_limit_s)
+                                        time_limit_s, classes)
     chosen = best
     rate_notes: dict[str, list[str]] = {p.name: [] for p in pipelines}
     if rate is not None:
         chosen, rate_notes, notes = _rate_plan(pipelines, profiles, stages, costs, over, q, best, notes, rate,
-                                               check_slo, sim_duration_s, time_limit_s)
+                                               check_slo, sim_duration_s, time_limit_s, classes)
+    per_node = _spread(stages, chosen, members) if nodes else {}
     out: dict[str, PipelinePlan] = {}
     for pipe in pipelines:
         tgt, pred, why = notes[pipe.name]
         sts = {n: StagePlan(replicas=chosen.n[(pipe.name, n)], max_replicas=max(best.n[(pipe.name, n)],
                                                                                chosen.n[(pipe.name, n)]),
                             threads=best.opt[(pipe.name, n)].threads, max_batch_size=best.opt[(pipe.name, n)].batch,
-                            throughput_rps=chosen.tput[(pipe.name, n)])
+                            throughput_rps=chosen.tput[(pipe.name, n)],
+                            nodes=per_node.get((pipe.name, n)) if nodes else None)
                for n in pipe.graph.topological_order()}
         out[pipe.name] = PipelinePlan(
             capacity_rps=chosen.rate[pipe.name],
@@ -382,8 +442,34 @@ def plan_cpu(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, 
             why=[("max plan: " if rate is not None else "") + line for line in _why_cpu(pipe, stages, best, costs, q)]
             + why + rate_notes[pipe.name] + _timed_out(best.timed_out or chosen.timed_out),
             max_capacity_rps=best.rate[pipe.name] if rate is not None else None)
-    plan = Plan(app=app, inventory={"cores": cores}, pipelines=out, solve_ms=(time.perf_counter() - t0) * 1e3)
+    inventory: dict[str, Any] = {"cores": cores}
+    if nodes:
+        inventory["nodes"] = dict(nodes)
+        inventory["network_ms"] = network_ms
+    plan = Plan(app=app, inventory=inventory, pipelines=out, solve_ms=(time.perf_counter() - t0) * 1e3)
     return plan
+
+
+def _spread(stages: Sequence[_CpuStage], sol: _CpuSolution, members: Mapping[str, Sequence[str]]
+            ) -> dict[Key, dict[str, int]]:
+    """Each size class's replicas over its nodes: the program plans nodes of
+    one size together (they are interchangeable, and a program per node
+    grows with their number: 20 s for 100 nodes, against well under one as
+    classes), so here the heaviest stages first, each replica goes to the
+    class's node with the fewest of that stage, then the least CPU given.
+    A stage is thus spread over as many nodes as it has replicas: no single
+    node's loss empties it where it has two or more."""
+    load = {n: 0.0 for names in members.values() for n in names}
+    out: dict[Key, dict[str, int]] = {s.key: {} for s in stages}
+    for s in sorted(stages, key=lambda s: -sol.opt[s.key].cpu_s * s.demand):
+        per_replica = sol.tput[s.key] * s.demand * sol.opt[s.key].cpu_s / max(sol.n[s.key], 1)
+        for label, count in sol.per_node.get(s.key, {}).items():
+            mine = out[s.key]
+            for _ in range(count):
+                to = min(members[label], key=lambda n: (mine.get(n, 0), load[n], n))
+                mine[to] = mine.get(to, 0) + 1
+                load[to] += per_replica
+    return out
 
 
 def _pred_json(r: Mapping[str, Any] | None) -> dict[str, float] | None:
@@ -395,8 +481,8 @@ def _pred_json(r: Mapping[str, Any] | None) -> dict[str, float] | None:
 
 def _rate_plan(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, Any]], stages: list[_CpuStage],
                costs: _Costs, over: Mapping[str, Any], q: float, best: _CpuSolution, notes: dict[str, Any],
-               rate: float, check_slo: bool, sim_s: float,
-               time_limit_s: float) -> tuple[_CpuSolution, dict[str, list[str]], dict[str, Any]]:
+               rate: float, check_slo: bool, sim_s: float, time_limit_s: float,
+               nodes: Mapping[str, tuple[float, int]] | None = None) -> tuple[_CpuSolution, dict[str, list[str]], dict[str, Any]]:
     """The cheapest plan holding `rate`: provision for rate / load, with the
     load lowered from 90% until the SLO model says the SLO holds at `rate`
     (or the max plan is reached)."""
@@ -406,7 +492,7 @@ def _rate_plan(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str
     sol = best
     preds: dict[str, dict[str, Any]] = {}
     for load in (TARGET_LOAD, 0.8, 0.7, 0.6, 0.5):
-        sol = _solve_cpu_rate(stages, costs, q, time_limit_s, {p.name: rate / load for p in pipelines}, best)
+        sol = _solve_cpu_rate(stages, costs, q, time_limit_s, {p.name: rate / load for p in pipelines}, best, nodes)
         if not check_slo:
             break
         preds = {p.name: _predict(p, profiles[p.name], sol, rate, _pipe_cores(stages, sol, costs, p.name), over, sim_s)
@@ -414,8 +500,9 @@ def _rate_plan(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str
         if all(_holds(preds[p.name], p) for p in pipelines if p.slo is not None) or sol.n == best.n:
             break
     # What the started replicas can do on this machine (their capacity, not the rate asked for).
-    cap = _solve_cpu_max(stages, costs, q, time_limit_s, only=best.opt, n_max=sol.n)
-    sol = _CpuSolution(sol.opt, sol.n, cap.tput, cap.rate, cap.cpu_used, sol.threads_used, [])
+    cap = _solve_cpu_max(stages, costs, q, time_limit_s, only=best.opt, n_max=sol.n, nodes=nodes)
+    sol = _CpuSolution(sol.opt, sol.n, cap.tput, cap.rate, cap.cpu_used, sol.threads_used, [],
+                       per_node=sol.per_node)
     for p in pipelines:
         mine = [s for s in stages if s.pipeline == p.name]
         cores_needed = rate * (sum(s.demand * sol.opt[s.key].cpu_s for s in mine) + costs.node_cpu_s)

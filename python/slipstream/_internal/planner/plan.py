@@ -27,13 +27,18 @@ class StagePlan:
     threads: int
     max_batch_size: int
     throughput_rps: float
+    #: GPU plans: the GPU slice each replica is bound to.
     placement: list[dict[str, Any]] | None = None
+    #: Cluster plans: replicas per node (name -> count).
+    nodes: dict[str, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"replicas": self.replicas, "max_replicas": self.max_replicas, "threads": self.threads,
                              "max_batch_size": self.max_batch_size, "throughput_rps": round(self.throughput_rps, 2)}
         if self.placement is not None:
             d["placement"] = self.placement
+        if self.nodes is not None:
+            d["nodes"] = self.nodes
         return d
 
 
@@ -79,7 +84,8 @@ class Plan:
             for name, p in doc["pipelines"].items():
                 stages = {s: StagePlan(replicas=int(v["replicas"]), max_replicas=int(v.get("max_replicas", v["replicas"])),
                                        threads=int(v.get("threads", 1)), max_batch_size=int(v["max_batch_size"]),
-                                       throughput_rps=float(v.get("throughput_rps", 0.0)), placement=v.get("placement"))
+                                       throughput_rps=float(v.get("throughput_rps", 0.0)), placement=v.get("placement"),
+                                       nodes=_node_counts(v.get("nodes")))
                           for s, v in p["stages"].items()}
                 pipes[name] = PipelinePlan(capacity_rps=float(p.get("capacity_rps", 0.0)),
                                            target_rps=float(p.get("target_rps", 0.0)), stages=stages,
@@ -97,6 +103,16 @@ class Plan:
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot read plan {path}: {e}") from None
         return cls.from_json(doc)
+
+
+def _node_counts(v: Any) -> dict[str, int] | None:
+    """A cluster plan's replicas per node, checked (None: not a cluster plan)."""
+    if v is None:
+        return None
+    out = {str(k): int(c) for k, c in dict(v).items()}
+    if any(c < 0 for c in out.values()):
+        raise ValueError(f"negative replicas in {out}")
+    return out
 
 
 def with_components(pipe: Pipeline, comps: Mapping[str, Component]) -> Pipeline:
@@ -178,6 +194,9 @@ def format_plan(plan: Plan) -> str:
     out = []
     inv = plan.inventory
     where = f"{inv['cores']:g} cores" if "cores" in inv else f"{len(inv.get('gpus', []))} GPUs"
+    if "nodes" in inv:
+        where = (f"{len(inv['nodes'])} nodes ({inv['cores']:g} cores; "
+                 f"{inv.get('network_ms', 0):g} ms per hop between them)")
     out.append(f"plan for {plan.app or 'app'} on {where} (solved in {plan.solve_ms:,.0f} ms)")
     for name, pp in plan.pipelines.items():
         pred = pp.predicted
@@ -188,7 +207,9 @@ def format_plan(plan: Plan) -> str:
         out.append(f"  {'stage':<18}{'replicas':>9}{'max':>5}{'threads':>8}{'batch':>7}{'throughput/s':>14}  placement")
         for s, sp in pp.stages.items():
             place = ""
-            if sp.placement:
+            if sp.nodes is not None:
+                place = " ".join(f"{k}:{c}" for k, c in sorted(sp.nodes.items()))
+            elif sp.placement:
                 place = " ".join(f"gpu{q['gpu']}:{q['slice']}" for q in sp.placement[:6])
                 place += f" (+{len(sp.placement) - 6})" if len(sp.placement) > 6 else ""
             out.append(f"  {s:<18}{sp.replicas:>9}{sp.max_replicas:>5}{sp.threads:>8}{sp.max_batch_size:>7}"

@@ -1,0 +1,71 @@
+"""A cluster deployed with a plan made for its nodes (`slipstream plan
+--nodes`, `slipstream deploy --plan`): the leader places each planned stage
+as the plan says, replicas per node, where the balanced placement would
+spread them evenly; stages the plan leaves out are placed as ever; the
+pipeline answers across the nodes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from slipstream.testing import Etcd, deploy, start_node, stop_all
+
+from tests.conftest import APPS, Node, wait_for
+
+# Uneven on purpose: "big" takes all of Fan, "small" the singleton Prod.
+PLANNED = {"Fan": {"big": 3}, "Sum": {"big": 1, "small": 1}, "Prod": {"small": 1}, "Join": {"big": 2, "small": 1}}
+
+
+def plan_file(path: Path) -> Path:
+    stages = {name: {"replicas": sum(per.values()), "max_replicas": sum(per.values()), "threads": 1,
+                     "max_batch_size": 16, "throughput_rps": 100.0, "nodes": per} for name, per in PLANNED.items()}
+    doc = {"version": 1, "app": "cluster.py", "inventory": {"cores": 6.0, "nodes": {"big": 4.0, "small": 2.0}},
+           "pipelines": {"diamond": {"capacity_rps": 100.0, "target_rps": 90.0, "stages": stages}}, "solve_ms": 1.0}
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Etcd, dict[str, Node]]]:
+    etcd = Etcd(1)
+    ns: dict[str, Node] = {}
+    try:
+        plan = plan_file(tmp_path_factory.mktemp("plan") / "cluster.plan.json")
+        out = deploy(etcd, APPS / "cluster.py", "--plan", str(plan), wait=0)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "placing per the plan on big, small (big, small not a member now" in out.stderr, out.stderr
+        ns = {name: start_node(etcd, name) for name in ("big", "small")}
+        for n in ns.values():
+            wait_for(lambda n=n: n.request("GET", "/readyz")[0] == 200
+                     and len(n.status()["cluster"]["members"]) == 2, timeout=180)
+        yield etcd, ns
+    finally:
+        stop_all(list(ns.values()))
+        etcd.stop()
+
+
+def placed(n: Node) -> dict[str, dict[str, int]]:
+    p = n.status()["cluster"]["placement"]
+    return p["stages"] if p else {}
+
+
+def test_the_leader_places_planned_stages_as_planned(
+        cluster: tuple[Etcd, dict[str, Node]]) -> None:
+    _, ns = cluster
+    want = {f"diamond/{s}": per for s, per in PLANNED.items()}
+    wait_for(lambda: all({k: v for k, v in placed(n).items() if k in want} == want for n in ns.values()),
+             timeout=60)
+    # The stages the plan leaves out are placed as ever.
+    p = placed(ns["big"])
+    for stage in ("pick/Right", "pick/Wrong", "big/Big"):
+        assert sum(p[stage].values()) == 1 and set(p[stage]) <= set(ns), p
+    # Requests cross the nodes and meet at the fan-in, from either ingress.
+    for name, n in ns.items():
+        wait_for(lambda n=n: n.infer("diamond", x=[[3.0, 2.0]])[0] == 200, timeout=60)
+        status, body = n.infer("diamond", x=[[3.0, 2.0]])
+        assert status == 200 and body["outputs"]["both"] == [[5.0, 6.0]], (name, body)
+        route = body["outputs"]["route"][0]
+        assert route.startswith("big>") and "|small>" in route, route  # Fan on big, Prod on small
