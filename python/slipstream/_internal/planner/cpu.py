@@ -457,8 +457,8 @@ def _spread(stages: Sequence[_CpuStage], sol: _CpuSolution, members: Mapping[str
     grows with their number: 20 s for 100 nodes, against well under one as
     classes), so here the heaviest stages first, each replica goes to the
     class's node with the fewest of that stage, then the least CPU given.
-    A stage is thus spread over as many nodes as it has replicas: no single
-    node's loss empties it where it has two or more."""
+    A stage's replicas in a class thus sit on as many of its nodes as they
+    can."""
     load = {n: 0.0 for names in members.values() for n in names}
     out: dict[Key, dict[str, int]] = {s.key: {} for s in stages}
     for s in sorted(stages, key=lambda s: -sol.opt[s.key].cpu_s * s.demand):
