@@ -175,6 +175,18 @@ def test_a_slow_singleton_is_waited_for_when_nothing_else_could_take_its_work(no
     found no replica)."""
     holder, spare = prod_holder_and_warm_spare(nodes)
     (ingress,) = [n for name, n in nodes.items() if name not in (holder, spare)]
+
+    def prod_replicas() -> list[tuple[str, bool, bool]]:
+        """The ingress's replicas of Prod that will serve: (node, standby, leaving)."""
+        [stage] = [s for p in ingress.status()["pipelines"] if p["name"] == "diamond"
+                   for s in p["stages"] if s["name"] == "Prod"]
+        return sorted((r["node"], r["standby"], r["leaving"]) for r in stage["replicas"]
+                      if r["state"] not in ("draining", "stopped"))
+
+    # Only the holder's replica and the spare's standby: no replica a move
+    # left serving until its replacement did (that would be somewhere else
+    # to go, and the ingress would rightly not wait).
+    wait_for(lambda: prod_replicas() == sorted([(holder, False, False), (spare, True, False)]), timeout=30)
     for i in range(20):  # the remote replica learns a batch takes about a millisecond
         status, body = ask(ingress, i)
         assert status == 200, body
@@ -185,7 +197,7 @@ def test_a_slow_singleton_is_waited_for_when_nothing_else_could_take_its_work(no
     assert body["outputs"]["both"] == [[10_000.0 + slow_ms + 2.0, (10_000.0 + slow_ms) * 2.0]], body
     after = cluster_of(ingress)["counters"]
     assert after["retried"] > before["retried"], (before, after)
-    assert after["patient_calls"] > before["patient_calls"], (before, after)
+    assert after["patient_calls"] > before["patient_calls"], (before, after, prod_replicas())
     # The first node answers a probe and takes work again.
     wait_for(lambda: not cluster_of(ingress)["suspects"], timeout=30)
     wait_for(lambda: all_ready(ingress), timeout=30)
