@@ -380,7 +380,7 @@ def test_cli_plans_across_nodes_and_refuses_bad_inventories(tmp_path: Path) -> N
         r = cli("plan", "examples/recsys.py", "--nodes", bad, "--out", str(out))
         assert r.returncode == 2 and why in r.stderr, (bad, r.stderr)
     r = cli("plan", "examples/recsys.py", "--network-ms", "2", "--out", str(out))
-    assert r.returncode != 0 and "give --nodes too" in r.stderr
+    assert r.returncode != 0 and "give --nodes or --cluster too" in r.stderr
 
 
 def test_profile_by_threads_is_read_for_planned_threads(tmp_path: Path) -> None:

@@ -7,11 +7,12 @@ pipeline answers across the nodes."""
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from slipstream.testing import Etcd, deploy, start_node, stop_all
+from slipstream.testing import CLI, TOKEN, Etcd, deploy, start_node, stop_all
 
 from tests.conftest import APPS, Node, wait_for
 
@@ -69,3 +70,25 @@ def test_the_leader_places_planned_stages_as_planned(
         assert status == 200 and body["outputs"]["both"] == [[5.0, 6.0]], (name, body)
         route = body["outputs"]["route"][0]
         assert route.startswith("big>") and "|small>" in route, route  # Fan on big, Prod on small
+
+
+def test_a_plan_is_made_from_the_members_inventories(cluster: tuple[Etcd, dict[str, Node]], tmp_path: Path) -> None:
+    etcd, ns = cluster
+    point = {"batch": 1, "mean_ms": 1.0, "p50_ms": 1.0, "p99_ms": 2.0}
+    profile = tmp_path / "diamond.profile.json"
+    profile.write_text(json.dumps({"version": 1, "pipelines": [
+        {"pipeline": "diamond", "stages": {s: {"points": [point]} for s in ("Fan", "Sum", "Prod", "Join")}}]}))
+    out = tmp_path / "from-cluster.plan.json"
+    cmd = [*CLI, "plan", f"{APPS / 'cluster.py'}:diamond", "--profile", str(profile), "--no-check", "--out",
+           str(out), "--cluster", etcd.url, "--token", TOKEN]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    cores = {name: float(n.status()["cluster"]["members"][name]["cores"]) for name, n in ns.items()}
+    assert "planning for cluster 'default': big (" in r.stderr, r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["inventory"]["nodes"] == cores
+    for name, st in doc["pipelines"]["diamond"]["stages"].items():
+        assert sum(st["nodes"].values()) == st["replicas"] >= 1 and set(st["nodes"]) <= set(ns), (name, st)
+    # A wrong token reads no inventory, and says why.
+    r = subprocess.run([*cmd[:-1], "wrong"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "not signed with this cluster token" in r.stderr, r.stderr

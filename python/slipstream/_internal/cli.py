@@ -23,7 +23,7 @@ from typing import Any
 
 from slipstream._internal import admin, config
 from slipstream._internal.client import Client
-from slipstream._internal.cluster_cli import add_cluster_commands
+from slipstream._internal.cluster_cli import EtcdError, add_cluster_args, add_cluster_commands, member_cores
 from slipstream._internal.errors import Error, RequestError, from_core
 from slipstream._internal.reseal import add_reseal_command
 from slipstream._internal.serve_cli import add_serve_command, model_overheads
@@ -512,10 +512,19 @@ def cmd_plan(a: argparse.Namespace) -> int:
         return _fail(f"no profile {', '.join(missing)}: run `slipstream profile {a.app}` first")
     pipelines = _request_pipelines(pipelines, "plan")
     profiles = {p.name: slo.load_profile_for(p, paths) for p in pipelines}
+    if a.nodes and a.cluster:
+        return _fail("--nodes or --cluster: the nodes are given, or read from the cluster, not both")
+    if a.cluster:
+        try:
+            a.nodes = member_cores(a)
+        except EtcdError as e:
+            return _fail(str(e))
+        print(f"planning for cluster '{a.cluster_name}': "
+              + ", ".join(f"{n} ({c:g} cores)" for n, c in sorted(a.nodes.items())), file=sys.stderr)
     if a.gpus and a.nodes:
         return _fail("--gpus and --nodes do not go together yet: plan a cluster's CPU nodes, or one machine's GPUs")
     if a.network_ms is not None and not a.nodes:
-        return _fail("--network-ms is for a cluster plan: give --nodes too")
+        return _fail("--network-ms is for a cluster plan: give --nodes or --cluster too")
     if a.gpus:
         plan = planner.plan_gpu(pipelines, profiles, a.gpus, rate=a.rate, app=a.app)
     else:
@@ -612,6 +621,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="plan across a cluster's nodes instead of this machine: NAME=CORES,... "
                          "(e.g. n0=8,n1=8,n2=4) or COUNTxCORES,... (e.g. 2x8,1x4: nodes n0, n1, n2); "
                          "the plan gives each stage's replicas per node")
+    add_cluster_args(pl, required=False, what="plan across the members of this cluster now (their cores, from "
+                                              "their records in etcd) instead of this machine")
     pl.add_argument("--network-ms", type=float, default=None, metavar="MS",
                     help="with --nodes: what a hop between nodes adds to each stage on a path (default 1.0)")
     pl.add_argument("--profile", action="append", default=[], help="profile file(s) (default: APP.profile.json)")

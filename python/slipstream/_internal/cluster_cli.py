@@ -279,6 +279,22 @@ def _planned_nodes(a: argparse.Namespace, etcd: Etcd) -> dict[str, dict[str, int
     return planned
 
 
+def member_cores(a: argparse.Namespace) -> dict[str, float]:
+    """The cores of the cluster's members now (`slipstream plan --cluster`),
+    by node name, from their signed records."""
+    out: dict[str, float] = {}
+    for key, raw in _etcd(a).get_prefix(_root(a) + "members/").items():
+        try:
+            m = unseal(tokens(a), "member", raw)
+        except (ValueError, KeyError) as e:
+            raise EtcdError(f"{key}: {e}") from None
+        out[str(m["node"])] = float(m["cores"])
+    if not out:
+        raise EtcdError(f"cluster '{a.cluster_name}' at {a.cluster} has no members now: start the nodes first, "
+                        "or give --nodes")
+    return out
+
+
 def _wait_ready(etcd: Etcd, a: argparse.Namespace, token: str, deploy_id: str, spec: dict[str, Any]) -> int:
     """Until every stage has a ready replica somewhere in the cluster (or --wait runs out)."""
     want = {f"{p['name']}/{s['name']}" for p in spec["pipelines"] for s in p["stages"]}
@@ -509,9 +525,9 @@ def _node_scaling(a: argparse.Namespace, etcd: Etcd, token: str, port: int) -> k
     return loop
 
 
-def add_cluster_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cluster", required=True, metavar="etcd://HOST:PORT[,HOST:PORT]",
-                   help="the etcd cluster that holds the cluster's membership, deployment and placement")
+def add_cluster_args(p: argparse.ArgumentParser, required: bool = True, what: str = "") -> None:
+    p.add_argument("--cluster", required=required, metavar="etcd://HOST:PORT[,HOST:PORT]",
+                   help=what or "the etcd cluster that holds the cluster's membership, deployment and placement")
     p.add_argument("--cluster-name", default=os.environ.get("SLIPSTREAM_CLUSTER_NAME", "default"),
                    help="several clusters may share one etcd (default: 'default')")
     p.add_argument("--token", default=os.environ.get("SLIPSTREAM_CLUSTER_TOKEN"),
