@@ -126,6 +126,22 @@ def test_a_replica_s_threads_fit_the_node_it_is_placed_on() -> None:
     assert plan.pipelines["p"].capacity_rps == pytest.approx(3.6 / 4.0 * 1000, rel=1e-3)
 
 
+def test_a_node_s_memory_bounds_the_replicas_placed_there() -> None:
+    # A: 1 ms per request and 1,000 MiB a worker. On two 2-core nodes it
+    # would run 2 busy replicas on each (4,000 req/s); "tight" has room
+    # for one worker, so its second core stays idle (3,000 req/s).
+    pipe = ss.Pipeline("p", comp("A", max_batch_size=1))
+    pts = [{**p, "rss_mb": 1000.0} for p in points(1.0)]
+    roomy = cpu_plan(pipe, profile(A={"points": pts}), cores=0, nodes={"tight": 2.0, "wide": 2.0})
+    assert roomy.pipelines["p"].capacity_rps == pytest.approx(4000, rel=1e-3)
+    plan = cpu_plan(pipe, profile(A={"points": pts}), cores=0, nodes={"tight": 2.0, "wide": 2.0},
+                    node_memory_mb={"tight": 1500.0, "wide": 8192.0})
+    st = plan.pipelines["p"].stages["A"]
+    assert st.nodes is not None and st.nodes.get("tight", 0) <= 1, st.nodes
+    assert plan.pipelines["p"].capacity_rps == pytest.approx(3000, rel=1e-3)
+    assert plan.inventory["memory_mb"] == {"tight": 1500.0, "wide": 8192.0}
+
+
 def test_the_network_hop_counts_on_a_cluster_plan_s_path() -> None:
     # Batch 4's p99 (4 ms) fits a 10 ms SLO on one machine (2 x 4 ms); with
     # 3 ms per hop between nodes it does not, and batch 1 (1 ms) is chosen.
@@ -376,7 +392,11 @@ def test_cli_plans_across_nodes_and_refuses_bad_inventories(tmp_path: Path) -> N
     assert doc["inventory"]["nodes"] == {"n0": 1.0, "n1": 1.0, "big": 2.0}
     for st in doc["pipelines"]["recsys"]["stages"].values():
         assert sum(st["nodes"].values()) == st["replicas"] and set(st["nodes"]) <= {"n0", "n1", "big"}
-    for bad, why in (("n0=0", "cores > 0"), ("n0=2,n0=4", "named twice"), ("eight", "NAME=CORES")):
+    r = cli("plan", "examples/recsys.py", "--nodes", "a=1:512M,2x1:2GiB", "--out", str(out), "--no-check")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["inventory"]["memory_mb"] == {"a": 512.0, "n1": 2048.0, "n2": 2048.0}
+    for bad, why in (("n0=0", "cores > 0"), ("n0=2,n0=4", "named twice"), ("eight", "NAME=CORES"),
+                     ("n0=2:lots", "NAME=CORES[:MEMORY]")):
         r = cli("plan", "examples/recsys.py", "--nodes", bad, "--out", str(out))
         assert r.returncode == 2 and why in r.stderr, (bad, r.stderr)
     r = cli("plan", "examples/recsys.py", "--network-ms", "2", "--out", str(out))

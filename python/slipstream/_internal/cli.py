@@ -23,7 +23,12 @@ from typing import Any
 
 from slipstream._internal import admin, config
 from slipstream._internal.client import Client
-from slipstream._internal.cluster_cli import EtcdError, add_cluster_args, add_cluster_commands, member_cores
+from slipstream._internal.cluster_cli import (
+    EtcdError,
+    add_cluster_args,
+    add_cluster_commands,
+    member_inventory,
+)
 from slipstream._internal.errors import Error, RequestError, from_core
 from slipstream._internal.reseal import add_reseal_command
 from slipstream._internal.serve_cli import add_serve_command, model_overheads
@@ -471,27 +476,44 @@ def cmd_slo(a: argparse.Namespace) -> int:
     return 0
 
 
-def _node_inventory(text: str) -> dict[str, float]:
-    """``--nodes``: ``NAME=CORES,...`` or ``COUNTxCORES,...`` (named n0, n1, ...)."""
-    out: dict[str, float] = {}
+_MIB = {"M": 1.0, "MI": 1.0, "MIB": 1.0, "G": 1024.0, "GI": 1024.0, "GIB": 1024.0, "T": 1024.0**2, "TI": 1024.0**2,
+        "TIB": 1024.0**2}
+
+
+def _mib(text: str) -> float:
+    """``16G``, ``512MiB``, ``1.5Ti``: MiB."""
+    t = text.strip().upper()
+    unit = t.lstrip("0123456789.")
+    if unit not in _MIB:
+        raise ValueError(text)
+    return float(t[: len(t) - len(unit)]) * _MIB[unit]
+
+
+def _node_inventory(text: str) -> dict[str, tuple[float, float]]:
+    """``--nodes``: ``NAME=CORES[:MEMORY],...`` or ``COUNTxCORES[:MEMORY],...``
+    (named n0, n1, ...): name -> (cores, MiB; 0: memory not given)."""
+    out: dict[str, tuple[float, float]] = {}
     for part in (p.strip() for p in text.split(",")):
         label, eq, given = part.partition("=")
         count, x, each = part.partition("x")
         try:
+            size, _, mem = (given if eq else each).partition(":")
+            one = (float(size), _mib(mem) if mem else 0.0)
             if eq:
-                items = [(label.strip(), float(given))]
+                items = [(label.strip(), one)]
             elif x:
-                items = [(f"n{len(out) + i}", float(each)) for i in range(int(count))]
+                items = [(f"n{len(out) + i}", one) for i in range(int(count))]
             else:
                 raise ValueError
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{part!r}: expected NAME=CORES or COUNTxCORES (e.g. n0=8 or 3x4)") from None
-        for name, cores in items:
-            if not name or not (cores > 0 and math.isfinite(cores)):
+            raise argparse.ArgumentTypeError(f"{part!r}: expected NAME=CORES[:MEMORY] or COUNTxCORES[:MEMORY] "
+                                             "(e.g. n0=8, n0=8:32G or 3x4:16G)") from None
+        for name, (cores, mib) in items:
+            if not name or not (cores > 0 and math.isfinite(cores)) or not (mib >= 0 and math.isfinite(mib)):
                 raise argparse.ArgumentTypeError(f"{part!r}: a node needs a name and cores > 0")
             if name in out:
                 raise argparse.ArgumentTypeError(f"node {name!r} is named twice")
-            out[name] = cores
+            out[name] = (cores, mib)
     if not out:
         raise argparse.ArgumentTypeError("no nodes given")
     return out
@@ -516,11 +538,12 @@ def cmd_plan(a: argparse.Namespace) -> int:
         return _fail("--nodes or --cluster: the nodes are given, or read from the cluster, not both")
     if a.cluster:
         try:
-            a.nodes = member_cores(a)
+            a.nodes = member_inventory(a)
         except EtcdError as e:
             return _fail(str(e))
         print(f"planning for cluster '{a.cluster_name}': "
-              + ", ".join(f"{n} ({c:g} cores)" for n, c in sorted(a.nodes.items())), file=sys.stderr)
+              + ", ".join(f"{n} ({c:g} cores, {m / 1024:.1f} GiB)" for n, (c, m) in sorted(a.nodes.items())),
+              file=sys.stderr)
     if a.gpus and a.nodes:
         return _fail("--gpus and --nodes do not go together yet: plan a cluster's CPU nodes, or one machine's GPUs")
     if a.network_ms is not None and not a.nodes:
@@ -528,7 +551,9 @@ def cmd_plan(a: argparse.Namespace) -> int:
     if a.gpus:
         plan = planner.plan_gpu(pipelines, profiles, a.gpus, rate=a.rate, app=a.app)
     else:
-        extra = {"nodes": a.nodes, "network_ms": a.network_ms if a.network_ms is not None else planner.NETWORK_MS}
+        extra = {"nodes": {n: c for n, (c, _) in (a.nodes or {}).items()},
+                 "node_memory_mb": {n: m for n, (_, m) in (a.nodes or {}).items() if m},
+                 "network_ms": a.network_ms if a.network_ms is not None else planner.NETWORK_MS}
         plan = planner.plan_cpu(pipelines, profiles, cores=a.cores, overheads=_overheads(a, a.app), rate=a.rate,
                                 app=a.app, check_slo=not a.no_check, sim_duration_s=a.sim_duration,
                                 **(extra if a.nodes else {}))

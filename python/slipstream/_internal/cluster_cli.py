@@ -279,16 +279,16 @@ def _planned_nodes(a: argparse.Namespace, etcd: Etcd) -> dict[str, dict[str, int
     return planned
 
 
-def member_cores(a: argparse.Namespace) -> dict[str, float]:
-    """The cores of the cluster's members now (`slipstream plan --cluster`),
-    by node name, from their signed records."""
-    out: dict[str, float] = {}
+def member_inventory(a: argparse.Namespace) -> dict[str, tuple[float, float]]:
+    """The cores and memory (MiB) of the cluster's members now (`slipstream
+    plan --cluster`), by node name, from their signed records."""
+    out: dict[str, tuple[float, float]] = {}
     for key, raw in _etcd(a).get_prefix(_root(a) + "members/").items():
         try:
             m = unseal(tokens(a), "member", raw)
         except (ValueError, KeyError) as e:
             raise EtcdError(f"{key}: {e}") from None
-        out[str(m["node"])] = float(m["cores"])
+        out[str(m["node"])] = (float(m["cores"]), float(m.get("memory_bytes") or 0) / 2**20)
     if not out:
         raise EtcdError(f"cluster '{a.cluster_name}' at {a.cluster} has no members now: start the nodes first, "
                         "or give --nodes")

@@ -84,6 +84,7 @@ class _Opt:
     p99_ms: float
     mu: float     # requests/s of one busy replica
     cpu_s: float  # core-seconds per request
+    rss_mb: float = 0.0  # the worker's resident memory at this point (0: not measured)
 
 
 @dataclass
@@ -120,7 +121,8 @@ def _cpu_stages(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[st
                         continue
                     busy_s = float(pt["mean_ms"]) / 1e3 + batch_cpu_us / 1e6
                     opts.append(_Opt(t, b, float(pt["mean_ms"]), float(pt["p99_ms"]), b / busy_s,
-                                     (t * float(pt["mean_ms"]) / 1e3 + batch_cpu_us / 1e6) / b))
+                                     (t * float(pt["mean_ms"]) / 1e3 + batch_cpu_us / 1e6) / b,
+                                     float(pt.get("rss_mb") or 0.0)))
             if not opts:
                 raise ConfigError(f"{pipe.name}/{name}: the profile has no point at or under max_batch_size "
                                   f"{comp.max_batch_size}: profile again")
@@ -162,20 +164,31 @@ class _CpuVars:
         return {v: 1.0 / s.demand for (k, _, _), v in self.x.items() if k == s.key}
 
 
+@dataclass(frozen=True)
+class _Class:
+    """Nodes of one size in a cluster plan: `count` nodes of `cores` cores
+    and `memory_mb` MiB each (0: memory not bounded)."""
+
+    cores: float
+    count: int
+    memory_mb: float = 0.0
+
+
 def _cpu_program(stages: Sequence[_CpuStage], costs: _Costs, q: float, time_limit_s: float,
                  only: Mapping[Key, _Opt] | None = None, n_max: Mapping[Key, int] | None = None,
-                 nodes: Mapping[str, tuple[float, int]] | None = None) -> _CpuVars:
-    """The program on one machine, or on `nodes` (a size class -> (cores of
-    each node, nodes of that size)): then each class's cores and threads
-    bound what runs there, a replica's threads fit its node, the stage's
-    option is one for all its replicas, and the ingresses' CPU is spread
-    over the nodes by their share of the cores."""
-    nodes = dict(nodes) if nodes else {ONE_MACHINE: (costs.cores, 1)}
-    total = sum(c * k for c, k in nodes.values())
+                 nodes: Mapping[str, _Class] | None = None) -> _CpuVars:
+    """The program on one machine, or on `nodes` (size classes): then each
+    class's cores, threads and memory (each replica's profiled resident
+    memory) bound what runs there, a replica's threads fit its node, the
+    stage's option is one for all its replicas, and the ingresses' CPU is
+    spread over the nodes by their share of the cores."""
+    nodes = dict(nodes) if nodes else {ONE_MACHINE: _Class(costs.cores, 1)}
+    total = sum(c.cores * c.count for c in nodes.values())
     m = _Model(time_limit_s)
     v = _CpuVars(m, {}, {}, {}, {}, {}, {})
     cpu_at: dict[str, dict[int, float]] = {k: {} for k in nodes}
     threads_at: dict[str, dict[int, float]] = {k: {} for k in nodes}
+    memory_at: dict[str, dict[int, float]] = {k: {} for k in nodes}
     lat: dict[Key, dict[int, float]] = {}
     for s in stages:
         hi = min(s.hi, n_max[s.key]) if n_max else s.hi
@@ -187,14 +200,17 @@ def _cpu_program(stages: Sequence[_CpuStage], costs: _Costs, q: float, time_limi
                 continue
             ys[i] = v.y[(s.key, i)] = m.var(0, 1, integer=True)
             mine: dict[int, float] = {}
-            for k, (cores, _) in nodes.items():
-                if len(nodes) > 1 and o.threads > max(1, math.floor(cores + TOL)):
+            for k, cls in nodes.items():
+                if len(nodes) > 1 and o.threads > max(1, math.floor(cls.cores + TOL)):
                     continue  # its threads would not fit that node
+                if cls.memory_mb and o.rss_mb > cls.memory_mb:
+                    continue  # nor its memory
                 n = v.n[(s.key, i, k)] = m.var(0, hi, integer=True)
                 x = v.x[(s.key, i, k)] = m.var()
                 m.row({x: 1.0, n: -o.mu}, hi=0.0)                   # x <= mu * n
                 v.cpu[x] = cpu_at[k][x] = o.cpu_s
                 v.threads[n] = threads_at[k][n] = float(o.threads)
+                memory_at[k][n] = o.rss_mb
                 mine[n] = 1.0
                 ns.append(n)
             m.row({**mine, ys[i]: -float(hi)}, hi=0.0)             # its replicas <= hi * y
@@ -204,10 +220,12 @@ def _cpu_program(stages: Sequence[_CpuStage], costs: _Costs, q: float, time_limi
     v.rate.update(_pipeline_rates(m, stages, v.stage_tput))
     for x in v.rate.values():
         v.cpu[x] = costs.node_cpu_s
-    for k, (cores, count) in nodes.items():
-        ingress = {x: costs.node_cpu_s * cores * count / total for x in v.rate.values()}
-        m.row({**cpu_at[k], **ingress}, hi=cores * count)
-        m.row(threads_at[k], hi=thread_cap(stages, cores) * count)
+    for k, cls in nodes.items():
+        ingress = {x: costs.node_cpu_s * cls.cores * cls.count / total for x in v.rate.values()}
+        m.row({**cpu_at[k], **ingress}, hi=cls.cores * cls.count)
+        m.row(threads_at[k], hi=thread_cap(stages, cls.cores) * cls.count)
+        if cls.memory_mb and any(memory_at[k].values()):
+            m.row(memory_at[k], hi=cls.memory_mb * cls.count)
     _path_rule(m, stages, lat, costs)
     return v
 
@@ -253,7 +271,7 @@ def _read_cpu(stages: Sequence[_CpuStage], v: _CpuVars, sol: list[float],
 
 def _solve_cpu_max(stages: Sequence[_CpuStage], costs: _Costs, q: float, time_limit_s: float,
                    only: Mapping[Key, _Opt] | None = None, n_max: Mapping[Key, int] | None = None,
-                   nodes: Mapping[str, tuple[float, int]] | None = None) -> _CpuSolution:
+                   nodes: Mapping[str, _Class] | None = None) -> _CpuSolution:
     """Lexicographic max-min: pipeline rates first, then stage throughputs;
     then, everything held, the fewest replica threads."""
     v = _cpu_program(stages, costs, q, time_limit_s, only, n_max, nodes)
@@ -264,7 +282,7 @@ def _solve_cpu_max(stages: Sequence[_CpuStage], costs: _Costs, q: float, time_li
 
 def _solve_cpu_rate(stages: Sequence[_CpuStage], costs: _Costs, q: float, time_limit_s: float,
                     need: Mapping[str, float], best: _CpuSolution,
-                    nodes: Mapping[str, tuple[float, int]] | None = None) -> _CpuSolution:
+                    nodes: Mapping[str, _Class] | None = None) -> _CpuSolution:
     """The fewest replica threads whose capacity covers `need` per pipeline,
     with the max plan's options and at most its replica counts."""
     v = _cpu_program(stages, costs, q, time_limit_s, only=best.opt, n_max=best.n, nodes=nodes)
@@ -345,7 +363,7 @@ def _target(pipe: Pipeline, prof: Mapping[str, Any], sol: _CpuSolution, cores: f
 def _solve_max_checked(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, Any]],
                        stages: list[_CpuStage], costs: _Costs, overheads: Mapping[str, Any], check_slo: bool,
                        sim_s: float, time_limit_s: float,
-                       nodes: Mapping[str, tuple[float, int]] | None = None) -> tuple[_CpuSolution, float, dict[str, Any]]:
+                       nodes: Mapping[str, _Class] | None = None) -> tuple[_CpuSolution, float, dict[str, Any]]:
     """The max plan, with targets the SLO model accepts: if no rung holds for
     some pipeline, raise q (smaller batches) and solve again."""
     notes: dict[str, Any] = {}
@@ -394,11 +412,13 @@ def _no_plan(stages: Sequence[_CpuStage], costs: _Costs, q: float) -> ConfigErro
 def plan_cpu(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, Any]], *, cores: float,
              overheads: Mapping[str, Any] | None = None, rate: float | None = None, app: str = "",
              check_slo: bool = True, sim_duration_s: float = 10.0, time_limit_s: float = 20.0,
-             nodes: Mapping[str, float] | None = None, network_ms: float = NETWORK_MS) -> Plan:
+             nodes: Mapping[str, float] | None = None, network_ms: float = NETWORK_MS,
+             node_memory_mb: Mapping[str, float] | None = None) -> Plan:
     """Plan `pipelines` on one machine of `cores` cores (see the module doc),
     or across a cluster's `nodes` (name -> cores; `cores` is then their
-    sum): replicas per node, each stage's path budgeting `network_ms` more
-    per hop. `profiles` maps a pipeline's name to its profile
+    sum; `node_memory_mb`: the memory of those whose memory bounds what
+    they run): replicas per node, each stage's path budgeting `network_ms`
+    more per hop. `profiles` maps a pipeline's name to its profile
     (`slo.load_profile_for`); `overheads` are the SLO model's (calibration
     or `slo.DEFAULTS`)."""
     from slipstream._internal import slo
@@ -413,9 +433,12 @@ def plan_cpu(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, 
         cores = float(sum(nodes.values()))
         over["hop_us"] = float(over["hop_us"]) + network_ms * 1e3
         check_slo = False  # see `_solve_max_checked`
+        memory = dict(node_memory_mb or {})
         for name, c in sorted(nodes.items()):
-            members.setdefault(f"{float(c):g} cores", []).append(name)
-    classes = {label: (float(nodes[names[0]]), len(names)) for label, names in members.items()} if nodes else None
+            mib = float(memory.get(name, 0.0))
+            members.setdefault(f"{float(c):g} cores" + (f", {mib:g} MiB" if mib else ""), []).append(name)
+    classes = {label: _Class(float(nodes[names[0]]), len(names), float((node_memory_mb or {}).get(names[0], 0.0)))
+               for label, names in members.items()} if nodes else None
     costs = _costs(pipelines, cores, over)
     widest = max(nodes.values()) if nodes else cores
     stages = _cpu_stages(pipelines, profiles, cores, float(over["batch_cpu_us"]), max_threads_cores=widest)
@@ -446,6 +469,8 @@ def plan_cpu(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, 
     if nodes:
         inventory["nodes"] = dict(nodes)
         inventory["network_ms"] = network_ms
+        if node_memory_mb:
+            inventory["memory_mb"] = dict(node_memory_mb)
     plan = Plan(app=app, inventory=inventory, pipelines=out, solve_ms=(time.perf_counter() - t0) * 1e3)
     return plan
 
@@ -482,7 +507,7 @@ def _pred_json(r: Mapping[str, Any] | None) -> dict[str, float] | None:
 def _rate_plan(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, Any]], stages: list[_CpuStage],
                costs: _Costs, over: Mapping[str, Any], q: float, best: _CpuSolution, notes: dict[str, Any],
                rate: float, check_slo: bool, sim_s: float, time_limit_s: float,
-               nodes: Mapping[str, tuple[float, int]] | None = None) -> tuple[_CpuSolution, dict[str, list[str]], dict[str, Any]]:
+               nodes: Mapping[str, _Class] | None = None) -> tuple[_CpuSolution, dict[str, list[str]], dict[str, Any]]:
     """The cheapest plan holding `rate`: provision for rate / load, with the
     load lowered from 90% until the SLO model says the SLO holds at `rate`
     (or the max plan is reached)."""
