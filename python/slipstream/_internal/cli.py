@@ -551,12 +551,12 @@ def cmd_plan(a: argparse.Namespace) -> int:
     if a.gpus:
         plan = planner.plan_gpu(pipelines, profiles, a.gpus, rate=a.rate, app=a.app)
     else:
-        extra = {"nodes": {n: c for n, (c, _) in (a.nodes or {}).items()},
-                 "node_memory_mb": {n: m for n, (_, m) in (a.nodes or {}).items() if m},
-                 "network_ms": a.network_ms if a.network_ms is not None else planner.NETWORK_MS}
+        inv: dict[str, tuple[float, float]] = a.nodes or {}
         plan = planner.plan_cpu(pipelines, profiles, cores=a.cores, overheads=_overheads(a, a.app), rate=a.rate,
                                 app=a.app, check_slo=not a.no_check, sim_duration_s=a.sim_duration,
-                                **(extra if a.nodes else {}))
+                                nodes={n: c for n, (c, _) in inv.items()} or None,
+                                node_memory_mb={n: m for n, (_, m) in inv.items() if m} or None,
+                                network_ms=planner.NETWORK_MS if a.network_ms is None else a.network_ms)
     out = Path(a.out) if a.out else split_target(a.app)[0].with_suffix(".plan.json")
     out.write_text(json.dumps(plan.to_json(), indent=2))
     if a.json:
