@@ -360,7 +360,7 @@ impl Node {
                 // Still on a node that is a member: the placement moved it.
                 None if there.is_some() && !r.is_standby() => {
                     out.draining.push(r.id);
-                    let why = format!("placed elsewhere than node {}", at.node);
+                    let why = format!("the placement moved it off node {}", at.node);
                     self.leave_when_replaced(pipe, st, r.clone(), Duration::ZERO, why);
                 }
                 None => {
