@@ -14,8 +14,9 @@
 //! never outlives this incarnation). The leader places the stages
 //! elsewhere (a warm standby is promoted where it is), and this node keeps
 //! serving everything sent to it meanwhile. Once every stage that had a
-//! replica here is reported ready by another member, or after a bounded
-//! wait, the node leaves as before. This is the path a placement change
+//! replica here (placed, or still serving after a move: [`serving_here`])
+//! is reported ready by another member, or after a bounded wait, the node
+//! leaves as before. This is the path a placement change
 //! under load already takes (tests/integration/test_cluster.py), started
 //! by the node itself instead of by a scale-down.
 
@@ -31,6 +32,21 @@ pub(crate) fn held(view: &View, me: &str, deploy: &str) -> BTreeSet<String> {
         return BTreeSet::new();
     };
     p.stages.keys().filter(|k| p.count(k, me) > 0).cloned().collect()
+}
+
+/// What `me` must hand over: the stages placed on it ([`held`]) and those
+/// it still serves (its own record's ready replicas), which include a
+/// replica a move left serving here until its replacement is ready (the
+/// make-before-break of `slipstream_core::scaling`). Without the second,
+/// a node stopping just after the leader moved a stage away left before
+/// the stage's new replica had started, and the requests at that stage
+/// waited for their deadline (seen in a CI run of the image test).
+pub(crate) fn serving_here(view: &View, me: &str, deploy: &str) -> BTreeSet<String> {
+    let mut out = held(view, me, deploy);
+    if let Some(m) = view.members.get(me) {
+        out.extend(m.ready.iter().filter(|(_, &n)| n > 0).map(|(k, _)| k.clone()));
+    }
+    out
 }
 
 /// What `me` still waits for before it can leave without emptying one of
@@ -62,7 +78,7 @@ pub(crate) async fn hand_over(etcd: &slipstream_etcd::Etcd, cluster: &Cluster, l
     let me = cluster.me().to_string();
     let deploy = cluster.opts.deploy.clone();
     let view = cluster.view();
-    let held = held(&view, &me, &deploy);
+    let held = serving_here(&view, &me, &deploy);
     if held.is_empty() {
         return "nothing placed here to hand over".into();
     }
@@ -139,6 +155,18 @@ mod tests {
         v.suspects.insert("b".into());
         assert!(waiting_for(&v, "a", "d", &holding).is_some(), "a member this node cannot reach does not count");
         v.suspects.clear();
+        assert_eq!(waiting_for(&v, "a", "d", &holding), None);
+    }
+
+    #[test]
+    fn a_stage_moved_away_but_still_served_here_is_handed_over_too() {
+        // p/s was moved from a to b; a still serves it until b's is ready.
+        let mut v = view(&[("p/s", "b", 1)], &[member("a", &[("p/s", 1)]), member("b", &[])]);
+        v.cordoned.insert("a".into());
+        let holding = serving_here(&v, "a", "d");
+        assert_eq!(holding, ["p/s".to_string()].into());
+        assert!(waiting_for(&v, "a", "d", &holding).unwrap().contains("p/s to be ready"));
+        v.members.get_mut("b").unwrap().ready.insert("p/s".into(), 1);
         assert_eq!(waiting_for(&v, "a", "d", &holding), None);
     }
 
