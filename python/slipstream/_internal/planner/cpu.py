@@ -242,7 +242,7 @@ class _CpuSolution:
     timed_out: bool = False
     #: Replicas per node size class (classes with none left out; one
     #: machine's is ``{"": n}``); `_spread` gives them to the nodes.
-    per_node: dict[Key, dict[str, int]] = field(default_factory=dict)
+    per_class: dict[Key, dict[str, int]] = field(default_factory=dict)
 
 
 def _read_cpu(stages: Sequence[_CpuStage], v: _CpuVars, sol: list[float],
@@ -258,7 +258,7 @@ def _read_cpu(stages: Sequence[_CpuStage], v: _CpuVars, sol: list[float],
             if y is not None and sol[y] > 0.5:
                 out.opt[s.key] = o
                 counts = {k: int(round(sol[n])) for (key, j, k), n in v.n.items() if key == s.key and j == i}
-                out.per_node[s.key] = {k: c for k, c in counts.items() if c > 0}
+                out.per_class[s.key] = {k: c for k, c in counts.items() if c > 0}
                 out.n[s.key] = sum(counts.values())
                 given = sum(sol[x] for (key, j, _), x in v.x.items() if key == s.key and j == i)
                 out.tput[s.key] = held.get(s.key, min(given, o.mu * out.n[s.key]) / s.demand)
@@ -433,12 +433,13 @@ def plan_cpu(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, 
         cores = float(sum(nodes.values()))
         over["hop_us"] = float(over["hop_us"]) + network_ms * 1e3
         check_slo = False  # see `_solve_max_checked`
-        memory = dict(node_memory_mb or {})
-        for name, c in sorted(nodes.items()):
-            mib = float(memory.get(name, 0.0))
-            members.setdefault(f"{float(c):g} cores" + (f", {mib:g} MiB" if mib else ""), []).append(name)
-    classes = {label: _Class(float(nodes[names[0]]), len(names), float((node_memory_mb or {}).get(names[0], 0.0)))
-               for label, names in members.items()} if nodes else None
+    sizes: dict[str, tuple[float, float]] = {}  # a size class's label -> (cores, MiB) of each of its nodes
+    for name, c in sorted((nodes or {}).items()):
+        size = (float(c), float((node_memory_mb or {}).get(name, 0.0)))
+        label = f"{size[0]:g} cores" + (f", {size[1]:g} MiB" if size[1] else "")
+        sizes[label] = size
+        members.setdefault(label, []).append(name)
+    classes = {label: _Class(c, len(members[label]), mib) for label, (c, mib) in sizes.items()} if nodes else None
     costs = _costs(pipelines, cores, over)
     widest = max(nodes.values()) if nodes else cores
     stages = _cpu_stages(pipelines, profiles, cores, float(over["batch_cpu_us"]), max_threads_cores=widest)
@@ -488,7 +489,7 @@ def _spread(stages: Sequence[_CpuStage], sol: _CpuSolution, members: Mapping[str
     out: dict[Key, dict[str, int]] = {s.key: {} for s in stages}
     for s in sorted(stages, key=lambda s: -sol.opt[s.key].cpu_s * s.demand):
         per_replica = sol.tput[s.key] * s.demand * sol.opt[s.key].cpu_s / max(sol.n[s.key], 1)
-        for label, count in sol.per_node.get(s.key, {}).items():
+        for label, count in sol.per_class.get(s.key, {}).items():
             mine = out[s.key]
             for _ in range(count):
                 to = min(members[label], key=lambda n: (mine.get(n, 0), load[n], n))
@@ -527,7 +528,7 @@ def _rate_plan(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str
     # What the started replicas can do on this machine (their capacity, not the rate asked for).
     cap = _solve_cpu_max(stages, costs, q, time_limit_s, only=best.opt, n_max=sol.n, nodes=nodes)
     sol = _CpuSolution(sol.opt, sol.n, cap.tput, cap.rate, cap.cpu_used, sol.threads_used, [],
-                       per_node=sol.per_node)
+                       per_class=sol.per_class)
     for p in pipelines:
         mine = [s for s in stages if s.pipeline == p.name]
         cores_needed = rate * (sum(s.demand * sol.opt[s.key].cpu_s for s in mine) + costs.node_cpu_s)
