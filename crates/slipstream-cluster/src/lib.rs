@@ -581,7 +581,7 @@ pub async fn start(
         cluster.opts.name.clone(),
         alloc,
         peer_config,
-        move |from, inc| serve::serve_call(n.clone(), c.clone(), from, inc),
+        move |from, inc, parts| serve::serve_call(n.clone(), c.clone(), from, inc, parts),
     );
     let _ = cluster.server.set(server.stats());
     let lease = agent::join(&etcd, node, &cluster)

@@ -24,17 +24,17 @@
 //! only replica costs the batch in flight a retry, not seconds of 503s
 //! until the lease expires and a replica starts elsewhere.
 
-use crate::wire::{error_from, lend, split_incoming, CallMeta, CallReq, ReplyMeta, ReqResult};
+use crate::wire::{error_from, lend, split_incoming, ArenaBuf, CallMeta, CallReq, PartMeta, ReplyMeta, ReqResult};
 use crate::{Cluster, View};
 use slipstream_core::drive::{drive, Backend, Batch, Outcome, ReplicaCtx, Reply, Running, Started};
 use slipstream_core::drive::{FirstStart, Launcher, ReplicaTask};
 use slipstream_core::replica::{Phase, RemoteAt};
 use slipstream_core::NodeError;
-use slipstream_peer::{Outgoing, PeerError};
+use slipstream_peer::{Incoming, Outgoing, PeerError};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 
 /// The shortest wait for a remote batch before its node counts as failed.
 const MIN_PATIENCE: Duration = Duration::from_millis(250);
@@ -78,6 +78,18 @@ async fn probe(cluster: &Cluster, at: &RemoteAt, pipeline: &str, stage: usize) -
     let meta = CallMeta { pipeline: pipeline.to_string(), stage: stage as u32, reqs: Vec::new() };
     let msg = Outgoing::call(serde_json::to_vec(&meta).expect("serialises"), Vec::new());
     cluster.peers.call(at.addr, msg, PROBE_AFTER).await.is_ok()
+}
+
+/// A chunk the other node sent for one request of `batch`: on to the
+/// request (and so to its client). A malformed one is dropped: the answer
+/// that follows still settles the request.
+fn pass_on(ctx: &ReplicaCtx, batch: &Batch, part: Incoming<ArenaBuf>) {
+    let Ok(PartMeta { req }) = serde_json::from_slice(&part.meta) else { return };
+    let Some((job, _)) = batch.members.get(req as usize) else { return };
+    let n = part.tensors.len() as u32;
+    if let Ok(mut one) = split_incoming(Arc::new(part.payload.0.freeze()), part.tensors, std::iter::once(n)) {
+        job.chunk(ctx.stage_index(), one.pop().unwrap_or_default());
+    }
 }
 
 impl Backend for RemoteNode {
@@ -124,14 +136,16 @@ impl Backend for RemoteNode {
         let mut tensors = Vec::new();
         let mut reqs = Vec::with_capacity(n);
         let mut latest = now;
-        for ((_, inputs), deadline) in batch.members.iter().zip(batch.deadlines()) {
+        for ((req, inputs), deadline) in batch.members.iter().zip(batch.deadlines()) {
             reqs.push(CallReq {
                 n: inputs.len() as u32,
                 budget_us: deadline.saturating_duration_since(now).as_micros() as u64,
+                chunks: req.wants_chunks(ctx.stage_index()),
             });
             latest = latest.max(deadline);
             tensors.extend(inputs.iter().map(|(name, t)| lend(name, t)));
         }
+        let streams = reqs.iter().any(|r| r.chunks);
         let meta = CallMeta { pipeline: ctx.pipeline().name().to_string(), stage: ctx.stage_index() as u32, reqs };
         let msg = Outgoing::call(serde_json::to_vec(&meta).expect("serialises"), tensors);
         // Give the node until the last deadline (or the request timeout) plus
@@ -152,7 +166,27 @@ impl Backend for RemoteNode {
         let expected = Duration::from_nanos(batch.expected_ns);
         let patience = (expected * 4 + Duration::from_millis(100)).max(MIN_PATIENCE).min(wait);
         let at = &self.at;
-        let call = self.cluster.peers.call(at.addr, msg, wait);
+        let call = async {
+            if !streams {
+                return self.cluster.peers.call(at.addr, msg, wait).await;
+            }
+            // Chunks for the requests that stream come as partial replies,
+            // each passed on to its request at once, all before the answer.
+            let (tx, mut parts) = mpsc::unbounded_channel();
+            let call = self.cluster.peers.call_with_parts(at.addr, msg, wait, tx);
+            tokio::pin!(call);
+            loop {
+                tokio::select! {
+                    Some(part) = parts.recv() => pass_on(ctx, batch, part),
+                    answer = &mut call => {
+                        while let Ok(part) = parts.try_recv() {
+                            pass_on(ctx, batch, part);
+                        }
+                        break answer;
+                    }
+                }
+            }
+        };
         tokio::pin!(call);
         let answer = tokio::select! {
             answer = &mut call => answer,

@@ -4,15 +4,20 @@
 //! queued by the same deadline as local work, and the answers go back in
 //! one frame with this stage's load (requests queued or running per ready
 //! replica here), which the sender adds to its own view of the queue.
+//! For a request that streams, each chunk a streaming component yields
+//! goes back at once as a partial reply, all of them before the answer.
 
-use crate::wire::{lend, split_incoming, ArenaBuf, CallMeta, ReplyMeta, ReqResult};
+use crate::wire::{lend, split_incoming, ArenaBuf, CallMeta, PartMeta, ReplyMeta, ReqResult};
 use crate::Cluster;
+use slipstream_core::arena::Tensors;
 use slipstream_core::replica::Phase;
 use slipstream_core::{Node, NodeError};
-use slipstream_peer::{Incoming, Outgoing};
+use slipstream_peer::{Incoming, Outgoing, Parts};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 
 /// Run a batch node `from` sent: every request as one stage's work here.
 pub(crate) async fn serve_call(
@@ -20,6 +25,7 @@ pub(crate) async fn serve_call(
     cluster: Arc<Cluster>,
     from: String,
     inc: Incoming<ArenaBuf>,
+    parts: Parts,
 ) -> Outgoing {
     if crate::store::is_store_call(&inc.meta) {
         return match cluster.store.get() {
@@ -51,13 +57,20 @@ pub(crate) async fn serve_call(
     cluster.counters.served_batches.fetch_add(1, Relaxed);
     let now = Instant::now();
     // Every request is queued before any is awaited: they batch together here.
+    let mut forwards = Vec::new();
     let runs: Vec<_> = meta
         .reqs
         .iter()
         .zip(per_req)
-        .map(|(r, inputs)| {
+        .enumerate()
+        .map(|(i, (r, inputs))| {
             let deadline = now + Duration::from_micros(r.budget_us.min(3_600_000_000));
-            node.run_stage(&pipe, stage.index, inputs, deadline)
+            let chunks = r.chunks.then(|| {
+                let (tx, rx) = mpsc::unbounded_channel();
+                forwards.push(forward_chunks(i as u32, rx, parts.clone()));
+                tx
+            });
+            node.run_stage(&pipe, stage.index, inputs, deadline, chunks)
         })
         .collect();
     let mut results = Vec::with_capacity(runs.len());
@@ -75,10 +88,28 @@ pub(crate) async fn serve_call(
             Err(e) => results.push(ReqResult::Err { kind: e.kind().to_string(), message: e.to_string() }),
         }
     }
+    // Every chunk goes out before the answer (each request's chunk channel
+    // closed when its request ended).
+    for f in forwards {
+        let _ = f.await;
+    }
     let set = stage.replicas();
     let local = set.iter().filter(|r| r.is_local());
     let live = local.clone().filter(|r| r.phase() == Phase::Ready).count().max(1);
     let outstanding: u32 = local.map(|r| r.load().outstanding).sum();
     let meta = ReplyMeta { results, outstanding: outstanding / live as u32 };
     Outgoing::reply(serde_json::to_vec(&meta).expect("serialises"), tensors)
+}
+
+/// Send request `req`'s chunks back as partial replies as they come, until
+/// its request ends.
+fn forward_chunks(req: u32, mut rx: mpsc::UnboundedReceiver<Tensors>, parts: Parts) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let meta = serde_json::to_vec(&PartMeta { req }).expect("serialises");
+        while let Some(chunk) = rx.recv().await {
+            if !parts.send(meta.clone(), chunk.iter().map(|(n, t)| lend(n, t)).collect()).await {
+                return; // the caller is gone
+            }
+        }
+    })
 }

@@ -1,7 +1,9 @@
 //! The data plane's frames between nodes: a batch of one stage's requests
 //! (each request's tensors, small ones merged into one buffer, large ones
-//! sent straight from shared memory with vectored writes), and the answer
-//! with each request's outputs or error and the stage's load there.
+//! sent straight from shared memory with vectored writes), the chunks a
+//! streaming stage yields for the requests that stream (partial replies,
+//! one per chunk), and the answer with each request's outputs or error and
+//! the stage's load there.
 //! Received tensors land in one block of the receiver's arena.
 
 use bytes::Bytes;
@@ -57,6 +59,18 @@ pub(crate) struct CallReq {
     pub(crate) n: u32,
     /// Time left to its deadline when sent, µs.
     pub(crate) budget_us: u64,
+    /// Its request streams: a streaming stage's chunks for it are sent
+    /// back as they come ([`PartMeta`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) chunks: bool,
+}
+
+/// A partial reply: one chunk of a streaming stage's outputs for one
+/// request of the batch (its tensors are the frame's).
+#[derive(Serialize, Deserialize)]
+pub(crate) struct PartMeta {
+    /// The request's index in the batch.
+    pub(crate) req: u32,
 }
 
 #[derive(Serialize, Deserialize)]

@@ -491,13 +491,15 @@ impl Node {
     /// Run stage `stage` of `pipe` on this node's replicas for a request
     /// that entered the cluster at another node (whose ingress keeps the
     /// request's state and joins): queued by `deadline` alongside this
-    /// node's own work. Err: no replica here serves the stage.
+    /// node's own work. `chunks`: where a streaming component's chunks go,
+    /// when that request streams. Err: no replica here serves the stage.
     pub fn run_stage(
         &self,
         pipe: &Arc<PipelineRt>,
         stage: usize,
         inputs: Tensors,
         deadline: Instant,
+        chunks: Option<Chunks>,
     ) -> Result<StageRun, NodeError> {
         let st = pipe.stages.get(stage).ok_or_else(|| NodeError::BadRequest(format!("no stage {stage}")))?;
         let id = self.next_request_id();
@@ -506,7 +508,7 @@ impl Node {
         };
         let now = Instant::now();
         let ticket = Ticket::new(id, now, deadline, vec![first; pipe.stages.len()]);
-        let (req, rx) = Request::for_stage(pipe.clone(), stage, inputs, ticket);
+        let (req, rx) = Request::for_stage(pipe.clone(), stage, inputs, ticket, chunks);
         let give_up = deadline.max(now + pipe.timeout.min(Duration::from_secs(3600)));
         Ok(StageRun { req, rx: Some(rx), give_up })
     }

@@ -118,6 +118,9 @@ pub trait Job: Send + Sync {
     fn fail(&self, err: NodeError);
     /// A streaming component's chunk of its outputs at stage `stage`.
     fn chunk(&self, stage: usize, outputs: Tensors);
+    /// Whether its chunks at stage `stage` go anywhere (a backend that
+    /// forwards them asks, so as not to carry chunks nobody reads).
+    fn wants_chunks(&self, stage: usize) -> bool;
     /// The memo of stage `stage`'s hook, if its lookup missed.
     fn memo(&self, stage: usize) -> Option<u128>;
     /// Mark its work at stage `stage` retried after the executor running it

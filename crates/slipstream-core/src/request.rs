@@ -104,8 +104,9 @@ impl Request {
         stage: usize,
         inputs: Tensors,
         ticket: Ticket,
+        chunks: Option<Chunks>,
     ) -> (Arc<Request>, oneshot::Receiver<Reply>) {
-        let (req, rx) = Self::build(pipe, inputs, ticket, Some(stage), None);
+        let (req, rx) = Self::build(pipe, inputs, ticket, Some(stage), chunks);
         req.enqueue(stage);
         (req, rx)
     }
@@ -473,13 +474,24 @@ impl Request {
         self.dispatch(ready);
     }
 
-    /// A chunk of stage `stage`'s outputs from a streaming component: passed
-    /// on to a streaming request's client if `stage` is a sink (other
-    /// stages' chunks stay inside the pipeline: their children get the
-    /// stage's final output).
+    /// Whether chunks of stage `stage`'s outputs go anywhere: to a
+    /// streaming request's client if `stage` is a sink (other stages'
+    /// chunks stay inside the pipeline: their children get the stage's
+    /// final output; a join's candidates answer through the join, never in
+    /// chunks), or, for one stage's work run for another node, to that
+    /// node when its request streams.
+    pub fn wants_chunks(&self, stage: usize) -> bool {
+        let passed_on = match self.only {
+            Some(only) => only == stage,
+            None => self.pipe.dag.sinks.contains(&stage) && self.pipe.join_of[stage].is_none(),
+        };
+        passed_on && self.state.lock().chunks.is_some()
+    }
+
+    /// A chunk of stage `stage`'s outputs from a streaming component,
+    /// passed on where [`Request::wants_chunks`] says.
     pub fn push_chunk(&self, stage: usize, outputs: Tensors) {
-        // A join's candidates answer through the join, never in chunks.
-        if self.only.is_some() || !self.pipe.dag.sinks.contains(&stage) || self.pipe.join_of[stage].is_some() {
+        if !self.wants_chunks(stage) {
             return;
         }
         if let Some(tx) = &self.state.lock().chunks {
@@ -559,6 +571,10 @@ impl Job for Request {
 
     fn chunk(&self, stage: usize, outputs: Tensors) {
         self.push_chunk(stage, outputs);
+    }
+
+    fn wants_chunks(&self, stage: usize) -> bool {
+        Request::wants_chunks(self, stage)
     }
 
     fn memo(&self, stage: usize) -> Option<u128> {

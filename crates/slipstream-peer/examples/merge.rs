@@ -82,9 +82,10 @@ struct Setup {
 async fn setup(key: &ClusterKey, threshold: usize) -> Res<Setup> {
     let listener = TcpListener::bind("127.0.0.1:0").await.map_err(|e| format!("bind: {e}"))?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
-    let server = serve(listener, key.clone(), "bench-server".into(), Arc::new(VecAlloc), threshold, |_, call| async {
-        Outgoing::echo(call)
-    });
+    let server =
+        serve(listener, key.clone(), "bench-server".into(), Arc::new(VecAlloc), threshold, |_, call, _| async {
+            Outgoing::echo(call)
+        });
     let peers = Peers::new(key.clone(), "bench-client".into(), Arc::new(VecAlloc), threshold);
     Ok(Setup { peers, addr, _server: server })
 }

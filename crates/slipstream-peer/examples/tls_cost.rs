@@ -42,10 +42,14 @@ async fn setup(tls: Option<(slipstream_tls::NodeTls, slipstream_tls::NodeTls)>) 
         None => (None, None),
     };
     let cfg = |tls| PeerConfig { tls, ..PeerConfig::default() };
-    let server =
-        serve_with_config(listener, key.clone(), "server".into(), Arc::new(VecAlloc), cfg(server_tls), |_, c| async {
-            Outgoing::echo(c)
-        });
+    let server = serve_with_config(
+        listener,
+        key.clone(),
+        "server".into(),
+        Arc::new(VecAlloc),
+        cfg(server_tls),
+        |_, c, _| async { Outgoing::echo(c) },
+    );
     let peers = Peers::with_config(key, "client".into(), Arc::new(VecAlloc), cfg(client_tls));
     Setup { peers, addr, _server: server }
 }

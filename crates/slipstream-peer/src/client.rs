@@ -16,6 +16,14 @@ use tokio::task::AbortHandle;
 
 type Reply<B> = Result<Incoming<B>, PeerError>;
 type Waiter<B> = oneshot::Sender<Reply<B>>;
+/// Where a call's partial replies go ([`Peers::call_with_parts`]).
+pub type PartsTx<B> = mpsc::UnboundedSender<Incoming<B>>;
+
+/// A call waiting for its reply, and for its parts if it asked for them.
+struct Pending<B> {
+    waiter: Waiter<B>,
+    parts: Option<PartsTx<B>>,
+}
 type ConnectResult<A> = Option<Result<Arc<Conn<A>>, ConnectError>>;
 
 /// Client side of the data plane: calls to other nodes.
@@ -89,7 +97,7 @@ struct Conn<A: Allocator> {
 }
 
 struct ConnState<B> {
-    pending: HashMap<u64, Waiter<B>>,
+    pending: HashMap<u64, Pending<B>>,
     /// Set once, when the connection is closed: why.
     closed: Option<String>,
     tasks: Vec<AbortHandle>,
@@ -105,7 +113,12 @@ impl<A: Allocator> Conn<A> {
     }
 
     fn take_waiter(&self, id: u64) -> Option<Waiter<A::Buf>> {
-        self.state.lock().pending.remove(&id)
+        self.state.lock().pending.remove(&id).map(|p| p.waiter)
+    }
+
+    /// Where call `id`'s parts go, if it waits and asked for them.
+    fn parts_of(&self, id: u64) -> Option<PartsTx<A::Buf>> {
+        self.state.lock().pending.get(&id).and_then(|p| p.parts.clone())
     }
 
     /// Close the connection: fail every call waiting on it, stop its tasks,
@@ -127,8 +140,8 @@ impl<A: Allocator> Conn<A> {
                 map.remove(&self.addr);
             }
         }
-        for (_, w) in waiters {
-            let _ = w.send(Err(PeerError::Disconnected(reason.clone())));
+        for (_, p) in waiters {
+            let _ = p.waiter.send(Err(PeerError::Disconnected(reason.clone())));
         }
         for t in tasks {
             t.abort();
@@ -230,13 +243,35 @@ impl<A: Allocator> Peers<A> {
         msg: Outgoing,
         timeout: Duration,
     ) -> Result<Incoming<A::Buf>, PeerError> {
-        match tokio::time::timeout(timeout, self.call_inner(addr, msg)).await {
+        match tokio::time::timeout(timeout, self.call_inner(addr, msg, None)).await {
             Ok(r) => r,
             Err(_) => Err(PeerError::Timeout),
         }
     }
 
-    async fn call_inner(&self, addr: SocketAddr, mut msg: Outgoing) -> Result<Incoming<A::Buf>, PeerError> {
+    /// [`Peers::call`] for a call answered in parts: each partial reply
+    /// ([`crate::Parts`]) goes to `parts` as it arrives, all of them before
+    /// this returns the reply. Parts that arrive after the call ended (it
+    /// timed out, say) are dropped.
+    pub async fn call_with_parts(
+        &self,
+        addr: SocketAddr,
+        msg: Outgoing,
+        timeout: Duration,
+        parts: PartsTx<A::Buf>,
+    ) -> Result<Incoming<A::Buf>, PeerError> {
+        match tokio::time::timeout(timeout, self.call_inner(addr, msg, Some(parts))).await {
+            Ok(r) => r,
+            Err(_) => Err(PeerError::Timeout),
+        }
+    }
+
+    async fn call_inner(
+        &self,
+        addr: SocketAddr,
+        mut msg: Outgoing,
+        parts: Option<PartsTx<A::Buf>>,
+    ) -> Result<Incoming<A::Buf>, PeerError> {
         msg.kind = Kind::Call;
         msg.id = self.inner.next_id.fetch_add(1, Relaxed);
         let id = msg.id;
@@ -252,7 +287,7 @@ impl<A: Allocator> Peers<A> {
             if let Some(why) = &st.closed {
                 return Err(PeerError::Disconnected(why.clone()));
             }
-            st.pending.insert(id, wtx);
+            st.pending.insert(id, Pending { waiter: wtx, parts });
         }
         let _guard = PendingGuard { conn: &conn, id };
         if conn.tx.send(job).await.is_err() {
@@ -394,6 +429,9 @@ async fn read_reply<A: Allocator>(
     if head.kind == Kind::Call {
         return Err(PeerError::BadFrame("a Call frame on a client connection".into()));
     }
+    if head.kind == Kind::Part {
+        return read_part(conn, reader, alloc, counters, head).await;
+    }
     let Head { kind, id, meta, tensors, payload_len, .. } = head;
     let Some(waiter) = conn.take_waiter(id) else {
         // A late reply (its call timed out) or an id we never sent.
@@ -427,5 +465,38 @@ async fn read_reply<A: Allocator>(
     }
     // If the caller gave up meanwhile, this drops the buffer.
     let _ = waiter.send(Ok(Incoming { kind, id, meta, tensors, payload: buf }));
+    Ok(true)
+}
+
+/// Read a partial reply and hand it to its call's parts. A part that
+/// cannot be received (no room for its payload) fails its call, since
+/// the answer would be incomplete without it.
+async fn read_part<A: Allocator>(
+    conn: &Conn<A>,
+    reader: &mut FrameReader<ReadHalf>,
+    alloc: &A,
+    counters: &Counters,
+    head: Head,
+) -> Result<bool, PeerError> {
+    let Head { kind, id, meta, tensors, payload_len, .. } = head;
+    let Some(parts) = conn.parts_of(id) else {
+        // Its call ended, or never asked for parts.
+        reader.skip_payload(payload_len).await?;
+        return Ok(true);
+    };
+    let buf = usize::try_from(payload_len).map_err(|e| e.to_string()).and_then(|n| alloc_checked(alloc, n));
+    let mut buf = match buf {
+        Ok(buf) => buf,
+        Err(why) => {
+            counters.alloc_failed();
+            reader.skip_payload(payload_len).await?;
+            if let Some(waiter) = conn.take_waiter(id) {
+                let _ = waiter.send(Err(PeerError::Alloc(format!("a partial reply: {why}"))));
+            }
+            return Ok(true);
+        }
+    };
+    reader.read_payload(&mut buf.as_mut()[..payload_len as usize]).await?;
+    let _ = parts.send(Incoming { kind, id, meta, tensors, payload: buf });
     Ok(true)
 }

@@ -3,7 +3,7 @@
 //! All integers little-endian:
 //!
 //! ```text
-//! prefix (32 bytes): magic u32 ("SSPF") | kind u8 (Call=1, Reply=2, Error=3) | 3 zero bytes
+//! prefix (32 bytes): magic u32 ("SSPF") | kind u8 (Call=1, Reply=2, Error=3, Part=4) | 3 zero bytes
 //!                    | id u64 | meta_len u32 | ntensors u32 | payload_len u64
 //! meta:              meta_len bytes, opaque to this crate (the runtime's JSON)
 //! tensor table:      per tensor: name_len u16 | name (UTF-8) | dtype_len u8 | dtype name
@@ -51,6 +51,9 @@ pub enum Kind {
     Reply = 2,
     /// A reply saying the call failed; `meta` is the reason, as text.
     Error = 3,
+    /// A partial reply: the call stays open, and its Reply (or Error)
+    /// follows every Part of it on the same connection.
+    Part = 4,
 }
 
 impl Kind {
@@ -59,6 +62,7 @@ impl Kind {
             1 => Some(Kind::Call),
             2 => Some(Kind::Reply),
             3 => Some(Kind::Error),
+            4 => Some(Kind::Part),
             _ => None,
         }
     }

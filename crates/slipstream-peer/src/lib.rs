@@ -4,6 +4,8 @@
 //! Connections are kept open, one per peer and direction, and carry many
 //! requests at once: each frame has an id, replies come back in whatever
 //! order they finish, and a reader task matches them to waiting callers.
+//! A call may be answered in parts (a streaming stage's chunks): partial
+//! replies under the call's id, each before its reply ([`Parts`]).
 //! One writer task per connection writes whole frames in queue order, and
 //! takes every frame queued behind the first into the same write.
 //!
@@ -64,11 +66,11 @@ mod io;
 mod server;
 
 pub use auth::ClusterKey;
-pub use client::Peers;
+pub use client::{PartsTx, Peers};
 pub use costs::{measure_costs, Costs, MAX_MERGE_THRESHOLD, MIN_MERGE_THRESHOLD};
 pub use frame::{InTensor, Incoming, Kind, OutTensor, Outgoing};
 pub use handshake::MAX_NODE_ID;
-pub use server::{serve, serve_with_config, ServerHandle, ServerStats};
+pub use server::{serve, serve_with_config, Parts, ServerHandle, ServerStats};
 
 use serde::Serialize;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};

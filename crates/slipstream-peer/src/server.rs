@@ -1,7 +1,7 @@
 //! The answering side: accept authenticated connections and run a handler
 //! per Call.
 
-use crate::frame::{encode, encode_error, Incoming, Kind, Outgoing};
+use crate::frame::{encode, encode_error, Incoming, Kind, Limits, OutTensor, Outgoing};
 use crate::handshake::{check_node_id, establish, Established, ReadHalf, Role};
 use crate::io::{writer_loop, FrameReader, Job, QUEUE_DEPTH};
 use crate::{alloc_checked, Allocator, ClusterKey, CounterSnapshot, Counters, PeerConfig, PeerError};
@@ -123,7 +123,7 @@ pub fn serve<A, H, F>(
 ) -> ServerHandle
 where
     A: Allocator,
-    H: Fn(String, Incoming<A::Buf>) -> F + Send + Sync + 'static,
+    H: Fn(String, Incoming<A::Buf>, Parts) -> F + Send + Sync + 'static,
     F: Future<Output = Outgoing> + Send + 'static,
 {
     serve_with_config(listener, key, node_id, alloc, PeerConfig { merge_threshold, ..PeerConfig::default() }, handler)
@@ -135,7 +135,8 @@ where
 /// Each connection is authenticated first (a failure is counted in
 /// [`ServerHandle::refused`] and closes it, and nothing else happens: no
 /// handler runs, nothing is logged). Then every Call runs
-/// `handler(peer node id, call)` in a task of its own; the Outgoing it
+/// `handler(peer node id, call, parts)` in a task of its own (`parts`
+/// sends partial replies before the answer: [`Parts`]); the Outgoing it
 /// returns goes back on the same connection under the call's id, in
 /// whatever order handlers finish. Its kind is kept if Reply or Error (a
 /// Call becomes a Reply); a reply that breaks the frame limits is replaced
@@ -153,7 +154,7 @@ pub fn serve_with_config<A, H, F>(
 ) -> ServerHandle
 where
     A: Allocator,
-    H: Fn(String, Incoming<A::Buf>) -> F + Send + Sync + 'static,
+    H: Fn(String, Incoming<A::Buf>, Parts) -> F + Send + Sync + 'static,
     F: Future<Output = Outgoing> + Send + 'static,
 {
     check_node_id(&node_id);
@@ -168,7 +169,7 @@ where
 async fn accept_loop<A, H, F>(listener: TcpListener, shared: Arc<Shared<A, H>>)
 where
     A: Allocator,
-    H: Fn(String, Incoming<A::Buf>) -> F + Send + Sync + 'static,
+    H: Fn(String, Incoming<A::Buf>, Parts) -> F + Send + Sync + 'static,
     F: Future<Output = Outgoing> + Send + 'static,
 {
     // Owned here, so that stopping this task (dropping the set) stops them all.
@@ -207,7 +208,7 @@ impl Drop for AbortOnDrop {
 async fn serve_conn<A, H, F>(stream: TcpStream, from: SocketAddr, shared: Arc<Shared<A, H>>)
 where
     A: Allocator,
-    H: Fn(String, Incoming<A::Buf>) -> F + Send + Sync + 'static,
+    H: Fn(String, Incoming<A::Buf>, Parts) -> F + Send + Sync + 'static,
     F: Future<Output = Outgoing> + Send + 'static,
 {
     let hs = establish(stream, from, &shared.key, &shared.node_id, Role::Server, &shared.config).await;
@@ -248,7 +249,7 @@ async fn serve_one<A, H, F>(
 ) -> Result<bool, PeerError>
 where
     A: Allocator,
-    H: Fn(String, Incoming<A::Buf>) -> F + Send + Sync + 'static,
+    H: Fn(String, Incoming<A::Buf>, Parts) -> F + Send + Sync + 'static,
     F: Future<Output = Outgoing> + Send + 'static,
 {
     let Some(head) = reader.read_head().await? else { return Ok(false) };
@@ -273,9 +274,11 @@ where
     let shared = shared.clone();
     let peer = peer.to_string();
     let tx = tx.clone();
+    let threshold = shared.state.merge_threshold.load(Relaxed);
+    let parts = Parts { tx: tx.clone(), id, limits: shared.config.limits(), threshold };
     tokio::spawn(async move {
         let mut guard = PanicReply { tx: Some(tx.clone()), id };
-        let fut = (shared.handler)(peer, call);
+        let fut = (shared.handler)(peer, call, parts);
         let out = tokio::select! {
             out = fut => out,
             // The connection closed: nobody to answer.
@@ -286,6 +289,32 @@ where
         let _ = tx.send(job).await;
     });
     Ok(true)
+}
+
+/// A handler's way to answer its call in parts: each [`Parts::send`] goes
+/// out as a [`Kind::Part`] frame under the call's id, in the order sent,
+/// and all of them before the call's reply (one queue carries them all).
+/// The caller receives them with [`crate::Peers::call_with_parts`]; a
+/// caller that did not ask for parts has them dropped on arrival.
+#[derive(Clone)]
+pub struct Parts {
+    tx: mpsc::Sender<Job>,
+    id: u64,
+    limits: Limits,
+    threshold: usize,
+}
+
+impl Parts {
+    /// Send one partial reply (waiting while the connection's queue is
+    /// full). False if it could not go: the connection closed, or the part
+    /// breaks the frame limits.
+    pub async fn send(&self, meta: Vec<u8>, tensors: Vec<OutTensor>) -> bool {
+        let msg = Outgoing { kind: Kind::Part, id: self.id, meta, tensors };
+        match encode(&msg, self.threshold, &self.limits) {
+            Ok(e) => self.tx.send(e.into()).await.is_ok(),
+            Err(_) => false,
+        }
+    }
 }
 
 /// If a handler panics, its task unwinds through this, and the caller gets
@@ -305,7 +334,7 @@ impl Drop for PanicReply {
 
 fn reply_job(mut out: Outgoing, id: u64, config: &PeerConfig, threshold: usize) -> Job {
     out.id = id;
-    if out.kind == Kind::Call {
+    if matches!(out.kind, Kind::Call | Kind::Part) {
         out.kind = Kind::Reply;
     }
     match encode(&out, threshold, &config.limits()) {
@@ -329,7 +358,7 @@ mod tests {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         let key = ClusterKey::from_token("t");
-        let server = serve(l, key.clone(), "s".into(), Arc::new(VecAlloc), 64, |_, call| async move {
+        let server = serve(l, key.clone(), "s".into(), Arc::new(VecAlloc), 64, |_, call, _| async move {
             Outgoing::reply(call.meta, vec![])
         });
         for bad in [

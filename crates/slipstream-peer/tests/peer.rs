@@ -41,7 +41,7 @@ fn f32_tensor(name: &str, elems: usize, seed: u64) -> OutTensor {
 async fn echo_server(threshold: usize) -> (ServerHandle, SocketAddr) {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
-    let h = serve(l, key(), "server".into(), Arc::new(VecAlloc), threshold, |_peer, call| async move {
+    let h = serve(l, key(), "server".into(), Arc::new(VecAlloc), threshold, |_peer, call, _| async move {
         if let Some(t) = call.tensors.iter().find(|t| t.offset % 64 != 0) {
             return Outgoing::error(format!("{} arrived at offset {}", t.name, t.offset));
         }
@@ -117,7 +117,7 @@ async fn round_trip_merges_small_tensors_and_sends_large_ones_without_a_copy() {
 async fn concurrent_calls_share_one_connection_and_get_their_own_replies() {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
-    let server = serve(l, key(), "server".into(), Arc::new(VecAlloc), 256, |peer, call| async move {
+    let server = serve(l, key(), "server".into(), Arc::new(VecAlloc), 256, |peer, call, _| async move {
         let delay = rand::random_range(0..5_000u64);
         tokio::time::sleep(Duration::from_micros(delay)).await;
         assert_eq!(peer, "client");
@@ -176,7 +176,7 @@ async fn strangers_are_refused_and_the_server_keeps_serving() {
     let handled = Arc::new(AtomicUsize::new(0));
     let count = handled.clone();
     let config = PeerConfig { handshake_timeout: Duration::from_millis(300), ..PeerConfig::default() };
-    let server = serve_with_config(l, key(), "server".into(), Arc::new(VecAlloc), config, move |_, call| {
+    let server = serve_with_config(l, key(), "server".into(), Arc::new(VecAlloc), config, move |_, call, _| {
         count.fetch_add(1, SeqCst);
         async move { Outgoing::echo(call) }
     });
@@ -228,7 +228,7 @@ async fn strangers_are_refused_and_the_server_keeps_serving() {
 async fn calls_in_flight_fail_fast_when_the_server_dies_and_the_next_call_reconnects() {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
-    let server = serve(l, key(), "server".into(), Arc::new(VecAlloc), 1024, |_, call| async move {
+    let server = serve(l, key(), "server".into(), Arc::new(VecAlloc), 1024, |_, call, _| async move {
         tokio::time::sleep(Duration::from_secs(30)).await;
         Outgoing::echo(call)
     });
@@ -254,7 +254,7 @@ async fn calls_in_flight_fail_fast_when_the_server_dies_and_the_next_call_reconn
     // A new server on the same port: the next call reconnects.
     let l = TcpListener::bind(addr).await.unwrap();
     let _server =
-        serve(l, key(), "server2".into(), Arc::new(VecAlloc), 1024, |_, call| async move { Outgoing::echo(call) });
+        serve(l, key(), "server2".into(), Arc::new(VecAlloc), 1024, |_, call, _| async move { Outgoing::echo(call) });
     let msg = Outgoing::call(b"again".to_vec(), vec![bytes_tensor("x", 5000, 9)]);
     let mut reply = peers.call(addr, msg, LONG).await.unwrap();
     assert_eq!(reply.meta, b"again");
@@ -285,7 +285,7 @@ async fn an_allocation_failure_fails_one_call_not_the_connection() {
     let server_alloc = Arc::new(Flaky::default());
     let handled = Arc::new(AtomicUsize::new(0));
     let count = handled.clone();
-    let server = serve(l, key(), "server".into(), server_alloc.clone(), 1024, move |_, call| {
+    let server = serve(l, key(), "server".into(), server_alloc.clone(), 1024, move |_, call, _| {
         count.fetch_add(1, SeqCst);
         async move { Outgoing::echo(call) }
     });
@@ -324,7 +324,7 @@ async fn an_allocation_failure_fails_one_call_not_the_connection() {
 async fn a_timed_out_call_leaves_the_connection_usable() {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
-    let server = serve(l, key(), "server".into(), Arc::new(VecAlloc), 1024, |_, call| async move {
+    let server = serve(l, key(), "server".into(), Arc::new(VecAlloc), 1024, |_, call, _| async move {
         if call.meta == b"slow" {
             tokio::time::sleep(Duration::from_millis(300)).await;
         }
@@ -442,7 +442,7 @@ fn measured_costs_are_sane() {
 async fn a_panicking_handler_answers_with_an_error() {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
-    let _server = serve(l, key(), "server".into(), Arc::new(VecAlloc), 1024, |_, call| async move {
+    let _server = serve(l, key(), "server".into(), Arc::new(VecAlloc), 1024, |_, call, _| async move {
         if call.meta == b"boom" {
             panic!("handler bug (expected by the test)");
         }
@@ -455,4 +455,48 @@ async fn a_panicking_handler_answers_with_an_error() {
     assert!(start.elapsed() < Duration::from_secs(2));
     let reply = peers.call(addr, Outgoing::call(b"fine".to_vec(), vec![]), LONG).await.unwrap();
     assert_eq!(reply.meta, b"fine");
+}
+
+/// A call answered in parts: every part reaches the caller, in order and
+/// intact, before the reply; a caller that asked for no parts gets only
+/// the reply, and the connection stays in step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_answered_in_parts_gets_every_part_before_its_reply() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let _server = serve(l, key(), "server".into(), Arc::new(VecAlloc), 1024, |_, call, parts| async move {
+        for i in 0..5u64 {
+            // Small and large tensors: merged, and sent from their own memory.
+            let sent = parts.send(vec![b'0' + i as u8], vec![bytes_tensor("p", 40 + 30_000 * i as usize, i)]).await;
+            assert!(sent);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Outgoing::echo(call)
+    });
+    let peers = Peers::new(key(), "client".into(), Arc::new(VecAlloc), 1024);
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let call = peers.call_with_parts(addr, Outgoing::call(b"whole".to_vec(), vec![]), LONG, tx);
+    tokio::pin!(call);
+    // The first part arrives while the handler still works on the rest.
+    let first = tokio::select! {
+        p = rx.recv() => p.unwrap(),
+        _ = &mut call => panic!("the reply came before the first part"),
+    };
+    assert_eq!((first.kind, first.meta.as_slice()), (Kind::Part, b"0".as_slice()));
+    let reply = call.await.unwrap();
+    assert_eq!(reply.meta, b"whole");
+    let mut got = vec![first];
+    while let Ok(p) = rx.try_recv() {
+        got.push(p);
+    }
+    assert_eq!(got.len(), 5, "every part is in before the reply returns");
+    for (i, mut p) in got.into_iter().enumerate() {
+        assert_eq!(p.meta, vec![b'0' + i as u8]);
+        assert_eq!(p.tensor_data(0).unwrap(), pattern(i as u64, 40 + 30_000 * i).as_slice());
+    }
+    // Without asking for parts: only the reply, and the next call is fine.
+    let reply = peers.call(addr, Outgoing::call(b"plain".to_vec(), vec![]), LONG).await.unwrap();
+    assert_eq!(reply.meta, b"plain");
+    let reply = peers.call(addr, Outgoing::call(b"again".to_vec(), vec![]), LONG).await.unwrap();
+    assert_eq!(reply.meta, b"again");
 }

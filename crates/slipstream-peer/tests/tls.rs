@@ -53,7 +53,7 @@ async fn server(tls: Option<NodeTls>) -> Server {
     let addr = l.local_addr().unwrap();
     let handled = Arc::new(AtomicUsize::new(0));
     let count = handled.clone();
-    let handle = serve_with_config(l, key(), "server".into(), Arc::new(VecAlloc), config(tls), move |_, call| {
+    let handle = serve_with_config(l, key(), "server".into(), Arc::new(VecAlloc), config(tls), move |_, call, _| {
         count.fetch_add(1, SeqCst);
         async move { Outgoing::echo(call) }
     });
@@ -170,7 +170,7 @@ async fn a_member_cannot_pass_itself_off_as_another_node() {
         "server".into(),
         Arc::new(VecAlloc),
         config(Some(node(tmp.path(), "ca", "worker-2"))),
-        |_, c| async move { Outgoing::echo(c) },
+        |_, c, _| async move { Outgoing::echo(c) },
     );
     let honest =
         Peers::with_config(key(), "client".into(), Arc::new(VecAlloc), config(Some(node(tmp.path(), "ca", "client"))));
