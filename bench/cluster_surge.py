@@ -33,9 +33,18 @@ bench/results/cluster_surge.{json,md,png}.
     .venv/bin/python -m bench.cluster_surge                     # ~5 min
     .venv/bin/python -m bench.cluster_surge --before 5 --surge 15 --after 10   # a smoke run
 
-Ray Serve's autoscaler on a 3-node Ray cluster is not run here yet (the
-adapter's multi-node mode, bench/vs_ray/ray_adapter.py --nodes, does not
-take an autoscaling config); bench/surge.py compares it on one node.
+- **ray**: the same component class under Ray Serve on a 3-node Ray
+  cluster on this machine (``ray.cluster_utils.Cluster`` through
+  bench/vs_ray/autoscaled.py ``--nodes 3``), with Ray Serve's own
+  autoscaler on ``Model`` (bounds 1-3, ``RAY_AUTOSCALING`` of
+  bench/surge.py: the same upscale delay and metrics interval as there) and
+  the replicas left to Ray's scheduler, offered to Ray's HTTP proxy on the
+  head node. One replica holds far less there than under Slipstream (a
+  3-node Ray cluster's own processes share the two cores with the
+  proxy), so, as bench/surge.py does, Ray gets the trace's shape at its own
+  one-replica capacity, measured first on the same Ray cluster with
+  autoscaling off (``--ray-trace same``: Slipstream's trace instead).
+  Needs bench/vs_ray/setup_ray.sh; skipped with a message without it.
 """
 
 from __future__ import annotations
@@ -53,7 +62,20 @@ from slipstream.testing import CLI, Cluster, wait_for
 
 from bench import harness
 from bench.harness import RESULTS, ROOT
-from bench.surge import Poller, Trace, analyse, fmt_ms, fmt_s, offer, plot
+from bench.surge import (
+    RAY_AUTOSCALING,
+    Poller,
+    SurgeRay,
+    Trace,
+    analyse,
+    capacity,
+    fmt_ms,
+    fmt_s,
+    offer,
+    plot,
+    run_ray,
+)
+from bench.vs_ray.servers import RAY_PY
 
 APP = ROOT / "bench" / "apps" / "cluster.py"
 KEY = "scale/Model"
@@ -62,7 +84,37 @@ REPLICA_RPS = 4 / (0.040 + 4 * 0.005)  # one Model replica, full batches
 LOAD_S = 4.0  # each replica's construction: a large model's load time
 BODY = json.dumps({"inputs": {"x": [[0.5] * 16]}}).encode()
 # policy -> (CLUSTER_MODEL_REPLICAS, --autoscale)
-POLICIES = {"static": ("1", "off"), "reactive": ("1-3", "reactive"), "anticipatory": ("1-3", "anticipatory")}
+POLICIES = {"static": ("1", "off"), "reactive": ("1-3", "reactive"), "anticipatory": ("1-3", "anticipatory"),
+            "ray": ("1", "")}
+RAY_NODES = 3
+RAY_TARGET = 4.0  # ongoing requests per replica: one full batch
+
+
+def ray_server(config: dict[str, Any] | None, replica_log: Path) -> SurgeRay:
+    """`Model` under Ray Serve on a 3-node Ray cluster (`config`: its
+    autoscaling; None: one fixed replica)."""
+    s = SurgeRay(config, replica_log, app=APP, pipeline="scale", stage="Model", nodes=RAY_NODES,
+                 env={"CLUSTER_MODEL_REPLICAS": "1", "CLUSTER_MODEL_LOAD_S": str(LOAD_S)})
+    s.log_path = RESULTS / ("cluster_surge_ray.log" if config else "cluster_surge_ray_capacity.log")
+    return s
+
+
+def ray_surge(trace: Trace, a: argparse.Namespace) -> tuple[Trace, dict[str, Any]]:
+    """The surge on a 3-node Ray cluster, Ray Serve's autoscaler on Model:
+    Slipstream's `trace`, or (``--ray-trace own``) its shape at one Ray
+    replica's capacity, measured first."""
+    if a.ray_trace == "own":
+        server = ray_server(None, RESULTS / "cluster_surge_ray_capacity.replicas.log")
+        with server:
+            cap = capacity(server.infer_url, BODY, SLO_MS, "ray")
+        log(f"ray: one replica holds {cap:.0f} req/s within {SLO_MS:.0f} ms on the {RAY_NODES}-node Ray cluster")
+        trace = Trace(cap, a)
+    loadavg = f"{os.getloadavg()[0]:.2f}"
+    log(f"ray: {RAY_NODES}-node Ray cluster, Ray Serve's autoscaler on Model (1-3); load average {loadavg}")
+    run = run_ray(trace, BODY, SLO_MS, a.seed, RAY_TARGET, server_for=ray_server, name="cluster_surge_ray",
+                  autoscaling={**RAY_AUTOSCALING, "max_replicas": 3})
+    nodes = {n for s in run["samples"] for n in s.get("running_on", {})}
+    return trace, run | {"loadavg": loadavg, "ray_nodes_used": len(nodes)}
 
 
 def log(msg: str) -> None:
@@ -143,6 +195,19 @@ def markdown(res: dict[str, Any]) -> str:
             f"{fmt_s(p['to_slo_s'])} ({p['surge_windows_missed']} missed) |")
     lines += ["", "Missed: errors (refusals included) plus answers later than the SLO. Serving replicas: the "
               "members' records of ready replicas, read from the leader every 250 ms."]
+    if "ray" in res["policies"]:
+        p = res["policies"]["ray"]
+        rt = p["trace"]
+        whose = ("the same trace" if rt["capacity_rps"] == t["capacity_rps"] else
+                 f"the trace's shape at one Ray replica's capacity within the SLO there, {rt['capacity_rps']:.0f} "
+                 f"req/s, measured first ({rt['base_rps']:.0f} -> {rt['peak_rps']:.0f} -> {rt['base_rps']:.0f} "
+                 f"req/s)")
+        lines += ["", f"Ray Serve: a {RAY_NODES}-node Ray cluster on this machine, {whose} offered to its "
+                  f"HTTP proxy; its replicas ran on {p.get('ray_nodes_used', '?')} of the {RAY_NODES} nodes; "
+                  f"serving replicas are the controller's RUNNING ones, polled every 250 ms; `autoscaling_config` "
+                  f"`{json.dumps(p['autoscaling_config'])}`."]
+    elif res.get("ray_skipped"):
+        lines += ["", f"Ray Serve: not run ({res['ray_skipped']})."]
     for name, p in res["policies"].items():
         if p["events"]:
             lines += ["", f"## {name}: the leader's events (seconds from the step)", ""]
@@ -161,6 +226,8 @@ def main() -> int:
     ap.add_argument("--peak", type=float, default=1.5)
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--seed", type=int, default=9)
+    ap.add_argument("--ray-trace", choices=["own", "same"], default="own",
+                    help="Ray's trace: the shape at its own one-replica capacity (measured), or Slipstream's")
     ap.add_argument("--out", default=str(RESULTS / "cluster_surge"))
     a = ap.parse_args()
     machine = harness.machine()
@@ -171,8 +238,17 @@ def main() -> int:
     out = Path(a.out)
     profile_path = profile(out)
     for policy in a.policies.split(","):
-        r = run(policy, trace, a.seed, profile_path)
-        res["policies"][policy] = analyse(policy, trace, r, SLO_MS) | {"loadavg": r["loadavg"]}
+        if policy == "ray" and not RAY_PY.exists():
+            log(f"ray: skipped ({RAY_PY} is missing: run bench/vs_ray/setup_ray.sh)")
+            res["ray_skipped"] = "bench/vs_ray/setup_ray.sh not run"
+            continue
+        used = trace
+        if policy == "ray":
+            used, r = ray_surge(trace, a)
+        else:
+            r = run(policy, trace, a.seed, profile_path)
+        res["policies"][policy] = analyse(policy, used, r, SLO_MS) | {
+            k: r[k] for k in ("loadavg", "ray_nodes_used") if k in r}
         p = res["policies"][policy]
         log(f"  {policy}: missed {p['missed']} ({p['miss_rate']:.1%}), in the surge "
             f"{p['windows']['surge']['miss_rate']:.1%}; two serve after {fmt_s(p['to_full_capacity_s'])}")

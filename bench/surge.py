@@ -320,17 +320,25 @@ def run_slipstream(policy: str, trace: Trace, body: bytes, slo_ms: float, seed: 
 
 
 class SurgeRay(RayServer):
-    """RAG under Ray Serve through ``bench/vs_ray/autoscaled.py``: Embed
-    autoscaled by Ray Serve (``autoscaling``; None: one fixed replica), its
-    replica states logged to `replica_log`."""
+    """A pipeline under Ray Serve through ``bench/vs_ray/autoscaled.py``
+    (by default RAG, whose Embed is autoscaled): `stage` autoscaled by Ray
+    Serve (``autoscaling``; None: its fixed replica count), its replica
+    states logged to `replica_log`; on a Ray cluster of `nodes` nodes on
+    this machine when `nodes` > 1 (the stage's replicas left to Ray's
+    scheduler)."""
 
-    def __init__(self, autoscaling: dict[str, Any] | None, replica_log: Path) -> None:
-        super().__init__(str(APP), PIPELINE, RESULTS, [], env={"RAG_EMBED_REPLICAS": "1", **RAY_AUTOSCALING_ENV})
-        self.autoscaling, self.replica_log = autoscaling, replica_log
+    def __init__(self, autoscaling: dict[str, Any] | None, replica_log: Path, *, app: Path = APP,
+                 pipeline: str = PIPELINE, stage: str = STAGE, env: dict[str, str] | None = None,
+                 nodes: int = 1) -> None:
+        env = {"RAG_EMBED_REPLICAS": "1"} if env is None else env
+        super().__init__(str(app), pipeline, RESULTS, [], env={**env, **RAY_AUTOSCALING_ENV})
+        self.autoscaling, self.replica_log, self.stage, self.nodes = autoscaling, replica_log, stage, nodes
 
     def command(self) -> list[str]:
-        cmd = [str(RAY_PY), str(VS_RAY / "autoscaled.py"), f"{APP}:{PIPELINE}", "--port", str(free_port()),
-               "--stage", STAGE, "--poll-s", str(POLL_S), "--replica-log", str(self.replica_log)]
+        cmd = [str(RAY_PY), str(VS_RAY / "autoscaled.py"), f"{self.app}:{self.pipeline}", "--port", str(free_port()),
+               "--stage", self.stage, "--poll-s", str(POLL_S), "--replica-log", str(self.replica_log)]
+        if self.nodes > 1:
+            cmd += ["--nodes", str(self.nodes)]
         return cmd + (["--autoscaling", json.dumps(self.autoscaling)] if self.autoscaling else [])
 
 
@@ -346,11 +354,16 @@ def ray_capacity(body: bytes, slo_ms: float) -> float:
         return capacity(server.infer_url, body, slo_ms, "ray")
 
 
-def run_ray(trace: Trace, body: bytes, slo_ms: float, seed: int, target: float) -> dict[str, Any]:
-    replica_log = RESULTS / "surge_ray.replicas.log"
+def run_ray(trace: Trace, body: bytes, slo_ms: float, seed: int, target: float,
+            server_for: Callable[[dict[str, Any], Path], SurgeRay] = ray_server, name: str = "surge_ray",
+            autoscaling: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The trace offered to Ray Serve with its autoscaler on (`autoscaling`,
+    default ``RAY_AUTOSCALING``, with `target` ongoing requests per
+    replica); the controller's view of the replicas logged beside."""
+    replica_log = RESULTS / f"{name}.replicas.log"
     replica_log.unlink(missing_ok=True)
-    config = {**RAY_AUTOSCALING, "target_ongoing_requests": target}
-    server = ray_server(config, replica_log)
+    config = {**(autoscaling or RAY_AUTOSCALING), "target_ongoing_requests": target}
+    server = server_for(config, replica_log)
     with server:
         log(f"ray: serving on {server.base} (autoscaling_config {json.dumps(config)}); "
             f"trace {trace.base:.0f} -> {trace.peak:.0f} -> {trace.base:.0f} req/s")
@@ -365,6 +378,7 @@ def run_ray(trace: Trace, body: bytes, slo_ms: float, seed: int, target: float) 
         if "replicas" not in s:
             continue
         sample = {"t": s["t"] - t0, "replicas": s["replicas"], "target": s.get("target"),
+                  "running_on": s.get("running_on", {}),
                   "serving": s["replicas"].get("RUNNING", 0), "standby": 0,
                   "starting": s["replicas"].get("STARTING", 0)}
         # The controller's decisions (when it reports them), else changes of its target and replicas.

@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--autoscaling", help="Ray Serve autoscaling_config for the stage (JSON)")
     ap.add_argument("--replica-log", required=True)
     ap.add_argument("--poll-s", type=float, default=0.25)
+    ap.add_argument("--nodes", type=int, default=1,
+                    help="a Ray cluster of this many nodes on this machine (ray_adapter.py serve --nodes)")
     a = ap.parse_args(argv)
     build, wait_http = ray_adapter.build_app, ray_adapter._wait_http
     ready = threading.Event()
@@ -77,10 +79,14 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     d = client.get_serve_details()["applications"]["vs_ray"]["deployments"][a.stage]
                     states: dict[str, int] = {}
+                    on: dict[str, int] = {}
                     for r in d.get("replicas", []):
                         state = str(getattr(r["state"], "value", r["state"]))  # an enum in the raw details
                         states[state] = states.get(state, 0) + 1
-                    rec: dict[str, Any] = {"t": t, "replicas": states, "target": d.get("target_num_replicas")}
+                        if state == "RUNNING" and r.get("node_id"):
+                            on[str(r["node_id"])[:8]] = on.get(str(r["node_id"])[:8], 0) + 1
+                    rec: dict[str, Any] = {"t": t, "replicas": states, "target": d.get("target_num_replicas"),
+                                           "running_on": on}
                     decisions = (d.get("autoscaling_detail") or {}).get("decisions") or []
                     new = [x for x in decisions if x["timestamp_s"] not in seen]
                     seen.update(x["timestamp_s"] for x in new)
@@ -95,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ray_adapter.build_app = build_app
     ray_adapter._wait_http = wait_then_watch
     threading.Thread(target=watch, daemon=True).start()
-    return int(ray_adapter.main(["serve", a.app, "--port", str(a.port)]))
+    nodes = ["--nodes", str(a.nodes)] if a.nodes > 1 else []
+    return int(ray_adapter.main(["serve", a.app, "--port", str(a.port), *nodes]))
 
 
 if __name__ == "__main__":
