@@ -197,9 +197,11 @@ bench-cluster-store: setup
 	$(PY) -m bench.cluster_store
 
 # A load surge on three nodes (etcd here): static, reactive and anticipatory
-# cluster autoscaling (bench/results/cluster_surge.{json,md,png}).
+# cluster autoscaling, and Ray Serve's autoscaler on a 3-node Ray cluster
+# (bench/results/cluster_surge.{json,md,png}).
 bench-cluster-surge: setup
 	@scripts/bootstrap.sh bench
+	bash bench/vs_ray/setup_ray.sh
 	$(PY) -m bench.cluster_surge
 
 # The control plane at 10, 50 and 100 simulated members on one real etcd.

@@ -210,7 +210,8 @@ def markdown(res: dict[str, Any]) -> str:
         lines += ["", f"Ray Serve: not run ({res['ray_skipped']})."]
     for name, p in res["policies"].items():
         if p["events"]:
-            lines += ["", f"## {name}: the leader's events (seconds from the step)", ""]
+            whose = "Ray Serve's controller" if name == "ray" else "the leader"
+            lines += ["", f"## {name}: {whose}'s events (seconds from the step)", ""]
             for e in p["events"]:
                 lines.append(f"- {e['t'] - p['trace']['before_s']:+.2f} s {e['what']}: {e['detail']}")
     return "\n".join(lines) + "\n"

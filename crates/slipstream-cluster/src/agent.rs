@@ -24,7 +24,7 @@
 //!   the node's one owner of replica sets ([`Node::change`]).
 
 use super::autoscale::{Meter, REPORT_EVERY};
-use super::{open, placeable, seal, Cluster, Cordon, Member, Placement, Report, View};
+use super::{open, placeable, seal, Cluster, Cordon, Member, Placement, PlanRecord, Report, View};
 use slipstream_core::events::EventKind;
 use slipstream_core::replica::Phase;
 use slipstream_core::scaling::{Change, Elsewhere};
@@ -165,6 +165,8 @@ struct Keys {
     /// `cordon/<node>` records (see [`Cordon`]).
     cordons: BTreeMap<String, Kv>,
     placement: Option<Kv>,
+    /// The `plan` record (see [`PlanRecord`]).
+    plan: Option<Kv>,
     deploy: Option<Kv>,
     /// When a member last came or went.
     members_changed: tokio::time::Instant,
@@ -176,6 +178,7 @@ impl Default for Keys {
             members: BTreeMap::new(),
             cordons: BTreeMap::new(),
             placement: None,
+            plan: None,
             deploy: None,
             members_changed: tokio::time::Instant::now(),
         }
@@ -194,6 +197,8 @@ impl Keys {
                     self.cordons.remove(name);
                 } else if key == format!("{root}placement") {
                     self.placement = None;
+                } else if key == format!("{root}plan") {
+                    self.plan = None;
                 } else if key == format!("{root}deploy") {
                     self.deploy = None;
                 }
@@ -211,6 +216,8 @@ impl Keys {
             self.cordons.insert(name.to_string(), kv);
         } else if kv.key == format!("{root}placement") {
             self.placement = Some(kv);
+        } else if kv.key == format!("{root}plan") {
+            self.plan = Some(kv);
         } else if kv.key == format!("{root}deploy") {
             self.deploy = Some(kv);
         }
@@ -323,6 +330,13 @@ async fn reconcile(etcd: &Etcd, node: &Arc<Node>, cluster: &Arc<Cluster>, keys: 
                 None
             }
         });
+    let plan = keys.plan.as_ref().and_then(|kv| match open::<PlanRecord>(&cluster.key, "plan", &kv.value) {
+        Ok(p) => Some(p).filter(|p| &p.deploy == deploy),
+        Err(e) => {
+            refuse("plan", e);
+            None
+        }
+    });
     // The leader writes the placement, once the membership has settled.
     let settled = keys.members_changed.elapsed() >= SETTLE;
     if settled && members.keys().next().map(String::as_str) == Some(cluster.me()) {
@@ -357,7 +371,8 @@ async fn reconcile(etcd: &Etcd, node: &Arc<Node>, cluster: &Arc<Cluster>, keys: 
         let adopted = prev_standby.map(|sb| slipstream_sched::placement::adopt_standbys(want, &names, prev, sb));
         let before = adopted.as_ref().or(prev);
         let stages = slipstream_sched::placement::place_near(want, &names, before, &data);
-        let stages = slipstream_sched::placement::follow_plan(stages, want, &names, before, &cluster.opts.planned);
+        let planned = plan.as_ref().map(|p| p.planned.clone()).unwrap_or_default();
+        let stages = slipstream_sched::placement::follow_plan(stages, want, &names, before, &planned);
         let failover = cluster.opts.standbys;
         let standby = slipstream_sched::placement::standbys(&stages, &names, prev_standby, &wanted.standby, failover);
         if prev != Some(&stages) || prev_standby != Some(&standby) {
@@ -382,9 +397,9 @@ async fn reconcile(etcd: &Etcd, node: &Arc<Node>, cluster: &Arc<Cluster>, keys: 
     }
     cluster.prune_suspects(&members);
     cluster.view.send_if_modified(|v| {
-        let changed = v.members != members || v.placement != placement || v.cordoned != cordoned;
+        let changed = v.members != members || v.placement != placement || v.cordoned != cordoned || v.plan != plan;
         if changed {
-            *v = Arc::new(View { members, placement, suspects: v.suspects.clone(), cordoned });
+            *v = Arc::new(View { members, placement, plan, suspects: v.suspects.clone(), cordoned });
         }
         changed
     });

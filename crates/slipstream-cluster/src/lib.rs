@@ -87,12 +87,6 @@ pub struct ClusterOptions {
     /// data plane, and the client certificate for an `https://` etcd.
     #[serde(default)]
     pub tls: Option<std::path::PathBuf>,
-    /// The planner's replicas per node for the stages it placed
-    /// (`slipstream deploy --plan` with a plan from `slipstream plan
-    /// --nodes`): "pipeline/stage" -> node -> replicas. The leader follows
-    /// it on the nodes that are members ([`slipstream_sched::placement::follow_plan`]).
-    #[serde(default)]
-    pub planned: slipstream_sched::placement::Assignment,
 }
 
 fn default_standbys() -> bool {
@@ -149,6 +143,26 @@ impl Placement {
     pub fn standbys(&self, stage: &str, node: &str) -> u32 {
         self.standby.get(stage).and_then(|m| m.get(node)).copied().unwrap_or(0)
     }
+}
+
+/// The planner's replicas per node for a deployment's stages (the `plan`
+/// record: `slipstream deploy --plan`, `slipstream plan --cluster ...
+/// --apply` or `--watch`, with a plan made for the cluster's nodes). The
+/// leader follows it on the nodes that are members
+/// ([`slipstream_sched::placement::follow_plan`]). A record of its own,
+/// not part of the deployment's: a new plan moves replicas (make before
+/// break) without restarting the nodes, as a new deployment does.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PlanRecord {
+    /// The deployment it plans (its id); ignored for any other.
+    pub deploy: String,
+    /// "pipeline/stage" -> node -> replicas.
+    pub planned: Assignment,
+    /// When it was made (Unix seconds) and what from, for the status.
+    #[serde(default)]
+    pub at: f64,
+    #[serde(default)]
+    pub note: String,
 }
 
 /// A node as its membership record describes it.
@@ -240,6 +254,8 @@ pub struct View {
     /// Live, verified members by name.
     pub members: BTreeMap<String, Member>,
     pub placement: Option<Placement>,
+    /// The plan in force for this deployment, if one was written.
+    pub plan: Option<PlanRecord>,
     /// Members whose data plane failed on this node (see [`Cluster::suspect`]).
     pub suspects: std::collections::BTreeSet<String>,
     /// Members being emptied (see [`Cordon`]): they serve and hold data
@@ -399,6 +415,7 @@ impl Cluster {
             "deploy": self.opts.deploy,
             "members": v.members,
             "placement": v.placement,
+            "plan": v.plan,
             "cordoned": v.cordoned,
             // Members whose data plane failed here, out of routing until a probe answers.
             "suspects": v.suspects,

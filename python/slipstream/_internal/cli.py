@@ -27,7 +27,10 @@ from slipstream._internal.cluster_cli import (
     EtcdError,
     add_cluster_args,
     add_cluster_commands,
+    apply_plan,
+    current_deployment,
     member_inventory,
+    planned_per_node,
 )
 from slipstream._internal.errors import Error, RequestError, from_core
 from slipstream._internal.reseal import add_reseal_command
@@ -536,35 +539,98 @@ def cmd_plan(a: argparse.Namespace) -> int:
     profiles = {p.name: slo.load_profile_for(p, paths) for p in pipelines}
     if a.nodes and a.cluster:
         return _fail("--nodes or --cluster: the nodes are given, or read from the cluster, not both")
+    if a.watch is not None:
+        a.apply = True
+        if not a.watch > 0:
+            return _fail(f"--watch: seconds between looks at the members, more than 0 (got {a.watch:g})")
+    if a.apply and not a.cluster:
+        return _fail("--apply and --watch write the plan into a cluster: give --cluster too")
+    if a.gpus and (a.nodes or a.cluster):
+        return _fail("--gpus and --nodes do not go together yet: plan a cluster's CPU nodes, or one machine's GPUs")
+    if a.network_ms is not None and not (a.nodes or a.cluster):
+        return _fail("--network-ms is for a cluster plan: give --nodes or --cluster too")
+    out = Path(a.out) if a.out else split_target(a.app)[0].with_suffix(".plan.json")
+    if a.watch is not None:
+        return _watch_plan(a, pipelines, profiles, out)
     if a.cluster:
         try:
             a.nodes = member_inventory(a)
         except EtcdError as e:
             return _fail(str(e))
-        print(f"planning for cluster '{a.cluster_name}': "
-              + ", ".join(f"{n} ({c:g} cores, {m / 1024:.1f} GiB)" for n, (c, m) in sorted(a.nodes.items())),
-              file=sys.stderr)
-    if a.gpus and a.nodes:
-        return _fail("--gpus and --nodes do not go together yet: plan a cluster's CPU nodes, or one machine's GPUs")
-    if a.network_ms is not None and not a.nodes:
-        return _fail("--network-ms is for a cluster plan: give --nodes or --cluster too")
-    if a.gpus:
-        plan = planner.plan_gpu(pipelines, profiles, a.gpus, rate=a.rate, app=a.app)
-    else:
-        inv: dict[str, tuple[float, float]] = a.nodes or {}
-        plan = planner.plan_cpu(pipelines, profiles, cores=a.cores, overheads=_overheads(a, a.app), rate=a.rate,
-                                app=a.app, check_slo=not a.no_check, sim_duration_s=a.sim_duration,
-                                nodes={n: c for n, (c, _) in inv.items()} or None,
-                                node_memory_mb={n: m for n, (_, m) in inv.items() if m} or None,
-                                network_ms=planner.NETWORK_MS if a.network_ms is None else a.network_ms)
-    out = Path(a.out) if a.out else split_target(a.app)[0].with_suffix(".plan.json")
+        print(f"planning for cluster '{a.cluster_name}': {_members_line(a.nodes)}", file=sys.stderr)
+    plan = _make_plan(a, pipelines, profiles)
     out.write_text(json.dumps(plan.to_json(), indent=2))
     if a.json:
         print(json.dumps(plan.to_json(), indent=2))
     else:
         print(planner.format_plan(plan))
-        print(f"\nwrote {out}; run it with: slipstream serve {a.app} --plan {out}")
+        if not a.apply:
+            print(f"\nwrote {out}; run it with: slipstream serve {a.app} --plan {out}")
+    if a.apply:
+        try:
+            deployment = apply_plan(a, planned_per_node(plan), f"slipstream plan --apply ({_members_line(a.nodes)})")
+        except EtcdError as e:
+            return _fail(str(e))
+        print(f"\nwrote {out}; cluster '{a.cluster_name}' places deployment {deployment} by it now")
     return 0
+
+
+def _members_line(nodes: dict[str, tuple[float, float]]) -> str:
+    return ", ".join(f"{n} ({c:g} cores, {m / 1024:.1f} GiB)" for n, (c, m) in sorted(nodes.items()))
+
+
+def _make_plan(a: argparse.Namespace, pipelines: list[Any], profiles: dict[str, Any]) -> Any:
+    """The plan for `a`'s machine, GPUs or nodes (``a.nodes``)."""
+    from slipstream._internal import planner
+
+    if a.gpus:
+        return planner.plan_gpu(pipelines, profiles, a.gpus, rate=a.rate, app=a.app)
+    inv: dict[str, tuple[float, float]] = a.nodes or {}
+    return planner.plan_cpu(pipelines, profiles, cores=a.cores, overheads=_overheads(a, a.app), rate=a.rate,
+                            app=a.app, check_slo=not a.no_check, sim_duration_s=a.sim_duration,
+                            nodes={n: c for n, (c, _) in inv.items()} or None,
+                            node_memory_mb={n: m for n, (_, m) in inv.items() if m} or None,
+                            network_ms=planner.NETWORK_MS if a.network_ms is None else a.network_ms)
+
+
+def _watch_plan(a: argparse.Namespace, pipelines: list[Any], profiles: dict[str, Any], out: Path) -> int:
+    """``slipstream plan --cluster ... --watch S``: plan again from the
+    members' inventory whenever it changes (a node joins, leaves or is
+    replaced by a bigger one) or another deployment replaces this one, and
+    write each plan for the cluster's leader to follow, until interrupted.
+    Errors (etcd away, no deployment yet, a plan that cannot be made) are
+    said and tried again at the next look."""
+    done: tuple[Any, str] | None = None
+    said = ""
+
+    def say(msg: str) -> None:
+        nonlocal said
+        if msg != said:  # the same trouble is said once, not every look
+            print(f"plan --watch: {msg}", file=sys.stderr, flush=True)
+            said = msg
+
+    try:
+        while True:
+            try:
+                members = member_inventory(a)
+                deployment = str(current_deployment(a)["id"])
+                if done != (members, deployment):
+                    a.nodes = members
+                    say(f"deployment {deployment} on {_members_line(members)}: planning")
+                    t0 = time.monotonic()
+                    plan = _make_plan(a, pipelines, profiles)
+                    planned = planned_per_node(plan)
+                    apply_plan(a, planned, f"slipstream plan --watch ({_members_line(members)})")
+                    out.write_text(json.dumps(plan.to_json(), indent=2))
+                    done = (members, deployment)
+                    per = "; ".join(f"{k} " + " ".join(f"{n}:{c}" for n, c in sorted(v.items()))
+                                    for k, v in sorted(planned.items()))
+                    say(f"applied to deployment {deployment} in {time.monotonic() - t0:.1f} s: {per}")
+            except (EtcdError, Error) as e:
+                say(f"{e}; looking again in {a.watch:g} s")
+            time.sleep(a.watch)
+    except KeyboardInterrupt:
+        return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -656,6 +722,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--sim-duration", type=float, default=3.0, help="simulated seconds per SLO check")
     pl.add_argument("--no-check", action="store_true", help="skip the SLO model's check of the plan")
+    pl.add_argument("--apply", action="store_true",
+                    help="with --cluster: write the plan for the cluster's deployment; its leader places by it "
+                         "(replicas move without restarting the nodes)")
+    pl.add_argument("--watch", type=float, metavar="SECONDS",
+                    help="with --cluster: plan again and apply whenever the members change (looked at every "
+                         "SECONDS), until interrupted")
     pl.set_defaults(fn=cmd_plan)
 
     so = sub.add_parser("slo", help="predict latency and misses against load from the profile (the SLO contract)")

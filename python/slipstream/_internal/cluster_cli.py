@@ -225,10 +225,8 @@ def cmd_deploy(a: argparse.Namespace) -> int:
         a.app = str(app) + (":" + a.app.split(":", 1)[1] if ":" in a.app else "")
         spec = build_spec(a, size_here=False)
         planned = _planned_nodes(a, etcd)
-        body = json.dumps({"spec": spec, "planned": planned} if planned else spec, sort_keys=True)
+        body = json.dumps(spec, sort_keys=True)
         record = {"spec": spec, "app": str(app), "app_sha256": _file_sha256(app), "at": time.time()}
-        if planned:
-            record["planned"] = planned
         if a.bundle:
             # The files travel with the deployment (app_bundle.py): written
             # before the record that names them.
@@ -243,6 +241,14 @@ def cmd_deploy(a: argparse.Namespace) -> int:
         digest = layout["sha256"] if a.bundle else _file_sha256(app)
         deploy_id = hashlib.sha256((body + digest).encode()).hexdigest()[:12]
         record["id"] = deploy_id
+        # The plan first, naming the deployment it is for, so that the
+        # leader's first placement of it already follows the plan. Its own
+        # record: the same app deployed again with another plan moves
+        # replicas without restarting the nodes.
+        if planned:
+            publish_plan(etcd, a, token, deploy_id, planned, f"slipstream deploy --plan {a.plan}")
+        else:
+            etcd.delete(_root(a) + "plan")
         etcd.put(_root(a) + "deploy", seal(token, "deploy", record))
         if a.bundle:
             app_bundle.prune(etcd, _root(a), layout["sha256"])
@@ -265,9 +271,7 @@ def _planned_nodes(a: argparse.Namespace, etcd: Etcd) -> dict[str, dict[str, int
         return {}
     from slipstream._internal.planner import Plan
 
-    plan = Plan.load(Path(a.plan))
-    planned = {f"{p}/{s}": dict(sp.nodes) for p, pp in plan.pipelines.items() for s, sp in pp.stages.items()
-               if sp.nodes is not None}
+    planned = planned_per_node(Plan.load(Path(a.plan)))
     if not planned:
         return {}
     names = sorted({n for per in planned.values() for n in per})
@@ -277,6 +281,44 @@ def _planned_nodes(a: argparse.Namespace, etcd: Etcd) -> dict[str, dict[str, int
           + (f" ({', '.join(absent)} not a member now: their replicas go to the others until they join)"
              if absent else ""), file=sys.stderr)
     return planned
+
+
+def planned_per_node(plan: Any) -> dict[str, dict[str, int]]:
+    """A cluster plan's replicas per node: "pipeline/stage" -> node ->
+    count (empty for a plan made for one machine)."""
+    return {f"{p}/{s}": dict(sp.nodes) for p, pp in plan.pipelines.items() for s, sp in pp.stages.items()
+            if sp.nodes is not None}
+
+
+def publish_plan(etcd: Etcd, a: argparse.Namespace, token: str, deploy_id: str,
+                 planned: dict[str, dict[str, int]], note: str) -> None:
+    """Write the `plan` record: replicas per node for deployment
+    `deploy_id`'s stages, which the cluster's leader follows."""
+    etcd.put(_root(a) + "plan", seal(token, "plan", {"deploy": deploy_id, "planned": planned, "at": time.time(),
+                                                     "note": note}))
+
+
+def current_deployment(a: argparse.Namespace) -> dict[str, Any]:
+    """The cluster's deploy record (its id and spec): EtcdError if none."""
+    raw = _etcd(a).get(_root(a) + "deploy")
+    if raw is None:
+        raise EtcdError(f"cluster '{a.cluster_name}' at {a.cluster} has no deployment: run slipstream deploy first")
+    try:
+        return dict(unseal(tokens(a), "deploy", raw))
+    except (ValueError, KeyError) as e:
+        raise EtcdError(f"the deploy record: {e}") from None
+
+
+def apply_plan(a: argparse.Namespace, planned: dict[str, dict[str, int]], note: str) -> str:
+    """Write `planned` for the deployment in force; its id. EtcdError when
+    the plan names stages the deployment lacks."""
+    d = current_deployment(a)
+    stages = {f"{p['name']}/{s['name']}" for p in d["spec"]["pipelines"] for s in p["stages"]}
+    unknown = sorted(set(planned) - stages)
+    if unknown:
+        raise EtcdError(f"the plan names stages deployment {d['id']} lacks: {', '.join(unknown)}")
+    publish_plan(_etcd(a), a, _token(a), str(d["id"]), planned, note)
+    return str(d["id"])
 
 
 def member_inventory(a: argparse.Namespace) -> dict[str, tuple[float, float]]:
@@ -464,7 +506,6 @@ def _run_node(a: argparse.Namespace, etcd: Etcd, token: str, name: str, waiting:
                    "accept_tokens": tokens(a)[1:],
                    "data_listen": a.data_listen, "ttl_s": a.ttl, "deploy": d["id"],
                    "store_replicas": a.store_replicas, "standbys": not a.no_standbys,
-                   "planned": d.get("planned") or {},
                    **({"tls": str(Path(a.tls).resolve())} if a.tls else {}),
                    **({"advertise": a.advertise} if a.advertise else {})}
         print(f"slipstream: node {name}: running deployment {d['id']} ({app})", file=sys.stderr)
