@@ -30,7 +30,13 @@ encoder, a FAISS IVF index on the GPU (~4 GB), and a FastPitch + HiFi-GAN-like
 TTS. Absolute numbers are rough; the ratios between stages and slice sizes
 are what the planner acts on.
 
-    .venv/bin/python -m bench.plan_mig          # ~2 s; writes bench/results/plan_mig.{json,md}
+Then the same two pipelines across a cluster's GPU nodes (``plan_gpu``'s
+``nodes``, what ``slipstream plan --nodes g0=32/4xA30,...`` runs): three
+nodes of four A30s (two with MIG, one whole GPUs), and 32 nodes (128 GPUs)
+for the solve time at scale; each plan's replicas per node, and the solve
+time.
+
+    .venv/bin/python -m bench.plan_mig          # ~1 min; writes bench/results/plan_mig.{json,md}
 """
 
 from __future__ import annotations
@@ -88,15 +94,30 @@ def pipelines_and_profiles() -> tuple[list[ss.Pipeline], dict[str, Any]]:
                                    "audioquery": _profile("audioquery", AUDIOQUERY)}
 
 
-def run(pipes: list[ss.Pipeline], profiles: dict[str, Any], inventory: str) -> dict[str, Any]:
+def run(pipes: list[ss.Pipeline], profiles: dict[str, Any], inventory: str,
+        nodes: dict[str, str] | None = None) -> dict[str, Any]:
+    """Five solves of the plan for `inventory` (or the GPU `nodes` of a
+    cluster, described by `inventory`)."""
     times, plan = [], None
     for _ in range(5):
         t0 = time.perf_counter()
-        plan = planner.plan_gpu(pipes, profiles, inventory, app="bench/plan_mig.py")
+        plan = planner.plan_gpu(pipes, profiles, inventory if nodes is None else "", app="bench/plan_mig.py",
+                                nodes=nodes)
         times.append((time.perf_counter() - t0) * 1e3)
     assert plan is not None
     return {"inventory": inventory, "pipelines": [p.name for p in pipes], "solve_ms_median": statistics.median(times),
-            "solve_ms": times, "plan": plan.to_json(), "text": planner.format_plan(plan)}
+            "solve_ms": times, "plan": plan.to_json(), "text": planner.format_plan(plan), "nodes": nodes}
+
+
+def _per_node(plan: dict[str, Any]) -> list[str]:
+    """A cluster plan's replicas per stage and node, as table rows."""
+    out = ["| pipeline | stage | replicas | per node |", "|---|---|---|---|"]
+    for pname, pp in plan["pipelines"].items():
+        for sname, st in pp["stages"].items():
+            per = " ".join(f"{n}:{c}" for n, c in sorted((st.get("nodes") or {}).items()))
+            out.append(f"| {pname} | {sname} | {st['replicas']} | {per} |")
+        out.append(f"| {pname} | **capacity {pp['capacity_rps']:,.0f} req/s** | | |")
+    return out
 
 
 def markdown(runs: list[dict[str, Any]]) -> str:
@@ -105,6 +126,20 @@ def markdown(runs: list[dict[str, Any]]) -> str:
            "`python -m bench.plan_mig` regenerates this file.", ""]
     for r in runs:
         plan = r["plan"]
+        if r.get("nodes"):
+            gpus = plan["inventory"]["gpus"]
+            spec = ", ".join(f"{n}={s}" for n, s in sorted(r["nodes"].items())) if len(r["nodes"]) <= 4 else (
+                f"{len(r['nodes'])} nodes, {len(gpus)} GPUs")
+            out += [f"## {' + '.join(r['pipelines'])} across GPU nodes: {r['inventory']}", "",
+                    f"`--nodes` {spec}. Solve time: median {r['solve_ms_median']:.0f} ms of 5 (HiGHS, this "
+                    f"machine).", "", *_per_node(plan), ""]
+            if len(r["nodes"]) <= 4:
+                out += ["| GPU | node | layout | stages |", "|---|---|---|---|"]
+                for g in gpus:
+                    cells = ", ".join(f"{sl}: {st or 'idle'}" for sl, st in zip(g["layout"], g["stages"], strict=True))
+                    out.append(f"| {g['id']} | {g['node']} | {' + '.join(g['layout'])} | {cells} |")
+                out.append("")
+            continue
         out += [f"## {' + '.join(r['pipelines'])} on {r['inventory']}", "",
                 f"Solve time: median {r['solve_ms_median']:.0f} ms of 5 (HiGHS, this machine).", "",
                 "| GPU | layout | stages |", "|---|---|---|"]
@@ -130,7 +165,11 @@ def main() -> int:
     a = ap.parse_args()
     machine = harness.machine()
     pipes, profiles = pipelines_and_profiles()
-    runs = [run(pipes[:1], {"preflmr": profiles["preflmr"]}, "4xA30"), run(pipes, profiles, "12xA30")]
+    three = {"g0": "4xA30", "g1": "4xA30", "g2": "4xA30:nomig"}
+    many = {f"m{i:02d}": "4xA30" if i % 2 else "4xA30:nomig" for i in range(32)}
+    runs = [run(pipes[:1], {"preflmr": profiles["preflmr"]}, "4xA30"), run(pipes, profiles, "12xA30"),
+            run(pipes, profiles, "3 nodes of 4 A30s, two with MIG", three),
+            run(pipes, profiles, "32 nodes of 4 A30s, half with MIG (128 GPUs)", many)]
     for r in runs:
         print(f"\n=== {' + '.join(r['pipelines'])} on {r['inventory']}: solve median {r['solve_ms_median']:.0f} ms"
               f" (5 runs: {', '.join(f'{t:.0f}' for t in r['solve_ms'])})")

@@ -317,6 +317,36 @@ def test_gpu_rate_plan_starts_a_subset_of_the_max_plan() -> None:
     assert plan.pipelines["p"].capacity_rps >= 60 / 0.9 - 1e-6
 
 
+def test_a_cluster_s_gpu_nodes_are_planned_per_node_and_spread() -> None:
+    # Two GPU nodes of A30s (one MIG, one whole GPUs) and a node without
+    # GPUs: the stages go on the GPU nodes only, each replica on a GPU of
+    # the node the plan names, a stage's replicas over both nodes.
+    pipe = ss.Pipeline("p", comp("Big") >> comp("Small"))
+    prof = profile(Big=gpu_stage(10, 100), Small=gpu_stage(2, 400))
+    nodes = {"g0": "2xA30", "g1": "2xA30", "g2": "1xA30:nomig"}
+    plan = planner.plan_gpu([pipe], {"p": prof}, "", nodes=nodes, network_ms=2.0)
+    gpus = plan.inventory["gpus"]
+    assert sorted(g["node"] for g in gpus) == ["g0", "g0", "g1", "g1", "g2"]
+    assert plan.inventory["gpu_nodes"] == nodes and plan.inventory["network_ms"] == 2.0
+    for name, st in plan.pipelines["p"].stages.items():
+        assert st.nodes is not None and sum(st.nodes.values()) == st.replicas >= 1, (name, st)
+        placed = st.placement or []
+        for q in placed:
+            assert gpus[q["gpu"]]["node"] == q["node"] and gpus[q["gpu"]]["layout"][q["slot"]] == q["slice"]
+        started: dict[str, int] = {}
+        for q in placed[:st.replicas]:
+            started[q["node"]] = started.get(q["node"], 0) + 1
+        assert started == st.nodes
+    # The same GPUs in one machine plan the same capacity: the program is
+    # one per GPU model, not per node.
+    one = planner.plan_gpu([pipe], {"p": prof}, "4xA30,1xA30:nomig")
+    assert plan.pipelines["p"].capacity_rps == pytest.approx(one.pipelines["p"].capacity_rps)
+    big = plan.pipelines["p"].stages["Big"]
+    assert big.replicas >= 2 and len(big.nodes or {}) >= 2, ("a stage's replicas spread over the nodes", big)
+    text = planner.format_plan(plan)
+    assert "on 3 nodes (2 ms per hop" in text and "g0" in text
+
+
 def preflmr_audioquery() -> tuple[list[ss.Pipeline], dict[str, Any]]:
     from bench import plan_mig
 
@@ -401,6 +431,10 @@ def test_cli_plans_across_nodes_and_refuses_bad_inventories(tmp_path: Path) -> N
         assert r.returncode == 2 and why in r.stderr, (bad, r.stderr)
     r = cli("plan", "examples/recsys.py", "--network-ms", "2", "--out", str(out))
     assert r.returncode != 0 and "give --nodes or --cluster too" in r.stderr
+    r = cli("plan", "examples/recsys.py", "--nodes", "g0=8/2xV100", "--out", str(out))
+    assert r.returncode == 2 and "unknown GPU model" in r.stderr, r.stderr
+    r = cli("plan", "examples/recsys.py", "--nodes", "g0=8/2xA30", "--gpus", "2xA30", "--out", str(out))
+    assert r.returncode != 0 and "--gpus is one machine's GPUs" in r.stderr, r.stderr
 
 
 def test_profile_by_threads_is_read_for_planned_threads(tmp_path: Path) -> None:

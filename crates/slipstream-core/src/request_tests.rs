@@ -112,13 +112,7 @@ async fn a_replica_removed_while_the_node_starts_does_not_fail_its_start() {
     let stages = r#"[{"name": "a", "component": "A", "replicas": 2}]"#;
     let t = TestNode::new(&app(5000.0, stages), Fake::echo().remove_next_start("a")).await;
     let st = &t.node.pipeline("p").unwrap().stages[0];
-    tokio::time::timeout(Duration::from_secs(5), async {
-        while st.replicas().len() != 1 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
-    .await
-    .expect("the removed replica leaves its stage");
+    until("the removed replica leaves its stage", || st.replicas().len() == 1).await;
     let ans = t.infer("p", &[("x", &[3.0, 4.0])]).await.unwrap();
     assert_eq!(floats(&ans.outputs, "x"), vec![3.0, 4.0]);
 }
@@ -141,13 +135,8 @@ async fn a_lost_executor_s_batch_is_retried_once_on_a_sibling_else_503() {
     assert!(matches!(e, NodeError::Unavailable { .. }), "{e}");
     assert_eq!(e.http_status(), 503);
     // The replica comes back and serves.
-    tokio::time::timeout(Duration::from_secs(5), async {
-        while t.node.pipeline("p").unwrap().stages[0].replicas()[0].phase() != Phase::Ready {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
-    .await
-    .unwrap();
+    until("the replica comes back", || t.node.pipeline("p").unwrap().stages[0].replicas()[0].phase() == Phase::Ready)
+        .await;
     assert!(t.infer("p", &[("x", &[3.0, 4.0])]).await.is_ok());
 }
 
@@ -180,13 +169,7 @@ async fn a_warm_standby_stands_in_for_a_lost_replica_and_stays_a_standby() {
     assert!(t.node.change(&p, 0, Change::Stand(1)).added.is_empty(), "one is kept, not one more");
     let st = &p.stages[0];
     let standby = st.replicas().iter().find(|r| r.is_standby()).unwrap().clone();
-    tokio::time::timeout(Duration::from_secs(5), async {
-        while standby.phase() != Phase::Standby {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
-    .await
-    .unwrap();
+    until("the standby is warm", || standby.phase() == Phase::Standby).await;
     // The serving replica loses its executor with the batch: the standby
     // runs it (no 503), and is still a standby afterwards.
     fake.lose_next("a");
@@ -211,13 +194,7 @@ async fn a_drained_replica_leaves_though_its_node_last_reported_a_backlog() {
     // left waited for it until the node's exit aborted it).
     r.set_backlog(3);
     assert!(r.drain());
-    tokio::time::timeout(Duration::from_secs(5), async {
-        while st.replicas().iter().any(|x| x.id == r.id) {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
-    .await
-    .expect("the drained replica leaves its stage");
+    until("the drained replica leaves its stage", || !st.replicas().iter().any(|x| x.id == r.id)).await;
 }
 
 /// Waits until `f` holds (5 s at most).

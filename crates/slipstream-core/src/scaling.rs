@@ -214,7 +214,7 @@ impl Node {
             for r in serving.into_iter().take(from - n) {
                 if placed {
                     out.draining.push(r.id);
-                    self.leave_when_replaced(pipe, st, r, PLACEMENT_GRACE, "placed elsewhere".into());
+                    self.leave_when_replaced(pipe, st, r, PLACEMENT_GRACE, "the placement moved it off this node".into());
                 } else if r.drain() {
                     self.record(pipe, st, Some(r.id), EventKind::Draining, "scaled down".into());
                     out.draining.push(r.id);

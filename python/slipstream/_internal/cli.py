@@ -492,16 +492,21 @@ def _mib(text: str) -> float:
     return float(t[: len(t) - len(unit)]) * _MIB[unit]
 
 
-def _node_inventory(text: str) -> dict[str, tuple[float, float]]:
-    """``--nodes``: ``NAME=CORES[:MEMORY],...`` or ``COUNTxCORES[:MEMORY],...``
-    (named n0, n1, ...): name -> (cores, MiB; 0: memory not given)."""
-    out: dict[str, tuple[float, float]] = {}
-    for part in (p.strip() for p in text.split(",")):
+def _node_inventory(text: str) -> dict[str, tuple[float, float, str]]:
+    """``--nodes``: ``NAME=CORES[:MEMORY][/GPUS],...`` or
+    ``COUNTxCORES[:MEMORY][/GPUS],...`` (named n0, n1, ...), GPUS as
+    ``4xA100+2xA30:nomig``: name -> (cores, MiB (0: memory not given),
+    GPUs ("": none))."""
+    from slipstream._internal.planner import parse_inventory
+
+    out: dict[str, tuple[float, float, str]] = {}
+    for whole in (p.strip() for p in text.split(",")):
+        part, _, gpus = whole.partition("/")
         label, eq, given = part.partition("=")
         count, x, each = part.partition("x")
         try:
             size, _, mem = (given if eq else each).partition(":")
-            one = (float(size), _mib(mem) if mem else 0.0)
+            one = (float(size), _mib(mem) if mem else 0.0, gpus.strip())
             if eq:
                 items = [(label.strip(), one)]
             elif x:
@@ -509,14 +514,20 @@ def _node_inventory(text: str) -> dict[str, tuple[float, float]]:
             else:
                 raise ValueError
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{part!r}: expected NAME=CORES[:MEMORY] or COUNTxCORES[:MEMORY] "
-                                             "(e.g. n0=8, n0=8:32G or 3x4:16G)") from None
-        for name, (cores, mib) in items:
+            raise argparse.ArgumentTypeError(f"{whole!r}: expected NAME=CORES[:MEMORY][/GPUS] or "
+                                             "COUNTxCORES[:MEMORY][/GPUS] (e.g. n0=8, n0=8:32G, 3x4:16G or "
+                                             "g0=32:256G/4xA100+2xA30:nomig)") from None
+        if gpus.strip():
+            try:
+                parse_inventory(gpus.strip().replace("+", ","))
+            except Error as e:
+                raise argparse.ArgumentTypeError(f"{whole!r}: {e}") from None
+        for name, (cores, mib, _) in items:
             if not name or not (cores > 0 and math.isfinite(cores)) or not (mib >= 0 and math.isfinite(mib)):
                 raise argparse.ArgumentTypeError(f"{part!r}: a node needs a name and cores > 0")
             if name in out:
                 raise argparse.ArgumentTypeError(f"node {name!r} is named twice")
-            out[name] = (cores, mib)
+            out[name] = (cores, mib, gpus.strip())
     if not out:
         raise argparse.ArgumentTypeError("no nodes given")
     return out
@@ -546,7 +557,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
     if a.apply and not a.cluster:
         return _fail("--apply and --watch write the plan into a cluster: give --cluster too")
     if a.gpus and (a.nodes or a.cluster):
-        return _fail("--gpus and --nodes do not go together yet: plan a cluster's CPU nodes, or one machine's GPUs")
+        return _fail("--gpus is one machine's GPUs: give a cluster's GPU nodes in --nodes (g0=32/4xA100+2xA30:nomig)")
     if a.network_ms is not None and not (a.nodes or a.cluster):
         return _fail("--network-ms is for a cluster plan: give --nodes or --cluster too")
     out = Path(a.out) if a.out else split_target(a.app)[0].with_suffix(".plan.json")
@@ -575,8 +586,9 @@ def cmd_plan(a: argparse.Namespace) -> int:
     return 0
 
 
-def _members_line(nodes: dict[str, tuple[float, float]]) -> str:
-    return ", ".join(f"{n} ({c:g} cores, {m / 1024:.1f} GiB)" for n, (c, m) in sorted(nodes.items()))
+def _members_line(nodes: dict[str, tuple[float, float, str]]) -> str:
+    return ", ".join(f"{n} ({c:g} cores, {m / 1024:.1f} GiB{', ' + g if g else ''})"
+                     for n, (c, m, g) in sorted(nodes.items()))
 
 
 def _make_plan(a: argparse.Namespace, pipelines: list[Any], profiles: dict[str, Any]) -> Any:
@@ -585,12 +597,18 @@ def _make_plan(a: argparse.Namespace, pipelines: list[Any], profiles: dict[str, 
 
     if a.gpus:
         return planner.plan_gpu(pipelines, profiles, a.gpus, rate=a.rate, app=a.app)
-    inv: dict[str, tuple[float, float]] = a.nodes or {}
+    inv: dict[str, tuple[float, float, str]] = a.nodes or {}
+    network_ms = planner.NETWORK_MS if a.network_ms is None else a.network_ms
+    gpu_nodes = {n: g for n, (_, _, g) in inv.items() if g}
+    if gpu_nodes:
+        # The stages go on the GPU nodes' GPUs; nodes without GPUs get none of them.
+        return planner.plan_gpu(pipelines, profiles, "", rate=a.rate, app=a.app, nodes=gpu_nodes,
+                                network_ms=network_ms)
     return planner.plan_cpu(pipelines, profiles, cores=a.cores, overheads=_overheads(a, a.app), rate=a.rate,
                             app=a.app, check_slo=not a.no_check, sim_duration_s=a.sim_duration,
-                            nodes={n: c for n, (c, _) in inv.items()} or None,
-                            node_memory_mb={n: m for n, (_, m) in inv.items() if m} or None,
-                            network_ms=planner.NETWORK_MS if a.network_ms is None else a.network_ms)
+                            nodes={n: c for n, (c, _, _) in inv.items()} or None,
+                            node_memory_mb={n: m for n, (_, m, _) in inv.items() if m} or None,
+                            network_ms=network_ms)
 
 
 def _watch_plan(a: argparse.Namespace, pipelines: list[Any], profiles: dict[str, Any], out: Path) -> int:
@@ -709,9 +727,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpus", metavar="SPEC", help="plan on GPUs instead: e.g. 12xA30, 4xA100-80GB:nomig, "
                                                     "or a JSON inventory")
     pl.add_argument("--nodes", metavar="SPEC", type=_node_inventory,
-                    help="plan across a cluster's nodes instead of this machine: NAME=CORES,... "
-                         "(e.g. n0=8,n1=8,n2=4) or COUNTxCORES,... (e.g. 2x8,1x4: nodes n0, n1, n2); "
-                         "the plan gives each stage's replicas per node")
+                    help="plan across a cluster's nodes instead of this machine: NAME=CORES[:MEMORY][/GPUS],... "
+                         "(e.g. n0=8,n1=8:32G,g0=32/4xA100+2xA30:nomig) or COUNTxCORES,... (e.g. 2x8,1x4: "
+                         "nodes n0, n1, n2); the plan gives each stage's replicas per node (with GPU nodes: "
+                         "on their GPUs and MIG slices, stages profiled with a gpu section)")
     add_cluster_args(pl, required=False, what="plan across the members of this cluster now (their cores, from "
                                               "their records in etcd) instead of this machine")
     pl.add_argument("--network-ms", type=float, default=None, metavar="MS",

@@ -321,16 +321,17 @@ def apply_plan(a: argparse.Namespace, planned: dict[str, dict[str, int]], note: 
     return str(d["id"])
 
 
-def member_inventory(a: argparse.Namespace) -> dict[str, tuple[float, float]]:
+def member_inventory(a: argparse.Namespace) -> dict[str, tuple[float, float, str]]:
     """The cores and memory (MiB) of the cluster's members now (`slipstream
-    plan --cluster`), by node name, from their signed records."""
-    out: dict[str, tuple[float, float]] = {}
+    plan --cluster`), by node name, from their signed records; their GPUs
+    are not read yet (""): a GPU cluster is planned with ``--nodes``."""
+    out: dict[str, tuple[float, float, str]] = {}
     for key, raw in _etcd(a).get_prefix(_root(a) + "members/").items():
         try:
             m = unseal(tokens(a), "member", raw)
         except (ValueError, KeyError) as e:
             raise EtcdError(f"{key}: {e}") from None
-        out[str(m["node"])] = (float(m["cores"]), float(m.get("memory_bytes") or 0) / 2**20)
+        out[str(m["node"])] = (float(m["cores"]), float(m.get("memory_bytes") or 0) / 2**20, "")
     if not out:
         raise EtcdError(f"cluster '{a.cluster_name}' at {a.cluster} has no members now: start the nodes first, "
                         "or give --nodes")

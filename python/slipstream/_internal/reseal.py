@@ -39,7 +39,7 @@ from slipstream._internal.store_cli import fail
 #: The kinds of record a cluster signs (crates/slipstream-cluster: `seal`
 #: calls; cluster_cli: deploy and cordon). tests/unit/test_reseal.py keeps
 #: this list in step with the sources.
-KINDS = ("deploy", "member", "placement", "cordon", "object", "triggers-settled")
+KINDS = ("deploy", "plan", "member", "placement", "cordon", "object", "triggers-settled")
 
 
 def reseal(etcd: Etcd, root: str, keys: list[str]) -> dict[str, int]:

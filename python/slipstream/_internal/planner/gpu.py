@@ -12,6 +12,14 @@ replica per slice), ``sum_s r[s,k] <= slices of type k``; ``T_s = sum_k
 mu[s,k] r[s,k]`` from the stage's GPU profile (throughput by compute
 fraction of the GPU). Same objective, same path rule (a stage's latency is
 that of the slowest slice type it uses).
+
+Across a cluster's GPU nodes (``nodes``: name -> that node's GPUs), the
+GPUs of one model (and MIG setting) on every node are one group: a slice is
+a slice wherever it is, so the program does not grow with the nodes. The
+group's GPUs are then dealt to the nodes holding that model in turn (GPU
+ids alternate between them), and since a stage takes its slices from the
+lowest id up, its replicas spread over the nodes: no one node's loss
+takes all of them. Each stage's path budgets a network hop more.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from slipstream._internal.planner.milp import (
     _StageBase,
     _timed_out,
 )
+from slipstream._internal.planner.cpu import NETWORK_MS
 from slipstream._internal.planner.plan import TARGET_LOAD, PipelinePlan, Plan, StagePlan
 
 # --- GPU inventories -------------------------------------------------------------------------
@@ -133,6 +142,50 @@ def parse_inventory(spec: str) -> list[GpuGroup]:
             raise ConfigError(f"GPU inventory: {name} count must be >= 1")
         groups.append(GpuGroup(model if mig else _whole(model), count))
     return groups
+
+
+def _cluster_groups(nodes: Mapping[str, str]) -> tuple[list[GpuGroup], list[list[tuple[str, int]]]]:
+    """One group per GPU model and MIG setting across `nodes` (name ->
+    ``4xA100+2xA30:nomig``), and which nodes hold each group's GPUs (name,
+    count), in node order."""
+    groups: list[GpuGroup] = []
+    holders: list[list[tuple[str, int]]] = []
+    index: dict[tuple[str, tuple[tuple[str, ...], ...]], int] = {}
+    for node, spec in sorted(nodes.items()):
+        if not node:
+            raise ConfigError(f"a GPU node needs a name: {dict(nodes)}")
+        for g in parse_inventory(spec.replace("+", ",")):
+            key = (g.model.name, g.model.layouts)
+            if key not in index:
+                index[key] = len(groups)
+                groups.append(GpuGroup(g.model, 0))
+                holders.append([])
+            i = index[key]
+            groups[i] = GpuGroup(g.model, groups[i].count + g.count)
+            holders[i].append((node, g.count))
+    if not groups:
+        raise ConfigError("no GPU nodes given")
+    return groups, holders
+
+
+def _deal(gpus: list[dict[str, Any]], holders: Sequence[Sequence[tuple[str, int]]]) -> None:
+    """Give each GPU of the plan (by id, within its group) a node: the
+    nodes holding the group's model in turn, each up to its count."""
+    order: list[list[str]] = []
+    for hs in holders:
+        left = dict(hs)
+        turn: list[str] = []
+        while any(left.values()):
+            for node, _ in hs:
+                if left[node] > 0:
+                    turn.append(node)
+                    left[node] -= 1
+        order.append(turn)
+    taken = [0] * len(order)
+    for g in gpus:
+        gi = g["group"]
+        g["node"] = order[gi][taken[gi]]
+        taken[gi] += 1
 
 
 # --- the GPU program ---------------------------------------------------------------------------
@@ -291,7 +344,8 @@ def _unpack(groups: Sequence[GpuGroup], slices: Sequence[_Slice], stages: Sequen
         for li, lay in enumerate(grp.model.layouts):
             for _ in range(sol.g[(gi, li)]):
                 gid = len(gpus)
-                gpus.append({"id": gid, "model": grp.model.name, "layout": list(lay), "stages": [None] * len(lay)})
+                gpus.append({"id": gid, "model": grp.model.name, "layout": list(lay), "stages": [None] * len(lay),
+                             "group": gi})
                 for slot, name in enumerate(lay):
                     free[index[(gi, name)]].append((gid, slot))
     place: dict[Key, list[dict[str, Any]]] = {s.key: [] for s in stages}
@@ -306,15 +360,25 @@ def _unpack(groups: Sequence[GpuGroup], slices: Sequence[_Slice], stages: Sequen
 
 def plan_gpu(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, Any]],
              inventory: str | Sequence[GpuGroup], *, rate: float | None = None, app: str = "",
-             overheads: Mapping[str, Any] | None = None, time_limit_s: float = 30.0) -> Plan:
-    """Plan `pipelines` on GPUs with MIG (see the module doc). Each stage's
-    profile has a ``gpu`` section: ``memory_gb``, optional ``demand`` (calls
-    per pipeline request), and ``models``: GPU model (or ``"*"``) ->
-    compute fraction -> ``{"rps", "p99_ms", "batch"}``."""
+             overheads: Mapping[str, Any] | None = None, time_limit_s: float = 30.0,
+             nodes: Mapping[str, str] | None = None, network_ms: float = NETWORK_MS) -> Plan:
+    """Plan `pipelines` on GPUs with MIG (see the module doc), or on a
+    cluster's GPU `nodes` (name -> its GPUs, ``4xA100+2xA30:nomig``;
+    `inventory` is then ignored): replicas per node, each stage's path
+    budgeting `network_ms` more per hop. Each stage's profile has a
+    ``gpu`` section: ``memory_gb``, optional ``demand`` (calls per
+    pipeline request), and ``models``: GPU model (or ``"*"``) -> compute
+    fraction -> ``{"rps", "p99_ms", "batch"}``."""
     t0 = time.perf_counter()
-    groups = parse_inventory(inventory) if isinstance(inventory, str) else list(inventory)
+    holders: list[list[tuple[str, int]]] | None = None
+    if nodes:
+        groups, holders = _cluster_groups(nodes)
+    else:
+        groups = parse_inventory(inventory) if isinstance(inventory, str) else list(inventory)
     slices = _slice_types(groups)
     over = {"hop_us": 300.0, "ingress_us": 400.0} | dict(overheads or {})
+    if nodes:
+        over["hop_us"] = float(over["hop_us"]) + network_ms * 1e3
     costs = _costs(pipelines, 0.0, over)
     stages = _gpu_stages(pipelines, profiles, slices, groups)
     try:
@@ -334,6 +398,8 @@ def plan_gpu(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, 
         chosen = _read_gpu(stages, w, w.m.solve({x: slices[k].fraction for (_, k), x in w.r.items()}, maximize=False))
         timed_out = timed_out or w.m.timed_out
     gpus, place = _unpack(groups, slices, stages, best)
+    if holders is not None:
+        _deal(gpus, holders)
     out = {}
     for pipe in pipelines:
         mine = [s for s in stages if s.pipeline == pipe.name]
@@ -342,15 +408,27 @@ def plan_gpu(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, 
             n_best = sum(best.r[(s.key, k)] for k in s.points)
             n_rate = sum(chosen.r[(s.key, k)] for k in s.points)
             used_k = [k for k in s.points if best.r[(s.key, k)] > 0]
+            order = _order(place[s.key], chosen, s, slices)
+            per_node: dict[str, int] | None = None
+            if holders is not None:  # the slices the plan starts first, by node
+                per_node = {}
+                for q in order[:n_rate]:
+                    per_node[gpus[q["gpu"]]["node"]] = per_node.get(gpus[q["gpu"]]["node"], 0) + 1
+                for q in order:
+                    q["node"] = gpus[q["gpu"]]["node"]
             sts[s.name] = StagePlan(replicas=n_rate, max_replicas=n_best, threads=1,
                                     max_batch_size=min(s.points[k].batch for k in used_k),
-                                    throughput_rps=chosen.tput[s.key], placement=_order(place[s.key], chosen, s, slices))
+                                    throughput_rps=chosen.tput[s.key], placement=order, nodes=per_node)
         cap = chosen.rate[pipe.name]
         out[pipe.name] = PipelinePlan(capacity_rps=cap, target_rps=rate if rate is not None else TARGET_LOAD * cap,
                                       stages=sts, predicted=None,
                                       why=_why_gpu(pipe, mine, best, slices, groups, costs) + _timed_out(timed_out),
                                       max_capacity_rps=best.rate[pipe.name] if rate is not None else None)
-    inv = {"gpus": [{k: g[k] for k in ("id", "model", "layout", "stages")} for g in gpus]}
+    inv: dict[str, Any] = {"gpus": [{k: g[k] for k in ("id", "model", "layout", "stages", "node") if k in g}
+                                    for g in gpus]}
+    if nodes:
+        inv["gpu_nodes"] = dict(nodes)
+        inv["network_ms"] = network_ms
     return Plan(app=app, inventory=inv, pipelines=out, solve_ms=(time.perf_counter() - t0) * 1e3)
 
 

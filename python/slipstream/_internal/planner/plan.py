@@ -194,6 +194,8 @@ def format_plan(plan: Plan) -> str:
     out = []
     inv = plan.inventory
     where = f"{inv['cores']:g} cores" if "cores" in inv else f"{len(inv.get('gpus', []))} GPUs"
+    if "gpu_nodes" in inv:
+        where += (f" on {len(inv['gpu_nodes'])} nodes ({inv.get('network_ms', 0):g} ms per hop between them)")
     if "nodes" in inv:
         where = (f"{len(inv['nodes'])} nodes ({inv['cores']:g} cores; "
                  f"{inv.get('network_ms', 0):g} ms per hop between them)")
@@ -220,5 +222,6 @@ def format_plan(plan: Plan) -> str:
         out.append("\nGPUs:")
         for g in inv["gpus"]:
             cells = ", ".join(f"{sl}={st or 'idle'}" for sl, st in zip(g["layout"], g["stages"], strict=True))
-            out.append(f"  gpu{g['id']:<3} {g['model']:<10} {cells}")
+            node = f"{g['node']:<10} " if "node" in g else ""
+            out.append(f"  gpu{g['id']:<3} {node}{g['model']:<10} {cells}")
     return "\n".join(out)
