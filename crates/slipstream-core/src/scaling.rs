@@ -214,7 +214,8 @@ impl Node {
             for r in serving.into_iter().take(from - n) {
                 if placed {
                     out.draining.push(r.id);
-                    self.leave_when_replaced(pipe, st, r, PLACEMENT_GRACE, "the placement moved it off this node".into());
+                    let why = "the placement moved it off this node".to_string();
+                    self.leave_when_replaced(pipe, st, r, PLACEMENT_GRACE, why);
                 } else if r.drain() {
                     self.record(pipe, st, Some(r.id), EventKind::Draining, "scaled down".into());
                     out.draining.push(r.id);

@@ -33,6 +33,7 @@ from typing import Any
 
 from slipstream._internal.api import Pipeline
 from slipstream._internal.errors import ConfigError
+from slipstream._internal.planner.cpu import NETWORK_MS
 from slipstream._internal.planner.milp import (
     EPS,
     QUEUE_FACTOR,
@@ -49,7 +50,6 @@ from slipstream._internal.planner.milp import (
     _StageBase,
     _timed_out,
 )
-from slipstream._internal.planner.cpu import NETWORK_MS
 from slipstream._internal.planner.plan import TARGET_LOAD, PipelinePlan, Plan, StagePlan
 
 # --- GPU inventories -------------------------------------------------------------------------
