@@ -16,6 +16,7 @@ holders cannot starve it."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +49,22 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
         if not alone:
             fcntl.flock(turnstile, fcntl.LOCK_UN)
         yield
+
+
+def cluster_plan_file(path: Path, app: str, planned: dict[str, dict[str, dict[str, int]]],
+                      nodes: dict[str, float]) -> Path:
+    """A plan file as `slipstream plan --nodes` writes one, with the given
+    replicas per node (pipeline -> stage -> node -> count) on `nodes`
+    (name -> cores), for `slipstream deploy --plan`."""
+    pipelines = {
+        pipe: {"capacity_rps": 100.0, "target_rps": 90.0, "stages": {
+            stage: {"replicas": sum(per.values()), "max_replicas": sum(per.values()), "threads": 1,
+                    "max_batch_size": 8, "throughput_rps": 100.0, "nodes": per} for stage, per in stages.items()}}
+        for pipe, stages in planned.items()}
+    doc = {"version": 1, "app": app, "inventory": {"cores": float(sum(nodes.values())), "nodes": nodes},
+           "pipelines": pipelines, "solve_ms": 1.0}
+    path.write_text(json.dumps(doc))
+    return path
 
 
 @pytest.fixture(scope="module")

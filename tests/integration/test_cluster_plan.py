@@ -14,19 +14,10 @@ from pathlib import Path
 import pytest
 from slipstream.testing import CLI, TOKEN, Etcd, deploy, start_node, stop_all
 
-from tests.conftest import APPS, Node, wait_for
+from tests.conftest import APPS, Node, cluster_plan_file, wait_for
 
 # Uneven on purpose: "big" takes all of Fan, "small" the singleton Prod.
 PLANNED = {"Fan": {"big": 3}, "Sum": {"big": 1, "small": 1}, "Prod": {"small": 1}, "Join": {"big": 2, "small": 1}}
-
-
-def plan_file(path: Path) -> Path:
-    stages = {name: {"replicas": sum(per.values()), "max_replicas": sum(per.values()), "threads": 1,
-                     "max_batch_size": 16, "throughput_rps": 100.0, "nodes": per} for name, per in PLANNED.items()}
-    doc = {"version": 1, "app": "cluster.py", "inventory": {"cores": 6.0, "nodes": {"big": 4.0, "small": 2.0}},
-           "pipelines": {"diamond": {"capacity_rps": 100.0, "target_rps": 90.0, "stages": stages}}, "solve_ms": 1.0}
-    path.write_text(json.dumps(doc))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +25,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Etcd, di
     etcd = Etcd(1)
     ns: dict[str, Node] = {}
     try:
-        plan = plan_file(tmp_path_factory.mktemp("plan") / "cluster.plan.json")
+        plan = cluster_plan_file(tmp_path_factory.mktemp("plan") / "cluster.plan.json", "cluster.py",
+                                 {"diamond": PLANNED}, {"big": 4.0, "small": 2.0})
         out = deploy(etcd, APPS / "cluster.py", "--plan", str(plan), wait=0)
         assert out.returncode == 0, out.stdout + out.stderr
         assert "placing per the plan on big, small (big, small not a member now" in out.stderr, out.stderr

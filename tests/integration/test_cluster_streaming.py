@@ -5,32 +5,18 @@ the final answer, and an error mid-stream still reaches the client."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 import slipstream as ss
 from slipstream.testing import Etcd, deploy, start_node, stop_all
 
-from tests.conftest import APPS, Node, wait_for
+from tests.conftest import APPS, Node, cluster_plan_file, wait_for
 
 # Both streaming stages only on "far": a client of "near" is served across the nodes.
 PLANNED = {"counting": {"Count": {"far": 1}}, "ticking": {"Tick": {"far": 1}}}
-
-
-def plan_file(path: Path) -> Path:
-    pipelines = {
-        pipe: {"capacity_rps": 10.0, "target_rps": 9.0, "stages": {
-            stage: {"replicas": 1, "max_replicas": 1, "threads": 1, "max_batch_size": 8, "throughput_rps": 10.0,
-                    "nodes": per} for stage, per in stages.items()}}
-        for pipe, stages in PLANNED.items()}
-    doc = {"version": 1, "app": "streaming.py", "inventory": {"cores": 4.0, "nodes": {"near": 2.0, "far": 2.0}},
-           "pipelines": pipelines, "solve_ms": 1.0}
-    path.write_text(json.dumps(doc))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +24,8 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Node]]
     etcd = Etcd(1)
     ns: dict[str, Node] = {}
     try:
-        plan = plan_file(tmp_path_factory.mktemp("plan") / "streaming.plan.json")
+        plan = cluster_plan_file(tmp_path_factory.mktemp("plan") / "streaming.plan.json", "streaming.py", PLANNED,
+                                 {"near": 2.0, "far": 2.0})
         out = deploy(etcd, APPS / "streaming.py", "--plan", str(plan), wait=0)
         assert out.returncode == 0, out.stdout + out.stderr
         ns = {name: start_node(etcd, name) for name in ("near", "far")}

@@ -446,26 +446,43 @@ async fn read_reply<A: Allocator>(
         let _ = waiter.send(Err(PeerError::Remote(String::from_utf8_lossy(&meta).into_owned())));
         return Ok(true);
     }
+    match read_into(reader, alloc, counters, payload_len).await {
+        // If the caller gave up meanwhile, this drops the buffer.
+        Ok(Ok(buf)) => {
+            let _ = waiter.send(Ok(Incoming { kind, id, meta, tensors, payload: buf }));
+        }
+        Ok(Err(why)) => {
+            let _ = waiter.send(Err(PeerError::Alloc(why)));
+        }
+        Err(e) => {
+            let _ = waiter.send(Err(PeerError::Disconnected(e.to_string())));
+            return Err(e.into());
+        }
+    }
+    Ok(true)
+}
+
+/// A frame's payload, read into a buffer of `alloc`'s. `Ok(Err(why))`:
+/// no buffer could be had, so the payload was read and dropped (the
+/// connection stays usable); Err: the connection failed.
+async fn read_into<A: Allocator>(
+    reader: &mut FrameReader<ReadHalf>,
+    alloc: &A,
+    counters: &Counters,
+    payload_len: u64,
+) -> std::io::Result<Result<A::Buf, String>> {
     let buf = usize::try_from(payload_len).map_err(|e| e.to_string()).and_then(|n| alloc_checked(alloc, n));
-    let mut buf = match buf {
-        Ok(buf) => buf,
+    match buf {
+        Ok(mut buf) => {
+            reader.read_payload(&mut buf.as_mut()[..payload_len as usize]).await?;
+            Ok(Ok(buf))
+        }
         Err(why) => {
             counters.alloc_failed();
-            if let Err(e) = reader.skip_payload(payload_len).await {
-                let _ = waiter.send(Err(PeerError::Disconnected(e.to_string())));
-                return Err(e.into());
-            }
-            let _ = waiter.send(Err(PeerError::Alloc(why)));
-            return Ok(true);
+            reader.skip_payload(payload_len).await?;
+            Ok(Err(why))
         }
-    };
-    if let Err(e) = reader.read_payload(&mut buf.as_mut()[..payload_len as usize]).await {
-        let _ = waiter.send(Err(PeerError::Disconnected(e.to_string())));
-        return Err(e.into());
     }
-    // If the caller gave up meanwhile, this drops the buffer.
-    let _ = waiter.send(Ok(Incoming { kind, id, meta, tensors, payload: buf }));
-    Ok(true)
 }
 
 /// Read a partial reply and hand it to its call's parts. A part that
@@ -484,19 +501,15 @@ async fn read_part<A: Allocator>(
         reader.skip_payload(payload_len).await?;
         return Ok(true);
     };
-    let buf = usize::try_from(payload_len).map_err(|e| e.to_string()).and_then(|n| alloc_checked(alloc, n));
-    let mut buf = match buf {
-        Ok(buf) => buf,
+    match read_into(reader, alloc, counters, payload_len).await? {
+        Ok(buf) => {
+            let _ = parts.send(Incoming { kind, id, meta, tensors, payload: buf });
+        }
         Err(why) => {
-            counters.alloc_failed();
-            reader.skip_payload(payload_len).await?;
             if let Some(waiter) = conn.take_waiter(id) {
                 let _ = waiter.send(Err(PeerError::Alloc(format!("a partial reply: {why}"))));
             }
-            return Ok(true);
         }
-    };
-    reader.read_payload(&mut buf.as_mut()[..payload_len as usize]).await?;
-    let _ = parts.send(Incoming { kind, id, meta, tensors, payload: buf });
+    }
     Ok(true)
 }
