@@ -347,6 +347,20 @@ def test_a_cluster_s_gpu_nodes_are_planned_per_node_and_spread() -> None:
     assert "on 3 nodes (2 ms per hop" in text and "g0" in text
 
 
+def test_a_member_s_gpus_are_read_from_its_nvidia_smi_lines() -> None:
+    lines = ["GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-aaaa)",
+             "MIG 3g.40gb     Device  0: (UUID: MIG-bbbb)",
+             "GPU 1: NVIDIA A100-SXM4-80GB (UUID: GPU-cccc)",
+             "GPU 2: NVIDIA A30 (UUID: GPU-dddd)",
+             "GPU 3: NVIDIA H100 80GB HBM3 (UUID: GPU-eeee)",
+             "GPU 4: NVIDIA L4 (UUID: GPU-ffff)"]
+    spec, unknown = planner.spec_from_smi(lines)
+    assert spec == "1xA100-80GB+1xA100-80GB:nomig+1xA30:nomig+1xH100-80GB:nomig" and unknown == ["NVIDIA L4"]
+    groups = planner.parse_inventory(spec.replace("+", ","))
+    assert [g.count for g in groups] == [1, 1, 1, 1] and groups[1].model.layouts == (("whole",),)
+    assert planner.spec_from_smi([]) == ("", [])
+
+
 def preflmr_audioquery() -> tuple[list[ss.Pipeline], dict[str, Any]]:
     from bench import plan_mig
 

@@ -152,6 +152,12 @@ def test_a_tensor_crosses_nodes_with_one_copy_per_receive(nodes: dict[str, Node]
     home = next(iter(placed(nodes["n1"])["big/Big"]))
     ingress = next(n for name, n in nodes.items() if name != home)
     mb = 262144 * 4
+    # A replica the placement moved off the ingress serves until the one on
+    # `home` does (make before break): wait until none is left here.
+    wait_for(lambda: cluster_of(ingress)["members"][home]["ready"].get("big/Big", 0) >= 1
+             and not any(not r["node"] and r["state"] in ("starting", "ready", "down")
+                         for p in ingress.status()["pipelines"] if p["name"] == "big"
+                         for s in p["stages"] for r in s["replicas"]), timeout=60)
     before = ingress.status()
     status, body = ingress.infer("big", x=[[1.5] * 262144])
     assert status == 200 and body["outputs"]["big_node"] == [home], body

@@ -7,6 +7,7 @@ any node restarting (a plan is not a new deployment)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,6 +92,42 @@ def test_a_watching_planner_plans_again_when_a_node_joins(etcd: Etcd, tmp_path: 
             print(log)
         stop_all(list(ns.values()))
     assert "plan --watch: deployment" in log and "applied to deployment" in log, log
+
+
+def test_a_member_s_gpus_are_planned_from_its_record(etcd: Etcd, tmp_path: Path) -> None:
+    # A node whose `nvidia-smi -L` lists twelve A30s (a stand-in on its PATH):
+    # its record carries them, and `slipstream plan --cluster` plans the
+    # stages on them, the node without GPUs getting none.
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    smi = fake / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n" + "".join(f"echo 'GPU {i}: NVIDIA A30 (UUID: GPU-0000aaa{i})'\n" for i in range(12)))
+    smi.chmod(0o755)
+    out = deploy(etcd, APPS / "cluster.py", wait=0)
+    assert out.returncode == 0, out.stdout + out.stderr
+    ns: dict[str, Node] = {}
+    try:
+        ns["g"] = start_node(etcd, "g", env={"PATH": f"{fake}:{os.environ['PATH']}"})
+        ns["c"] = start_node(etcd, "c")
+        for n in ns.values():
+            wait_for(lambda n=n: n.is_ready() and len(cluster_of(n)["members"]) == 2, timeout=180)
+        assert len(cluster_of(ns["c"])["members"]["g"]["gpus"]) == 12
+        table = {"1.0": {"rps": 100.0, "p99_ms": 10.0, "batch": 8}}
+        profile = tmp_path / "gpu.profile.json"
+        profile.write_text(json.dumps({"version": 1, "pipelines": [{"pipeline": "diamond", "stages": {
+            s: {"points": [], "gpu": {"memory_gb": 2.0, "models": {"A30": table}}} for s in STAGES}}]}))
+        plan_out = tmp_path / "gpu.plan.json"
+        r = subprocess.run([*CLI, "plan", f"{APPS / 'cluster.py'}:diamond", "--profile", str(profile), "--no-check",
+                            "--out", str(plan_out), "--cluster", etcd.url, "--token", TOKEN],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "g (" in r.stderr and "12xA30:nomig" in r.stderr, r.stderr
+        doc = json.loads(plan_out.read_text())
+        assert doc["inventory"]["gpu_nodes"] == {"g": "12xA30:nomig"}, doc["inventory"]
+        for name, st in doc["pipelines"]["diamond"]["stages"].items():
+            assert st["nodes"] == {"g": st["replicas"]}, (name, st)
+    finally:
+        stop_all(list(ns.values()))
 
 
 def test_plan_apply_needs_a_cluster_and_a_deployment(etcd: Etcd, tmp_path: Path) -> None:

@@ -322,16 +322,23 @@ def apply_plan(a: argparse.Namespace, planned: dict[str, dict[str, int]], note: 
 
 
 def member_inventory(a: argparse.Namespace) -> dict[str, tuple[float, float, str]]:
-    """The cores and memory (MiB) of the cluster's members now (`slipstream
-    plan --cluster`), by node name, from their signed records; their GPUs
-    are not read yet (""): a GPU cluster is planned with ``--nodes``."""
+    """The cores, memory (MiB) and GPUs (as ``--nodes`` writes them; "":
+    none) of the cluster's members now (`slipstream plan --cluster`), by
+    node name, from their signed records. GPUs of a model the planner
+    does not know are left out, and said."""
+    from slipstream._internal.planner import spec_from_smi
+
     out: dict[str, tuple[float, float, str]] = {}
     for key, raw in _etcd(a).get_prefix(_root(a) + "members/").items():
         try:
             m = unseal(tokens(a), "member", raw)
         except (ValueError, KeyError) as e:
             raise EtcdError(f"{key}: {e}") from None
-        out[str(m["node"])] = (float(m["cores"]), float(m.get("memory_bytes") or 0) / 2**20, "")
+        gpus, unknown = spec_from_smi([str(x) for x in m.get("gpus") or []])
+        if unknown:
+            print(f"{m['node']}: left out of the plan, GPUs of a model the planner does not know: "
+                  f"{', '.join(unknown)}", file=sys.stderr)
+        out[str(m["node"])] = (float(m["cores"]), float(m.get("memory_bytes") or 0) / 2**20, gpus)
     if not out:
         raise EtcdError(f"cluster '{a.cluster_name}' at {a.cluster} has no members now: start the nodes first, "
                         "or give --nodes")

@@ -29,7 +29,14 @@ functions: no I/O but reading the files passed in; `slipstream plan`
 """
 
 from slipstream._internal.planner.cpu import NETWORK_MS, plan_cpu
-from slipstream._internal.planner.gpu import GPU_MODELS, GpuGroup, GpuModel, parse_inventory, plan_gpu
+from slipstream._internal.planner.gpu import (
+    GPU_MODELS,
+    GpuGroup,
+    GpuModel,
+    parse_inventory,
+    plan_gpu,
+    spec_from_smi,
+)
 from slipstream._internal.planner.plan import (
     PipelinePlan,
     Plan,
@@ -42,4 +49,5 @@ from slipstream._internal.planner.plan import (
 )
 
 __all__ = ["GPU_MODELS", "NETWORK_MS", "GpuGroup", "GpuModel", "PipelinePlan", "Plan", "StagePlan", "apply_plan", "format_plan",
-           "parse_inventory", "plan_cpu", "plan_gpu", "profiles_for_threads", "stage_points", "with_components"]
+           "parse_inventory", "plan_cpu", "plan_gpu", "profiles_for_threads", "spec_from_smi", "stage_points",
+           "with_components"]

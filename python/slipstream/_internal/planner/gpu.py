@@ -144,6 +144,43 @@ def parse_inventory(spec: str) -> list[GpuGroup]:
     return groups
 
 
+def spec_from_smi(lines: Sequence[str]) -> tuple[str, list[str]]:
+    """A node's GPUs as ``--nodes`` writes them (``2xA30+1xA100-80GB:nomig``)
+    from its ``nvidia-smi -L`` lines (what a member's record carries), and
+    the GPUs left out because the planner knows no such model. A GPU with
+    MIG slices listed under it is planned with MIG (its layout is the
+    plan's to choose), one without as a whole GPU."""
+    found: list[tuple[str, bool]] = []  # (model line, has MIG slices)
+    for line in (x.strip() for x in lines):
+        if line.startswith("GPU ") and "(UUID:" in line:
+            found.append((line.split("(UUID:")[0].split(":", 1)[-1].strip(), False))
+        elif line.startswith("MIG ") and found:
+            found[-1] = (found[-1][0], True)
+    counts: dict[str, int] = {}
+    unknown = []
+    for name, mig in found:
+        model = _model_of(name)
+        if model is None:
+            unknown.append(name)
+            continue
+        key = model + ("" if mig else ":nomig")
+        counts[key] = counts.get(key, 0) + 1
+    return "+".join(f"{n}x{k}" for k, n in counts.items()), unknown
+
+
+def _model_of(smi_name: str) -> str | None:
+    """The planner's model for an ``nvidia-smi`` product name
+    (``NVIDIA A100-SXM4-80GB``, ``NVIDIA H100 80GB HBM3``), if it knows one."""
+    n = smi_name.upper()
+    if "A30" in n:
+        return "A30"
+    if "A100" in n:
+        return "A100-80GB" if "80GB" in n else "A100-40GB"
+    if "H100" in n:
+        return "H100-80GB"
+    return None
+
+
 def _cluster_groups(nodes: Mapping[str, str]) -> tuple[list[GpuGroup], list[list[tuple[str, int]]]]:
     """One group per GPU model and MIG setting across `nodes` (name ->
     ``4xA100+2xA30:nomig``), and which nodes hold each group's GPUs (name,
