@@ -361,6 +361,13 @@ def test_a_member_s_gpus_are_read_from_its_nvidia_smi_lines() -> None:
     assert planner.spec_from_smi([]) == ("", [])
 
 
+def test_a_gpu_plan_says_which_stage_needs_more_slices_than_there_are() -> None:
+    pipe = ss.Pipeline("p", comp("Big").options(replicas=5) >> comp("Small"))
+    prof = profile(Big=gpu_stage(10, 100), Small=gpu_stage(2, 400))
+    with pytest.raises(ConfigError, match=r"p/Big needs at least 5 replica\(s\).*at most 4 slice"):
+        planner.plan_gpu([pipe], {"p": prof}, "2xA30")
+
+
 def preflmr_audioquery() -> tuple[list[ss.Pipeline], dict[str, Any]]:
     from bench import plan_mig
 

@@ -81,6 +81,11 @@ def test_a_watching_planner_plans_again_when_a_node_joins(etcd: Etcd, tmp_path: 
         assert {name: n.pid for name, n in ns.items() if name in pids} == pids
         assert all(n.proc.poll() is None for n in ns.values())
         assert cluster_of(a)["deploy"] == deployed
+        shown = subprocess.run([*CLI, "status", "--url", a.url], capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        assert "3 member(s): a (" in shown.stdout and "placement (epoch" in shown.stdout, shown.stdout
+        prod = " ".join(f"{n}:{k}" for n, k in sorted(cluster_of(a)["plan"]["planned"]["diamond/Prod"].items()))
+        assert "plan (slipstream plan --watch" in shown.stdout and f"diamond/Prod {prod}" in shown.stdout, shown.stdout
         for n in ns.values():
             wait_for(lambda n=n: n.infer("diamond", x=[[3.0, 2.0]])[0] == 200, timeout=60)
             status, body = n.infer("diamond", x=[[3.0, 2.0]])

@@ -47,6 +47,37 @@ def _status(url: str) -> dict[str, Any]:
         return c.status()
 
 
+def _per_node(assignment: dict[str, dict[str, int]]) -> str:
+    """``{"p/s": {"n1": 2}}`` as ``p/s n1:2``, stage by stage."""
+    return "; ".join(f"{k} " + " ".join(f"{n}:{c}" for n, c in sorted(v.items()))
+                     for k, v in sorted(assignment.items())) or "-"
+
+
+def _cluster_lines(c: dict[str, Any]) -> str:
+    """A cluster member's part of `slipstream status`: the members, the
+    placement in force and the plan it follows."""
+    members = c.get("members") or {}
+    names = ", ".join(f"{n} ({m.get('cores', '?')} cores{', ' + str(len(m['gpus'])) + ' GPUs' if m.get('gpus') else ''})"
+                      for n, m in sorted(members.items()))
+    lines = [f"cluster '{c.get('cluster')}': node {c.get('node')}, deployment {c.get('deploy')}, "
+             f"{len(members)} member(s): {names or 'none'}"]
+    for what in ("cordoned", "suspects"):
+        if c.get(what):
+            lines.append(f"  {what}: {', '.join(c[what])}")
+    p = c.get("placement")
+    if p:
+        lines.append(f"  placement (epoch {p['epoch']}, by {p['by']}): {_per_node(p['stages'])}")
+        if p.get("standby"):
+            lines.append(f"  standbys: {_per_node(p['standby'])}")
+    plan = c.get("plan")
+    if plan:
+        made = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(plan["at"])) if plan.get("at") else "?"
+        lines.append(f"  plan ({plan.get('note') or 'no note'}, {made}): {_per_node(plan['planned'])}")
+    else:
+        lines.append("  plan: none (replica counts balanced over the members)")
+    return "\n".join(lines)
+
+
 def cmd_status(a: argparse.Namespace) -> int:
     st = _status(a.url)
     if a.json:
@@ -59,6 +90,8 @@ def cmd_status(a: argparse.Namespace) -> int:
         print(f"listening: HTTP {listen['http']}  gRPC {', '.join(listen['grpc']) or 'off'}")
     c = st["copies"]
     print(f"payload copies: ingress={c['ingress']} gather={c['gather']} worker={c['worker']} egress={c['egress']}")
+    if st.get("cluster"):
+        print(_cluster_lines(st["cluster"]))
     store = st.get("store")
     if store:
         t = store["triggers"]

@@ -292,6 +292,12 @@ def _gpu_stages(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[st
                     st.points[k] = pt
             if not st.points:
                 raise ConfigError(f"{pipe.name}/{name} ({st.memory_gb:g} GB) fits no slice of this inventory")
+            fits = {(slices[k].group, slices[k].name) for k in st.points}
+            room = sum(grp.count * max(sum((gi, sl) in fits for sl in lay) for lay in grp.model.layouts)
+                       for gi, grp in enumerate(groups))
+            if st.lo > room:
+                raise ConfigError(f"{pipe.name}/{name} needs at least {st.lo} replica(s), one per slice, but this "
+                                  f"inventory has at most {room} slice(s) its {st.memory_gb:g} GB fit")
             out.append(st)
     return out
 
