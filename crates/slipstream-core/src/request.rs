@@ -489,13 +489,19 @@ impl Request {
     }
 
     /// A chunk of stage `stage`'s outputs from a streaming component,
-    /// passed on where [`Request::wants_chunks`] says.
+    /// passed on where [`Request::wants_chunks`] says. Once one is passed
+    /// on, the stage's work for this request is not retried if its
+    /// executor is lost (it fails with 503 instead): a retry would stream
+    /// the chunks again from the first, and the client would see them
+    /// twice.
     pub fn push_chunk(&self, stage: usize, outputs: Tensors) {
         if !self.wants_chunks(stage) {
             return;
         }
         if let Some(tx) = &self.state.lock().chunks {
-            let _ = tx.send(outputs);
+            if tx.send(outputs).is_ok() {
+                self.retried.fetch_or(1u64 << stage.min(63), Relaxed);
+            }
         }
     }
 

@@ -197,6 +197,37 @@ async fn a_drained_replica_leaves_though_its_node_last_reported_a_backlog() {
     until("the drained replica leaves its stage", || !st.replicas().iter().any(|x| x.id == r.id)).await;
 }
 
+#[tokio::test]
+async fn a_stage_whose_chunks_reached_the_client_is_not_retried() {
+    // A retry would stream the chunks again from the first.
+    let stages = r#"[{"name": "a", "component": "A", "replicas": 2}]"#;
+    let t = TestNode::new(&app(5000.0, stages), Fake::echo().delay("a", Duration::from_secs(1))).await;
+    let pipe = t.node.pipeline("p").unwrap();
+    let st = &pipe.stages[0];
+    until("both replicas are ready", || st.replicas().iter().all(|r| r.phase() == Phase::Ready)).await;
+    let now = Instant::now();
+    let bytes: Vec<u8> = [1.0f32, 2.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let inputs = HeapTensors(vec![("x".into(), DType::Float32, vec![1, 2], bytes)]).to_arena(t.node.arena()).unwrap();
+    let route = vec![st.replicas()[0].clone()];
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let ticket = crate::pipeline::Ticket::new(1, now, now + Duration::from_secs(5), route);
+    let (req, _answer) = crate::Request::for_stage(pipe.clone(), 0, inputs.clone(), ticket, Some(tx));
+    assert!(req.wants_chunks(0));
+    // A request that has streamed nothing may be retried once.
+    let (other, _) = crate::Request::for_stage(
+        pipe.clone(),
+        0,
+        inputs.clone(),
+        crate::pipeline::Ticket::new(2, now, now + Duration::from_secs(5), vec![st.replicas()[0].clone()]),
+        None,
+    );
+    assert!(!other.wants_chunks(0), "no chunk channel: nobody to pass chunks to");
+    assert!(crate::replica::Job::mark_retried(&*other, 0));
+    req.push_chunk(0, inputs);
+    assert!(rx.try_recv().is_ok(), "the chunk was passed on");
+    assert!(!crate::replica::Job::mark_retried(&*req, 0), "a stage that streamed is not retried");
+}
+
 /// Waits until `f` holds (5 s at most).
 async fn until(what: &str, f: impl Fn() -> bool) {
     tokio::time::timeout(Duration::from_secs(5), async {
