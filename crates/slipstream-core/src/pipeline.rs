@@ -320,12 +320,17 @@ impl StageRt {
     /// Where new work for this stage goes, among the `eligible` replicas:
     /// the shortest accepting queue, else (none accepts) a warm standby
     /// ([`stand_in`]), else one that will serve it once its worker is
-    /// (re)started; `None` if none ever will.
+    /// (re)started, a serving replica before a standby still warming up
+    /// (which only stands in when nothing else serves: a request queued on
+    /// it waited there for its deadline while the serving replica it
+    /// could have waited for came back); `None` if none ever will.
     fn target_among(&self, tiebreak: u64, eligible: &dyn Fn(&Replica) -> bool) -> Option<Arc<Replica>> {
         let set = self.replicas();
         self.choose_or_stand_in(&set, tiebreak, eligible).or_else(|| {
             let waiting: Vec<&Arc<Replica>> = set.iter().filter(|r| r.phase().will_serve() && eligible(r)).collect();
-            (!waiting.is_empty()).then(|| waiting[(tiebreak as usize) % waiting.len()].clone())
+            let serving: Vec<&Arc<Replica>> = waiting.iter().copied().filter(|r| !r.is_standby()).collect();
+            let pool = if serving.is_empty() { &waiting } else { &serving };
+            (!pool.is_empty()).then(|| pool[(tiebreak as usize) % pool.len()].clone())
         })
     }
 

@@ -228,6 +228,37 @@ async fn a_stage_whose_chunks_reached_the_client_is_not_retried() {
     assert!(!crate::replica::Job::mark_retried(&*req, 0), "a stage that streamed is not retried");
 }
 
+#[tokio::test]
+async fn work_waits_for_a_serving_replica_coming_back_not_a_standby_warming_up() {
+    // The serving replica loses its worker and restarts (300 ms); a standby
+    // added meanwhile takes 3 s to warm up. New work waits for the serving
+    // replica: queued on the cold standby, it waited there for its
+    // deadline (a rolling restart's 504 in CI).
+    let fake = Fake::echo();
+    let t = TestNode::new(&app(5000.0, r#"[{"name": "a", "component": "A"}]"#), fake.clone()).await;
+    let p = t.node.pipeline("p").unwrap();
+    let serving = p.stages[0].replicas()[0].clone();
+    until("the replica is ready", || serving.phase() == Phase::Ready).await;
+    fake.slow_starts(Duration::from_millis(300), Duration::from_secs(3));
+    fake.lose_next("a");
+    assert!(t.infer("p", &[("x", &[1.0])]).await.is_err(), "nowhere to retry the lost batch");
+    t.node.change(&p, 0, Change::Stand(1));
+    assert!(serving.phase() != Phase::Ready, "the serving replica is restarting");
+    let t0 = Instant::now();
+    let x = [("x", &[1.0f32][..])];
+    let answers = tokio::join!(
+        t.infer("p", &x),
+        t.infer("p", &x),
+        t.infer("p", &x),
+        t.infer("p", &x),
+        t.infer("p", &x),
+        t.infer("p", &x)
+    );
+    let answers = [answers.0, answers.1, answers.2, answers.3, answers.4, answers.5];
+    assert!(answers.iter().all(|a| a.is_ok()), "{:?}", answers.iter().map(|a| a.as_ref().err()).collect::<Vec<_>>());
+    assert!(t0.elapsed() < Duration::from_secs(2), "served once the replica came back: {:?}", t0.elapsed());
+}
+
 /// Waits until `f` holds (5 s at most).
 async fn until(what: &str, f: impl Fn() -> bool) {
     tokio::time::timeout(Duration::from_secs(5), async {

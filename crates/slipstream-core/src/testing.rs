@@ -42,6 +42,8 @@ pub struct Fake {
     /// Replica starts that end with the replica removed meanwhile (as a
     /// placement change does), per stage name, one each.
     removed_at_start: Arc<Mutex<VecDeque<String>>>,
+    /// How long a replica's start takes from now on: (serving, standby).
+    start_delays: Arc<Mutex<(Duration, Duration)>>,
     /// Batches run, over all replicas.
     pub batches: Arc<AtomicUsize>,
 }
@@ -54,6 +56,7 @@ impl Fake {
             delays: Arc::default(),
             lose: Arc::default(),
             removed_at_start: Arc::default(),
+            start_delays: Arc::default(),
             batches: Arc::default(),
         }
     }
@@ -83,6 +86,12 @@ impl Fake {
         self
     }
 
+    /// Replica starts take `serving`, and standbys' `standby`, from now
+    /// on (as a cold worker's on a busy machine).
+    pub fn slow_starts(&self, serving: Duration, standby: Duration) {
+        *self.start_delays.lock() = (serving, standby);
+    }
+
     fn delay_of(&self, stage: &str) -> Duration {
         self.delays.lock().iter().find(|(s, _)| s == stage).map_or(Duration::ZERO, |(_, d)| *d)
     }
@@ -96,12 +105,16 @@ struct FakeBackend {
 
 impl Backend for FakeBackend {
     async fn start(&mut self, ctx: &ReplicaCtx) -> Result<Started, String> {
-        let mut removed = self.fake.removed_at_start.lock();
-        if let Some(i) = removed.iter().position(|s| *s == ctx.stage().name) {
-            removed.remove(i);
-            ctx.me.drain();
-            return Err("stopped".into());
+        {
+            let mut removed = self.fake.removed_at_start.lock();
+            if let Some(i) = removed.iter().position(|s| *s == ctx.stage().name) {
+                removed.remove(i);
+                ctx.me.drain();
+                return Err("stopped".into());
+            }
         }
+        let (serving, standby) = *self.fake.start_delays.lock();
+        tokio::time::sleep(if ctx.me.is_standby() { standby } else { serving }).await;
         Ok(Started { pid: 0, detail: "in-process".into() })
     }
 
