@@ -371,8 +371,9 @@ async fn reconcile(etcd: &Etcd, node: &Arc<Node>, cluster: &Arc<Cluster>, keys: 
         let adopted = prev_standby.map(|sb| slipstream_sched::placement::adopt_standbys(want, &names, prev, sb));
         let before = adopted.as_ref().or(prev);
         let stages = slipstream_sched::placement::place_near(want, &names, before, &data);
-        let planned = plan.as_ref().map(|p| p.planned.clone()).unwrap_or_default();
-        let stages = slipstream_sched::placement::follow_plan(stages, want, &names, before, &planned);
+        let no_plan = Default::default();
+        let planned = plan.as_ref().map_or(&no_plan, |p| &p.planned);
+        let stages = slipstream_sched::placement::follow_plan(stages, want, &names, before, planned);
         let failover = cluster.opts.standbys;
         let standby = slipstream_sched::placement::standbys(&stages, &names, prev_standby, &wanted.standby, failover);
         if prev != Some(&stages) || prev_standby != Some(&standby) {

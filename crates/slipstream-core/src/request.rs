@@ -481,11 +481,16 @@ impl Request {
     /// chunks), or, for one stage's work run for another node, to that
     /// node when its request streams.
     pub fn wants_chunks(&self, stage: usize) -> bool {
-        let passed_on = match self.only {
+        self.passes_chunks_on(stage) && self.state.lock().chunks.is_some()
+    }
+
+    /// Whether stage `stage`'s chunks would be passed on (given a chunk
+    /// channel): see [`Request::wants_chunks`].
+    fn passes_chunks_on(&self, stage: usize) -> bool {
+        match self.only {
             Some(only) => only == stage,
             None => self.pipe.dag.sinks.contains(&stage) && self.pipe.join_of[stage].is_none(),
-        };
-        passed_on && self.state.lock().chunks.is_some()
+        }
     }
 
     /// A chunk of stage `stage`'s outputs from a streaming component,
@@ -495,13 +500,12 @@ impl Request {
     /// the chunks again from the first, and the client would see them
     /// twice.
     pub fn push_chunk(&self, stage: usize, outputs: Tensors) {
-        if !self.wants_chunks(stage) {
+        if !self.passes_chunks_on(stage) {
             return;
         }
-        if let Some(tx) = &self.state.lock().chunks {
-            if tx.send(outputs).is_ok() {
-                self.retried.fetch_or(1u64 << stage.min(63), Relaxed);
-            }
+        let sent = self.state.lock().chunks.as_ref().is_some_and(|tx| tx.send(outputs).is_ok());
+        if sent {
+            Job::mark_retried(self, stage); // from here on, a lost executor fails it
         }
     }
 

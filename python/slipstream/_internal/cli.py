@@ -612,7 +612,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
             print(f"\nwrote {out}; run it with: slipstream serve {a.app} --plan {out}")
     if a.apply:
         try:
-            deployment = apply_plan(a, planned_per_node(plan), f"slipstream plan --apply ({_members_line(a.nodes)})")
+            deployment = apply_plan(a, current_deployment(a), planned_per_node(plan),
+                                    f"slipstream plan --apply ({_members_line(a.nodes)})")
         except EtcdError as e:
             return _fail(str(e))
         print(f"\nwrote {out}; cluster '{a.cluster_name}' places deployment {deployment} by it now")
@@ -653,6 +654,7 @@ def _watch_plan(a: argparse.Namespace, pipelines: list[Any], profiles: dict[str,
     said and tried again at the next look."""
     done: tuple[Any, str] | None = None
     said = ""
+    warned: set[str] = set()
 
     def say(msg: str) -> None:
         nonlocal said
@@ -660,23 +662,27 @@ def _watch_plan(a: argparse.Namespace, pipelines: list[Any], profiles: dict[str,
             print(f"plan --watch: {msg}", file=sys.stderr, flush=True)
             said = msg
 
+    def warn(msg: str) -> None:
+        if msg not in warned:
+            warned.add(msg)
+            print(f"plan --watch: {msg}", file=sys.stderr, flush=True)
+
     try:
         while True:
             try:
-                members = member_inventory(a)
-                deployment = str(current_deployment(a)["id"])
+                members = member_inventory(a, warn)
+                d = current_deployment(a)
+                deployment = str(d["id"])
                 if done != (members, deployment):
                     a.nodes = members
                     say(f"deployment {deployment} on {_members_line(members)}: planning")
                     t0 = time.monotonic()
                     plan = _make_plan(a, pipelines, profiles)
                     planned = planned_per_node(plan)
-                    apply_plan(a, planned, f"slipstream plan --watch ({_members_line(members)})")
+                    apply_plan(a, d, planned, f"slipstream plan --watch ({_members_line(members)})")
                     out.write_text(json.dumps(plan.to_json(), indent=2))
                     done = (members, deployment)
-                    per = "; ".join(f"{k} " + " ".join(f"{n}:{c}" for n, c in sorted(v.items()))
-                                    for k, v in sorted(planned.items()))
-                    say(f"applied to deployment {deployment} in {time.monotonic() - t0:.1f} s: {per}")
+                    say(f"applied to deployment {deployment} in {time.monotonic() - t0:.1f} s: {_per_node(planned)}")
             except (EtcdError, Error) as e:
                 say(f"{e}; looking again in {a.watch:g} s")
             time.sleep(a.watch)

@@ -25,7 +25,7 @@ import os
 import ssl
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -309,10 +309,9 @@ def current_deployment(a: argparse.Namespace) -> dict[str, Any]:
         raise EtcdError(f"the deploy record: {e}") from None
 
 
-def apply_plan(a: argparse.Namespace, planned: dict[str, dict[str, int]], note: str) -> str:
-    """Write `planned` for the deployment in force; its id. EtcdError when
-    the plan names stages the deployment lacks."""
-    d = current_deployment(a)
+def apply_plan(a: argparse.Namespace, d: dict[str, Any], planned: dict[str, dict[str, int]], note: str) -> str:
+    """Write `planned` for deployment `d` (`current_deployment`); its id.
+    EtcdError when the plan names stages the deployment lacks."""
     stages = {f"{p['name']}/{s['name']}" for p in d["spec"]["pipelines"] for s in p["stages"]}
     unknown = sorted(set(planned) - stages)
     if unknown:
@@ -321,11 +320,13 @@ def apply_plan(a: argparse.Namespace, planned: dict[str, dict[str, int]], note: 
     return str(d["id"])
 
 
-def member_inventory(a: argparse.Namespace) -> dict[str, tuple[float, float, str]]:
+def member_inventory(a: argparse.Namespace, warn: Callable[[str], None] | None = None
+                     ) -> dict[str, tuple[float, float, str]]:
     """The cores, memory (MiB) and GPUs (as ``--nodes`` writes them; "":
     none) of the cluster's members now (`slipstream plan --cluster`), by
     node name, from their signed records. GPUs of a model the planner
-    does not know are left out, and said."""
+    does not know are left out, and said through `warn` (default: on
+    stderr)."""
     from slipstream._internal.planner import spec_from_smi
 
     out: dict[str, tuple[float, float, str]] = {}
@@ -336,8 +337,8 @@ def member_inventory(a: argparse.Namespace) -> dict[str, tuple[float, float, str
             raise EtcdError(f"{key}: {e}") from None
         gpus, unknown = spec_from_smi([str(x) for x in m.get("gpus") or []])
         if unknown:
-            print(f"{m['node']}: left out of the plan, GPUs of a model the planner does not know: "
-                  f"{', '.join(unknown)}", file=sys.stderr)
+            (warn or (lambda msg: print(msg, file=sys.stderr)))(
+                f"{m['node']}: left out of the plan, GPUs of a model the planner does not know: {', '.join(unknown)}")
         out[str(m["node"])] = (float(m["cores"]), float(m.get("memory_bytes") or 0) / 2**20, gpus)
     if not out:
         raise EtcdError(f"cluster '{a.cluster_name}' at {a.cluster} has no members now: start the nodes first, "
