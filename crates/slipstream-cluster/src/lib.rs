@@ -24,6 +24,7 @@
 mod agent;
 mod autoscale;
 mod feedback;
+mod handoff;
 mod handover;
 mod remote;
 mod serve;
@@ -87,6 +88,15 @@ pub struct ClusterOptions {
     /// data plane, and the client certificate for an `https://` etcd.
     #[serde(default)]
     pub tls: Option<std::path::PathBuf>,
+    /// Whether a chain of stages on other nodes hands each request from
+    /// node to node (see `handoff.rs`); false: every stage's answer comes
+    /// back to the ingress (hub and spoke).
+    #[serde(default = "default_direct")]
+    pub direct: bool,
+}
+
+fn default_direct() -> bool {
+    true
 }
 
 fn default_standbys() -> bool {
@@ -329,6 +339,8 @@ pub struct Cluster {
     feedback: std::sync::OnceLock<FeedbackFn>,
     /// The cluster's autoscaler (it decides while this node leads).
     scaler: autoscale::ClusterScaler,
+    /// Requests handed on along chains of stages, this node their ingress.
+    handoffs: handoff::Handoffs,
     /// The node's pipelines (fixed for its life) and event log.
     pipelines: Vec<Arc<PipelineRt>>,
     events: Arc<slipstream_core::events::Events>,
@@ -429,7 +441,12 @@ impl Cluster {
                 "refused_records": c.refused_records.load(Relaxed),
                 "refused_handshakes": server.map_or(0, |s| s.refused()),
                 "placements_written": c.placements_written.load(Relaxed),
+                "chains_started": self.handoffs.chains.load(Relaxed),
+                "chains_delivered": self.handoffs.delivered.load(Relaxed),
+                "chains_pending": self.handoffs.pending(),
+                "handed_on": self.handoffs.handed_on.load(Relaxed),
             },
+            "direct_handoff": self.opts.direct,
             // With TLS, encryption copies every byte once more on each
             // side: `zero_copy_tensors` then counts the copies we skip, not
             // what reaches the socket.
@@ -585,6 +602,7 @@ pub async fn start(
         scaler: autoscale::ClusterScaler::new(scale),
         tag: Default::default(),
         feedback: std::sync::OnceLock::new(),
+        handoffs: Default::default(),
         pipelines: node.pipelines().values().cloned().collect(),
         events: node.events().clone(),
         opts,

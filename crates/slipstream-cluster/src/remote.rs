@@ -24,11 +24,14 @@
 //! only replica costs the batch in flight a retry, not seconds of 503s
 //! until the lease expires and a replica starts elsewhere.
 
-use crate::wire::{error_from, lend, split_incoming, ArenaBuf, CallMeta, CallReq, PartMeta, ReplyMeta, ReqResult};
+use crate::handoff::Opened;
+use crate::wire::{
+    error_from, lend, split_incoming, ArenaBuf, CallMeta, CallReq, Hop, Ingress, PartMeta, ReplyMeta, ReqResult,
+};
 use crate::{Cluster, View};
 use slipstream_core::drive::{drive, Backend, Batch, Outcome, ReplicaCtx, Reply, Running, Started};
 use slipstream_core::drive::{FirstStart, Launcher, ReplicaTask};
-use slipstream_core::replica::{Phase, RemoteAt};
+use slipstream_core::replica::{Job, Phase, RemoteAt};
 use slipstream_core::NodeError;
 use slipstream_peer::{Incoming, Outgoing, PeerError};
 use std::sync::atomic::Ordering::Relaxed;
@@ -92,6 +95,27 @@ fn pass_on(ctx: &ReplicaCtx, batch: &Batch, part: Incoming<ArenaBuf>) {
     }
 }
 
+impl RemoteNode {
+    /// The chain `req` takes from here, if the stages after this one run
+    /// on other nodes ([`Job::chain_after`]): its hops, and its way back
+    /// here under a token this node's table keeps it by.
+    fn chain(&self, ctx: &ReplicaCtx, req: &Arc<dyn Job>) -> (Vec<Hop>, Option<Ingress>) {
+        let chain = req.chain_after(ctx.stage_index());
+        let hops: Option<Vec<Hop>> = chain
+            .iter()
+            .map(|(s, r)| r.remote.as_ref().map(|at| Hop { stage: *s as u32, node: at.node.clone(), addr: at.addr }))
+            .collect();
+        match hops {
+            Some(hops) if !hops.is_empty() => {
+                let stages = std::iter::once(ctx.stage_index()).chain(chain.iter().map(|(s, _)| *s)).collect();
+                let token = self.cluster.handoffs.open(req, stages, ctx.pipeline());
+                (hops, Some(Ingress { addr: self.cluster.data_addr, token }))
+            }
+            _ => (Vec::new(), None),
+        }
+    }
+}
+
 impl Backend for RemoteNode {
     /// Wait until the node serves the stage (probing it, if it failed here).
     async fn start(&mut self, ctx: &ReplicaCtx) -> Result<Started, String> {
@@ -136,11 +160,21 @@ impl Backend for RemoteNode {
         let mut tensors = Vec::new();
         let mut reqs = Vec::with_capacity(n);
         let mut latest = now;
+        let mut opened = Opened::new(&self.cluster.handoffs);
         for ((req, inputs), deadline) in batch.members.iter().zip(batch.deadlines()) {
+            let chunks = req.wants_chunks(ctx.stage_index());
+            let (then, ingress) = match self.cluster.opts.direct && !chunks {
+                true => self.chain(ctx, req),
+                false => (Vec::new(), None),
+            };
+            opened.push(ingress.map_or(0, |i| i.token));
             reqs.push(CallReq {
                 n: inputs.len() as u32,
                 budget_us: deadline.saturating_duration_since(now).as_micros() as u64,
-                chunks: req.wants_chunks(ctx.stage_index()),
+                chunks,
+                then,
+                ingress,
+                accept: false,
             });
             latest = latest.max(deadline);
             tensors.extend(inputs.iter().map(|(name, t)| lend(name, t)));
@@ -220,10 +254,7 @@ impl Backend for RemoteNode {
         if meta.results.len() != n {
             return internal(format!("node {} answered {} of {n} requests", at.node, meta.results.len()));
         }
-        let counts = meta.results.iter().map(|r| match r {
-            ReqResult::Ok { n } => *n,
-            ReqResult::Err { .. } => 0,
-        });
+        let counts = meta.results.iter().map(ReqResult::count);
         let block = Arc::new(inc.payload.0.freeze());
         let outs = match split_incoming(block, inc.tensors, counts) {
             Ok(o) => o,
@@ -235,11 +266,18 @@ impl Backend for RemoteNode {
             .into_iter()
             .zip(outs)
             .zip(rows)
-            .map(|((result, outputs), rows)| match result {
+            .enumerate()
+            .map(|(i, ((result, outputs), rows))| match result {
+                // Its chain's last node delivers its answer.
+                ReqResult::Handed if opened.keep(i) => Ok(None),
+                ReqResult::Handed => Err(NodeError::Internal(format!(
+                    "node {} handed on a request it was not given a chain for",
+                    at.node
+                ))),
                 ReqResult::Ok { .. } if outputs.iter().any(|(_, t)| t.rows() != rows) => {
                     Err(NodeError::Internal("a remote output's rows do not match its request".into()))
                 }
-                ReqResult::Ok { .. } => Ok(outputs),
+                ReqResult::Ok { .. } => Ok(opened.settles(i).then_some(outputs)),
                 ReqResult::Err { kind, message } => Err(error_from(&kind, message, &stage.name)),
             })
             .collect();

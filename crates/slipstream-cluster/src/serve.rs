@@ -7,6 +7,7 @@
 //! For a request that streams, each chunk a streaming component yields
 //! goes back at once as a partial reply, all of them before the answer.
 
+use crate::handoff::{self, Onward};
 use crate::wire::{lend, split_incoming, ArenaBuf, CallMeta, PartMeta, ReplyMeta, ReqResult};
 use crate::Cluster;
 use slipstream_core::arena::Tensors;
@@ -35,6 +36,9 @@ pub(crate) async fn serve_call(
     }
     if crate::feedback::is_feedback_call(&inc.meta) {
         return cluster.serve_feedback(&from, &inc);
+    }
+    if handoff::is_delivery(&inc.meta) {
+        return handoff::take_delivery(&cluster, &from, inc);
     }
     let meta: CallMeta = match serde_json::from_slice(&inc.meta) {
         Ok(m) => m,
@@ -73,21 +77,45 @@ pub(crate) async fn serve_call(
             node.run_stage(&pipe, stage.index, inputs, deadline, chunks)
         })
         .collect();
-    let mut results = Vec::with_capacity(runs.len());
-    let mut tensors = Vec::new();
-    for run in runs {
-        let outcome: Result<_, NodeError> = match run {
-            Ok(run) => run.outcome().await,
-            Err(e) => Err(e),
-        };
-        match outcome {
-            Ok(outs) => {
-                results.push(ReqResult::Ok { n: outs.len() as u32 });
-                tensors.extend(outs.iter().map(|(n, t)| lend(n, t)));
+    // Each request's answer; None: handed on (its answer goes to its ingress).
+    let mut answers: Vec<Option<Result<Tensors, NodeError>>> = Vec::with_capacity(runs.len());
+    let mut onward = Vec::new();
+    for (i, (r, run)) in meta.reqs.iter().zip(runs).enumerate() {
+        let hop = Onward::of(r, stage.index, now);
+        let run = match run {
+            Ok(run) => run,
+            Err(e) => {
+                answers.push(Some(Err(e)));
+                continue;
             }
-            Err(e) => results.push(ReqResult::Err { kind: e.kind().to_string(), message: e.to_string() }),
+        };
+        match hop {
+            // Handed on to this node: queued here, the rest is this node's.
+            Some(hop) if r.accept => {
+                handoff::carry_on(node.clone(), cluster.clone(), pipe.clone(), run, hop);
+                answers.push(None);
+            }
+            hop => match (run.outcome().await, hop) {
+                (Ok(outs), Some(hop)) => {
+                    onward.push((i, hop, outs));
+                    answers.push(None);
+                }
+                (outcome, _) => answers.push(Some(outcome)),
+            },
         }
     }
+    // Hand each on; one the next node refuses comes back in the reply.
+    for (i, outs) in handoff::hand_on(&node, &cluster, &pipe, onward).await {
+        answers[i] = Some(Ok(outs));
+    }
+    let mut tensors = Vec::new();
+    let results = answers
+        .into_iter()
+        .map(|a| match a {
+            Some(outcome) => ReqResult::of(outcome, &mut tensors),
+            None => ReqResult::Handed,
+        })
+        .collect();
     // Every chunk goes out before the answer (each request's chunk channel
     // closed when its request ended).
     for f in forwards {

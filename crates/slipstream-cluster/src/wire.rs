@@ -63,6 +63,36 @@ pub(crate) struct CallReq {
     /// back as they come ([`PartMeta`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub(crate) chunks: bool,
+    /// The stages after this one, each on its node, that run it next
+    /// without its ingress: this stage's outputs go straight to the first
+    /// (see `handoff.rs`); empty: they come back in the reply.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) then: Vec<Hop>,
+    /// With `then` or `accept`: the ingress's name for the request, and
+    /// where its answer (or the outputs of the last stage run, when a
+    /// handoff is refused) is delivered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) ingress: Option<Ingress>,
+    /// Handed on from the stage before: answer at once that it is queued
+    /// here, then run it and hand it on or deliver it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) accept: bool,
+}
+
+/// One stage of a handoff chain and the node that runs it.
+#[derive(Serialize, Deserialize, Clone, Debug)]
+pub(crate) struct Hop {
+    pub(crate) stage: u32,
+    pub(crate) node: String,
+    pub(crate) addr: std::net::SocketAddr,
+}
+
+/// A handed-on request's way back: its ingress's data plane and its token
+/// there.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug)]
+pub(crate) struct Ingress {
+    pub(crate) addr: std::net::SocketAddr,
+    pub(crate) token: u64,
 }
 
 /// A partial reply: one chunk of a streaming stage's outputs for one
@@ -88,6 +118,31 @@ pub(crate) enum ReqResult {
     Ok { n: u32 },
     #[serde(rename = "false")]
     Err { kind: String, message: String },
+    /// Handed on to the next stage's node (or accepted here, for a request
+    /// handed on to this node): its answer is delivered to its ingress.
+    #[serde(rename = "handed")]
+    Handed,
+}
+
+impl ReqResult {
+    /// The result of `outcome`, with its outputs appended to `tensors`.
+    pub(crate) fn of(outcome: Result<Tensors, NodeError>, tensors: &mut Vec<OutTensor>) -> ReqResult {
+        match outcome {
+            Ok(outs) => {
+                tensors.extend(outs.iter().map(|(n, t)| lend(n, t)));
+                ReqResult::Ok { n: outs.len() as u32 }
+            }
+            Err(e) => ReqResult::Err { kind: e.kind().to_string(), message: e.to_string() },
+        }
+    }
+
+    /// How many of the frame's tensors it names.
+    pub(crate) fn count(&self) -> u32 {
+        match self {
+            ReqResult::Ok { n } => *n,
+            _ => 0,
+        }
+    }
 }
 
 #[derive(Serialize, Deserialize, Default)]

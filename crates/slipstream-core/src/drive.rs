@@ -172,7 +172,9 @@ pub enum Outcome {
     /// Each request's own outcome, in batch order. A request that failed
     /// with [`NodeError::Unavailable`] or [`NodeError::ShuttingDown`] (no
     /// replica there any more) is retried once on another replica.
-    Each(Vec<Result<Tensors, NodeError>>),
+    /// `Ok(None)`: the executor handed the request on to the stages after
+    /// this one, which answer it another way ([`Job::finish_chain`]).
+    Each(Vec<Result<Option<Tensors>, NodeError>>),
     /// The whole batch failed (the component raised, or its answer is unusable).
     Failed(NodeError),
 }
@@ -598,7 +600,8 @@ fn settle(ctx: &ReplicaCtx, b: Batch, outcome: Outcome) {
             m.hop_us.record(rtt_us);
             for ((req, _), result) in b.members.into_iter().zip(results) {
                 match result {
-                    Ok(outs) => req.finish(ctx.stage, outs),
+                    Ok(Some(outs)) => req.finish(ctx.stage, outs),
+                    Ok(None) => {} // handed on: settled when its chain answers
                     Err(e) => {
                         if matches!(e, NodeError::Component { .. }) {
                             m.errors.fetch_add(1, Relaxed);

@@ -128,6 +128,15 @@ pub trait Job: Send + Sync {
     /// once; parallel branches lost together, to one node's loss, are each
     /// retried).
     fn mark_retried(&self, stage: usize) -> bool;
+    /// The stages after `stage` that other nodes can run in turn, each
+    /// handing the request straight to the next, without this node (see
+    /// [`crate::request::Request::chain_after`]), with the replica routed
+    /// for each: empty when stage `stage`'s answer must come back here.
+    fn chain_after(&self, stage: usize) -> Vec<(usize, Arc<Replica>)>;
+    /// A chain of stages (the one it was handed on from first, then stages
+    /// of its [`Job::chain_after`], in order) finished elsewhere:
+    /// `outputs` are the last one's, and the request moves on from there.
+    fn finish_chain(self: Arc<Self>, stages: &[usize], outputs: Tensors);
 }
 
 /// One queued unit of work: a request waiting for this replica.

@@ -465,6 +465,54 @@ impl Request {
         answer
     }
 
+    /// The stages after `stage` that other nodes can run in turn, each
+    /// handing the request straight to the next (a chain: each has one
+    /// parent and one child before it, is not a candidate of a join and has
+    /// no hook here), as far as its route stays on other nodes, with the
+    /// replica routed for each. Empty for one stage's work run for another
+    /// node and for a streaming request (its chunks come back with its
+    /// calls).
+    pub fn chain_after(&self, stage: usize) -> Vec<(usize, Arc<Replica>)> {
+        let (pipe, dag) = (&self.pipe, &self.pipe.dag);
+        let mut chain = Vec::new();
+        if self.only.is_some() || pipe.join_of[stage].is_some() || self.state.lock().chunks.is_some() {
+            return chain;
+        }
+        let mut at = stage;
+        while let [next] = dag.children[at][..] {
+            let r = &self.route[next];
+            let chained =
+                dag.parents[next].len() == 1 && pipe.join_of[next].is_none() && pipe.stages[next].hook.is_none();
+            if !chained || r.is_local() || r.phase() != Phase::Ready || r.leaving() {
+                break;
+            }
+            chain.push((next, r.clone()));
+            at = next;
+        }
+        chain
+    }
+
+    /// A chain of stages finished on other nodes (see [`Job::finish_chain`]):
+    /// the stages before the last settle with no outputs here (theirs went
+    /// straight to the next node), the last with `outputs`, and the request
+    /// moves on from it.
+    pub fn finish_chain(self: &Arc<Self>, stages: &[usize], outputs: Tensors) {
+        let Some((&last, before)) = stages.split_last() else { return };
+        let mut ready = Vec::new();
+        let answer = {
+            let mut st = self.state.lock();
+            if st.reply.is_none() {
+                return;
+            }
+            for &s in before {
+                self.settle_stage(&mut st, s, Vec::new(), &mut ready);
+            }
+            ready.clear(); // the chain's own stages, already run
+            self.settle_stage(&mut st, last, outputs, &mut ready)
+        };
+        self.go_on(answer, &ready);
+    }
+
     /// After the state is unlocked: answer, or send the ready stages on.
     fn go_on(self: &Arc<Self>, answer: Option<(oneshot::Sender<Reply>, Tensors)>, ready: &[usize]) {
         if let Some((tx, merged)) = answer {
@@ -594,6 +642,14 @@ impl Job for Request {
     fn mark_retried(&self, stage: usize) -> bool {
         let bit = 1u64 << stage.min(63);
         self.retried.fetch_or(bit, Relaxed) & bit == 0
+    }
+
+    fn chain_after(&self, stage: usize) -> Vec<(usize, Arc<Replica>)> {
+        Request::chain_after(self, stage)
+    }
+
+    fn finish_chain(self: Arc<Self>, stages: &[usize], outputs: Tensors) {
+        Request::finish_chain(&self, stages, outputs);
     }
 }
 

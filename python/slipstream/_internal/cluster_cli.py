@@ -515,6 +515,7 @@ def _run_node(a: argparse.Namespace, etcd: Etcd, token: str, name: str, waiting:
                    "accept_tokens": tokens(a)[1:],
                    "data_listen": a.data_listen, "ttl_s": a.ttl, "deploy": d["id"],
                    "store_replicas": a.store_replicas, "standbys": not a.no_standbys,
+                   "direct": not a.via_ingress,
                    **({"tls": str(Path(a.tls).resolve())} if a.tls else {}),
                    **({"advertise": a.advertise} if a.advertise else {})}
         print(f"slipstream: node {name}: running deployment {d['id']} ({app})", file=sys.stderr)
@@ -633,4 +634,8 @@ def add_cluster_commands(sub: Any) -> None:
                    help="keep no warm standby of a stage whose replicas all run on one node (by default, when "
                         "this node places the cluster, such a stage gets one on another node, which stands in "
                         "at once when that node is lost)")
+    n.add_argument("--via-ingress", action="store_true",
+                   help="bring every stage's answer back to the request's ingress before the next stage (by "
+                        "default, a chain of stages on other nodes hands each request from node to node and the "
+                        "last delivers the answer, crossing each link once)")
     n.set_defaults(fn=cmd_node)

@@ -1,0 +1,308 @@
+//! Stages handing work to each other directly: a chain a -> b -> c whose
+//! stages run on nodes A, B and C, entered at ingress I, crosses
+//! I -> A -> B -> C -> I, each link once, instead of returning to I after
+//! every stage (six crossings, hub and spoke).
+//!
+//! - **At the ingress** ([`crate::remote`]): a request whose next stages
+//!   form a chain routed to other nodes ([`Job::chain_after`]) is sent to
+//!   A's batch with the rest of its route (`then`) and a token, under
+//!   which the ingress keeps it in its table of requests handed on
+//!   ([`Handoffs`]). Its EDF queue, batching and deadline stay the
+//!   ingress's for the first stage: A's answer to the batch comes when A
+//!   has run it, as for any batch.
+//! - **A** runs the stage, then hands the outputs straight to B (one call
+//!   per request, answered as soon as B has queued it), and answers the
+//!   ingress's batch "handed" for it. A request B refuses (no replica, the
+//!   node leaving, unreachable) comes back to the ingress in the reply as
+//!   before, which goes on from there hub and spoke.
+//! - **B** queues it by its deadline with its own work (EDF and drop-late
+//!   hold on every node: each hop carries the time left), runs it, hands
+//!   it on to C the same way; **C**, the chain's last, delivers the
+//!   outputs to the ingress (a call naming the token). A node whose next
+//!   hop refuses delivers its own outputs instead, and the ingress goes
+//!   on from there; a stage that fails delivers its error.
+//! - **The ingress** takes the token out of its table and settles the
+//!   chain's stages at once ([`Job::finish_chain`]). Whoever takes a token
+//!   settles the request: a delivery, or the batch's reply when the
+//!   handoff was refused; a batch that failed or was retried closes its
+//!   tokens, so a late delivery is dropped, never settled twice.
+//!
+//! What hub and spoke has and a chain does not: a node lost while it
+//! holds a handed-on request costs that request its deadline (504; the
+//! ingress's deadline timer answers it), where the ingress would have
+//! retried its batch; and the ingress's replicas of the chain's later
+//! stages learn no latency or load from it (routing and admission there
+//! see only the first stage's). Streaming requests, joins and stages with
+//! a hook (a cache) are never chained. `--via-ingress` turns chains off.
+
+use crate::wire::{error_from, lend, split_incoming, ArenaBuf, CallMeta, CallReq, Hop, Ingress, ReplyMeta, ReqResult};
+use crate::Cluster;
+use serde::{Deserialize, Serialize};
+use slipstream_core::arena::Tensors;
+use slipstream_core::node::StageRun;
+use slipstream_core::replica::Job;
+use slipstream_core::{Node, NodeError, PipelineRt};
+use slipstream_peer::{Incoming, Outgoing};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+/// How long a node waits for the next to accept a request handed on, or
+/// for its ingress to take a delivery (both answer without running anything).
+const ACCEPT_WAIT: Duration = Duration::from_secs(1);
+
+/// The ingress's table of requests handed on, by token.
+#[derive(Default)]
+pub(crate) struct Handoffs {
+    open: parking_lot::Mutex<HashMap<u64, Open>>,
+    next: AtomicU64,
+    /// Chains started here (as the ingress), requests this node handed on
+    /// to the next stage's node, and chains settled here by a delivery.
+    pub(crate) chains: AtomicU64,
+    pub(crate) handed_on: AtomicU64,
+    pub(crate) delivered: AtomicU64,
+}
+
+/// One request handed on: what its delivery settles.
+pub(crate) struct Open {
+    job: Weak<dyn Job>,
+    /// The stage it was sent to run first, then its chain.
+    stages: Vec<usize>,
+    pipe: Arc<PipelineRt>,
+}
+
+/// Sweep settled requests out of the table once every this many tokens.
+const SWEEP_EVERY: u64 = 1024;
+
+impl Handoffs {
+    /// Keep `job`, sent to run `stages` in turn elsewhere; its token.
+    pub(crate) fn open(&self, job: &Arc<dyn Job>, stages: Vec<usize>, pipe: &Arc<PipelineRt>) -> u64 {
+        let token = self.next.fetch_add(1, Relaxed) + 1;
+        self.chains.fetch_add(1, Relaxed);
+        let mut open = self.open.lock();
+        if token.is_multiple_of(SWEEP_EVERY) {
+            // Requests answered some other way (their deadline passed while a
+            // node held them, say) leave no entry behind.
+            open.retain(|_, o| o.job.upgrade().is_some_and(|j| !j.skips(o.stages[0])));
+        }
+        open.insert(token, Open { job: Arc::downgrade(job), stages, pipe: pipe.clone() });
+        token
+    }
+
+    /// Take `token` out: whoever does settles its request.
+    pub(crate) fn take(&self, token: u64) -> Option<Open> {
+        self.open.lock().remove(&token)
+    }
+
+    /// Requests handed on and not yet delivered.
+    pub(crate) fn pending(&self) -> usize {
+        self.open.lock().len()
+    }
+}
+
+/// The tokens one batch opened (0: none for that request): closed when
+/// this is dropped, except those [`Opened::keep`] hands to their delivery.
+pub(crate) struct Opened<'a> {
+    table: &'a Handoffs,
+    tokens: Vec<u64>,
+}
+
+impl<'a> Opened<'a> {
+    pub(crate) fn new(table: &'a Handoffs) -> Opened<'a> {
+        Opened { table, tokens: Vec::new() }
+    }
+
+    pub(crate) fn push(&mut self, token: u64) {
+        self.tokens.push(token);
+    }
+
+    /// Request `i` was handed on: its delivery settles it.
+    pub(crate) fn keep(&mut self, i: usize) -> bool {
+        std::mem::take(&mut self.tokens[i]) != 0
+    }
+
+    /// Request `i` came back in the reply: whether it is still this
+    /// batch's to settle (not if its chain was delivered meanwhile).
+    pub(crate) fn settles(&mut self, i: usize) -> bool {
+        match std::mem::take(&mut self.tokens[i]) {
+            0 => true,
+            t => self.table.take(t).is_some(),
+        }
+    }
+}
+
+impl Drop for Opened<'_> {
+    fn drop(&mut self) {
+        for &t in self.tokens.iter().filter(|&&t| t != 0) {
+            self.table.take(t);
+        }
+    }
+}
+
+/// A request on its way along a chain, as a node running one of its
+/// stages holds it.
+pub(crate) struct Onward {
+    /// The stage run here.
+    stage: usize,
+    /// The stages after it, each with its node.
+    then: Vec<Hop>,
+    ingress: Ingress,
+    deadline: Instant,
+}
+
+impl Onward {
+    /// The way on of a request of a batch (None: it is answered in the reply).
+    pub(crate) fn of(r: &CallReq, stage: usize, now: Instant) -> Option<Onward> {
+        if r.then.is_empty() && !r.accept {
+            return None;
+        }
+        let deadline = now + Duration::from_micros(r.budget_us.min(3_600_000_000));
+        Some(Onward { stage, then: r.then.clone(), ingress: r.ingress?, deadline })
+    }
+}
+
+/// Hand each request on to its next stage's node, all at once; those
+/// refused come back (with their index and outputs) to be answered in the
+/// reply.
+pub(crate) async fn hand_on(
+    node: &Arc<Node>,
+    cluster: &Arc<Cluster>,
+    pipe: &Arc<PipelineRt>,
+    onward: Vec<(usize, Onward, Tensors)>,
+) -> Vec<(usize, Tensors)> {
+    let mut tries = tokio::task::JoinSet::new();
+    for (i, hop, outs) in onward {
+        let (node, cluster, pipe) = (node.clone(), cluster.clone(), pipe.clone());
+        tries.spawn(async move { (!pass(&node, &cluster, &pipe, hop, outs.clone()).await).then_some((i, outs)) });
+    }
+    let mut refused = Vec::new();
+    while let Some(r) = tries.join_next().await {
+        refused.extend(r.ok().flatten());
+    }
+    refused
+}
+
+/// Hand one request's outputs of `hop.stage` to the next stage: whether
+/// it was accepted there (queued on that node, or on this one).
+async fn pass(node: &Arc<Node>, cluster: &Arc<Cluster>, pipe: &Arc<PipelineRt>, hop: Onward, outs: Tensors) -> bool {
+    let Some((next, rest)) = hop.then.split_first() else { return false };
+    let onward =
+        Onward { stage: next.stage as usize, then: rest.to_vec(), ingress: hop.ingress, deadline: hop.deadline };
+    if next.addr == cluster.data_addr {
+        // The next stage runs on this node too.
+        return match node.run_stage(pipe, onward.stage, outs, hop.deadline, None) {
+            Ok(run) => {
+                carry_on(node.clone(), cluster.clone(), pipe.clone(), run, onward);
+                true
+            }
+            Err(_) => false,
+        };
+    }
+    let req = CallReq {
+        n: outs.len() as u32,
+        budget_us: hop.deadline.saturating_duration_since(Instant::now()).as_micros() as u64,
+        chunks: false,
+        then: onward.then,
+        ingress: Some(hop.ingress),
+        accept: true,
+    };
+    let meta = CallMeta { pipeline: pipe.name().to_string(), stage: next.stage, reqs: vec![req] };
+    let tensors = outs.iter().map(|(n, t)| lend(n, t)).collect();
+    let msg = Outgoing::call(serde_json::to_vec(&meta).expect("serialises"), tensors);
+    let Ok(inc) = cluster.peers.call(next.addr, msg, ACCEPT_WAIT).await else { return false };
+    let accepted = serde_json::from_slice::<ReplyMeta>(&inc.meta)
+        .is_ok_and(|m| matches!(m.results.as_slice(), [ReqResult::Handed]));
+    if accepted {
+        cluster.handoffs.handed_on.fetch_add(1, Relaxed);
+    }
+    accepted
+}
+
+/// A request handed on to this node is queued here (`run`): when it has
+/// run, hand it on, or deliver its outputs (or error) to its ingress.
+pub(crate) fn carry_on(node: Arc<Node>, cluster: Arc<Cluster>, pipe: Arc<PipelineRt>, run: StageRun, hop: Onward) {
+    tokio::spawn(async move {
+        let (stage, ingress) = (hop.stage, hop.ingress);
+        let outcome = match run.outcome().await {
+            Ok(outs) if !hop.then.is_empty() => {
+                if pass(&node, &cluster, &pipe, hop, outs.clone()).await {
+                    return;
+                }
+                Ok(outs) // refused: the ingress goes on from this stage
+            }
+            other => other,
+        };
+        deliver(&cluster, &pipe, ingress, stage, outcome).await;
+    });
+}
+
+/// A chain's answer (or the outputs of its last stage run) for the
+/// ingress, under its token.
+#[derive(Serialize, Deserialize)]
+struct Delivery {
+    /// The token (first, so that the meta's first bytes name the call).
+    deliver: u64,
+    pipeline: String,
+    /// The last stage run.
+    through: u32,
+    result: ReqResult,
+}
+
+/// A delivery's meta starts with this (batch, store and feedback calls' never do).
+const DELIVERY_TAG: &[u8] = b"{\"deliver\":";
+
+/// Whether a data-plane call's meta is a delivery.
+pub(crate) fn is_delivery(meta: &[u8]) -> bool {
+    meta.starts_with(DELIVERY_TAG)
+}
+
+async fn deliver(
+    cluster: &Cluster,
+    pipe: &PipelineRt,
+    ingress: Ingress,
+    through: usize,
+    outcome: Result<Tensors, NodeError>,
+) {
+    let mut tensors = Vec::new();
+    let result = ReqResult::of(outcome, &mut tensors);
+    let meta = Delivery { deliver: ingress.token, pipeline: pipe.name().to_string(), through: through as u32, result };
+    let msg = Outgoing::call(serde_json::to_vec(&meta).expect("serialises"), tensors);
+    // An ingress that cannot be reached has lost its request with it.
+    if let Err(e) = cluster.peers.call(ingress.addr, msg, ACCEPT_WAIT).await {
+        tracing::debug!("a delivery to {} failed: {e}", ingress.addr);
+    }
+}
+
+/// At the ingress: settle the request a delivery names. Answered at once;
+/// a token no longer open (the request was answered or retried
+/// meanwhile) is dropped.
+pub(crate) fn take_delivery(cluster: &Cluster, from: &str, inc: Incoming<ArenaBuf>) -> Outgoing {
+    let d: Delivery = match serde_json::from_slice(&inc.meta) {
+        Ok(d) => d,
+        Err(e) => return Outgoing::error(format!("malformed delivery from {from}: {e}")),
+    };
+    let done = Outgoing::reply(b"{}".to_vec(), Vec::new());
+    let Some(open) = cluster.handoffs.take(d.deliver) else { return done };
+    let Some(job) = open.job.upgrade() else { return done };
+    let through = d.through as usize;
+    let Some(at) = open.stages.iter().position(|&s| s == through).filter(|_| open.pipe.name() == d.pipeline) else {
+        job.fail(NodeError::Internal(format!("node {from} delivered stage {through}, not one of the request's chain")));
+        return done;
+    };
+    cluster.handoffs.delivered.fetch_add(1, Relaxed);
+    match d.result {
+        ReqResult::Ok { n } => {
+            match split_incoming(Arc::new(inc.payload.0.freeze()), inc.tensors, std::iter::once(n)) {
+                Ok(mut outs) => job.finish_chain(&open.stages[..=at], outs.pop().unwrap_or_default()),
+                Err(e) => job.fail(NodeError::Internal(format!("node {from} delivered a malformed answer: {e}"))),
+            }
+        }
+        ReqResult::Err { kind, message } => {
+            let name = &open.pipe.stages[through].name;
+            job.fail_stage(through, error_from(&kind, message, name));
+        }
+        ReqResult::Handed => job.fail(NodeError::Internal(format!("node {from} delivered no answer"))),
+    }
+    done
+}

@@ -1,0 +1,43 @@
+"""Test app: a chain of four stages for nodes to hand requests along
+(tests/integration/test_cluster_handoff.py), each stage's arithmetic
+distinct so that an answer shows every stage ran once, in order; B fails
+on cue and sleeps past the SLO on cue."""
+
+import time
+
+import numpy as np
+import slipstream as ss
+
+X = {"x": ss.Tensor("float32", (-1, 2))}
+
+
+@ss.component(max_batch_size=16, inputs=X)
+class A:
+    def __call__(self, batch: ss.Batch) -> dict:
+        return {"a": batch["x"] * 2}
+
+
+@ss.component(max_batch_size=16)
+class B:
+    def __call__(self, batch: ss.Batch) -> dict:
+        a = batch["a"]
+        if (a == 26).any():
+            raise ValueError("13 is unlucky")
+        if (a == 198).any():
+            time.sleep(1.5)  # past the SLO's deadline
+        return {"b": a + 1}
+
+
+@ss.component(max_batch_size=16)
+class C:
+    def __call__(self, batch: ss.Batch) -> dict:
+        return {"c": batch["b"] * 3}
+
+
+@ss.component(max_batch_size=16)
+class D:
+    def __call__(self, batch: ss.Batch) -> dict:
+        return {"y": batch["c"] - 1}
+
+
+relay = ss.Pipeline("relay", A >> B >> C >> D, slo=ss.SLO(p99_ms=1000))
