@@ -1,0 +1,120 @@
+"""Stages handing work to each other directly across nodes
+(crates/slipstream-cluster/src/handoff.rs): a chain A -> B -> C -> D
+planned on nodes a (A, D) and b (B, C), entered at ingresses that hold no
+replica. Through `i` (direct, the default) each request crosses i -> a
+-> b -> a -> i: the ingress sends only A's batch and the chain's last
+node delivers the answer; through `j` (`--via-ingress`) every stage's
+answer comes back to it (hub and spoke). Both answer the same; an error
+in the middle of a chain and a deadline passed in the middle of one
+reach the client as they would hub and spoke."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+import slipstream as ss
+from slipstream.testing import Etcd, deploy, start_node, stop_all
+
+from tests.conftest import APPS, Node, cluster_plan_file, wait_for
+
+PLANNED = {"relay": {"A": {"a": 1}, "B": {"b": 1}, "C": {"b": 1}, "D": {"a": 1}}}
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Node]]:
+    etcd = Etcd(1)
+    ns: dict[str, Node] = {}
+    try:
+        plan = cluster_plan_file(tmp_path_factory.mktemp("plan") / "relay.plan.json", "relay.py", PLANNED,
+                                 {"i": 2.0, "j": 2.0, "a": 2.0, "b": 2.0})
+        out = deploy(etcd, APPS / "relay.py", "--plan", str(plan), wait=0)
+        assert out.returncode == 0, out.stdout + out.stderr
+        ns = {"i": start_node(etcd, "i"), "j": start_node(etcd, "j", "--via-ingress"),
+              "a": start_node(etcd, "a"), "b": start_node(etcd, "b")}
+        for n in ns.values():
+            wait_for(lambda n=n: n.request("GET", "/readyz")[0] == 200
+                     and len(n.status()["cluster"]["members"]) == 4, timeout=180)
+        want = {f"relay/{s}": per for s, per in PLANNED["relay"].items()}
+        i = ns["i"]
+        wait_for(lambda: (i.status()["cluster"]["placement"] or {}).get("stages", {}) == want, timeout=60)
+        yield ns
+    finally:
+        stop_all(list(ns.values()))
+        etcd.stop()
+
+
+def x(v: float) -> np.ndarray:
+    return np.array([[v, v + 0.5]], dtype=np.float32)
+
+
+def expected(v: float) -> list[list[float]]:
+    return [[(2 * w + 1) * 3 - 1 for w in (v, v + 0.5)]]
+
+
+def requests_per_stage(n: Node) -> dict[str, int]:
+    pipe = next(p for p in n.status()["pipelines"] if p["name"] == "relay")
+    return {s["name"]: s["requests"] for s in pipe["stages"]}
+
+
+def counters(n: Node) -> dict[str, Any]:
+    return n.status()["cluster"]["counters"]
+
+
+def answer_many(n: Node, values: list[float]) -> list[list[list[float]]]:
+    def one(v: float) -> list[list[float]]:
+        with n.client() as c:
+            return c.infer("relay", {"x": x(v)})["y"].tolist()
+
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(one, values))
+
+
+def test_a_chain_crosses_each_link_once_and_answers_as_hub_and_spoke(nodes: dict[str, Node]) -> None:
+    i, j = nodes["i"], nodes["j"]
+    for n in (i, j):
+        with n.client() as c:
+            wait_for(lambda c=c: c.infer("relay", {"x": x(1.0)})["y"].tolist() == expected(1.0), timeout=60)
+    before_i, before_j = requests_per_stage(i), requests_per_stage(j)
+    values = [float(v) for v in range(30, 90)]  # not 13 or 99 (B misbehaves on cue)
+    assert answer_many(i, values) == [expected(v) for v in values]
+    assert answer_many(j, values) == [expected(v) for v in values]
+    # The direct ingress ran only A's batches; B, C and D went node to node.
+    got_i = {k: v - before_i[k] for k, v in requests_per_stage(i).items()}
+    assert got_i == {"A": 60, "B": 0, "C": 0, "D": 0}, got_i
+    got_j = {k: v - before_j[k] for k, v in requests_per_stage(j).items()}
+    assert got_j == {"A": 60, "B": 60, "C": 60, "D": 60}, got_j
+    ci, cj = counters(i), counters(j)
+    assert ci["chains_started"] >= 60 and ci["chains_delivered"] == ci["chains_started"], ci
+    assert ci["chains_pending"] == 0 and ci["retried"] == 0, ci
+    assert cj["chains_started"] == 0, cj
+    # a handed each request to b (A -> B), b back to a (C -> D); B -> C stayed on b.
+    assert counters(nodes["a"])["handed_on"] >= 60 and counters(nodes["b"])["handed_on"] >= 60
+    assert i.status()["cluster"]["direct_handoff"] is True and j.status()["cluster"]["direct_handoff"] is False
+
+
+def test_an_error_in_the_middle_of_a_chain_reaches_the_client(nodes: dict[str, Node]) -> None:
+    i = nodes["i"]
+    with i.client(retry=None) as c:
+        with pytest.raises(ss.ComponentFailed, match="13 is unlucky"):
+            c.infer("relay", {"x": x(13.0)})
+        assert c.infer("relay", {"x": x(2.0)})["y"].tolist() == expected(2.0)
+    wait_for(lambda: counters(i)["chains_pending"] == 0, timeout=10)
+
+
+def test_a_deadline_passed_in_the_middle_of_a_chain_is_answered_at_the_deadline(nodes: dict[str, Node]) -> None:
+    i = nodes["i"]
+    with i.client(retry=None) as c:
+        t0 = time.perf_counter()
+        with pytest.raises(ss.DeadlineExceeded):
+            c.infer("relay", {"x": x(99.0)})  # B sleeps 1.5 s; the SLO is 1 s
+        took = time.perf_counter() - t0
+        assert 0.9 < took < 1.4, took
+        # B's queue is EDF on b, and the chain still answers the next ones.
+        wait_for(lambda: c.infer("relay", {"x": x(3.0)})["y"].tolist() == expected(3.0), timeout=10)
+    # The late request's entry left the ingress's table (delivered late, or swept).
+    wait_for(lambda: counters(i)["chains_pending"] == 0, timeout=10)
