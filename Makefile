@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CARGO ?= $(shell command -v cargo 2>/dev/null || echo $$HOME/.cargo/bin/cargo)
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup build lint test test-services test-beside-py test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-cluster bench-plan bench-grpc bench-perf-analyzer bench-overload bench-false-refusals bench-late-admits bench-cluster-store bench-control-plane bench-cluster-surge bench-cluster-stream bench-stream bench-gpu bench-clipper bench-espn data data-small demo clean fmt
+.PHONY: setup build lint test test-services test-beside-py test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-cluster bench-plan bench-grpc bench-perf-analyzer bench-overload bench-false-refusals bench-late-admits bench-cluster-store bench-control-plane bench-cluster-surge bench-cluster-stream bench-cluster-chain bench-stream bench-gpu bench-clipper bench-espn data data-small demo clean fmt
 
 setup: $(VENV)/.installed
 
@@ -209,6 +209,12 @@ bench-cluster-surge: setup
 bench-cluster-stream: setup
 	@scripts/bootstrap.sh bench
 	$(PY) -m bench.cluster_stream
+
+# A chain of three stages on three nodes, handed node to node against every
+# stage's answer brought back to the ingress (bench/results/cluster_chain.{json,md}).
+bench-cluster-chain: setup
+	@scripts/bootstrap.sh bench
+	$(PY) -m bench.cluster_chain
 
 # The control plane at 10, 50 and 100 simulated members on one real etcd.
 bench-control-plane: setup

@@ -41,3 +41,6 @@ class D:
 
 
 relay = ss.Pipeline("relay", A >> B >> C >> D, slo=ss.SLO(p99_ms=1000))
+# The same chain with time to spare: a request whose chain is lost with a
+# node is run again before its deadline.
+patient = ss.Pipeline("patient", A >> B >> C >> D, slo=ss.SLO(p99_ms=8000))

@@ -6,10 +6,13 @@ replica. Through `i` (direct, the default) each request crosses i -> a
 node delivers the answer; through `j` (`--via-ingress`) every stage's
 answer comes back to it (hub and spoke). Both answer the same; an error
 in the middle of a chain and a deadline passed in the middle of one
-reach the client as they would hub and spoke."""
+reach the client as they would hub and spoke; a request whose chain is
+lost with a node runs again, hub and spoke, before its deadline."""
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +25,8 @@ from slipstream.testing import Etcd, deploy, start_node, stop_all
 
 from tests.conftest import APPS, Node, cluster_plan_file, wait_for
 
-PLANNED = {"relay": {"A": {"a": 1}, "B": {"b": 1}, "C": {"b": 1}, "D": {"a": 1}}}
+CHAIN = {"A": {"a": 1}, "B": {"b": 1}, "C": {"b": 1}, "D": {"a": 1}}
+PLANNED = {"relay": CHAIN, "patient": CHAIN}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +43,7 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Node]]
         for n in ns.values():
             wait_for(lambda n=n: n.request("GET", "/readyz")[0] == 200
                      and len(n.status()["cluster"]["members"]) == 4, timeout=180)
-        want = {f"relay/{s}": per for s, per in PLANNED["relay"].items()}
+        want = {f"{p}/{s}": per for p, stages in PLANNED.items() for s, per in stages.items()}
         i = ns["i"]
         wait_for(lambda: (i.status()["cluster"]["placement"] or {}).get("stages", {}) == want, timeout=60)
         yield ns
@@ -118,3 +122,27 @@ def test_a_deadline_passed_in_the_middle_of_a_chain_is_answered_at_the_deadline(
         wait_for(lambda: c.infer("relay", {"x": x(3.0)})["y"].tolist() == expected(3.0), timeout=10)
     # The late request's entry left the ingress's table (delivered late, or swept).
     wait_for(lambda: counters(i)["chains_pending"] == 0, timeout=10)
+
+
+def test_a_request_whose_chain_is_lost_with_a_node_runs_again_before_its_deadline(nodes: dict[str, Node]) -> None:
+    """Last in the module: it kills node b."""
+    i = nodes["i"]
+    got: dict[str, Any] = {}
+
+    def ask() -> None:
+        with i.client(retry=None, timeout=40) as c:
+            try:
+                got["y"] = c.infer("patient", {"x": x(99.0)})["y"].tolist()  # B sleeps 1.5 s on b
+            except ss.Error as e:
+                got["error"] = e
+
+    with i.client() as c:
+        wait_for(lambda: c.infer("patient", {"x": x(1.0)})["y"].tolist() == expected(1.0), timeout=60)
+    t = threading.Thread(target=ask)
+    t.start()
+    wait_for(lambda: counters(nodes["a"])["handed_on"] > counters(i)["chains_delivered"], timeout=10)
+    time.sleep(0.3)  # B is sleeping on b with it
+    nodes["b"].stop(signal.SIGKILL)
+    t.join(timeout=45)
+    assert got.get("y") == expected(99.0), got
+    assert counters(i)["chains_lost"] >= 1, counters(i)

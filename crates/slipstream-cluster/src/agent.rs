@@ -397,6 +397,7 @@ async fn reconcile(etcd: &Etcd, node: &Arc<Node>, cluster: &Arc<Cluster>, keys: 
         apply(node, cluster, p, &members);
     }
     cluster.prune_suspects(&members);
+    cluster.handoffs.lost(|n| !members.contains_key(n));
     cluster.view.send_if_modified(|v| {
         let changed = v.members != members || v.placement != placement || v.cordoned != cordoned || v.plan != plan;
         if changed {

@@ -35,7 +35,10 @@
 //! see only the first stage's). Streaming requests, joins and stages with
 //! a hook (a cache) are never chained. `--via-ingress` turns chains off.
 
-use crate::wire::{error_from, lend, split_incoming, ArenaBuf, CallMeta, CallReq, Hop, Ingress, ReplyMeta, ReqResult};
+use crate::serve::load_here;
+use crate::wire::{
+    error_from, lend, split_incoming, ArenaBuf, CallMeta, CallReq, Hop, Ingress, Load, ReplyMeta, ReqResult,
+};
 use crate::Cluster;
 use serde::{Deserialize, Serialize};
 use slipstream_core::arena::Tensors;
@@ -62,6 +65,8 @@ pub(crate) struct Handoffs {
     pub(crate) chains: AtomicU64,
     pub(crate) handed_on: AtomicU64,
     pub(crate) delivered: AtomicU64,
+    /// Requests whose chain was lost with a node.
+    pub(crate) rerun: AtomicU64,
 }
 
 /// One request handed on: what its delivery settles.
@@ -69,6 +74,8 @@ pub(crate) struct Open {
     job: Weak<dyn Job>,
     /// The stage it was sent to run first, then its chain.
     stages: Vec<usize>,
+    /// The nodes of its chain: losing one loses the request.
+    nodes: Vec<String>,
     pipe: Arc<PipelineRt>,
 }
 
@@ -77,7 +84,7 @@ const SWEEP_EVERY: u64 = 1024;
 
 impl Handoffs {
     /// Keep `job`, sent to run `stages` in turn elsewhere; its token.
-    pub(crate) fn open(&self, job: &Arc<dyn Job>, stages: Vec<usize>, pipe: &Arc<PipelineRt>) -> u64 {
+    pub(crate) fn open(&self, job: &Arc<dyn Job>, stages: Vec<usize>, hops: &[Hop], pipe: &Arc<PipelineRt>) -> u64 {
         let token = self.next.fetch_add(1, Relaxed) + 1;
         self.chains.fetch_add(1, Relaxed);
         let mut open = self.open.lock();
@@ -86,13 +93,41 @@ impl Handoffs {
             // node held them, say) leave no entry behind.
             open.retain(|_, o| o.job.upgrade().is_some_and(|j| !j.skips(o.stages[0])));
         }
-        open.insert(token, Open { job: Arc::downgrade(job), stages, pipe: pipe.clone() });
+        let nodes = hops.iter().map(|h| h.node.clone()).collect();
+        open.insert(token, Open { job: Arc::downgrade(job), stages, nodes, pipe: pipe.clone() });
         token
     }
 
     /// Take `token` out: whoever does settles its request.
     pub(crate) fn take(&self, token: u64) -> Option<Open> {
         self.open.lock().remove(&token)
+    }
+
+    /// Nodes `gone` were lost: the requests handed on along them will not
+    /// be delivered. Each runs its first stage again, hub and spoke (once;
+    /// a second loss fails it with 503), before its deadline answers it.
+    pub(crate) fn lost(&self, gone: impl Fn(&str) -> bool) {
+        let lost: Vec<Open> = {
+            let mut open = self.open.lock();
+            let tokens: Vec<u64> =
+                open.iter().filter(|(_, o)| o.nodes.iter().any(|n| gone(n))).map(|(t, _)| *t).collect();
+            tokens.into_iter().filter_map(|t| open.remove(&t)).collect()
+        };
+        for o in lost {
+            let Some(job) = o.job.upgrade() else { continue };
+            let first = o.stages[0];
+            self.rerun.fetch_add(1, Relaxed);
+            match job.mark_retried(first) {
+                true => job.rerun(first),
+                false => {
+                    let stage = o.pipe.stages[first].name.clone();
+                    job.fail_stage(
+                        first,
+                        NodeError::Unavailable { stage, reason: "its chain was lost with a node".into() },
+                    )
+                }
+            }
+        }
     }
 
     /// Requests handed on and not yet delivered.
@@ -149,6 +184,8 @@ pub(crate) struct Onward {
     then: Vec<Hop>,
     ingress: Ingress,
     deadline: Instant,
+    /// The loads of the nodes it passed so far, for its ingress.
+    loads: Vec<Load>,
 }
 
 impl Onward {
@@ -158,7 +195,7 @@ impl Onward {
             return None;
         }
         let deadline = now + Duration::from_micros(r.budget_us.min(3_600_000_000));
-        Some(Onward { stage, then: r.then.clone(), ingress: r.ingress?, deadline })
+        Some(Onward { stage, then: r.then.clone(), ingress: r.ingress?, deadline, loads: r.loads.clone() })
     }
 }
 
@@ -187,8 +224,10 @@ pub(crate) async fn hand_on(
 /// it was accepted there (queued on that node, or on this one).
 async fn pass(node: &Arc<Node>, cluster: &Arc<Cluster>, pipe: &Arc<PipelineRt>, hop: Onward, outs: Tensors) -> bool {
     let Some((next, rest)) = hop.then.split_first() else { return false };
+    let mut loads = hop.loads;
+    loads.push(load_of(cluster, pipe, hop.stage));
     let onward =
-        Onward { stage: next.stage as usize, then: rest.to_vec(), ingress: hop.ingress, deadline: hop.deadline };
+        Onward { stage: next.stage as usize, then: rest.to_vec(), ingress: hop.ingress, deadline: hop.deadline, loads };
     if next.addr == cluster.data_addr {
         // The next stage runs on this node too.
         return match node.run_stage(pipe, onward.stage, outs, hop.deadline, None) {
@@ -206,6 +245,7 @@ async fn pass(node: &Arc<Node>, cluster: &Arc<Cluster>, pipe: &Arc<PipelineRt>, 
         then: onward.then,
         ingress: Some(hop.ingress),
         accept: true,
+        loads: onward.loads,
     };
     let meta = CallMeta { pipeline: pipe.name().to_string(), stage: next.stage, reqs: vec![req] };
     let tensors = outs.iter().map(|(n, t)| lend(n, t)).collect();
@@ -223,8 +263,10 @@ async fn pass(node: &Arc<Node>, cluster: &Arc<Cluster>, pipe: &Arc<PipelineRt>, 
 /// run, hand it on, or deliver its outputs (or error) to its ingress.
 pub(crate) fn carry_on(node: Arc<Node>, cluster: Arc<Cluster>, pipe: Arc<PipelineRt>, run: StageRun, hop: Onward) {
     tokio::spawn(async move {
+        let outcome = run.outcome().await;
         let (stage, ingress) = (hop.stage, hop.ingress);
-        let outcome = match run.outcome().await {
+        let mut loads = hop.loads.clone();
+        let outcome = match outcome {
             Ok(outs) if !hop.then.is_empty() => {
                 if pass(&node, &cluster, &pipe, hop, outs.clone()).await {
                     return;
@@ -233,8 +275,14 @@ pub(crate) fn carry_on(node: Arc<Node>, cluster: Arc<Cluster>, pipe: Arc<Pipelin
             }
             other => other,
         };
-        deliver(&cluster, &pipe, ingress, stage, outcome).await;
+        loads.push(load_of(&cluster, &pipe, stage));
+        deliver(&cluster, &pipe, ingress, stage, outcome, loads).await;
     });
+}
+
+/// This node's load at stage `stage`.
+fn load_of(cluster: &Cluster, pipe: &PipelineRt, stage: usize) -> Load {
+    Load { stage: stage as u32, node: cluster.me().to_string(), outstanding: load_here(&pipe.stages[stage]) }
 }
 
 /// A chain's answer (or the outputs of its last stage run) for the
@@ -247,6 +295,9 @@ struct Delivery {
     /// The last stage run.
     through: u32,
     result: ReqResult,
+    /// The loads of the nodes it was handed along.
+    #[serde(default)]
+    loads: Vec<Load>,
 }
 
 /// A delivery's meta starts with this (batch, store and feedback calls' never do).
@@ -263,10 +314,12 @@ async fn deliver(
     ingress: Ingress,
     through: usize,
     outcome: Result<Tensors, NodeError>,
+    loads: Vec<Load>,
 ) {
     let mut tensors = Vec::new();
     let result = ReqResult::of(outcome, &mut tensors);
-    let meta = Delivery { deliver: ingress.token, pipeline: pipe.name().to_string(), through: through as u32, result };
+    let pipeline = pipe.name().to_string();
+    let meta = Delivery { deliver: ingress.token, pipeline, through: through as u32, result, loads };
     let msg = Outgoing::call(serde_json::to_vec(&meta).expect("serialises"), tensors);
     // An ingress that cannot be reached has lost its request with it.
     if let Err(e) = cluster.peers.call(ingress.addr, msg, ACCEPT_WAIT).await {
@@ -291,6 +344,14 @@ pub(crate) fn take_delivery(cluster: &Cluster, from: &str, inc: Incoming<ArenaBu
         return done;
     };
     cluster.handoffs.delivered.fetch_add(1, Relaxed);
+    // What the nodes it passed reported: routing and admission here see
+    // their queues as if their answers had come back here.
+    for l in &d.loads {
+        let Some(stage) = open.pipe.stages.get(l.stage as usize) else { continue };
+        for r in stage.replicas().iter().filter(|r| r.remote.as_ref().is_some_and(|at| at.node == l.node)) {
+            r.set_backlog(l.outstanding);
+        }
+    }
     match d.result {
         ReqResult::Ok { n } => {
             match split_incoming(Arc::new(inc.payload.0.freeze()), inc.tensors, std::iter::once(n)) {

@@ -371,6 +371,7 @@ impl Cluster {
             self.events.node(EventKind::NodeSuspected, format!("{name}: {why}"));
         }
         self.publish_suspects();
+        self.handoffs.lost(|n| n == name);
     }
 
     /// `node` answered again (or rejoined): route to it again.
@@ -445,6 +446,7 @@ impl Cluster {
                 "chains_delivered": self.handoffs.delivered.load(Relaxed),
                 "chains_pending": self.handoffs.pending(),
                 "handed_on": self.handoffs.handed_on.load(Relaxed),
+                "chains_lost": self.handoffs.rerun.load(Relaxed),
             },
             "direct_handoff": self.opts.direct,
             // With TLS, encryption copies every byte once more on each

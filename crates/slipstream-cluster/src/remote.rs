@@ -108,7 +108,7 @@ impl RemoteNode {
         match hops {
             Some(hops) if !hops.is_empty() => {
                 let stages = std::iter::once(ctx.stage_index()).chain(chain.iter().map(|(s, _)| *s)).collect();
-                let token = self.cluster.handoffs.open(req, stages, ctx.pipeline());
+                let token = self.cluster.handoffs.open(req, stages, &hops, ctx.pipeline());
                 (hops, Some(Ingress { addr: self.cluster.data_addr, token }))
             }
             _ => (Vec::new(), None),
@@ -175,6 +175,7 @@ impl Backend for RemoteNode {
                 then,
                 ingress,
                 accept: false,
+                loads: Vec::new(),
             });
             latest = latest.max(deadline);
             tensors.extend(inputs.iter().map(|(name, t)| lend(name, t)));

@@ -12,7 +12,7 @@ use crate::wire::{lend, split_incoming, ArenaBuf, CallMeta, PartMeta, ReplyMeta,
 use crate::Cluster;
 use slipstream_core::arena::Tensors;
 use slipstream_core::replica::Phase;
-use slipstream_core::{Node, NodeError};
+use slipstream_core::{Node, NodeError, StageRt};
 use slipstream_peer::{Incoming, Outgoing, Parts};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -121,11 +121,7 @@ pub(crate) async fn serve_call(
     for f in forwards {
         let _ = f.await;
     }
-    let set = stage.replicas();
-    let local = set.iter().filter(|r| r.is_local());
-    let live = local.clone().filter(|r| r.phase() == Phase::Ready).count().max(1);
-    let outstanding: u32 = local.map(|r| r.load().outstanding).sum();
-    let meta = ReplyMeta { results, outstanding: outstanding / live as u32 };
+    let meta = ReplyMeta { results, outstanding: load_here(stage) };
     Outgoing::reply(serde_json::to_vec(&meta).expect("serialises"), tensors)
 }
 
@@ -140,4 +136,14 @@ fn forward_chunks(req: u32, mut rx: mpsc::UnboundedReceiver<Tensors>, parts: Par
             }
         }
     })
+}
+
+/// Requests queued or running per ready replica of `stage` on this node:
+/// the load report that goes back with answers.
+pub(crate) fn load_here(stage: &StageRt) -> u32 {
+    let set = stage.replicas();
+    let local = set.iter().filter(|r| r.is_local());
+    let live = local.clone().filter(|r| r.phase() == Phase::Ready).count().max(1);
+    let outstanding: u32 = local.map(|r| r.load().outstanding).sum();
+    outstanding / live as u32
 }

@@ -77,6 +77,19 @@ pub(crate) struct CallReq {
     /// here, then run it and hand it on or deliver it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub(crate) accept: bool,
+    /// The load of each node the request was handed along so far, for
+    /// its ingress (which hears from those nodes no other way).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) loads: Vec<Load>,
+}
+
+/// A node's load at one stage: requests queued or running per ready
+/// replica of it there (as [`ReplyMeta::outstanding`]).
+#[derive(Serialize, Deserialize, Clone, Debug)]
+pub(crate) struct Load {
+    pub(crate) stage: u32,
+    pub(crate) node: String,
+    pub(crate) outstanding: u32,
 }
 
 /// One stage of a handoff chain and the node that runs it.

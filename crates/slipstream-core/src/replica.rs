@@ -137,6 +137,10 @@ pub trait Job: Send + Sync {
     /// of its [`Job::chain_after`], in order) finished elsewhere:
     /// `outputs` are the last one's, and the request moves on from there.
     fn finish_chain(self: Arc<Self>, stages: &[usize], outputs: Tensors);
+    /// Run stage `stage` for it again, from its inputs here (a chain it
+    /// was handed on along was lost with a node): its outputs were never
+    /// settled here. A no-op once it has finished.
+    fn rerun(self: Arc<Self>, stage: usize);
 }
 
 /// One queued unit of work: a request waiting for this replica.

@@ -475,7 +475,9 @@ impl Request {
     pub fn chain_after(&self, stage: usize) -> Vec<(usize, Arc<Replica>)> {
         let (pipe, dag) = (&self.pipe, &self.pipe.dag);
         let mut chain = Vec::new();
-        if self.only.is_some() || pipe.join_of[stage].is_some() || self.state.lock().chunks.is_some() {
+        // A stage run again after its chain was lost goes hub and spoke.
+        let rerun = self.retried.load(Relaxed) & (1u64 << stage.min(63)) != 0;
+        if rerun || self.only.is_some() || pipe.join_of[stage].is_some() || self.state.lock().chunks.is_some() {
             return chain;
         }
         let mut at = stage;
@@ -650,6 +652,12 @@ impl Job for Request {
 
     fn finish_chain(self: Arc<Self>, stages: &[usize], outputs: Tensors) {
         Request::finish_chain(&self, stages, outputs);
+    }
+
+    fn rerun(self: Arc<Self>, stage: usize) {
+        if !self.is_done() {
+            self.enqueue(stage);
+        }
     }
 }
 
