@@ -114,7 +114,7 @@ def test_a_deadline_passed_in_the_middle_of_a_chain_is_answered_at_the_deadline(
     i = nodes["i"]
     with i.client(retry=None) as c:
         t0 = time.perf_counter()
-        with pytest.raises(ss.DeadlineExceeded):
+        with pytest.raises(ss.DeadlineExceeded, match=r"stage 'A \(handed on to B, C, D\)'"):
             c.infer("relay", {"x": x(99.0)})  # B sleeps 1.5 s; the SLO is 1 s
         took = time.perf_counter() - t0
         assert 0.9 < took < 1.4, took

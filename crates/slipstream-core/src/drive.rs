@@ -601,7 +601,7 @@ fn settle(ctx: &ReplicaCtx, b: Batch, outcome: Outcome) {
             for ((req, _), result) in b.members.into_iter().zip(results) {
                 match result {
                     Ok(Some(outs)) => req.finish(ctx.stage, outs),
-                    Ok(None) => {} // handed on: settled when its chain answers
+                    Ok(None) => req.handed_on(ctx.stage), // settled when its chain answers
                     Err(e) => {
                         if matches!(e, NodeError::Component { .. }) {
                             m.errors.fetch_add(1, Relaxed);

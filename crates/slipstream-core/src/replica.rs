@@ -141,6 +141,9 @@ pub trait Job: Send + Sync {
     /// was handed on along was lost with a node): its outputs were never
     /// settled here. A no-op once it has finished.
     fn rerun(self: Arc<Self>, stage: usize);
+    /// Its executor handed it on from stage `stage` to the stages after it
+    /// ([`Job::chain_after`]): what it waits for now, when asked.
+    fn handed_on(&self, stage: usize);
 }
 
 /// One queued unit of work: a request waiting for this replica.

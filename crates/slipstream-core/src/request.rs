@@ -54,6 +54,8 @@ struct State {
     /// cache's key, so the result is kept under it without hashing the
     /// inputs again); empty when no stage has a hook.
     memos: Vec<Option<u128>>,
+    /// The stage it was handed on from, along a chain on other nodes.
+    handed_on: Option<usize>,
 }
 
 /// The sending end of a streaming request's chunks.
@@ -130,6 +132,7 @@ impl Request {
             chunks,
             joins: pipe.joins.iter().map(|_| JoinRun::default()).collect(),
             memos: if pipe.stages.iter().any(|s| s.hook.is_some()) { vec![None; n] } else { Vec::new() },
+            handed_on: None,
         };
         let deadline_ns = pipe.ns_at(deadline);
         let req = Arc::new(Request {
@@ -494,6 +497,22 @@ impl Request {
         chain
     }
 
+    /// The stages of a chain after `stage` (each the only child of the one
+    /// before, and its only parent) as far as its route stays on other nodes.
+    fn chain_stages(&self, stage: usize) -> Vec<usize> {
+        let dag = &self.pipe.dag;
+        let mut out = Vec::new();
+        let mut at = stage;
+        while let [next] = dag.children[at][..] {
+            if dag.parents[next].len() != 1 || self.route[next].is_local() {
+                break;
+            }
+            out.push(next);
+            at = next;
+        }
+        out
+    }
+
     /// A chain of stages finished on other nodes (see [`Job::finish_chain`]):
     /// the stages before the last settle with no outputs here (theirs went
     /// straight to the next node), the last with `outputs`, and the request
@@ -560,14 +579,27 @@ impl Request {
     }
 
     /// The stage the request waits at or runs in now (the first whose
-    /// parents are all done and whose own output is not in yet).
+    /// parents are all done and whose own output is not in yet), by name;
+    /// "-" when none.
     pub fn stage_now(&self) -> String {
+        self.at_now().map_or_else(|| "-".into(), |(_, name)| name)
+    }
+
+    /// The stage the request waits at or runs in now, and its name as an
+    /// error says it: a request handed on from it along a chain on other
+    /// nodes names the stages it was handed to.
+    fn at_now(&self) -> Option<(usize, String)> {
         if let Some(s) = self.only {
-            return self.pipe.stages[s].name.clone();
+            return Some((s, self.pipe.stages[s].name.clone()));
         }
         let st = self.state.lock();
-        let at = (0..self.pipe.stages.len()).find(|&s| st.pending_parents[s] == 0 && st.outputs[s].is_none());
-        at.map_or_else(|| "-".into(), |s| self.pipe.stages[s].name.clone())
+        let at = (0..self.pipe.stages.len()).find(|&s| st.pending_parents[s] == 0 && st.outputs[s].is_none())?;
+        let name = |s: usize| self.pipe.stages[s].name.clone();
+        if st.handed_on != Some(at) {
+            return Some((at, name(at)));
+        }
+        let chain: Vec<String> = self.chain_stages(at).into_iter().map(name).collect();
+        Some((at, format!("{} (handed on to {})", name(at), chain.join(", "))))
     }
 
     /// Finish with an error (the first finish wins; later ones are ignored).
@@ -656,8 +688,13 @@ impl Job for Request {
 
     fn rerun(self: Arc<Self>, stage: usize) {
         if !self.is_done() {
+            self.state.lock().handed_on = None;
             self.enqueue(stage);
         }
+    }
+
+    fn handed_on(&self, stage: usize) {
+        self.state.lock().handed_on = Some(stage);
     }
 }
 
@@ -697,10 +734,11 @@ impl Admitted {
             Ok(Ok(reply)) => reply,
             Ok(Err(_)) => Err(NodeError::Internal("request was dropped without an answer".into())),
             Err(_) if drop_late => {
-                let stage = self.req.stage_now();
-                if let Some(s) = pipe.stages.iter().find(|s| s.name == stage) {
-                    s.metrics.dropped_late.fetch_add(1, Relaxed);
+                let (at, stage) = self.req.at_now().unzip();
+                if let Some(s) = at {
+                    pipe.stages[s].metrics.dropped_late.fetch_add(1, Relaxed);
                 }
+                let stage = stage.unwrap_or_else(|| "-".into());
                 self.req.fail(NodeError::DeadlineExceeded { stage: stage.clone() });
                 Err(NodeError::DeadlineExceeded { stage })
             }
