@@ -361,6 +361,38 @@ def test_a_member_s_gpus_are_read_from_its_nvidia_smi_lines() -> None:
     assert planner.spec_from_smi([]) == ("", [])
 
 
+def test_a_gpu_plan_binds_each_replica_to_a_device_of_this_machine() -> None:
+    from slipstream._internal.planner.gpu import gpu_binding, local_devices
+
+    lines = ["GPU 0: NVIDIA A30 (UUID: GPU-a)", "  MIG 1g.6gb Device 0: (UUID: MIG-a1)",
+             "  MIG 2g.12gb Device 1: (UUID: MIG-a2)", "  MIG 1g.6gb Device 2: (UUID: MIG-a3)",
+             "GPU 1: NVIDIA A30 (UUID: GPU-b)", "No UUID here"]
+    assert local_devices(lines) == [(0, "1g.6gb"), (0, "2g.12gb"), (0, "1g.6gb"), (1, "whole")]
+    inv = {"gpus": [{"id": 0, "layout": ["2g.12gb", "1g.6gb", "1g.6gb"]}, {"id": 1, "layout": ["whole"]}]}
+    placed = {("p", "S"): [{"gpu": 0, "slice": "1g.6gb", "slot": 2}, {"gpu": 0, "slice": "1g.6gb", "slot": 1}],
+              ("p", "B"): [{"gpu": 1, "slice": "whole", "slot": 0}, {"gpu": 0, "slice": "2g.12gb", "slot": 0}]}
+    # The nth slice of a profile in the plan's layout is the nth listed here.
+    assert gpu_binding(inv, placed, lines) == {("p", "S"): [2, 0], ("p", "B"): [3, 1]}
+    with pytest.raises(ConfigError, match="cuts GPU 1 as MIG 1g.6gb, but here it is whole"):
+        gpu_binding({"gpus": [inv["gpus"][0], {"id": 1, "layout": ["1g.6gb"]}]}, placed, lines)
+    with pytest.raises(ConfigError, match="uses GPU 2, but this machine has 2 GPU"):
+        gpu_binding({"gpus": [*inv["gpus"], {"id": 2, "layout": ["whole"]}]},
+                    {("p", "S"): [{"gpu": 2, "slice": "whole", "slot": 0}]}, lines)
+    with pytest.raises(ConfigError, match="lists none"):
+        gpu_binding(inv, placed, [])
+    # A stage the plan binds must be declared for a GPU.
+    pipe = ss.Pipeline("p", comp("S"))
+    plan = planner.Plan.from_json({"version": 1, "inventory": inv, "solve_ms": 1, "pipelines": {"p": {"stages": {
+        "S": {"replicas": 2, "max_batch_size": 4, "placement": placed[("p", "S")]}}}}})
+    with pytest.raises(ConfigError, match="declares device='cpu'"):
+        planner.apply_plan([pipe], plan, {("p", "S"): [2, 0]})
+    gpu_pipe = ss.Pipeline("p", comp("S").options(device="cuda"))
+    served = planner.apply_plan([gpu_pipe], plan, {("p", "S"): [2, 0]})[0]
+    assert (served.stage("S").replicas, served.stage("S").devices) == (2, (2, 0))
+    assert served.to_spec()["stages"][0]["devices"] == [2, 0]
+    assert "devices" not in gpu_pipe.to_spec()["stages"][0]
+
+
 def test_a_gpu_plan_says_which_stage_needs_more_slices_than_there_are() -> None:
     pipe = ss.Pipeline("p", comp("Big").options(replicas=5) >> comp("Small"))
     prof = profile(Big=gpu_stage(10, 100), Small=gpu_stage(2, 400))

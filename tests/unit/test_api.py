@@ -122,6 +122,17 @@ def test_length_options_are_checked() -> None:
             c(**kw)
 
 
+def test_a_plan_s_device_binding_is_checked() -> None:
+    gpu = comp("G", device="cuda")
+    assert gpu.options(devices=[3, 1]).devices == (3, 1)
+    for kw, why in [({"devices": [0]}, "needs device=\"cuda\""),
+                    ({"device": "cuda:1", "devices": [0]}, "needs device=\"cuda\""),
+                    ({"device": "cuda", "devices": [-1]}, "integers >= 0"),
+                    ({"device": "cuda", "devices": ["0"]}, "integers >= 0")]:
+        with pytest.raises(ss.ConfigError, match=why):
+            comp("G").options(**kw)
+
+
 def test_elastic_ms_is_checked_and_reaches_the_node() -> None:
     x = {"x": ss.Tensor("float32", (-1,))}
     ok = comp("E", elastic_ms=20, inputs=x)

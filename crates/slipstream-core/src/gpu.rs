@@ -12,7 +12,9 @@
 //! A GPU split into MIG slices offers its slices, not itself: with MIG on,
 //! CUDA can only run on a slice. Replicas of a stage asking for any GPU
 //! take the devices round-robin by replica id (a restarted worker keeps
-//! its device); `cuda:N` pins every replica to the Nth device of the list.
+//! its device), or the devices a plan bound the stage to (its `devices`,
+//! the slices `slipstream plan` chose for it), in turn; `cuda:N` pins
+//! every replica to the Nth device of the list.
 //! A stage that asks for a GPU on a machine without one fails to start
 //! with a message that says so, rather than running on the CPU unnoticed.
 
@@ -105,8 +107,9 @@ pub fn parse(text: &str) -> Vec<Gpu> {
 }
 
 /// The device for replica `replica` of a stage that wants `want`, among
-/// `gpus`: `Ok(None)` for a CPU stage; Err says why there is none.
-pub fn assign(want: Want, replica: u32, gpus: &[Gpu]) -> Result<Option<&Gpu>, String> {
+/// `gpus` (or those of them `bound` names, in turn, when it names any):
+/// `Ok(None)` for a CPU stage; Err says why there is none.
+pub fn assign<'a>(want: Want, replica: u32, bound: &[usize], gpus: &'a [Gpu]) -> Result<Option<&'a Gpu>, String> {
     match want {
         Want::Cpu => Ok(None),
         _ if gpus.is_empty() => Err(format!(
@@ -115,7 +118,13 @@ pub fn assign(want: Want, replica: u32, gpus: &[Gpu]) -> Result<Option<&Gpu>, St
             want.label(),
             local_note()
         )),
-        Want::AnyGpu => Ok(Some(&gpus[replica as usize % gpus.len()])),
+        Want::AnyGpu if bound.is_empty() => Ok(Some(&gpus[replica as usize % gpus.len()])),
+        Want::AnyGpu => {
+            let n = bound[replica as usize % bound.len()];
+            gpus.get(n).map(Some).ok_or_else(|| {
+                format!("its plan binds it to cuda:{n}, but this machine has {} GPU device(s)", gpus.len())
+            })
+        }
         Want::Gpu(n) => gpus.get(n).map(Some).ok_or_else(|| {
             let have: Vec<String> = gpus.iter().map(|g| format!("cuda:{} {} ({})", g.index, g.name, g.uuid)).collect();
             format!(
@@ -204,16 +213,28 @@ GPU 2: NVIDIA A30 (UUID: GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee)
     #[test]
     fn replicas_take_devices_round_robin_or_the_one_named() {
         let g = parse(MIXED);
-        let any: Vec<usize> = (0..6).map(|r| assign(Want::AnyGpu, r, &g).unwrap().unwrap().index).collect();
+        let any: Vec<usize> = (0..6).map(|r| assign(Want::AnyGpu, r, &[], &g).unwrap().unwrap().index).collect();
         assert_eq!(any, vec![0, 1, 2, 3, 0, 1]);
         for r in 0..3 {
-            assert_eq!(assign(Want::Gpu(2), r, &g).unwrap().unwrap().uuid, "GPU-2b5e2b3a-1111-2222-3333-444455556666");
+            assert_eq!(
+                assign(Want::Gpu(2), r, &[], &g).unwrap().unwrap().uuid,
+                "GPU-2b5e2b3a-1111-2222-3333-444455556666"
+            );
         }
-        assert_eq!(assign(Want::Cpu, 0, &[]).unwrap(), None);
-        let err = assign(Want::Gpu(9), 0, &g).unwrap_err();
+        assert_eq!(assign(Want::Cpu, 0, &[], &[]).unwrap(), None);
+        let err = assign(Want::Gpu(9), 0, &[], &g).unwrap_err();
         assert!(err.contains("cuda:9") && err.contains("4 GPU device(s)"), "{err}");
-        let err = assign(Want::AnyGpu, 0, &[]).unwrap_err();
+        let err = assign(Want::AnyGpu, 0, &[], &[]).unwrap_err();
         assert!(err.contains("no GPU") && err.contains("device=\"cuda\""), "{err}");
+    }
+
+    #[test]
+    fn a_plan_s_binding_gives_each_replica_its_slice_in_turn() {
+        let g = parse(MIXED);
+        let bound: Vec<usize> = (0..4).map(|r| assign(Want::AnyGpu, r, &[3, 1], &g).unwrap().unwrap().index).collect();
+        assert_eq!(bound, vec![3, 1, 3, 1]);
+        let err = assign(Want::AnyGpu, 0, &[7], &g).unwrap_err();
+        assert!(err.contains("cuda:7") && err.contains("4 GPU device(s)"), "{err}");
     }
 
     #[test]

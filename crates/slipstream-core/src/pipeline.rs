@@ -72,6 +72,8 @@ pub struct StageRt {
     pub(crate) env: BTreeMap<String, String>,
     /// The device its replicas run on (a GPU each, for a GPU stage).
     pub(crate) device: crate::gpu::Want,
+    /// The devices its replicas take in turn (a plan's binding; empty: all).
+    bound: Vec<usize>,
     /// How long a worker took from spawn to warm (moving average, ms; 0
     /// until one has started): the lead time a standby needs.
     start_ms: AtomicU32,
@@ -108,6 +110,7 @@ impl StageRt {
             length_input: spec.length_input.clone(),
             env: spec.env.clone(),
             device: crate::gpu::Want::parse(spec.device.as_deref()).unwrap_or_default(), // checked by validate
+            bound: spec.devices.clone(),
             start_ms: AtomicU32::new(0),
             replicas: RwLock::new(Arc::new(Vec::new())),
             next_id: AtomicU32::new(0),
@@ -173,7 +176,7 @@ impl StageRt {
     /// a GPU this machine does not have.
     pub(crate) fn worker_env(&self, replica: u32) -> Result<BTreeMap<String, String>, String> {
         let mut env = self.env.clone();
-        if let Some(gpu) = crate::gpu::assign(self.device, replica, crate::gpu::devices())? {
+        if let Some(gpu) = crate::gpu::assign(self.device, replica, &self.bound, crate::gpu::devices())? {
             env.insert("CUDA_VISIBLE_DEVICES".into(), gpu.uuid.clone());
         }
         Ok(env)
@@ -182,7 +185,7 @@ impl StageRt {
     /// Where replica `replica` runs, for the status: `"cpu"`, or `"cuda:N"`
     /// (N: its place in this machine's list) with the GPU's UUID and name.
     pub fn device_of(&self, replica: u32) -> (String, Option<serde_json::Value>) {
-        match crate::gpu::assign(self.device, replica, crate::gpu::devices()) {
+        match crate::gpu::assign(self.device, replica, &self.bound, crate::gpu::devices()) {
             Ok(None) => ("cpu".into(), None),
             Ok(Some(g)) => (format!("cuda:{}", g.index), Some(serde_json::json!({"uuid": g.uuid, "name": g.name}))),
             Err(_) => (self.device.label(), None), // it never started

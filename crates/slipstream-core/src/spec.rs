@@ -368,6 +368,12 @@ pub struct StageSpec {
     /// or `"cuda:N"`: see [`crate::gpu`].
     #[serde(default)]
     pub device: Option<String>,
+    /// With `device: "cuda"`: the devices (places in this machine's list,
+    /// as `cuda:N` names them) its replicas take in turn instead of all of
+    /// them, replica k the (k mod len)th: a GPU plan's binding of each
+    /// replica to its planned GPU or MIG slice.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub devices: Vec<usize>,
     /// Cache this stage's results by a hash of its inputs.
     #[serde(default)]
     pub cache: Option<CacheSpec>,
@@ -495,7 +501,11 @@ impl PipelineSpec {
         for s in &self.stages {
             self.check_store_fields(s).map_err(err)?;
             self.check_length(s).map_err(err)?;
-            crate::gpu::Want::parse(s.device.as_deref()).map_err(|e| err(format!("stage '{}': {e}", s.name)))?;
+            let want =
+                crate::gpu::Want::parse(s.device.as_deref()).map_err(|e| err(format!("stage '{}': {e}", s.name)))?;
+            if !s.devices.is_empty() && want != crate::gpu::Want::AnyGpu {
+                return Err(err(format!("stage '{}': devices (a plan's binding) needs device=\"cuda\"", s.name)));
+            }
         }
         let mut indegree = vec![0usize; self.stages.len()];
         for (i, s) in self.stages.iter().enumerate() {
@@ -666,6 +676,7 @@ mod tests {
         };
         let ok = with(r#"{"name":"a","component":"A","length_input":"q","max_batch_tokens":512}"#);
         assert!(ok.validate().is_ok());
+        assert!(with(r#"{"name":"a","component":"A","device":"cuda","devices":[2,0]}"#).validate().is_ok());
         for (stage, why) in [
             (r#"{"name":"a","component":"A","length_input":"x"}"#, "strings or bytes"),
             (r#"{"name":"a","component":"A","length_input":"zz"}"#, "not an input"),
@@ -673,6 +684,8 @@ mod tests {
             (r#"{"name":"a","component":"A","length_input":"q","max_batch_tokens":0}"#, ">= 1"),
             (r#"{"name":"a","component":"A","elastic_ms":0}"#, "elastic_ms"),
             (r#"{"name":"a","component":"A","elastic_ms":-3.5}"#, "elastic_ms"),
+            (r#"{"name":"a","component":"A","devices":[0,1]}"#, "needs device=\"cuda\""),
+            (r#"{"name":"a","component":"A","device":"cuda:1","devices":[0]}"#, "needs device=\"cuda\""),
         ] {
             let reason = with(stage).validate().unwrap_err().reason;
             assert!(reason.contains(why), "{stage}: {reason}");

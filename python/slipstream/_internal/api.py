@@ -369,6 +369,11 @@ class Component:
     #: less time, and takes at least this long. None: its latency is what
     #: its profile says (docs/design/scheduling.md, "Elastic stages").
     elastic_ms: float | None = None
+    #: With ``device="cuda"``: the devices (places in ``nvidia-smi -L``'s
+    #: list, as ``cuda:N`` names them) its replicas take in turn, replica k
+    #: the (k mod len)th; set by ``serve --plan`` from a GPU plan, binding
+    #: each replica to the GPU or MIG slice the plan chose. Empty: all, in turn.
+    devices: tuple[int, ...] = ()
     #: What the author fixed, of ``"replicas"`` (a count) and ``"threads"``:
     #: the planner sizes the rest (docs/design/planner.md).
     pinned: frozenset[str] = frozenset()
@@ -464,6 +469,12 @@ class Component:
         index = d[5:] if isinstance(d, str) and d.startswith("cuda:") else "0"
         if not isinstance(d, str) or not (d in ("cpu", "cuda") or (d.startswith("cuda:") and index.isdigit())):
             raise ConfigError(f"{self.name}: device is \"cpu\", \"cuda\" or \"cuda:N\", got {d!r}")
+        self.devices = tuple(self.devices)
+        if self.devices and d != "cuda":
+            raise ConfigError(f"{self.name}: devices (a plan's binding) needs device=\"cuda\", got {d!r}")
+        if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in self.devices):
+            raise ConfigError(f"{self.name}: devices are places in nvidia-smi -L's list (integers >= 0), "
+                              f"got {list(self.devices)!r}")
 
     def _check_store_options(self) -> None:
         """``needs``, ``watch`` and ``affinity``; a watching component without
@@ -531,7 +542,7 @@ class Component:
         or ``replicas=(1, 4)``, ``threads=2``."""
         unknown = set(changes) - {"name", "max_batch_size", "replicas", "threads", "inputs", "outputs", "needs",
                                   "watch", "affinity", "tensors", "device", "cache", "length_of",
-                                  "max_batch_tokens", "elastic_ms"}
+                                  "max_batch_tokens", "elastic_ms", "devices"}
         if unknown:
             raise ConfigError(f"unknown component option(s): {', '.join(sorted(unknown))}")
         c = copy.copy(self)
@@ -1123,6 +1134,7 @@ class Pipeline:
                     "watch": c.watch,
                     "affinity": c.affinity,
                     "device": c.device,
+                    **({"devices": list(c.devices)} if c.devices else {}),
                     "concurrency": int(c.concurrency or 1),
                     "cache": None if c.cache is None else c.cache.to_json(),
                     "length_input": c.length_of,

@@ -102,16 +102,26 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def apply_plan_file(pipelines: list[Any], path: Path) -> list[Any]:
-    """`serve --plan FILE`: the app's pipelines with the plan's replicas, threads and batch limits."""
+    """`serve --plan FILE`: the app's pipelines with the plan's replicas,
+    threads and batch limits, and a GPU plan's stages bound to the GPUs
+    and MIG slices it chose on this machine."""
     from slipstream._internal.planner import Plan, apply_plan
+    from slipstream._internal.planner.gpu import gpu_binding, local_smi_lines
 
     plan = Plan.load(path)
-    out = apply_plan(pipelines, plan)
+    placed = {(p, s): sp.placement for p, pp in plan.pipelines.items() for s, sp in pp.stages.items() if sp.placement}
+    devices = None
+    # One machine's GPU plan (a cluster's names nodes: each binds its own, not yet).
+    if placed and plan.inventory.get("gpus") and not {"nodes", "gpu_nodes"} & set(plan.inventory):
+        devices = gpu_binding(plan.inventory, placed, local_smi_lines())
+    out = apply_plan(pipelines, plan, devices)
     for p in out:
         pp = plan.pipelines.get(p.name)
         if pp is not None:
             cells = ", ".join(f"{n} {c.replicas}" + (f"..{c.max_replicas}" if c.autoscaled else "")
-                              + f"x{c.threads}t b{c.max_batch_size}" for n, c in p.graph.nodes.items())
+                              + f"x{c.threads}t b{c.max_batch_size}"
+                              + (" on " + ",".join(f"cuda:{d}" for d in c.devices) if c.devices else "")
+                              for n, c in p.graph.nodes.items())
             print(f"slipstream: plan {path}: {p.name}: {cells} (target {pp.target_rps:,.0f} req/s)", file=sys.stderr)
     return out
 

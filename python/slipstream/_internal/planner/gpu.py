@@ -168,6 +168,79 @@ def spec_from_smi(lines: Sequence[str]) -> tuple[str, list[str]]:
     return "+".join(f"{n}x{k}" for k, n in counts.items()), unknown
 
 
+def local_smi_lines() -> list[str]:
+    """This machine's ``nvidia-smi -L`` lines; none without it."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return out.stdout.splitlines() if out.returncode == 0 else []
+
+
+def local_devices(lines: Sequence[str]) -> list[tuple[int, str]]:
+    """The devices a node binds workers to, in its order (``cuda:N`` is the
+    Nth): (GPU number, MIG profile, or ``WHOLE`` for a GPU without slices)
+    from ``nvidia-smi -L``'s lines. A GPU with MIG slices offers its slices,
+    not itself (as `crates/slipstream-core/src/gpu.rs` lists them)."""
+    gpus: list[list[str]] = []
+    for line in (x.strip() for x in lines):
+        if "(UUID:" not in line or not line.split("(UUID:", 1)[1].strip(" )"):
+            continue
+        if line.startswith("GPU "):
+            gpus.append([])
+        elif line.startswith("MIG ") and gpus:
+            gpus[-1].append(line[4:].split()[0] if line[4:].split() else "")
+    out: list[tuple[int, str]] = []
+    for n, slices in enumerate(gpus):
+        out.extend((n, sl) for sl in slices) if slices else out.append((n, WHOLE))
+    return out
+
+
+def gpu_binding(plan_inventory: Mapping[str, Any], placements: Mapping[tuple[str, str], Sequence[Mapping[str, Any]]],
+                smi: Sequence[str]) -> dict[tuple[str, str], list[int]]:
+    """The devices (``cuda:N`` places on this machine) each replica of a
+    GPU plan's stages is bound to, in replica order: stage (pipeline, name)
+    -> places. A plan's GPU ids are this machine's GPUs in ``nvidia-smi
+    -L``'s order, and every GPU the plan uses must be cut here as the plan
+    cuts it (its MIG slices, in any order; or whole): otherwise serving the
+    plan would put replicas on slices it did not plan, and this says how
+    the two differ instead."""
+    layouts = {int(g["id"]): [str(x) for x in g["layout"]] for g in plan_inventory.get("gpus", [])}
+    devices = local_devices(smi)
+    if not devices:
+        raise ConfigError("the plan binds stages to GPUs, but `nvidia-smi -L` lists none on this machine; "
+                          "serve it where the plan's GPUs are, or plan for this machine")
+    here: dict[int, list[tuple[int, str]]] = {}
+    for place, (gpu, profile) in enumerate(devices):
+        here.setdefault(gpu, []).append((place, profile))
+
+    def cut(profiles: Sequence[str]) -> str:
+        return "whole" if list(profiles) == [WHOLE] else "MIG " + " + ".join(sorted(profiles))
+
+    for gid in sorted({int(p["gpu"]) for ps in placements.values() for p in ps}):
+        if gid not in layouts:
+            raise ConfigError(f"malformed plan: a stage is placed on GPU {gid}, which its inventory lacks")
+        if gid not in here:
+            raise ConfigError(f"the plan uses GPU {gid}, but this machine has {len(here)} GPU(s) "
+                              "(`nvidia-smi -L`); plan for this machine's GPUs")
+        have = [prof for _, prof in here[gid]]
+        if sorted(have) != sorted(layouts[gid]):
+            raise ConfigError(f"the plan cuts GPU {gid} as {cut(layouts[gid])}, but here it is {cut(have)}; "
+                              "set its MIG layout as planned (`nvidia-smi mig -cgi ... -C`) or plan for this "
+                              "machine's GPUs")
+    out: dict[tuple[str, str], list[int]] = {}
+    for key, ps in placements.items():
+        places = []
+        for p in ps:
+            gid, name, slot = int(p["gpu"]), str(p["slice"]), int(p["slot"])
+            nth = layouts[gid][:slot].count(name)
+            places.append([place for place, prof in here[gid] if prof == name][nth])
+        out[key] = places
+    return out
+
+
 def _model_of(smi_name: str) -> str | None:
     """The planner's model for an ``nvidia-smi`` product name
     (``NVIDIA A100-SXM4-80GB``, ``NVIDIA H100 80GB HBM3``), if it knows one."""

@@ -124,21 +124,31 @@ def with_components(pipe: Pipeline, comps: Mapping[str, Component]) -> Pipeline:
     return p
 
 
-def _configured(comp: Component, sp: StagePlan) -> Component:
-    """`comp` sized by `sp`. A stage declared with bounds keeps them (the
-    autoscaler moves within) and starts at the planned count."""
+def _configured(comp: Component, sp: StagePlan, devices: Sequence[int] = ()) -> Component:
+    """`comp` sized by `sp`, its replicas bound to `devices` in turn when
+    given. A stage declared with bounds keeps them (the autoscaler moves
+    within) and starts at the planned count."""
+    bind: dict[str, Any] = {}
+    if devices:
+        if comp.device != "cuda":
+            raise ConfigError(f"the plan binds {comp.name} to GPU devices, but it declares device={comp.device!r}; "
+                              "declare device=\"cuda\" (the plan chooses its GPU or slice) or plan it for the CPU")
+        bind["devices"] = tuple(devices)
     if comp.autoscaled:
         c = comp.options(replicas=(comp.min_replicas, comp.max_replicas), threads=sp.threads,
-                         max_batch_size=sp.max_batch_size)
+                         max_batch_size=sp.max_batch_size, **bind)
         c.replicas = min(max(sp.replicas, c.min_replicas), c.max_replicas)
         return c
     replicas: int | tuple[int, int] = (sp.replicas, sp.max_replicas) if sp.max_replicas > sp.replicas \
         else sp.replicas
-    return comp.options(replicas=replicas, threads=sp.threads, max_batch_size=sp.max_batch_size)
+    return comp.options(replicas=replicas, threads=sp.threads, max_batch_size=sp.max_batch_size, **bind)
 
 
-def apply_plan(pipelines: Sequence[Pipeline], plan: Plan) -> list[Pipeline]:
-    """The pipelines with the plan's replicas, threads and batch limits.
+def apply_plan(pipelines: Sequence[Pipeline], plan: Plan,
+               devices: Mapping[tuple[str, str], Sequence[int]] | None = None) -> list[Pipeline]:
+    """The pipelines with the plan's replicas, threads and batch limits,
+    and with `devices` (stage (pipeline, name) -> the ``cuda:N`` places its
+    replicas take in turn: a GPU plan's binding, see ``gpu_binding``).
     Stages the plan does not name keep their declaration; a pipeline or stage
     the plan names but the app lacks is an error (a plan for another app)."""
     by_name = {p.name: p for p in pipelines}
@@ -156,7 +166,9 @@ def apply_plan(pipelines: Sequence[Pipeline], plan: Plan) -> list[Pipeline]:
         if planned is None:
             out.append(p)
             continue
-        out.append(with_components(p, {s: _configured(p.stage(s), sp) for s, sp in planned.stages.items()}))
+        bound = devices or {}
+        out.append(with_components(p, {s: _configured(p.stage(s), sp, bound.get((p.name, s), ()))
+                                        for s, sp in planned.stages.items()}))
     return out
 
 
