@@ -5,7 +5,6 @@ on cue and sleeps past the SLO on cue."""
 
 import time
 
-import numpy as np
 import slipstream as ss
 
 X = {"x": ss.Tensor("float32", (-1, 2))}

@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from tests.conftest import APPS, Node
 
 SMI = """GPU 0: NVIDIA A30 (UUID: GPU-aaaa0000)

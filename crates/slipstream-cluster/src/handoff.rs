@@ -35,9 +35,8 @@
 //! see only the first stage's). Streaming requests, joins and stages with
 //! a hook (a cache) are never chained. `--via-ingress` turns chains off.
 
-use crate::serve::load_here;
 use crate::wire::{
-    error_from, lend, split_incoming, ArenaBuf, CallMeta, CallReq, Hop, Ingress, Load, ReplyMeta, ReqResult,
+    error_from, lend, load_here, split_incoming, ArenaBuf, CallMeta, CallReq, Hop, Ingress, Load, ReplyMeta, ReqResult,
 };
 use crate::Cluster;
 use serde::{Deserialize, Serialize};

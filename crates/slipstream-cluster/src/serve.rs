@@ -8,11 +8,10 @@
 //! goes back at once as a partial reply, all of them before the answer.
 
 use crate::handoff::{self, Onward};
-use crate::wire::{lend, split_incoming, ArenaBuf, CallMeta, PartMeta, ReplyMeta, ReqResult};
+use crate::wire::{lend, load_here, split_incoming, ArenaBuf, CallMeta, PartMeta, ReplyMeta, ReqResult};
 use crate::Cluster;
 use slipstream_core::arena::Tensors;
-use slipstream_core::replica::Phase;
-use slipstream_core::{Node, NodeError, StageRt};
+use slipstream_core::{Node, NodeError};
 use slipstream_peer::{Incoming, Outgoing, Parts};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -136,14 +135,4 @@ fn forward_chunks(req: u32, mut rx: mpsc::UnboundedReceiver<Tensors>, parts: Par
             }
         }
     })
-}
-
-/// Requests queued or running per ready replica of `stage` on this node:
-/// the load report that goes back with answers.
-pub(crate) fn load_here(stage: &StageRt) -> u32 {
-    let set = stage.replicas();
-    let local = set.iter().filter(|r| r.is_local());
-    let live = local.clone().filter(|r| r.phase() == Phase::Ready).count().max(1);
-    let outstanding: u32 = local.map(|r| r.load().outstanding).sum();
-    outstanding / live as u32
 }

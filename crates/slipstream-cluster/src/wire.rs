@@ -207,3 +207,13 @@ pub(crate) fn error_from(kind: &str, message: String, stage: &str) -> NodeError 
         _ => NodeError::Internal(message),
     }
 }
+
+/// Requests queued or running per ready replica of `stage` on this node:
+/// the load report that goes back with answers.
+pub(crate) fn load_here(stage: &slipstream_core::StageRt) -> u32 {
+    let set = stage.replicas();
+    let local = set.iter().filter(|r| r.is_local());
+    let live = local.clone().filter(|r| r.phase() == slipstream_core::replica::Phase::Ready).count().max(1);
+    let outstanding: u32 = local.map(|r| r.load().outstanding).sum();
+    outstanding / live as u32
+}
