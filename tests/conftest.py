@@ -20,6 +20,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from slipstream.testing import CLI, Node, wait_for  # noqa: F401 (wait_for: re-exported to the tests)
@@ -65,6 +66,29 @@ def cluster_plan_file(path: Path, app: str, planned: dict[str, dict[str, dict[st
            "pipelines": pipelines, "solve_ms": 1.0}
     path.write_text(json.dumps(doc))
     return path
+
+
+def start_planned(etcd: Any, app: str, planned: dict[str, dict[str, dict[str, int]]], node_args: dict[str, tuple[str, ...]],
+                  tmp: Path, into: dict[str, Node]) -> None:
+    """Deploy `app` (in tests/apps) with a plan placing `planned` (pipeline
+    -> stage -> node -> count), start the nodes named by `node_args` (each
+    with its flags) into `into` (the caller stops them, also when this
+    fails), and return once every node is ready, sees every member, and
+    the placement in force is the plan's."""
+    from slipstream.testing import deploy, start_node
+
+    plan = cluster_plan_file(tmp / f"{Path(app).stem}.plan.json", app, planned, {n: 2.0 for n in node_args})
+    out = deploy(etcd, APPS / app, "--plan", str(plan), wait=0)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for name, args in node_args.items():
+        into[name] = start_node(etcd, name, *args)
+    for n in into.values():
+        wait_for(lambda n=n: n.request("GET", "/readyz")[0] == 200
+                 and len(n.status()["cluster"]["members"]) == len(node_args), timeout=180)
+    want = {f"{p}/{s}": per for p, stages in planned.items() for s, per in stages.items()}
+    first = next(iter(into.values()))
+    wait_for(lambda: {k: v for k, v in (first.status()["cluster"]["placement"] or {}).get("stages", {}).items()
+                      if k in want} == want, timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import pytest
 import slipstream as ss
-from slipstream.testing import Etcd, deploy, start_node, stop_all
+from slipstream.testing import Etcd, stop_all
 
-from tests.conftest import APPS, Node, cluster_plan_file, wait_for
+from tests.conftest import Node, start_planned, wait_for
 
 CHAIN = {"A": {"a": 1}, "B": {"b": 1}, "C": {"b": 1}, "D": {"a": 1}}
 PLANNED = {"relay": CHAIN, "patient": CHAIN}
@@ -34,18 +34,8 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Node]]
     etcd = Etcd(1)
     ns: dict[str, Node] = {}
     try:
-        plan = cluster_plan_file(tmp_path_factory.mktemp("plan") / "relay.plan.json", "relay.py", PLANNED,
-                                 {"i": 2.0, "j": 2.0, "a": 2.0, "b": 2.0})
-        out = deploy(etcd, APPS / "relay.py", "--plan", str(plan), wait=0)
-        assert out.returncode == 0, out.stdout + out.stderr
-        ns = {"i": start_node(etcd, "i"), "j": start_node(etcd, "j", "--via-ingress"),
-              "a": start_node(etcd, "a"), "b": start_node(etcd, "b")}
-        for n in ns.values():
-            wait_for(lambda n=n: n.request("GET", "/readyz")[0] == 200
-                     and len(n.status()["cluster"]["members"]) == 4, timeout=180)
-        want = {f"{p}/{s}": per for p, stages in PLANNED.items() for s, per in stages.items()}
-        i = ns["i"]
-        wait_for(lambda: (i.status()["cluster"]["placement"] or {}).get("stages", {}) == want, timeout=60)
+        start_planned(etcd, "relay.py", PLANNED, {"i": (), "j": ("--via-ingress",), "a": (), "b": ()},
+                      tmp_path_factory.mktemp("plan"), ns)
         yield ns
     finally:
         stop_all(list(ns.values()))

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import slipstream as ss
-from slipstream.testing import Etcd, deploy, start_node, stop_all
+from slipstream.testing import Etcd, stop_all
 
-from tests.conftest import APPS, Node, cluster_plan_file, wait_for
+from tests.conftest import Node, start_planned, wait_for
 
 # Both streaming stages only on "far": a client of "near" is served across the nodes.
 PLANNED = {"counting": {"Count": {"far": 1}}, "ticking": {"Tick": {"far": 1}}}
@@ -24,18 +24,7 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Node]]
     etcd = Etcd(1)
     ns: dict[str, Node] = {}
     try:
-        plan = cluster_plan_file(tmp_path_factory.mktemp("plan") / "streaming.plan.json", "streaming.py", PLANNED,
-                                 {"near": 2.0, "far": 2.0})
-        out = deploy(etcd, APPS / "streaming.py", "--plan", str(plan), wait=0)
-        assert out.returncode == 0, out.stdout + out.stderr
-        ns = {name: start_node(etcd, name) for name in ("near", "far")}
-        for n in ns.values():
-            wait_for(lambda n=n: n.request("GET", "/readyz")[0] == 200
-                     and len(n.status()["cluster"]["members"]) == 2, timeout=180)
-        want = {f"{p}/{s}": per for p, stages in PLANNED.items() for s, per in stages.items()}
-        near = ns["near"]
-        wait_for(lambda: {k: v for k, v in (near.status()["cluster"]["placement"] or {}).get("stages", {}).items()
-                          if k in want} == want, timeout=60)
+        start_planned(etcd, "streaming.py", PLANNED, {"near": (), "far": ()}, tmp_path_factory.mktemp("plan"), ns)
         yield ns
     finally:
         stop_all(list(ns.values()))
