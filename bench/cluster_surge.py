@@ -9,7 +9,8 @@ the CPU (it sleeps for its batch latency, as a GPU model would: 40 ms + 5 ms
 per row, batches of 4, so one replica serves ~67 req/s), so that three
 nodes on this 2-core machine are not capped by its cores, and whose
 replicas take 4 s to construct (as loading a large model does: the lead
-time an autoscaler must see past). Three real nodes
+time an autoscaler must see past). Three real nodes, each in its own network
+namespace on a bridge when the host allows (`--netns`; else on loopback),
 on one real etcd; the load goes into the first node's ingress, which routes
 across the cluster. Policies, each on a fresh cluster:
 
@@ -58,7 +59,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from slipstream.testing import CLI, Cluster, wait_for
+from slipstream.testing import CLI, Cluster, Subnet, wait_for
 
 from bench import harness
 from bench.harness import RESULTS, ROOT
@@ -144,14 +145,36 @@ def profile(out: Path) -> Path:
     return path
 
 
-def run(policy: str, trace: Trace, seed: int, profile_path: Path) -> dict[str, Any]:
+def netns_usable() -> bool:
+    """Whether this host makes network namespaces (root, CAP_NET_ADMIN)."""
+    try:
+        Subnet(["probe"]).close()
+    except Exception as e:  # noqa: BLE001 (any failure means: not here)
+        log(f"no network namespaces here ({e}): the nodes share this machine's loopback")
+        return False
+    return True
+
+
+def run(policy: str, trace: Trace, seed: int, profile_path: Path, netns: bool) -> dict[str, Any]:
     replicas, autoscale = POLICIES[policy]
     loadavg = f"{os.getloadavg()[0]:.2f}"  # before the run
-    log(f"{policy}: 3 nodes, CLUSTER_MODEL_REPLICAS={replicas}, --autoscale {autoscale}; load average {loadavg}")
+    where = "each in its own network namespace" if netns else "on loopback"
+    log(f"{policy}: 3 nodes {where}, CLUSTER_MODEL_REPLICAS={replicas}, --autoscale {autoscale}; "
+        f"load average {loadavg}")
+    subnet = Subnet(["n1", "n2", "n3"]) if netns else None
+    try:
+        return run_on(policy, trace, seed, profile_path, subnet) | {"loadavg": loadavg}
+    finally:
+        if subnet is not None:
+            subnet.close()
+
+
+def run_on(policy: str, trace: Trace, seed: int, profile_path: Path, subnet: Subnet | None) -> dict[str, Any]:
+    replicas, autoscale = POLICIES[policy]
     # --no-standbys: no failover standby for the singleton (it would give
     # every policy a warm replica to promote at its first step).
     with Cluster(APP, 3, "--no-standbys", env={"CLUSTER_MODEL_REPLICAS": replicas, "CLUSTER_MODEL_LOAD_S": str(LOAD_S)},
-                 deploy_args=("--autoscale", autoscale, "--profile", str(profile_path))) as c:
+                 deploy_args=("--autoscale", autoscale, "--profile", str(profile_path)), subnet=subnet) as c:
         leader = c.nodes[0]
         wait_for(lambda: (leader.status()["cluster"]["placement"] or {}).get("stages", {}).get(KEY), 60)
         time.sleep(1.0)
@@ -168,15 +191,16 @@ def run(policy: str, trace: Trace, seed: int, profile_path: Path) -> dict[str, A
               if (e["what"] == "autoscale" and (e.get("pipeline"), e.get("stage")) == ("scale", "Model"))
               or (e["what"] == "placed" and not e.get("pipeline"))]
     return {"report": report, "samples": samples, "events": events,
-            "autoscale_final": final["cluster"].get("autoscale", {}).get("stages", {}).get(KEY),
-            "loadavg": loadavg}
+            "autoscale_final": final["cluster"].get("autoscale", {}).get("stages", {}).get(KEY)}
 
 
 def markdown(res: dict[str, Any]) -> str:
     t = res["trace"]
     lines = [f"# Load surge on a 3-node cluster: {t['before_s']:.0f} s at {res['base']:.0%} -> {t['surge_s']:.0f} s "
              f"at {res['peak']:.0%} -> {t['after_s']:.0f} s at {res['base']:.0%} of one `Model` replica", "",
-             f"`python -m bench.cluster_surge` on one machine ({res['cores']} cores): three nodes and etcd; "
+             f"`python -m bench.cluster_surge` on one machine ({res['cores']} cores): three nodes "
+             + ("(each in its own network namespace, on a bridge) " if res.get("netns") else "(on loopback) ")
+             + "and etcd; "
              f"SLO p99 {SLO_MS:.0f} ms; Poisson arrivals; 1-s windows; nodes with `--no-standbys` (only the "
              f"autoscaler's own standbys). One replica serves "
              f"{t['capacity_rps']:.0f} req/s (40 ms + 5 ms/row, batches of 4, off the CPU) and takes "
@@ -229,13 +253,16 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=9)
     ap.add_argument("--ray-trace", choices=["own", "same"], default="own",
                     help="Ray's trace: the shape at its own one-replica capacity (measured), or Slipstream's")
+    ap.add_argument("--netns", choices=["auto", "on", "off"], default="auto",
+                    help="each node in its own network namespace (needs root; auto: when the host allows)")
     ap.add_argument("--out", default=str(RESULTS / "cluster_surge"))
     a = ap.parse_args()
+    netns = a.netns == "on" or (a.netns == "auto" and netns_usable())
     machine = harness.machine()
     log(f"load average {machine['loadavg_before']}")
     trace = Trace(REPLICA_RPS, a)
     res: dict[str, Any] = {"trace": trace.to_json(), "base": a.base, "peak": a.peak, "slo_ms": SLO_MS,
-                           "cores": os.cpu_count(), "policies": {}}
+                           "cores": os.cpu_count(), "netns": netns, "policies": {}}
     out = Path(a.out)
     profile_path = profile(out)
     for policy in a.policies.split(","):
@@ -247,7 +274,7 @@ def main() -> int:
         if policy == "ray":
             used, r = ray_surge(trace, a)
         else:
-            r = run(policy, trace, a.seed, profile_path)
+            r = run(policy, trace, a.seed, profile_path, netns)
         res["policies"][policy] = analyse(policy, used, r, SLO_MS) | {
             k: r[k] for k in ("loadavg", "ray_nodes_used") if k in r}
         p = res["policies"][policy]

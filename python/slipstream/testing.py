@@ -28,7 +28,11 @@ processes, each on a free port, and stop them::
   cluster, start one member; ``stop_all(nodes)``: stop members together (one
   by one, each would first hand its stages over to those still running).
 - ``Cluster(app, nodes)``: etcd, the app deployed and ``nodes`` members,
-  all ready.
+  all ready (``subnet=Subnet(["n1", ...])``: each member on a machine of
+  its own).
+- ``Subnet(names)``: machines on one LAN on this host, a network namespace
+  each (needs root); ``partition(name)``/``heal(name)`` cut one off and
+  back, ``wrap(name)`` runs a command on one.
 - ``wait_for(predicate)``, ``free_port()``.
 
 ``ss.launch`` is for scripts and notebooks that want a node in the
@@ -43,6 +47,7 @@ from slipstream._internal.testing import (
     Cluster,
     Etcd,
     Node,
+    Subnet,
     deploy,
     free_port,
     start_node,
@@ -50,4 +55,5 @@ from slipstream._internal.testing import (
     wait_for,
 )
 
-__all__ = ["CLI", "TOKEN", "Cluster", "Etcd", "Node", "deploy", "free_port", "start_node", "stop_all", "wait_for"]
+__all__ = ["CLI", "TOKEN", "Cluster", "Etcd", "Node", "Subnet", "deploy", "free_port", "start_node", "stop_all",
+           "wait_for"]

@@ -1,6 +1,6 @@
 """A network partition between nodes, made for real: each node runs on a
 machine of its own (a network namespace with its own address on a bridge,
-tests/integration/subnet.py), and one machine's link goes down (packets
+slipstream.testing.Subnet), and one machine's link goes down (packets
 go nowhere; established connections go silent; nothing is refused). No
 request may hang: each is answered by its deadline, the cut-off node
 leaves the placement when its lease expires, and once the partition heals
@@ -19,10 +19,9 @@ from contextlib import contextmanager
 
 import pytest
 import slipstream as ss
-from slipstream.testing import Etcd, deploy, start_node, stop_all
+from slipstream.testing import Etcd, Subnet, deploy, start_node, stop_all
 
 from tests.conftest import APPS, Node, wait_for
-from tests.integration.subnet import Subnet
 
 CLUSTER_APP = str(APPS / "cluster.py")
 SLO_S = 2.0  # tests/apps/cluster.py

@@ -5,7 +5,7 @@ increment one counter exactly, versions and reads by time agree on every
 node, and a value with two copies survives a holder killed with SIGKILL.
 The promise tested is the one docs/design/store.md states. Each node runs
 on a machine of its own: a network namespace with its own address
-(tests/integration/subnet.py; loopback where the host cannot make them),
+(slipstream.testing.Subnet; loopback where the host cannot make them),
 and everything between machines is mutual TLS from a cluster CA
 (`slipstream tls`): etcd's clients and peers, and the data plane."""
 
@@ -29,10 +29,9 @@ import numpy as np
 import pytest
 import slipstream as ss
 from slipstream._internal.testing import ClusterCA
-from slipstream.testing import TOKEN, Etcd, deploy, start_node, stop_all
+from slipstream.testing import TOKEN, Etcd, Subnet, deploy, start_node, stop_all
 
 from tests.conftest import APPS, Node, wait_for
-from tests.integration.subnet import Subnet
 
 # Alone: three nodes and their workers starting beside another module's
 # cluster on a 2-core CI machine starve each other's 2 s membership leases.
@@ -52,7 +51,7 @@ ADMIN = "cluster-store-admin"  # a node on a non-loopback address takes writes w
 @contextmanager
 def machines(names: tuple[str, ...]) -> Iterator[tuple[Etcd, Callable[..., Node]]]:
     """etcd, and a way to start node NAME on machine NAME: each machine a
-    network namespace with its own address (tests/integration/subnet.py),
+    network namespace with its own address (slipstream.testing.Subnet),
     or loopback for all where this host cannot make namespaces."""
     try:
         net: Subnet | None = Subnet(names)

@@ -34,11 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from slipstream.testing import TOKEN, Etcd, deploy
+from slipstream.testing import TOKEN, Etcd, Subnet, deploy
 
 from tests import chart, dockerfile
 from tests.conftest import APPS, ROOT, wait_for
-from tests.integration.subnet import Subnet
 from tests.wheel import build_wheel
 
 pytestmark = pytest.mark.wheel

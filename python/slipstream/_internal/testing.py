@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -408,6 +409,79 @@ def start_node(etcd: Etcd, name: str, *args: str, token: str = TOKEN, ttl: int =
                 "--request-timeout", "10", *etcd.tls_args(name), *args, command="node", wrap=wrap, env=env)
 
 
+# --- machines on one LAN, on one host ----------------------------------------------------------
+# A network namespace per machine, each joined by a veth pair to a bridge in
+# this namespace: each machine has its own address and its own loopback, as
+# separate hosts do; this side (the bridge's address) is where etcd and the
+# clients are. Needs root (CAP_NET_ADMIN); ``Subnet`` raises when the host
+# refuses, and a caller can fall back to loopback then.
+
+_subnets_made = itertools.count()  # subnets made by this process: names and addresses differ
+
+
+def _ip(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, timeout=10)
+
+
+class Subnet:
+    """Namespaces named after ``names`` on bridge ``10.K.M.0/24`` (K from
+    the process, M from 78 up per subnet it makes): this side is
+    ``host_ip`` (``.1``), machine ``i`` is ``ip[name]`` (``.i+2``)."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        pid, seq = os.getpid(), next(_subnets_made) % 100
+        k, m = pid % 200 + 20, 78 + seq
+        tag = f"{pid % 100000}{seq}"
+        self.bridge = f"ssb{tag}"
+        self.host_ip = f"10.{k}.{m}.1"
+        self.ip: dict[str, str] = {}
+        self.ns: dict[str, str] = {}
+        self._links: dict[str, str] = {}  # machine -> this side's end of its veth pair
+        self._cut: set[str] = set()
+        _ip("ip", "link", "add", self.bridge, "type", "bridge")
+        try:
+            _ip("ip", "addr", "add", f"{self.host_ip}/24", "dev", self.bridge)
+            _ip("ip", "link", "set", self.bridge, "up")
+            for i, name in enumerate(names):
+                ns, host_if, ns_if = f"ss{tag}-{name}", f"sv{tag}h{i}", f"sv{tag}n{i}"
+                ip = f"10.{k}.{m}.{i + 2}"
+                _ip("ip", "netns", "add", ns)
+                self.ns[name] = ns
+                _ip("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+                self._links[name] = host_if
+                _ip("ip", "link", "set", ns_if, "netns", ns)
+                _ip("ip", "link", "set", host_if, "master", self.bridge)
+                _ip("ip", "link", "set", host_if, "up")
+                for cmd in (["ip", "addr", "add", f"{ip}/24", "dev", ns_if], ["ip", "link", "set", ns_if, "up"],
+                            ["ip", "link", "set", "lo", "up"]):
+                    _ip("ip", "netns", "exec", ns, *cmd)
+                self.ip[name] = ip
+        except Exception:
+            self.close()
+            raise
+
+    def partition(self, name: str) -> None:
+        """Cut machine ``name`` off from every other (its link goes down, as
+        a pulled cable: packets go nowhere and nothing is refused)."""
+        _ip("ip", "link", "set", self._links[name], "down")
+        self._cut.add(name)
+
+    def heal(self, name: str) -> None:
+        if name in self._cut:
+            _ip("ip", "link", "set", self._links[name], "up")
+            self._cut.discard(name)
+
+    def wrap(self, name: str) -> list[str]:
+        """The command prefix that runs a process on machine ``name``."""
+        return ["ip", "netns", "exec", self.ns[name]]
+
+    def close(self) -> None:
+        for cmd in ([["ip", "link", "del", link] for link in self._links.values()]
+                    + [["ip", "netns", "del", ns] for ns in self.ns.values()]
+                    + [["ip", "link", "del", self.bridge]]):
+            subprocess.run(cmd, capture_output=True, timeout=10)
+
+
 class Cluster:
     """etcd and `nodes` cluster members serving `app`, every member ready.
 
@@ -417,15 +491,22 @@ class Cluster:
 
     def __init__(self, app: str | Path, nodes: int = 3, *node_args: str, etcd_members: int = 1,
                  env: dict[str, str] | None = None, token: str = TOKEN, ttl: int = 2,
-                 timeout: float = 120.0, deploy_args: Sequence[str] = ()) -> None:
-        self.etcd = Etcd(etcd_members)
+                 timeout: float = 120.0, deploy_args: Sequence[str] = (), subnet: Subnet | None = None) -> None:
+        """`subnet`: run member ``nK`` on that subnet's machine ``nK`` (its
+        own network namespace and address), etcd on the subnet's host side."""
+        self.etcd = Etcd(etcd_members, host=subnet.host_ip if subnet else "127.0.0.1")
         self.nodes: list[Node] = []
         try:
             out = deploy(self.etcd, app, *deploy_args, token=token, wait=0, env=env)
             if out.returncode != 0:
                 raise RuntimeError(f"slipstream deploy {app} failed:\n{out.stdout}{out.stderr}")
             for i in range(nodes):
-                self.nodes.append(start_node(self.etcd, f"n{i + 1}", *node_args, token=token, ttl=ttl, env=env))
+                name = f"n{i + 1}"
+                at: tuple[str, ...] = ()
+                if subnet is not None:
+                    at = ("--host", subnet.ip[name], "--data-listen", f"{subnet.ip[name]}:0")
+                self.nodes.append(start_node(self.etcd, name, *node_args, *at, token=token, ttl=ttl, env=env,
+                                             wrap=subnet.wrap(name) if subnet else None))
             first = self.nodes[0]
             wait_for(lambda: len(first.status()["cluster"]["members"]) == nodes, timeout=timeout)
             for n in self.nodes:
