@@ -136,3 +136,7 @@ def test_a_request_whose_chain_is_lost_with_a_node_runs_again_before_its_deadlin
     t.join(timeout=45)
     assert got.get("y") == expected(99.0), got
     assert counters(i)["chains_lost"] >= 1, counters(i)
+    # B and C now run where the placement moved them, and chains go there.
+    with i.client() as c:
+        for v in (4.0, 5.0, 6.0):
+            assert c.infer("relay", {"x": x(v)})["y"].tolist() == expected(v)

@@ -10,11 +10,11 @@
 //!   ([`Handoffs`]). Its EDF queue, batching and deadline stay the
 //!   ingress's for the first stage: A's answer to the batch comes when A
 //!   has run it, as for any batch.
-//! - **A** runs the stage, then hands the outputs straight to B (one call
-//!   per request, answered as soon as B has queued it), and answers the
-//!   ingress's batch "handed" for it. A request B refuses (no replica, the
-//!   node leaving, unreachable) comes back to the ingress in the reply as
-//!   before, which goes on from there hub and spoke.
+//! - **A** runs the stage, answers the ingress's batch "handed" for it, and
+//!   hands the outputs straight to B (one call per request, answered as
+//!   soon as B has queued it). A request B refuses (no replica, the node
+//!   leaving, unreachable) A delivers to the ingress with its own outputs,
+//!   and the ingress goes on from there hub and spoke.
 //! - **B** queues it by its deadline with its own work (EDF and drop-late
 //!   hold on every node: each hop carries the time left), runs it, hands
 //!   it on to C the same way; **C**, the chain's last, delivers the
@@ -23,16 +23,18 @@
 //!   on from there; a stage that fails delivers its error.
 //! - **The ingress** takes the token out of its table and settles the
 //!   chain's stages at once ([`Job::finish_chain`]). Whoever takes a token
-//!   settles the request: a delivery, or the batch's reply when the
-//!   handoff was refused; a batch that failed or was retried closes its
-//!   tokens, so a late delivery is dropped, never settled twice.
+//!   settles the request: a delivery, or the batch's reply when A answered
+//!   it there (a node that does not chain); a batch that failed or was
+//!   retried closes its tokens, and a request whose chain loses a node
+//!   (suspected here, or its lease gone) runs its first stage again hub and
+//!   spoke, so a late delivery is dropped, never settled twice.
 //!
 //! What hub and spoke has and a chain does not: a node lost while it
-//! holds a handed-on request costs that request its deadline (504; the
-//! ingress's deadline timer answers it), where the ingress would have
-//! retried its batch; and the ingress's replicas of the chain's later
-//! stages learn no latency or load from it (routing and admission there
-//! see only the first stage's). Streaming requests, joins and stages with
+//! holds a handed-on request is noticed when the ingress suspects it or
+//! its lease runs out (a batch in flight is retried at once hub and
+//! spoke), so a short deadline may pass first (504); and the ingress's
+//! replicas of the chain's later stages learn no latency from it, only
+//! the load each node reports with the delivery. Streaming requests, joins and stages with
 //! a hook (a cache) are never chained. `--via-ingress` turns chains off.
 
 use crate::wire::{
@@ -50,9 +52,17 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-/// How long a node waits for the next to accept a request handed on, or
-/// for its ingress to take a delivery (both answer without running anything).
+/// How long a node waits for the next to accept a request handed on (it
+/// answers once it has queued it): a request not accepted in time is
+/// delivered to its ingress as far as it got, and the ingress goes on hub
+/// and spoke (should the next node have accepted it after all, its
+/// delivery finds the token taken and is dropped).
 const ACCEPT_WAIT: Duration = Duration::from_secs(1);
+
+/// How long a node waits for a request's ingress to take a delivery
+/// (answered at once; a delivery that fails loses the answer, and the
+/// request is answered at its deadline).
+const DELIVER_WAIT: Duration = Duration::from_secs(2);
 
 /// The ingress's table of requests handed on, by token.
 #[derive(Default)]
@@ -73,7 +83,7 @@ pub(crate) struct Open {
     job: Weak<dyn Job>,
     /// The stage it was sent to run first, then its chain.
     stages: Vec<usize>,
-    /// The nodes of its chain: losing one loses the request.
+    /// The nodes of its chain, the first stage's first: losing one loses the request.
     nodes: Vec<String>,
     pipe: Arc<PipelineRt>,
 }
@@ -83,7 +93,13 @@ const SWEEP_EVERY: u64 = 1024;
 
 impl Handoffs {
     /// Keep `job`, sent to run `stages` in turn elsewhere; its token.
-    pub(crate) fn open(&self, job: &Arc<dyn Job>, stages: Vec<usize>, hops: &[Hop], pipe: &Arc<PipelineRt>) -> u64 {
+    pub(crate) fn open(
+        &self,
+        job: &Arc<dyn Job>,
+        stages: Vec<usize>,
+        nodes: Vec<String>,
+        pipe: &Arc<PipelineRt>,
+    ) -> u64 {
         let token = self.next.fetch_add(1, Relaxed) + 1;
         self.chains.fetch_add(1, Relaxed);
         let mut open = self.open.lock();
@@ -92,7 +108,6 @@ impl Handoffs {
             // node held them, say) leave no entry behind.
             open.retain(|_, o| o.job.upgrade().is_some_and(|j| !j.skips(o.stages[0])));
         }
-        let nodes = hops.iter().map(|h| h.node.clone()).collect();
         open.insert(token, Open { job: Arc::downgrade(job), stages, nodes, pipe: pipe.clone() });
         token
     }
@@ -198,25 +213,10 @@ impl Onward {
     }
 }
 
-/// Hand each request on to its next stage's node, all at once; those
-/// refused come back (with their index and outputs) to be answered in the
-/// reply.
-pub(crate) async fn hand_on(
-    node: &Arc<Node>,
-    cluster: &Arc<Cluster>,
-    pipe: &Arc<PipelineRt>,
-    onward: Vec<(usize, Onward, Tensors)>,
-) -> Vec<(usize, Tensors)> {
-    let mut tries = tokio::task::JoinSet::new();
-    for (i, hop, outs) in onward {
-        let (node, cluster, pipe) = (node.clone(), cluster.clone(), pipe.clone());
-        tries.spawn(async move { (!pass(&node, &cluster, &pipe, hop, outs.clone()).await).then_some((i, outs)) });
-    }
-    let mut refused = Vec::new();
-    while let Some(r) = tries.join_next().await {
-        refused.extend(r.ok().flatten());
-    }
-    refused
+/// Stage `hop.stage` has run here for a request handed along a chain
+/// (`outs`): hand it on to the next stage, or deliver it as far as it got.
+pub(crate) fn hand_on(node: Arc<Node>, cluster: Arc<Cluster>, pipe: Arc<PipelineRt>, hop: Onward, outs: Tensors) {
+    tokio::spawn(async move { go_on(&node, &cluster, &pipe, hop, Ok(outs)).await });
 }
 
 /// Hand one request's outputs of `hop.stage` to the next stage: whether
@@ -263,20 +263,33 @@ async fn pass(node: &Arc<Node>, cluster: &Arc<Cluster>, pipe: &Arc<PipelineRt>, 
 pub(crate) fn carry_on(node: Arc<Node>, cluster: Arc<Cluster>, pipe: Arc<PipelineRt>, run: StageRun, hop: Onward) {
     tokio::spawn(async move {
         let outcome = run.outcome().await;
-        let (stage, ingress) = (hop.stage, hop.ingress);
-        let mut loads = hop.loads.clone();
-        let outcome = match outcome {
-            Ok(outs) if !hop.then.is_empty() => {
-                if pass(&node, &cluster, &pipe, hop, outs.clone()).await {
-                    return;
-                }
-                Ok(outs) // refused: the ingress goes on from this stage
-            }
-            other => other,
-        };
-        loads.push(load_of(&cluster, &pipe, stage));
-        deliver(&cluster, &pipe, ingress, stage, outcome, loads).await;
+        go_on(&node, &cluster, &pipe, hop, outcome).await;
     });
+}
+
+/// After `hop.stage` ran here with `outcome`: on to the next stage's node
+/// if there is one and it accepts; else to the ingress, the outputs (it
+/// goes on from this stage hub and spoke) or the error.
+async fn go_on(
+    node: &Arc<Node>,
+    cluster: &Arc<Cluster>,
+    pipe: &Arc<PipelineRt>,
+    hop: Onward,
+    outcome: Result<Tensors, NodeError>,
+) {
+    let (stage, ingress) = (hop.stage, hop.ingress);
+    let mut loads = hop.loads.clone();
+    let outcome = match outcome {
+        Ok(outs) if !hop.then.is_empty() => {
+            if pass(node, cluster, pipe, hop, outs.clone()).await {
+                return;
+            }
+            Ok(outs)
+        }
+        other => other,
+    };
+    loads.push(load_of(cluster, pipe, stage));
+    deliver(cluster, pipe, ingress, stage, outcome, loads).await;
 }
 
 /// This node's load at stage `stage`.
@@ -321,7 +334,7 @@ async fn deliver(
     let meta = Delivery { deliver: ingress.token, pipeline, through: through as u32, result, loads };
     let msg = Outgoing::call(serde_json::to_vec(&meta).expect("serialises"), tensors);
     // An ingress that cannot be reached has lost its request with it.
-    if let Err(e) = cluster.peers.call(ingress.addr, msg, ACCEPT_WAIT).await {
+    if let Err(e) = cluster.peers.call(ingress.addr, msg, DELIVER_WAIT).await {
         tracing::debug!("a delivery to {} failed: {e}", ingress.addr);
     }
 }

@@ -108,7 +108,8 @@ impl RemoteNode {
         match hops {
             Some(hops) if !hops.is_empty() => {
                 let stages = std::iter::once(ctx.stage_index()).chain(chain.iter().map(|(s, _)| *s)).collect();
-                let token = self.cluster.handoffs.open(req, stages, &hops, ctx.pipeline());
+                let nodes = std::iter::once(&self.at.node).chain(hops.iter().map(|h| &h.node)).cloned().collect();
+                let token = self.cluster.handoffs.open(req, stages, nodes, ctx.pipeline());
                 (hops, Some(Ingress { addr: self.cluster.data_addr, token }))
             }
             _ => (Vec::new(), None),

@@ -78,8 +78,7 @@ pub(crate) async fn serve_call(
         .collect();
     // Each request's answer; None: handed on (its answer goes to its ingress).
     let mut answers: Vec<Option<Result<Tensors, NodeError>>> = Vec::with_capacity(runs.len());
-    let mut onward = Vec::new();
-    for (i, (r, run)) in meta.reqs.iter().zip(runs).enumerate() {
+    for (r, run) in meta.reqs.iter().zip(runs) {
         let hop = Onward::of(r, stage.index, now);
         let run = match run {
             Ok(run) => run,
@@ -94,18 +93,15 @@ pub(crate) async fn serve_call(
                 handoff::carry_on(node.clone(), cluster.clone(), pipe.clone(), run, hop);
                 answers.push(None);
             }
+            // Run here, then on along its chain (not waited for).
             hop => match (run.outcome().await, hop) {
                 (Ok(outs), Some(hop)) => {
-                    onward.push((i, hop, outs));
+                    handoff::hand_on(node.clone(), cluster.clone(), pipe.clone(), hop, outs);
                     answers.push(None);
                 }
                 (outcome, _) => answers.push(Some(outcome)),
             },
         }
-    }
-    // Hand each on; one the next node refuses comes back in the reply.
-    for (i, outs) in handoff::hand_on(&node, &cluster, &pipe, onward).await {
-        answers[i] = Some(Ok(outs));
     }
     let mut tensors = Vec::new();
     let results = answers
