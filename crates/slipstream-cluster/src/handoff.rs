@@ -42,7 +42,7 @@ use crate::wire::{
 };
 use crate::Cluster;
 use serde::{Deserialize, Serialize};
-use slipstream_core::arena::Tensors;
+use slipstream_core::arena::{request_rows, Tensors};
 use slipstream_core::node::StageRun;
 use slipstream_core::replica::Job;
 use slipstream_core::{Node, NodeError, PipelineRt};
@@ -85,6 +85,10 @@ pub(crate) struct Open {
     stages: Vec<usize>,
     /// The nodes of its chain, the first stage's first: losing one loses the request.
     nodes: Vec<String>,
+    /// The first node answered that it ran the first stage and handed the
+    /// request on: from here on only the delivery (or a node's loss)
+    /// settles it; before, the batch in flight does (and its retry).
+    handed: bool,
     pipe: Arc<PipelineRt>,
 }
 
@@ -108,8 +112,15 @@ impl Handoffs {
             // node held them, say) leave no entry behind.
             open.retain(|_, o| o.job.upgrade().is_some_and(|j| !j.skips(o.stages[0])));
         }
-        open.insert(token, Open { job: Arc::downgrade(job), stages, nodes, pipe: pipe.clone() });
+        open.insert(token, Open { job: Arc::downgrade(job), stages, nodes, handed: false, pipe: pipe.clone() });
         token
+    }
+
+    /// The first node handed `token`'s request on (see [`Open::handed`]).
+    fn handed(&self, token: u64) {
+        if let Some(o) = self.open.lock().get_mut(&token) {
+            o.handed = true;
+        }
     }
 
     /// Take `token` out: whoever does settles its request.
@@ -123,8 +134,8 @@ impl Handoffs {
     pub(crate) fn lost(&self, gone: impl Fn(&str) -> bool) {
         let lost: Vec<Open> = {
             let mut open = self.open.lock();
-            let tokens: Vec<u64> =
-                open.iter().filter(|(_, o)| o.nodes.iter().any(|n| gone(n))).map(|(t, _)| *t).collect();
+            let lost = |o: &Open| o.handed && o.nodes.iter().any(|n| gone(n));
+            let tokens: Vec<u64> = open.iter().filter(|(_, o)| lost(o)).map(|(t, _)| *t).collect();
             tokens.into_iter().filter_map(|t| open.remove(&t)).collect()
         };
         for o in lost {
@@ -168,7 +179,13 @@ impl<'a> Opened<'a> {
 
     /// Request `i` was handed on: its delivery settles it.
     pub(crate) fn keep(&mut self, i: usize) -> bool {
-        std::mem::take(&mut self.tokens[i]) != 0
+        match std::mem::take(&mut self.tokens[i]) {
+            0 => false,
+            t => {
+                self.table.handed(t);
+                true
+            }
+        }
     }
 
     /// Request `i` came back in the reply: whether it is still this
@@ -366,8 +383,19 @@ pub(crate) fn take_delivery(cluster: &Cluster, from: &str, inc: Incoming<ArenaBu
     }
     match d.result {
         ReqResult::Ok { n } => {
+            let rows = job.inputs(open.stages[0]).map(|i| request_rows(&i));
             match split_incoming(Arc::new(inc.payload.0.freeze()), inc.tensors, std::iter::once(n)) {
-                Ok(mut outs) => job.finish_chain(&open.stages[..=at], outs.pop().unwrap_or_default()),
+                Ok(mut outs) => {
+                    let outs = outs.pop().unwrap_or_default();
+                    match rows {
+                        Ok(rows) if outs.iter().all(|(_, t)| t.rows() == rows) => {
+                            job.finish_chain(&open.stages[..=at], outs)
+                        }
+                        _ => job.fail(NodeError::Internal(format!(
+                            "node {from} delivered outputs whose rows do not match the request's"
+                        ))),
+                    }
+                }
                 Err(e) => job.fail(NodeError::Internal(format!("node {from} delivered a malformed answer: {e}"))),
             }
         }
