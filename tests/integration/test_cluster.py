@@ -186,8 +186,8 @@ def test_a_slow_singleton_is_waited_for_when_nothing_else_could_take_its_work(no
         """The ingress's replicas of Prod that will serve: (node, standby, leaving)."""
         [stage] = [s for p in ingress.status()["pipelines"] if p["name"] == "diamond"
                    for s in p["stages"] if s["name"] == "Prod"]
-        return sorted((r["node"], r["standby"], r["leaving"]) for r in stage["replicas"]
-                      if r["state"] not in ("draining", "stopped"))
+        return sorted((r["node"] or "", r["standby"], r["leaving"]) for r in stage["replicas"]
+                      if r["state"] not in ("draining", "stopped"))  # "": one on the ingress itself
 
     # Only the holder's replica and the spare's standby: no replica a move
     # left serving until its replacement did (that would be somewhere else
