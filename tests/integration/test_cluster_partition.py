@@ -52,9 +52,7 @@ def cluster_across(net: Subnet) -> Iterator[dict[str, Node]]:
         out = deploy(etcd, CLUSTER_APP, wait=0)
         assert out.returncode == 0, out.stdout + out.stderr
         for name in NAMES:
-            ip = net.ip[name]
-            nodes[name] = start_node(etcd, name, "--host", ip, "--data-listen", f"{ip}:0", "--admin-token", ADMIN,
-                                     wrap=net.wrap(name))
+            nodes[name] = start_node(etcd, name, *net.node_flags(name), "--admin-token", ADMIN, wrap=net.wrap(name))
         yield nodes
     finally:
         stop_all(nodes.values())

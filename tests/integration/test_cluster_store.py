@@ -65,9 +65,8 @@ def machines(names: tuple[str, ...]) -> Iterator[tuple[Etcd, Callable[..., Node]
     def start(name: str, **kw: Any) -> Node:
         if net is None:
             return start_node(etcd, name, "--admin-token", ADMIN, ttl=TTL, **kw)
-        ip = net.ip[name]
-        return start_node(etcd, name, "--host", ip, "--data-listen", f"{ip}:0", "--admin-token", ADMIN, ttl=TTL,
-                          wrap=net.wrap(name), **kw)
+        return start_node(etcd, name, *net.node_flags(name), "--admin-token", ADMIN, ttl=TTL, wrap=net.wrap(name),
+                          **kw)
 
     try:
         yield etcd, start

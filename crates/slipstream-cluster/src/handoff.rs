@@ -38,7 +38,8 @@
 //! a hook (a cache) are never chained. `--via-ingress` turns chains off.
 
 use crate::wire::{
-    error_from, lend, load_here, split_incoming, ArenaBuf, CallMeta, CallReq, Hop, Ingress, Load, ReplyMeta, ReqResult,
+    error_from, lend_all, load_here, split_incoming, ArenaBuf, CallMeta, CallReq, Hop, Ingress, Load, ReplyMeta,
+    ReqResult,
 };
 use crate::Cluster;
 use serde::{Deserialize, Serialize};
@@ -264,7 +265,7 @@ async fn pass(node: &Arc<Node>, cluster: &Arc<Cluster>, pipe: &Arc<PipelineRt>, 
         loads: onward.loads,
     };
     let meta = CallMeta { pipeline: pipe.name().to_string(), stage: next.stage, reqs: vec![req] };
-    let tensors = outs.iter().map(|(n, t)| lend(n, t)).collect();
+    let tensors = lend_all(&outs).collect();
     let msg = Outgoing::call(serde_json::to_vec(&meta).expect("serialises"), tensors);
     let Ok(inc) = cluster.peers.call(next.addr, msg, ACCEPT_WAIT).await else { return false };
     let accepted = serde_json::from_slice::<ReplyMeta>(&inc.meta)

@@ -26,7 +26,7 @@
 
 use crate::handoff::Opened;
 use crate::wire::{
-    error_from, lend, split_incoming, ArenaBuf, CallMeta, CallReq, Hop, Ingress, PartMeta, ReplyMeta, ReqResult,
+    error_from, lend_all, split_incoming, ArenaBuf, CallMeta, CallReq, Hop, Ingress, PartMeta, ReplyMeta, ReqResult,
 };
 use crate::{Cluster, View};
 use slipstream_core::drive::{drive, Backend, Batch, Outcome, ReplicaCtx, Reply, Running, Started};
@@ -179,7 +179,7 @@ impl Backend for RemoteNode {
                 loads: Vec::new(),
             });
             latest = latest.max(deadline);
-            tensors.extend(inputs.iter().map(|(name, t)| lend(name, t)));
+            tensors.extend(lend_all(inputs));
         }
         let streams = reqs.iter().any(|r| r.chunks);
         let meta = CallMeta { pipeline: ctx.pipeline().name().to_string(), stage: ctx.stage_index() as u32, reqs };

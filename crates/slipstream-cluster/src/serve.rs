@@ -8,7 +8,7 @@
 //! goes back at once as a partial reply, all of them before the answer.
 
 use crate::handoff::{self, Onward};
-use crate::wire::{lend, load_here, split_incoming, ArenaBuf, CallMeta, PartMeta, ReplyMeta, ReqResult};
+use crate::wire::{lend_all, load_here, split_incoming, ArenaBuf, CallMeta, PartMeta, ReplyMeta, ReqResult};
 use crate::Cluster;
 use slipstream_core::arena::Tensors;
 use slipstream_core::{Node, NodeError};
@@ -126,7 +126,7 @@ fn forward_chunks(req: u32, mut rx: mpsc::UnboundedReceiver<Tensors>, parts: Par
     tokio::spawn(async move {
         let meta = serde_json::to_vec(&PartMeta { req }).expect("serialises");
         while let Some(chunk) = rx.recv().await {
-            if !parts.send(meta.clone(), chunk.iter().map(|(n, t)| lend(n, t)).collect()).await {
+            if !parts.send(meta.clone(), lend_all(&chunk).collect()).await {
                 return; // the caller is gone
             }
         }

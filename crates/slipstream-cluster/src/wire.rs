@@ -43,7 +43,12 @@ impl AsRef<[u8]> for Lent {
     }
 }
 
-pub(crate) fn lend(name: &str, t: &TensorRef) -> OutTensor {
+/// `tensors`, each lent to the socket without a copy.
+pub(crate) fn lend_all(tensors: &Tensors) -> impl Iterator<Item = OutTensor> + '_ {
+    tensors.iter().map(|(name, t)| lend(name, t))
+}
+
+fn lend(name: &str, t: &TensorRef) -> OutTensor {
     OutTensor {
         name: name.to_string(),
         dtype: t.dtype,
@@ -142,7 +147,7 @@ impl ReqResult {
     pub(crate) fn of(outcome: Result<Tensors, NodeError>, tensors: &mut Vec<OutTensor>) -> ReqResult {
         match outcome {
             Ok(outs) => {
-                tensors.extend(outs.iter().map(|(n, t)| lend(n, t)));
+                tensors.extend(lend_all(&outs));
                 ReqResult::Ok { n: outs.len() as u32 }
             }
             Err(e) => ReqResult::Err { kind: e.kind().to_string(), message: e.to_string() },

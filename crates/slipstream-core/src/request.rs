@@ -476,35 +476,29 @@ impl Request {
     /// node and for a streaming request (its chunks come back with its
     /// calls).
     pub fn chain_after(&self, stage: usize) -> Vec<(usize, Arc<Replica>)> {
-        let (pipe, dag) = (&self.pipe, &self.pipe.dag);
-        let mut chain = Vec::new();
+        let pipe = &self.pipe;
         // A stage run again after its chain was lost goes hub and spoke.
-        let rerun = self.retried.load(Relaxed) & (1u64 << stage.min(63)) != 0;
+        let rerun = self.retried.load(Relaxed) & retry_bit(stage) != 0;
         if rerun || self.only.is_some() || pipe.join_of[stage].is_some() || self.state.lock().chunks.is_some() {
-            return chain;
+            return Vec::new();
         }
-        let mut at = stage;
-        while let [next] = dag.children[at][..] {
-            let r = &self.route[next];
-            let chained =
-                dag.parents[next].len() == 1 && pipe.join_of[next].is_none() && pipe.stages[next].hook.is_none();
-            if !chained || r.is_local() || r.phase() != Phase::Ready || r.leaving() {
-                break;
-            }
-            chain.push((next, r.clone()));
-            at = next;
-        }
-        chain
+        let chained = |s: usize| {
+            let r = &self.route[s];
+            pipe.join_of[s].is_none() && pipe.stages[s].hook.is_none() && r.phase() == Phase::Ready && !r.leaving()
+        };
+        self.chain_walk(stage, chained).into_iter().map(|s| (s, self.route[s].clone())).collect()
     }
 
-    /// The stages of a chain after `stage` (each the only child of the one
-    /// before, and its only parent) as far as its route stays on other nodes.
-    fn chain_stages(&self, stage: usize) -> Vec<usize> {
+    /// The stages after `stage`, each the only child of the one before and
+    /// its only parent, routed to other nodes and passing `also`, up to the
+    /// first that is not: a chain ([`Request::chain_after`]), or, for an
+    /// error, the one a request was handed along.
+    fn chain_walk(&self, stage: usize, also: impl Fn(usize) -> bool) -> Vec<usize> {
         let dag = &self.pipe.dag;
         let mut out = Vec::new();
         let mut at = stage;
         while let [next] = dag.children[at][..] {
-            if dag.parents[next].len() != 1 || self.route[next].is_local() {
+            if dag.parents[next].len() != 1 || self.route[next].is_local() || !also(next) {
                 break;
             }
             out.push(next);
@@ -598,7 +592,7 @@ impl Request {
         if st.handed_on != Some(at) {
             return Some((at, name(at)));
         }
-        let chain: Vec<String> = self.chain_stages(at).into_iter().map(name).collect();
+        let chain: Vec<String> = self.chain_walk(at, |_| true).into_iter().map(name).collect();
         Some((at, format!("{} (handed on to {})", name(at), chain.join(", "))))
     }
 
@@ -674,7 +668,7 @@ impl Job for Request {
     }
 
     fn mark_retried(&self, stage: usize) -> bool {
-        let bit = 1u64 << stage.min(63);
+        let bit = retry_bit(stage);
         self.retried.fetch_or(bit, Relaxed) & bit == 0
     }
 
@@ -696,6 +690,11 @@ impl Job for Request {
     fn handed_on(&self, stage: usize) {
         self.state.lock().handed_on = Some(stage);
     }
+}
+
+/// Stage `stage`'s bit in [`Request::retried`] (stages past 63 share the last).
+fn retry_bit(stage: usize) -> u64 {
+    1u64 << stage.min(63)
 }
 
 /// An admitted request inside its pipeline: settled exactly once, with its

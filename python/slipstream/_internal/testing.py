@@ -475,6 +475,11 @@ class Subnet:
         """The command prefix that runs a process on machine ``name``."""
         return ["ip", "netns", "exec", self.ns[name]]
 
+    def node_flags(self, name: str) -> tuple[str, ...]:
+        """A node's flags to serve and listen on machine ``name``'s address."""
+        ip = self.ip[name]
+        return ("--host", ip, "--data-listen", f"{ip}:0")
+
     def close(self) -> None:
         for cmd in ([["ip", "link", "del", link] for link in self._links.values()]
                     + [["ip", "netns", "del", ns] for ns in self.ns.values()]
@@ -502,9 +507,7 @@ class Cluster:
                 raise RuntimeError(f"slipstream deploy {app} failed:\n{out.stdout}{out.stderr}")
             for i in range(nodes):
                 name = f"n{i + 1}"
-                at: tuple[str, ...] = ()
-                if subnet is not None:
-                    at = ("--host", subnet.ip[name], "--data-listen", f"{subnet.ip[name]}:0")
+                at = subnet.node_flags(name) if subnet else ()
                 self.nodes.append(start_node(self.etcd, name, *node_args, *at, token=token, ttl=ttl, env=env,
                                              wrap=subnet.wrap(name) if subnet else None))
             first = self.nodes[0]

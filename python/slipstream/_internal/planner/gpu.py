@@ -150,15 +150,10 @@ def spec_from_smi(lines: Sequence[str]) -> tuple[str, list[str]]:
     the GPUs left out because the planner knows no such model. A GPU with
     MIG slices listed under it is planned with MIG (its layout is the
     plan's to choose), one without as a whole GPU."""
-    found: list[tuple[str, bool]] = []  # (model line, has MIG slices)
-    for line in (x.strip() for x in lines):
-        if line.startswith("GPU ") and "(UUID:" in line:
-            found.append((line.split("(UUID:")[0].split(":", 1)[-1].strip(), False))
-        elif line.startswith("MIG ") and found:
-            found[-1] = (found[-1][0], True)
     counts: dict[str, int] = {}
     unknown = []
-    for name, mig in found:
+    for name, slices in smi_gpus(lines):
+        mig = bool(slices)
         model = _model_of(name)
         if model is None:
             unknown.append(name)
@@ -179,21 +174,30 @@ def local_smi_lines() -> list[str]:
     return out.stdout.splitlines() if out.returncode == 0 else []
 
 
+def smi_gpus(lines: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """Each GPU ``nvidia-smi -L``'s lines list, in order: its product name
+    and the MIG profiles of the slices listed under it (none: a whole GPU).
+    Lines without a UUID are skipped, as the node's own reading of them
+    (`crates/slipstream-core/src/gpu.rs`) skips them."""
+    gpus: list[tuple[str, list[str]]] = []
+    for line in (x.strip() for x in lines):
+        head, _, uuid = line.partition("(UUID:")
+        if not uuid.strip(" )"):
+            continue
+        if line.startswith("GPU "):
+            gpus.append((head.split(":", 1)[-1].strip(), []))
+        elif line.startswith("MIG ") and gpus:
+            gpus[-1][1].append(line[4:].split()[0] if line[4:].split() else "")
+    return gpus
+
+
 def local_devices(lines: Sequence[str]) -> list[tuple[int, str]]:
     """The devices a node binds workers to, in its order (``cuda:N`` is the
     Nth): (GPU number, MIG profile, or ``WHOLE`` for a GPU without slices)
     from ``nvidia-smi -L``'s lines. A GPU with MIG slices offers its slices,
     not itself (as `crates/slipstream-core/src/gpu.rs` lists them)."""
-    gpus: list[list[str]] = []
-    for line in (x.strip() for x in lines):
-        if "(UUID:" not in line or not line.split("(UUID:", 1)[1].strip(" )"):
-            continue
-        if line.startswith("GPU "):
-            gpus.append([])
-        elif line.startswith("MIG ") and gpus:
-            gpus[-1].append(line[4:].split()[0] if line[4:].split() else "")
     out: list[tuple[int, str]] = []
-    for n, slices in enumerate(gpus):
+    for n, (_, slices) in enumerate(smi_gpus(lines)):
         out.extend((n, sl) for sl in slices) if slices else out.append((n, WHOLE))
     return out
 
