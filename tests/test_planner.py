@@ -347,6 +347,49 @@ def test_a_cluster_s_gpu_nodes_are_planned_per_node_and_spread() -> None:
     assert "on 3 nodes (2 ms per hop" in text and "g0" in text
 
 
+def test_a_cluster_gpu_plan_binds_each_node_s_replicas_to_its_own_slices() -> None:
+    from slipstream._internal.cluster_cli import bound_per_node, gpu_plan_of
+    from slipstream._internal.planner.gpu import gpu_binding, local_devices
+
+    pipe = ss.Pipeline("p", comp("Big") >> comp("Small"))
+    prof = profile(Big=gpu_stage(10, 100), Small=gpu_stage(2, 400))
+    plan = planner.plan_gpu([pipe], {"p": prof}, "", nodes={"g0": "2xA30", "g1": "1xA30:nomig+1xA30"})
+    gpus = plan.inventory["gpus"]
+
+    def smi_of(node: str) -> list[str]:
+        """The node's `nvidia-smi -L`, cut as planned, each GPU's slices
+        listed in the reverse of the plan's order, whole GPUs first; g1
+        has an H100 first."""
+        lines = ["GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-h)"] if node == "g1" else []
+        for g in sorted((g for g in gpus if g["node"] == node), key=lambda g: g["layout"] != ["whole"]):
+            lines.append(f"GPU {len(lines)}: NVIDIA A30 (UUID: GPU-{node}-{g['id']})")
+            if g["layout"] != ["whole"]:
+                lines += [f"  MIG {sl} Device {i}: (UUID: MIG-{node}-{g['id']}-{i})"
+                          for i, sl in enumerate(reversed(g["layout"]))]
+        return lines
+
+    bound = bound_per_node(plan, {n: smi_of(n) for n in ("g0", "g1")})
+    placed = {(p, s): sp.placement for p, pp in plan.pipelines.items() for s, sp in pp.stages.items()}
+    for node in ("g0", "g1"):
+        devices = local_devices(smi_of(node))
+        taken: list[int] = []
+        for (p, s), ps in placed.items():
+            mine = [q for q in ps or [] if q["node"] == node]
+            places = bound.get(f"{p}/{s}", {}).get(node, [])
+            # One place per replica the plan puts there, each a slice of the planned kind.
+            assert [devices[d][1] for d in places] == [q["slice"] for q in mine], (node, s)
+            taken += places
+        assert len(taken) == len(set(taken)), ("one replica per slice", node, taken)
+        assert all(devices[d][0] != 0 for d in taken) or node == "g0", "g1's H100 is not the plan's A30"
+    # What a node that joins later binds by is in the record, and gives the same.
+    g1 = gpu_binding(gpu_plan_of(plan), {tuple(k.split("/")): v for k, v in gpu_plan_of(plan)["placement"].items()},
+                     smi_of("g1"), "g1")
+    assert {f"{p}/{s}": {"g1": v} for (p, s), v in g1.items()} == {k: {"g1": v["g1"]} for k, v in bound.items()
+                                                                    if "g1" in v}
+    with pytest.raises(ConfigError, match="puts 1 A30 GPU.s. on node g1 cut into MIG slices, but `nvidia-smi -L` there lists fewer"):
+        bound_per_node(plan, {"g1": ["GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-h)"]})
+
+
 def test_a_member_s_gpus_are_read_from_its_nvidia_smi_lines() -> None:
     lines = ["GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-aaaa)",
              "MIG 3g.40gb     Device  0: (UUID: MIG-bbbb)",

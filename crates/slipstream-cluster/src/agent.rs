@@ -394,7 +394,7 @@ async fn reconcile(etcd: &Etcd, node: &Arc<Node>, cluster: &Arc<Cluster>, keys: 
     }
     let placement = current.map(|(p, _)| p).filter(|p| &p.deploy == deploy);
     if let Some(p) = &placement {
-        apply(node, cluster, p, &members);
+        apply(node, cluster, p, plan.as_ref(), &members);
     }
     cluster.prune_suspects(&members);
     cluster.handoffs.lost(|n| !members.contains_key(n));
@@ -408,12 +408,15 @@ async fn reconcile(etcd: &Etcd, node: &Arc<Node>, cluster: &Arc<Cluster>, keys: 
     cluster.publish_suspects();
 }
 
-/// Start, keep and drain replicas so that this node matches the placement.
-fn apply(node: &Arc<Node>, cluster: &Cluster, p: &Placement, members: &BTreeMap<String, Member>) {
+/// Start, keep and drain replicas so that this node matches the placement
+/// (on the devices the plan, if any, binds them to here).
+fn apply(node: &Arc<Node>, cluster: &Cluster, p: &Placement, plan: Option<&PlanRecord>, members: &BTreeMap<String, Member>) {
     for pipe in node.pipelines().values() {
         for st in &pipe.stages {
             let key = pipe.stage_key(st.index);
             let me = cluster.me();
+            let bound = plan.and_then(|plan| plan.devices.get(&key)).and_then(|per| per.get(me));
+            node.change(pipe, st.index, Change::Bind(bound.unwrap_or(&pipe.spec.stages[st.index].devices)));
             // Placed replicas first: one placed where this node's standby
             // was promotes it.
             node.change(pipe, st.index, Change::Place(p.count(&key, me) as usize));

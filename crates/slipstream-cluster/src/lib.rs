@@ -168,6 +168,11 @@ pub struct PlanRecord {
     pub deploy: String,
     /// "pipeline/stage" -> node -> replicas.
     pub planned: Assignment,
+    /// A GPU plan's binding: "pipeline/stage" -> node -> the devices (places
+    /// in that node's `nvidia-smi -L` list, as `cuda:N` names them) its
+    /// replicas there take, by slot. Stages or nodes it lacks take any GPU.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub devices: BTreeMap<String, BTreeMap<String, Vec<usize>>>,
     /// When it was made (Unix seconds) and what from, for the status.
     #[serde(default)]
     pub at: f64,

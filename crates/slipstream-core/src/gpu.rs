@@ -11,10 +11,12 @@
 //!
 //! A GPU split into MIG slices offers its slices, not itself: with MIG on,
 //! CUDA can only run on a slice. Replicas of a stage asking for any GPU
-//! take the devices round-robin by replica id (a restarted worker keeps
-//! its device), or the devices a plan bound the stage to (its `devices`,
-//! the slices `slipstream plan` chose for it), in turn; `cuda:N` pins
-//! every replica to the Nth device of the list.
+//! take the devices round-robin by their slot on this node (the lowest
+//! free when the replica was added: a restarted worker keeps its device,
+//! and a replica replacing one takes the device it left), or the devices
+//! a plan bound the stage to (its `devices`, the slices `slipstream plan`
+//! chose for it; on a cluster node, the plan record's for that node), in
+//! turn; `cuda:N` pins every replica to the Nth device of the list.
 //! A stage that asks for a GPU on a machine without one fails to start
 //! with a message that says so, rather than running on the CPU unnoticed.
 
@@ -106,10 +108,10 @@ pub fn parse(text: &str) -> Vec<Gpu> {
     out
 }
 
-/// The device for replica `replica` of a stage that wants `want`, among
+/// The device for the replica in `slot` of a stage that wants `want`, among
 /// `gpus` (or those of them `bound` names, in turn, when it names any):
 /// `Ok(None)` for a CPU stage; Err says why there is none.
-pub fn assign<'a>(want: Want, replica: u32, bound: &[usize], gpus: &'a [Gpu]) -> Result<Option<&'a Gpu>, String> {
+pub fn assign<'a>(want: Want, slot: u32, bound: &[usize], gpus: &'a [Gpu]) -> Result<Option<&'a Gpu>, String> {
     match want {
         Want::Cpu => Ok(None),
         _ if gpus.is_empty() => Err(format!(
@@ -118,9 +120,9 @@ pub fn assign<'a>(want: Want, replica: u32, bound: &[usize], gpus: &'a [Gpu]) ->
             want.label(),
             local_note()
         )),
-        Want::AnyGpu if bound.is_empty() => Ok(Some(&gpus[replica as usize % gpus.len()])),
+        Want::AnyGpu if bound.is_empty() => Ok(Some(&gpus[slot as usize % gpus.len()])),
         Want::AnyGpu => {
-            let n = bound[replica as usize % bound.len()];
+            let n = bound[slot as usize % bound.len()];
             gpus.get(n).map(Some).ok_or_else(|| {
                 format!("its plan binds it to cuda:{n}, but this machine has {} GPU device(s)", gpus.len())
             })

@@ -72,8 +72,10 @@ pub struct StageRt {
     pub(crate) env: BTreeMap<String, String>,
     /// The device its replicas run on (a GPU each, for a GPU stage).
     pub(crate) device: crate::gpu::Want,
-    /// The devices its replicas take in turn (a plan's binding; empty: all).
-    bound: Vec<usize>,
+    /// The devices its replicas on this node take, by slot (a plan's
+    /// binding; empty: all of this machine's, in turn). A cluster node's
+    /// comes from the cluster's plan record ([`StageRt::bind`]).
+    bound: RwLock<Vec<usize>>,
     /// How long a worker took from spawn to warm (moving average, ms; 0
     /// until one has started): the lead time a standby needs.
     start_ms: AtomicU32,
@@ -110,7 +112,7 @@ impl StageRt {
             length_input: spec.length_input.clone(),
             env: spec.env.clone(),
             device: crate::gpu::Want::parse(spec.device.as_deref()).unwrap_or_default(), // checked by validate
-            bound: spec.devices.clone(),
+            bound: RwLock::new(spec.devices.clone()),
             start_ms: AtomicU32::new(0),
             replicas: RwLock::new(Arc::new(Vec::new())),
             next_id: AtomicU32::new(0),
@@ -171,24 +173,38 @@ impl StageRt {
         self.replicas.read().clone()
     }
 
-    /// The environment of replica `replica`'s worker: the stage's, and for a
-    /// GPU stage `CUDA_VISIBLE_DEVICES` naming its one device. Err: it wants
-    /// a GPU this machine does not have.
-    pub(crate) fn worker_env(&self, replica: u32) -> Result<BTreeMap<String, String>, String> {
-        let mut env = self.env.clone();
-        if let Some(gpu) = crate::gpu::assign(self.device, replica, &self.bound, crate::gpu::devices())? {
-            env.insert("CUDA_VISIBLE_DEVICES".into(), gpu.uuid.clone());
+    /// Bind the replicas started from now on to `devices` (places in this
+    /// machine's list, by slot; empty: any). Those running keep theirs
+    /// until their worker starts again.
+    pub(crate) fn bind(&self, devices: &[usize]) {
+        if *self.bound.read() != devices {
+            *self.bound.write() = devices.to_vec();
         }
-        Ok(env)
     }
 
-    /// Where replica `replica` runs, for the status: `"cpu"`, or `"cuda:N"`
-    /// (N: its place in this machine's list) with the GPU's UUID and name.
-    pub fn device_of(&self, replica: u32) -> (String, Option<serde_json::Value>) {
-        match crate::gpu::assign(self.device, replica, &self.bound, crate::gpu::devices()) {
-            Ok(None) => ("cpu".into(), None),
-            Ok(Some(g)) => (format!("cuda:{}", g.index), Some(serde_json::json!({"uuid": g.uuid, "name": g.name}))),
-            Err(_) => (self.device.label(), None), // it never started
+    /// The environment of the worker of the replica in `slot` (see
+    /// [`Replica::slot`]): the stage's, and for a GPU stage
+    /// `CUDA_VISIBLE_DEVICES` naming its one device, which is returned too.
+    /// Err: it wants a GPU this machine does not have.
+    pub(crate) fn worker_env(&self, slot: u32) -> Result<(BTreeMap<String, String>, Option<usize>), String> {
+        let mut env = self.env.clone();
+        let gpu = crate::gpu::assign(self.device, slot, &self.bound.read(), crate::gpu::devices())?;
+        if let Some(gpu) = gpu {
+            env.insert("CUDA_VISIBLE_DEVICES".into(), gpu.uuid.clone());
+        }
+        Ok((env, gpu.map(|g| g.index)))
+    }
+
+    /// Where a local replica runs, for the status: `"cpu"`, or `"cuda:N"`
+    /// (N: its place in this machine's list) with the GPU's UUID and name;
+    /// as declared while its worker has not started on one.
+    pub fn device_of(&self, r: &Replica) -> (String, Option<serde_json::Value>) {
+        if !self.device.is_gpu() {
+            return ("cpu".into(), None);
+        }
+        match r.device().and_then(|i| crate::gpu::devices().get(i)) {
+            Some(g) => (format!("cuda:{}", g.index), Some(serde_json::json!({"uuid": g.uuid, "name": g.name}))),
+            None => (self.device.label(), None),
         }
     }
 
@@ -211,7 +227,17 @@ impl StageRt {
     pub(crate) fn add_replica(&self, pool: Arc<Pool>, epoch: Instant, standby: bool) -> Arc<Replica> {
         let r =
             Replica::new(self.next_id.fetch_add(1, Relaxed), self.index, pool, self.learned_former(), epoch, standby);
-        self.insert(Arc::new(r))
+        self.insert(Arc::new(r.in_slot(self.free_slot())))
+    }
+
+    /// The lowest slot no local replica holds (a replica's slot is free
+    /// again once it has left the set).
+    fn free_slot(&self) -> u32 {
+        let set = self.replicas();
+        let mut held: Vec<u32> = set.iter().filter(|r| r.is_local()).map(|r| r.slot).collect();
+        held.sort_unstable();
+        held.dedup();
+        held.iter().enumerate().find(|&(i, &s)| s != i as u32).map_or(held.len() as u32, |(i, _)| i as u32)
     }
 
     /// A new replica standing for one on another node (starting until that

@@ -232,12 +232,22 @@ pub struct RemoteAt {
     pub addr: std::net::SocketAddr,
 }
 
+/// [`Replica::device`]'s "none".
+const NO_DEVICE: u32 = u32::MAX;
+
 /// A worker replica of a stage, as the scheduler sees it.
 pub struct Replica {
     /// Unique within its stage for the node's lifetime (names the worker).
     pub id: u32,
     /// Its stage's place in the pipeline.
     stage: usize,
+    /// Its place among its stage's replicas on this node (the lowest free
+    /// when it was added): which of the stage's devices it takes, so that
+    /// remote replicas, which share the ids, do not skew a GPU binding.
+    pub slot: u32,
+    /// The place in this machine's device list its worker was last
+    /// started on ([`NO_DEVICE`]: none, or not started yet).
+    device: AtomicU32,
     /// Its former has a length model: queued requests are measured.
     batches_by_length: bool,
     /// The pool its worker allocates outputs in (for a remote replica: the
@@ -269,6 +279,8 @@ impl Replica {
         let r = Replica {
             id,
             stage,
+            slot: 0,
+            device: AtomicU32::new(NO_DEVICE),
             batches_by_length: former.length.is_some(),
             pool,
             remote: None,
@@ -291,6 +303,23 @@ impl Replica {
         };
         r.publish(&r.state.lock());
         r
+    }
+
+    /// The same replica, in place `slot` among its stage's on this node.
+    pub fn in_slot(mut self, slot: u32) -> Replica {
+        self.slot = slot;
+        self
+    }
+
+    /// Its worker was started on device `index` of this machine's list.
+    pub fn set_device(&self, index: Option<usize>) {
+        self.device.store(index.map_or(NO_DEVICE, |i| i.min(NO_DEVICE as usize - 1) as u32), Relaxed);
+    }
+
+    /// The device its worker was last started on, if any.
+    pub fn device(&self) -> Option<usize> {
+        let d = self.device.load(Relaxed);
+        (d != NO_DEVICE).then_some(d as usize)
     }
 
     /// The same replica, standing for one on another node.

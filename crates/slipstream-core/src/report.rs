@@ -65,7 +65,7 @@ fn core_status(node: &Node) -> Value {
                         "replicas": set.iter().map(|r| {
                             let l = r.load();
                             // A remote replica's device is its own node's business.
-                            let (device, gpu) = if r.is_local() { s.device_of(r.id) } else { (String::new(), None) };
+                            let (device, gpu) = if r.is_local() { s.device_of(r) } else { (String::new(), None) };
                             json!({
                                 "id": r.id,
                                 "state": r.phase().name(),

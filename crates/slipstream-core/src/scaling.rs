@@ -63,6 +63,10 @@ pub enum Change<'a> {
     Remote(&'a BTreeMap<String, Elsewhere>),
     /// An autoscaler's step.
     Scale(ScaleAction),
+    /// Bind the replicas this node starts from now on to these devices
+    /// (places in its list, by replica slot; empty: any): a cluster
+    /// plan's binding for this node.
+    Bind(&'a [usize]),
 }
 
 /// What another node runs of a stage, as the placement says.
@@ -158,6 +162,11 @@ impl Node {
                 c
             }
             Change::Stand(n) => self.set_standbys(pipe, st, n),
+            Change::Bind(devices) => {
+                st.bind(devices);
+                let n = census(st).serving.len();
+                Changed { from: n, to: n, ..Changed::default() }
+            }
             Change::Remote(nodes) => self.set_remote(pipe, st, nodes),
             Change::Scale(ScaleAction::Grow { to, max }) => {
                 let to = to.min(max);

@@ -338,8 +338,11 @@ async fn warm_up(ctx: &ReplicaCtx, w: &mut Worker, timeout: Duration) -> Result<
 impl Backend for LocalWorker {
     async fn start(&mut self, ctx: &ReplicaCtx) -> Result<Started, String> {
         // The stage's environment, and a GPU stage's device for this replica.
-        let env = match ctx.stage().worker_env(ctx.me.id) {
-            Ok(env) => env,
+        let env = match ctx.stage().worker_env(ctx.me.slot) {
+            Ok((env, device)) => {
+                ctx.me.set_device(device);
+                env
+            }
             Err(e) => {
                 // Not something a retry fixes: the replica leaves its stage.
                 ctx.event(EventKind::StartFailed, e.clone());

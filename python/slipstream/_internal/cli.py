@@ -612,7 +612,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
             print(f"\nwrote {out}; run it with: slipstream serve {a.app} --plan {out}")
     if a.apply:
         try:
-            deployment = apply_plan(a, current_deployment(a), planned_per_node(plan),
+            deployment = apply_plan(a, current_deployment(a), plan,
                                     f"slipstream plan --apply ({_members_line(a.nodes)})")
         except EtcdError as e:
             return _fail(str(e))
@@ -679,7 +679,7 @@ def _watch_plan(a: argparse.Namespace, pipelines: list[Any], profiles: dict[str,
                     t0 = time.monotonic()
                     plan = _make_plan(a, pipelines, profiles)
                     planned = planned_per_node(plan)
-                    apply_plan(a, d, planned, f"slipstream plan --watch ({_members_line(members)})")
+                    apply_plan(a, d, plan, f"slipstream plan --watch ({_members_line(members)})")
                     out.write_text(json.dumps(plan.to_json(), indent=2))
                     done = (members, deployment)
                     say(f"applied to deployment {deployment} in {time.monotonic() - t0:.1f} s: {_per_node(planned)}")

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from slipstream._internal import app_bundle, kube
-from slipstream._internal.errors import RequestError, from_core
+from slipstream._internal.errors import Error, RequestError, from_core
 from slipstream._internal.http_transport import Transport
 from slipstream._internal.serve_cli import add_node_args, add_spec_args, build_spec, node_options
 from slipstream._internal.store_cli import fail
@@ -224,7 +224,7 @@ def cmd_deploy(a: argparse.Namespace) -> int:
             return fail(f"no app file {app}")
         a.app = str(app) + (":" + a.app.split(":", 1)[1] if ":" in a.app else "")
         spec = build_spec(a, size_here=False)
-        planned = _planned_nodes(a, etcd)
+        plan = _planned_nodes(a, etcd)
         body = json.dumps(spec, sort_keys=True)
         record = {"spec": spec, "app": str(app), "app_sha256": _file_sha256(app), "at": time.time()}
         if a.bundle:
@@ -245,8 +245,8 @@ def cmd_deploy(a: argparse.Namespace) -> int:
         # leader's first placement of it already follows the plan. Its own
         # record: the same app deployed again with another plan moves
         # replicas without restarting the nodes.
-        if planned:
-            publish_plan(etcd, a, token, deploy_id, planned, f"slipstream deploy --plan {a.plan}")
+        if plan is not None:
+            publish_plan(etcd, a, token, deploy_id, plan, f"slipstream deploy --plan {a.plan}")
         else:
             etcd.delete(_root(a) + "plan")
         etcd.put(_root(a) + "deploy", seal(token, "deploy", record))
@@ -262,25 +262,26 @@ def cmd_deploy(a: argparse.Namespace) -> int:
     return _wait_ready(etcd, a, token, deploy_id, spec)
 
 
-def _planned_nodes(a: argparse.Namespace, etcd: Etcd) -> dict[str, dict[str, int]]:
-    """A cluster plan's replicas per node ("pipeline/stage" -> node ->
-    count) from ``--plan``, for the leader to follow; empty for a plan made
-    for one machine. Names the plan's nodes that are not members now (their
-    replicas go to the others until they join)."""
+def _planned_nodes(a: argparse.Namespace, etcd: Etcd) -> Any:
+    """``--plan`` when it is a cluster plan (replicas per node, for the
+    leader to follow); None for none, or a plan made for one machine.
+    Names the plan's nodes that are not members now (their replicas go to
+    the others until they join)."""
     if not a.plan:
-        return {}
+        return None
     from slipstream._internal.planner import Plan
 
-    planned = planned_per_node(Plan.load(Path(a.plan)))
+    plan = Plan.load(Path(a.plan))
+    planned = planned_per_node(plan)
     if not planned:
-        return {}
+        return None
     names = sorted({n for per in planned.values() for n in per})
     members = {k.rsplit("/", 1)[-1] for k in etcd.get_prefix(_root(a) + "members/")}
     absent = [n for n in names if n not in members]
     print(f"placing per the plan on {', '.join(names)}"
           + (f" ({', '.join(absent)} not a member now: their replicas go to the others until they join)"
              if absent else ""), file=sys.stderr)
-    return planned
+    return plan
 
 
 def planned_per_node(plan: Any) -> dict[str, dict[str, int]]:
@@ -290,12 +291,79 @@ def planned_per_node(plan: Any) -> dict[str, dict[str, int]]:
             if sp.nodes is not None}
 
 
-def publish_plan(etcd: Etcd, a: argparse.Namespace, token: str, deploy_id: str,
-                 planned: dict[str, dict[str, int]], note: str) -> None:
+def bound_per_node(plan: Any, gpus_of: dict[str, list[str]]) -> dict[str, dict[str, list[int]]]:
+    """A cluster GPU plan's binding on the nodes that are members now:
+    "pipeline/stage" -> node -> the devices (``cuda:N`` places there) its
+    replicas on that node take, from each node's ``nvidia-smi -L`` lines
+    (`gpus_of`: node -> lines, the members' records). ConfigError when a
+    node's GPUs are not as the plan cuts them. A node that joins later
+    binds its own when it starts (`_bind_here`, from the record's
+    ``gpu_plan``)."""
+    from slipstream._internal.planner.gpu import gpu_binding
+
+    gpu_plan = gpu_plan_of(plan)
+    out: dict[str, dict[str, list[int]]] = {}
+    for node in sorted({str(g["node"]) for g in gpu_plan.get("gpus", []) if "node" in g} & set(gpus_of)):
+        for (p, s), places in gpu_binding(gpu_plan, _placed(gpu_plan), gpus_of[node], node).items():
+            out.setdefault(f"{p}/{s}", {})[node] = places
+    return out
+
+
+def gpu_plan_of(plan: Any) -> dict[str, Any]:
+    """What of a cluster GPU plan a node needs to bind its replicas: the
+    plan's GPUs (id, model, layout, node) and each stage's slices
+    ("pipeline/stage" -> placements); empty for any other plan."""
+    if "gpu_nodes" not in plan.inventory:
+        return {}
+    return {"gpus": plan.inventory.get("gpus", []),
+            "placement": {f"{p}/{s}": sp.placement for p, pp in plan.pipelines.items()
+                          for s, sp in pp.stages.items() if sp.placement}}
+
+
+def _placed(gpu_plan: dict[str, Any]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    return {tuple(k.split("/", 1)): v for k, v in gpu_plan.get("placement", {}).items()}  # type: ignore[misc]
+
+
+def _bind_here(etcd: Etcd, a: argparse.Namespace, name: str, deploy_id: str, spec: dict[str, Any]) -> None:
+    """Bind this node's replicas of a cluster GPU plan's stages to the
+    slices the plan chose on this node (the spec's ``devices``, which the
+    node keeps unless the plan record names a binding for it), matching
+    the plan's GPUs here to this machine's ``nvidia-smi -L``. Error when
+    they differ (a MIG layout not as planned, a GPU missing)."""
+    from slipstream._internal.planner.gpu import gpu_binding, local_smi_lines
+
+    raw = etcd.get(_root(a) + "plan")
+    if raw is None:
+        return
+    try:
+        record = unseal(tokens(a), "plan", raw)
+    except (ValueError, KeyError) as e:
+        raise EtcdError(f"the plan record: {e}") from None
+    gpu_plan = record.get("gpu_plan") or {}
+    if record.get("deploy") != deploy_id or not any(g.get("node") == name for g in gpu_plan.get("gpus", [])):
+        return
+    bound = gpu_binding(gpu_plan, _placed(gpu_plan), local_smi_lines(), name)
+    for pipe in spec["pipelines"]:
+        for stage in pipe["stages"]:
+            if (pipe["name"], stage["name"]) in bound:
+                stage["devices"] = bound[(pipe["name"], stage["name"])]
+    if bound:
+        print(f"slipstream: node {name}: bound to the plan's slices here: "
+              + ", ".join(f"{p}/{s} on " + ",".join(f"cuda:{d}" for d in ds) for (p, s), ds in sorted(bound.items())),
+              file=sys.stderr)
+
+
+def publish_plan(etcd: Etcd, a: argparse.Namespace, token: str, deploy_id: str, plan: Any, note: str) -> None:
     """Write the `plan` record: replicas per node for deployment
-    `deploy_id`'s stages, which the cluster's leader follows."""
-    etcd.put(_root(a) + "plan", seal(token, "plan", {"deploy": deploy_id, "planned": planned, "at": time.time(),
-                                                     "note": note}))
+    `deploy_id`'s stages, which the cluster's leader follows, and for a
+    GPU plan the devices it binds them to on each member (applied at once)
+    with what a node joining later binds its own by."""
+    planned, gpu_plan = planned_per_node(plan), gpu_plan_of(plan)
+    bound = bound_per_node(plan, member_gpus(a, etcd)) if gpu_plan else {}
+    record: dict[str, Any] = {"deploy": deploy_id, "planned": planned, "at": time.time(), "note": note}
+    if gpu_plan:
+        record["devices"], record["gpu_plan"] = bound, gpu_plan
+    etcd.put(_root(a) + "plan", seal(token, "plan", record))
 
 
 def current_deployment(a: argparse.Namespace) -> dict[str, Any]:
@@ -309,15 +377,32 @@ def current_deployment(a: argparse.Namespace) -> dict[str, Any]:
         raise EtcdError(f"the deploy record: {e}") from None
 
 
-def apply_plan(a: argparse.Namespace, d: dict[str, Any], planned: dict[str, dict[str, int]], note: str) -> str:
-    """Write `planned` for deployment `d` (`current_deployment`); its id.
-    EtcdError when the plan names stages the deployment lacks."""
+def apply_plan(a: argparse.Namespace, d: dict[str, Any], plan: Any, note: str) -> str:
+    """Write `plan` (replicas per node, and a GPU plan's binding) for
+    deployment `d` (`current_deployment`); its id. EtcdError when the plan
+    names stages the deployment lacks."""
     stages = {f"{p['name']}/{s['name']}" for p in d["spec"]["pipelines"] for s in p["stages"]}
-    unknown = sorted(set(planned) - stages)
+    unknown = sorted(set(planned_per_node(plan)) - stages)
     if unknown:
         raise EtcdError(f"the plan names stages deployment {d['id']} lacks: {', '.join(unknown)}")
-    publish_plan(_etcd(a), a, _token(a), str(d["id"]), planned, note)
+    publish_plan(_etcd(a), a, _token(a), str(d["id"]), plan, note)
     return str(d["id"])
+
+
+def _member_records(a: argparse.Namespace, etcd: Etcd) -> list[dict[str, Any]]:
+    """The members' signed records, opened; EtcdError names one that is not."""
+    out = []
+    for key, raw in etcd.get_prefix(_root(a) + "members/").items():
+        try:
+            out.append(dict(unseal(tokens(a), "member", raw)))
+        except (ValueError, KeyError) as e:
+            raise EtcdError(f"{key}: {e}") from None
+    return out
+
+
+def member_gpus(a: argparse.Namespace, etcd: Etcd) -> dict[str, list[str]]:
+    """Each member's ``nvidia-smi -L`` lines, by node name."""
+    return {str(m["node"]): [str(x) for x in m.get("gpus") or []] for m in _member_records(a, etcd)}
 
 
 def member_inventory(a: argparse.Namespace, warn: Callable[[str], None] | None = None
@@ -330,11 +415,7 @@ def member_inventory(a: argparse.Namespace, warn: Callable[[str], None] | None =
     from slipstream._internal.planner import spec_from_smi
 
     out: dict[str, tuple[float, float, str]] = {}
-    for key, raw in _etcd(a).get_prefix(_root(a) + "members/").items():
-        try:
-            m = unseal(tokens(a), "member", raw)
-        except (ValueError, KeyError) as e:
-            raise EtcdError(f"{key}: {e}") from None
+    for m in _member_records(a, _etcd(a)):
         gpus, unknown = spec_from_smi([str(x) for x in m.get("gpus") or []])
         if unknown:
             (warn or (lambda msg: print(msg, file=sys.stderr)))(
@@ -511,6 +592,10 @@ def _run_node(a: argparse.Namespace, etcd: Etcd, token: str, name: str, waiting:
                             "version; deployed with --no-bundle, every node needs the same app files "
                             "(a shared file system or the same image)")
         spec["worker_argv"][0] = sys.executable
+        try:
+            _bind_here(etcd, a, name, str(d["id"]), spec)
+        except (EtcdError, Error) as e:
+            return fail(f"node {name}: deployment {d['id']}: {e}")
         cluster = {"etcd": a.cluster, "name": name, "cluster": a.cluster_name, "token": token,
                    "accept_tokens": tokens(a)[1:],
                    "data_listen": a.data_listen, "ttl_s": a.ttl, "deploy": d["id"],

@@ -203,22 +203,36 @@ def local_devices(lines: Sequence[str]) -> list[tuple[int, str]]:
 
 
 def gpu_binding(plan_inventory: Mapping[str, Any], placements: Mapping[tuple[str, str], Sequence[Mapping[str, Any]]],
-                smi: Sequence[str]) -> dict[tuple[str, str], list[int]]:
-    """The devices (``cuda:N`` places on this machine) each replica of a
-    GPU plan's stages is bound to, in replica order: stage (pipeline, name)
-    -> places. A plan's GPU ids are this machine's GPUs in ``nvidia-smi
-    -L``'s order, and every GPU the plan uses must be cut here as the plan
-    cuts it (its MIG slices, in any order; or whole): otherwise serving the
-    plan would put replicas on slices it did not plan, and this says how
-    the two differ instead."""
-    layouts = {int(g["id"]): [str(x) for x in g["layout"]] for g in plan_inventory.get("gpus", [])}
+                smi: Sequence[str], node: str | None = None) -> dict[tuple[str, str], list[int]]:
+    """The devices (``cuda:N`` places on a machine) each replica of a GPU
+    plan's stages is bound to, in replica order: stage (pipeline, name) ->
+    places, from that machine's ``nvidia-smi -L`` lines (`smi`).
+
+    One machine's plan numbers its GPUs in ``nvidia-smi -L``'s order. A
+    cluster plan's GPUs are the cluster's (``gpu_nodes``), each dealt to a
+    node: with `node`, only the replicas the plan puts there are bound,
+    and the plan's GPUs on that node are its GPUs of the same model, in
+    ``nvidia-smi -L``'s order. Every GPU the plan uses must be cut there as
+    the plan cuts it (its MIG slices, in any order; or whole): otherwise
+    serving the plan would put replicas on slices it did not plan, and
+    this says how the two differ instead."""
+    gpus = {int(g["id"]): g for g in plan_inventory.get("gpus", [])}
+    where, there = ("", "this machine") if node is None else (f" on node {node}", f"node {node}")
+    if node is not None:
+        placements = {k: [p for p in ps if gpus.get(int(p["gpu"]), {}).get("node") == node]
+                      for k, ps in placements.items()}
+        placements = {k: ps for k, ps in placements.items() if ps}
+    if not placements:
+        return {}
+    layouts = {gid: [str(x) for x in g["layout"]] for gid, g in gpus.items()}
     devices = local_devices(smi)
     if not devices:
-        raise ConfigError("the plan binds stages to GPUs, but `nvidia-smi -L` lists none on this machine; "
-                          "serve it where the plan's GPUs are, or plan for this machine")
+        raise ConfigError(f"the plan binds stages to GPUs{where}, but `nvidia-smi -L` lists none on {there}; "
+                          "serve it where the plan's GPUs are, or plan for the GPUs there")
     here: dict[int, list[tuple[int, str]]] = {}
     for place, (gpu, profile) in enumerate(devices):
         here.setdefault(gpu, []).append((place, profile))
+    local = _local_gpus(gpus, smi, node, where)
 
     def cut(profiles: Sequence[str]) -> str:
         return "whole" if list(profiles) == [WHOLE] else "MIG " + " + ".join(sorted(profiles))
@@ -226,22 +240,50 @@ def gpu_binding(plan_inventory: Mapping[str, Any], placements: Mapping[tuple[str
     for gid in sorted({int(p["gpu"]) for ps in placements.values() for p in ps}):
         if gid not in layouts:
             raise ConfigError(f"malformed plan: a stage is placed on GPU {gid}, which its inventory lacks")
-        if gid not in here:
-            raise ConfigError(f"the plan uses GPU {gid}, but this machine has {len(here)} GPU(s) "
-                              "(`nvidia-smi -L`); plan for this machine's GPUs")
-        have = [prof for _, prof in here[gid]]
+        if local.get(gid) not in here:
+            raise ConfigError(f"the plan uses GPU {gid}{where}, but {there} has {len(here)} GPU(s) "
+                              "(`nvidia-smi -L`); plan for its GPUs")
+        have = [prof for _, prof in here[local[gid]]]
         if sorted(have) != sorted(layouts[gid]):
-            raise ConfigError(f"the plan cuts GPU {gid} as {cut(layouts[gid])}, but here it is {cut(have)}; "
-                              "set its MIG layout as planned (`nvidia-smi mig -cgi ... -C`) or plan for this "
-                              "machine's GPUs")
+            raise ConfigError(f"the plan cuts GPU {gid} as {cut(layouts[gid])}, but "
+                              f"{'here' if node is None else 'on node ' + node} it is {cut(have)}; set its MIG "
+                              "layout as planned (`nvidia-smi mig -cgi ... -C`) or plan for its GPUs")
     out: dict[tuple[str, str], list[int]] = {}
     for key, ps in placements.items():
         places = []
         for p in ps:
             gid, name, slot = int(p["gpu"]), str(p["slice"]), int(p["slot"])
             nth = layouts[gid][:slot].count(name)
-            places.append([place for place, prof in here[gid] if prof == name][nth])
+            places.append([place for place, prof in here[local[gid]] if prof == name][nth])
         out[key] = places
+    return out
+
+
+def _local_gpus(gpus: Mapping[int, Mapping[str, Any]], smi: Sequence[str], node: str | None,
+                where: str) -> dict[int, int]:
+    """The plan's GPU ids -> the machine's GPU numbers (``nvidia-smi -L``
+    order): the same numbers on one machine; on a cluster `node`, the
+    plan's GPUs there (by id) -> that node's GPUs of the same model, in
+    turn (whole ones for whole ones, MIG-cut ones for MIG-cut ones)."""
+    if node is None:
+        return {gid: gid for gid in gpus}
+    free: dict[tuple[str, bool], list[int]] = {}
+    for n, (name, slices) in enumerate(smi_gpus(smi)):
+        free.setdefault((_model_of(name) or name, not slices), []).append(n)
+    out: dict[int, int] = {}
+    for gid, g in sorted(gpus.items()):
+        if g.get("node") != node:
+            continue
+        model, whole = str(g.get("model", "")), list(g.get("layout", [])) == [WHOLE]
+        if not free.get((model, whole)):
+            planned = sum(1 for x in gpus.values() if x.get("node") == node and x.get("model") == model
+                          and (list(x.get("layout", [])) == [WHOLE]) == whole)
+            listed = ", ".join(name + ("" if not slices else f" (MIG {len(slices)} slices)")
+                               for name, slices in smi_gpus(smi)) or "none"
+            raise ConfigError(f"the plan puts {planned} {model} GPU(s){where} "
+                              f"{'whole' if whole else 'cut into MIG slices'}, but `nvidia-smi -L` there lists "
+                              f"fewer ({listed}); plan for the members as they are (`slipstream plan --cluster`)")
+        out[gid] = free[(model, whole)].pop(0)
     return out
 
 
