@@ -34,7 +34,9 @@ Then the same two pipelines across a cluster's GPU nodes (``plan_gpu``'s
 ``nodes``, what ``slipstream plan --nodes g0=32/4xA30,...`` runs): three
 nodes of four A30s (two with MIG, one whole GPUs), and 32 nodes (128 GPUs)
 for the solve time at scale; each plan's replicas per node, and the solve
-time.
+time. Then a heterogeneous cluster: the same GPU nodes and nodes without
+GPUs, with AudioQuery's Search profiled on CPU cores only (an IVF index
+in host memory), which the same program places on every node's cores.
 
     .venv/bin/python -m bench.plan_mig          # ~1 min; writes bench/results/plan_mig.{json,md}
 """
@@ -68,11 +70,14 @@ AUDIOQUERY: dict[str, tuple[float, dict[float, tuple[float, float, int]]]] = {
     "TTS": (1.5, {1.0: (60, 180, 8), 0.5: (42, 200, 8), 0.25: (27, 190, 4)}),
 }
 SLO_MS = {"preflmr": 500.0, "audioquery": 1500.0}
+#: AudioQuery's Search as a CPU IVF index instead (the shape of FAISS
+#: IndexIVFFlat on one core a replica): (batch, mean ms, p99 ms) per batch.
+CPU_SEARCH = [(1, 2.0, 3.0), (4, 5.0, 7.0), (16, 16.0, 22.0)]
 
 
 def _component(name: str) -> ss.Component:
     cls = type(name, (), {"__call__": lambda self, batch: {}})
-    c: ss.Component = ss.component(cls, inputs={"x": ss.Tensor("float32", (-1, 4))})
+    c: ss.Component = ss.component(cls, inputs={"x": ss.Tensor("float32", (-1, 4))}, max_batch_size=32)
     return c
 
 
@@ -94,19 +99,30 @@ def pipelines_and_profiles() -> tuple[list[ss.Pipeline], dict[str, Any]]:
                                    "audioquery": _profile("audioquery", AUDIOQUERY)}
 
 
+def with_cpu_search(profiles: dict[str, Any]) -> dict[str, Any]:
+    """The profiles with AudioQuery's Search profiled on CPU cores only (no
+    GPU section): the planner puts it on the nodes' cores."""
+    aq = dict(profiles["audioquery"], stages=dict(profiles["audioquery"]["stages"]))
+    aq["stages"]["Search"] = {"points": [{"batch": b, "mean_ms": m, "p50_ms": m, "p99_ms": p}
+                                         for b, m, p in CPU_SEARCH]}
+    return {**profiles, "audioquery": aq}
+
+
 def run(pipes: list[ss.Pipeline], profiles: dict[str, Any], inventory: str,
-        nodes: dict[str, str] | None = None) -> dict[str, Any]:
+        nodes: dict[str, str] | None = None, cpu_nodes: dict[str, float] | None = None) -> dict[str, Any]:
     """Five solves of the plan for `inventory` (or the GPU `nodes` of a
-    cluster, described by `inventory`)."""
+    cluster, described by `inventory`, and every node's cores in
+    `cpu_nodes` for the stages profiled on CPU only)."""
     times, plan = [], None
     for _ in range(5):
         t0 = time.perf_counter()
         plan = planner.plan_gpu(pipes, profiles, inventory if nodes is None else "", app="bench/plan_mig.py",
-                                nodes=nodes)
+                                nodes=nodes, cpu_nodes=cpu_nodes)
         times.append((time.perf_counter() - t0) * 1e3)
     assert plan is not None
     return {"inventory": inventory, "pipelines": [p.name for p in pipes], "solve_ms_median": statistics.median(times),
-            "solve_ms": times, "plan": plan.to_json(), "text": planner.format_plan(plan), "nodes": nodes}
+            "solve_ms": times, "plan": plan.to_json(), "text": planner.format_plan(plan), "nodes": nodes,
+            "cpu_nodes": cpu_nodes}
 
 
 def _per_node(plan: dict[str, Any]) -> list[str]:
@@ -130,6 +146,11 @@ def markdown(runs: list[dict[str, Any]]) -> str:
             gpus = plan["inventory"]["gpus"]
             spec = ", ".join(f"{n}={s}" for n, s in sorted(r["nodes"].items())) if len(r["nodes"]) <= 4 else (
                 f"{len(r['nodes'])} nodes, {len(gpus)} GPUs")
+            if r.get("cpu_nodes"):
+                cpu_only = sorted(set(r["cpu_nodes"]) - set(r["nodes"]))
+                spec += (f"; cores: {sum(r['cpu_nodes'].values()):g} on {len(r['cpu_nodes'])} nodes, "
+                         f"{len(cpu_only)} of them without GPUs ({', '.join(cpu_only[:4])}"
+                         f"{', ...' if len(cpu_only) > 4 else ''}); AudioQuery's Search profiled on CPU only")
             out += [f"## {' + '.join(r['pipelines'])} across GPU nodes: {r['inventory']}", "",
                     f"`--nodes` {spec}. Solve time: median {r['solve_ms_median']:.0f} ms of 5 (HiGHS, this "
                     f"machine).", "", *_per_node(plan), ""]
@@ -169,7 +190,11 @@ def main() -> int:
     many = {f"m{i:02d}": "4xA30" if i % 2 else "4xA30:nomig" for i in range(32)}
     runs = [run(pipes[:1], {"preflmr": profiles["preflmr"]}, "4xA30"), run(pipes, profiles, "12xA30"),
             run(pipes, profiles, "3 nodes of 4 A30s, two with MIG", three),
-            run(pipes, profiles, "32 nodes of 4 A30s, half with MIG (128 GPUs)", many)]
+            run(pipes, profiles, "32 nodes of 4 A30s, half with MIG (128 GPUs)", many),
+            run(pipes, with_cpu_search(profiles), "3 GPU nodes and 2 CPU nodes (heterogeneous)", three,
+                {"g0": 32.0, "g1": 32.0, "g2": 32.0, "c0": 16.0, "c1": 16.0}),
+            run(pipes, with_cpu_search(profiles), "32 GPU nodes and 32 CPU nodes (heterogeneous)", many,
+                {**{n: 32.0 for n in many}, **{f"c{i:02d}": 16.0 for i in range(32)}})]
     for r in runs:
         print(f"\n=== {' + '.join(r['pipelines'])} on {r['inventory']}: solve median {r['solve_ms_median']:.0f} ms"
               f" (5 runs: {', '.join(f'{t:.0f}' for t in r['solve_ms'])})")

@@ -390,6 +390,43 @@ def test_a_cluster_gpu_plan_binds_each_node_s_replicas_to_its_own_slices() -> No
         bound_per_node(plan, {"g1": ["GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-h)"]})
 
 
+def test_stages_without_a_gpu_profile_go_on_the_cores_in_the_same_program() -> None:
+    # Big is profiled on A30s (100 req/s a whole one); Post only on CPU
+    # cores, 40 ms a request at any batch: on 4 cores it holds 100 req/s,
+    # the pipeline's bottleneck, so the plan gives it every core and the
+    # GPUs' 200 req/s are headroom.
+    pipe = ss.Pipeline("p", comp("Big") >> comp("Post", max_batch_size=8))
+    prof = profile(Big=gpu_stage(10, 100), Post={"points": points(40.0, (1, 2, 4, 8))})
+    plan = planner.plan_gpu([pipe], {"p": prof}, "2xA30", cores=4, overheads=BARE)
+    st = plan.pipelines["p"].stages
+    assert list(st) == ["Big", "Post"]
+    assert st["Post"].placement is None and st["Post"].replicas == 4 and st["Post"].threads == 1
+    assert st["Big"].placement and st["Big"].throughput_rps == pytest.approx(200)
+    assert plan.pipelines["p"].capacity_rps == pytest.approx(100, rel=0.02)
+    why = "\n".join(plan.pipelines["p"].why)
+    assert "bottleneck Post: on CPU cores" in why and "bottleneck Big" not in why, why
+    assert plan.inventory["cores"] == 4
+    # The SLO path rule spans both: a 150 ms SLO leaves Post's batches of 8
+    # (320 ms) out, and Big's 2 x p99 counts against the same budget.
+    tight = ss.Pipeline("p", comp("Big") >> comp("Post", max_batch_size=8), slo=ss.SLO(p99_ms=150))
+    tplan = planner.plan_gpu([tight], {"p": prof}, "2xA30", cores=4, overheads=BARE)
+    assert tplan.pipelines["p"].stages["Post"].max_batch_size == 1
+    # Without cores to put it on, the stage without a GPU profile is named.
+    with pytest.raises(ConfigError, match="p/Post: no GPU section in the profile.*no cores to plan it on"):
+        planner.plan_gpu([pipe], {"p": prof}, "2xA30")
+    # A cluster: the GPU node's GPUs and every node's cores. Big's two A30s
+    # bound it at 200 req/s, for which Post needs 8 cores: the CPU node's
+    # 6 first, then 2 of the GPU node's (whose cores feed its GPU workers).
+    plan = planner.plan_gpu([pipe], {"p": prof}, "", nodes={"g0": "2xA30"}, cpu_nodes={"g0": 4.0, "c0": 6.0},
+                            overheads=BARE, network_ms=1.0)
+    st = plan.pipelines["p"].stages
+    assert st["Big"].nodes == {"g0": 2} and st["Post"].nodes == {"c0": 6, "g0": 2}, st
+    assert plan.pipelines["p"].capacity_rps == pytest.approx(200, rel=0.02)
+    assert plan.inventory["cpu_nodes"] == {"g0": 4.0, "c0": 6.0}
+    from slipstream._internal.cluster_cli import planned_per_node
+    assert set(planned_per_node(plan)) == {"p/Big", "p/Post"}
+
+
 def test_a_member_s_gpus_are_read_from_its_nvidia_smi_lines() -> None:
     lines = ["GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-aaaa)",
              "MIG 3g.40gb     Device  0: (UUID: MIG-bbbb)",

@@ -630,14 +630,17 @@ def _make_plan(a: argparse.Namespace, pipelines: list[Any], profiles: dict[str, 
     from slipstream._internal import planner
 
     if a.gpus:
-        return planner.plan_gpu(pipelines, profiles, a.gpus, rate=a.rate, app=a.app)
+        return planner.plan_gpu(pipelines, profiles, a.gpus, rate=a.rate, app=a.app, cores=a.cores,
+                                overheads=_overheads(a, a.app))
     inv: dict[str, tuple[float, float, str]] = a.nodes or {}
     network_ms = planner.NETWORK_MS if a.network_ms is None else a.network_ms
     gpu_nodes = {n: g for n, (_, _, g) in inv.items() if g}
     if gpu_nodes:
-        # The stages go on the GPU nodes' GPUs; nodes without GPUs get none of them.
+        # Stages profiled on a GPU go on the GPU nodes' GPUs; the others on
+        # every node's cores.
         return planner.plan_gpu(pipelines, profiles, "", rate=a.rate, app=a.app, nodes=gpu_nodes,
-                                network_ms=network_ms)
+                                network_ms=network_ms, cpu_nodes={n: c for n, (c, _, _) in inv.items()},
+                                overheads=_overheads(a, a.app))
     return planner.plan_cpu(pipelines, profiles, cores=a.cores, overheads=_overheads(a, a.app), rate=a.rate,
                             app=a.app, check_slo=not a.no_check, sim_duration_s=a.sim_duration,
                             nodes={n: c for n, (c, _, _) in inv.items()} or None,

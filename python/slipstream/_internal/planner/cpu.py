@@ -93,9 +93,11 @@ class _CpuStage(_StageBase):
 
 
 def _cpu_stages(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, Any]], cores: float,
-                batch_cpu_us: float, max_threads_cores: float | None = None) -> list[_CpuStage]:
-    """Each stage's options from its profile; a replica's threads at most
-    `max_threads_cores` (the widest node's cores; default `cores`)."""
+                batch_cpu_us: float, max_threads_cores: float | None = None,
+                skip: frozenset[Key] = frozenset()) -> list[_CpuStage]:
+    """Each stage's options from its profile (but those in `skip`, planned
+    on GPUs); a replica's threads at most `max_threads_cores` (the widest
+    node's cores; default `cores`)."""
     max_threads = max(1, int(math.floor((cores if max_threads_cores is None else max_threads_cores) + TOL)))
     cap = max(1, int(math.floor(OVERSUBSCRIBE * cores + TOL)))
     stages = []
@@ -104,6 +106,8 @@ def _cpu_stages(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[st
         if prof is None:
             raise ConfigError(f"no profile for pipeline {pipe.name!r}: run `slipstream profile` first")
         for name in pipe.graph.topological_order():
+            if (pipe.name, name) in skip:
+                continue
             comp = pipe.stage(name)
             sp = prof["stages"].get(name)
             if sp is None:
@@ -182,13 +186,38 @@ def _cpu_program(stages: Sequence[_CpuStage], costs: _Costs, q: float, time_limi
     memory) bound what runs there, a replica's threads fit its node, the
     stage's option is one for all its replicas, and the ingresses' CPU is
     spread over the nodes by their share of the cores."""
-    nodes = dict(nodes) if nodes else {ONE_MACHINE: _Class(costs.cores, 1)}
-    total = sum(c.cores * c.count for c in nodes.values())
     m = _Model(time_limit_s)
     v = _CpuVars(m, {}, {}, {}, {}, {}, {})
-    cpu_at: dict[str, dict[int, float]] = {k: {} for k in nodes}
-    threads_at: dict[str, dict[int, float]] = {k: {} for k in nodes}
-    memory_at: dict[str, dict[int, float]] = {k: {} for k in nodes}
+    classes = _classes(costs, nodes)
+    lat, room = _add_cpu_stages(m, v, stages, costs, q, classes, only, n_max)
+    v.rate.update(_pipeline_rates(m, stages, v.stage_tput))
+    _bound_cpu(m, v, stages, costs, classes, room)
+    _path_rule(m, stages, lat, costs)
+    return v
+
+
+def _classes(costs: _Costs, nodes: Mapping[str, _Class] | None) -> dict[str, _Class]:
+    """The node size classes a program places on (one machine: one class)."""
+    return dict(nodes) if nodes else {ONE_MACHINE: _Class(costs.cores, 1)}
+
+
+@dataclass
+class _Room:
+    """What the CPU stages' variables take on each size class (bounded by
+    `_bound_cpu` once the pipelines' rates exist)."""
+
+    cpu: dict[str, dict[int, float]]
+    threads: dict[str, dict[int, float]]
+    memory: dict[str, dict[int, float]]
+
+
+def _add_cpu_stages(m: _Model, v: _CpuVars, stages: Sequence[_CpuStage], costs: _Costs, q: float,
+                    nodes: Mapping[str, _Class], only: Mapping[Key, _Opt] | None = None,
+                    n_max: Mapping[Key, int] | None = None) -> tuple[dict[Key, dict[int, float]], _Room]:
+    """The CPU stages' variables and rows in `m`: an option (threads, batch
+    limit) per stage, replicas and the throughput given to them per size
+    class; their path latencies, for the path rule, and what they take."""
+    room = _Room({k: {} for k in nodes}, {k: {} for k in nodes}, {k: {} for k in nodes})
     lat: dict[Key, dict[int, float]] = {}
     for s in stages:
         hi = min(s.hi, n_max[s.key]) if n_max else s.hi
@@ -208,26 +237,31 @@ def _cpu_program(stages: Sequence[_CpuStage], costs: _Costs, q: float, time_limi
                 n = v.n[(s.key, i, k)] = m.var(0, hi, integer=True)
                 x = v.x[(s.key, i, k)] = m.var()
                 m.row({x: 1.0, n: -o.mu}, hi=0.0)                   # x <= mu * n
-                v.cpu[x] = cpu_at[k][x] = o.cpu_s
-                v.threads[n] = threads_at[k][n] = float(o.threads)
-                memory_at[k][n] = o.rss_mb
+                v.cpu[x] = room.cpu[k][x] = o.cpu_s
+                v.threads[n] = room.threads[k][n] = float(o.threads)
+                room.memory[k][n] = o.rss_mb
                 mine[n] = 1.0
                 ns.append(n)
             m.row({**mine, ys[i]: -float(hi)}, hi=0.0)             # its replicas <= hi * y
             lat[s.key][ys[i]] = s.path_ms(o.p99_ms, q, costs)
         m.row(dict.fromkeys(ys.values(), 1.0), lo=1.0, hi=1.0)        # one option per stage
         m.row(dict.fromkeys(ns, 1.0), lo=float(s.lo), hi=float(hi))
-    v.rate.update(_pipeline_rates(m, stages, v.stage_tput))
+    return lat, room
+
+
+def _bound_cpu(m: _Model, v: _CpuVars, stages: Sequence[_CpuStage], costs: _Costs,
+               nodes: Mapping[str, _Class], room: _Room) -> None:
+    """Each size class's cores (its stages' CPU and its share of the
+    ingresses', by the pipelines' rates `v.rate`), threads and memory."""
+    total = sum(c.cores * c.count for c in nodes.values())
     for x in v.rate.values():
         v.cpu[x] = costs.node_cpu_s
     for k, cls in nodes.items():
         ingress = {x: costs.node_cpu_s * cls.cores * cls.count / total for x in v.rate.values()}
-        m.row({**cpu_at[k], **ingress}, hi=cls.cores * cls.count)
-        m.row(threads_at[k], hi=thread_cap(stages, cls.cores) * cls.count)
-        if cls.memory_mb and any(memory_at[k].values()):
-            m.row(memory_at[k], hi=cls.memory_mb * cls.count)
-    _path_rule(m, stages, lat, costs)
-    return v
+        m.row({**room.cpu[k], **ingress}, hi=cls.cores * cls.count)
+        m.row(room.threads[k], hi=thread_cap(stages, cls.cores) * cls.count)
+        if cls.memory_mb and any(room.memory[k].values()):
+            m.row(room.memory[k], hi=cls.memory_mb * cls.count)
 
 
 @dataclass
@@ -425,21 +459,11 @@ def plan_cpu(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, 
 
     t0 = time.perf_counter()
     over = dict(slo.DEFAULTS) | dict(overheads or {})
-    members: dict[str, list[str]] = {}
     if nodes:
-        bad = {k: c for k, c in nodes.items() if not k or not c > 0}
-        if bad:
-            raise ConfigError(f"every node needs a name and cores > 0: {bad}")
         cores = float(sum(nodes.values()))
         over["hop_us"] = float(over["hop_us"]) + network_ms * 1e3
         check_slo = False  # see `_solve_max_checked`
-    sizes: dict[str, tuple[float, float]] = {}  # a size class's label -> (cores, MiB) of each of its nodes
-    for name, c in sorted((nodes or {}).items()):
-        size = (float(c), float((node_memory_mb or {}).get(name, 0.0)))
-        label = f"{size[0]:g} cores" + (f", {size[1]:g} MiB" if size[1] else "")
-        sizes[label] = size
-        members.setdefault(label, []).append(name)
-    classes = {label: _Class(c, len(members[label]), mib) for label, (c, mib) in sizes.items()} if nodes else None
+    classes, members = size_classes(nodes, node_memory_mb)
     costs = _costs(pipelines, cores, over)
     widest = max(nodes.values()) if nodes else cores
     stages = _cpu_stages(pipelines, profiles, cores, float(over["batch_cpu_us"]), max_threads_cores=widest)
@@ -474,6 +498,27 @@ def plan_cpu(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, 
             inventory["memory_mb"] = dict(node_memory_mb)
     plan = Plan(app=app, inventory=inventory, pipelines=out, solve_ms=(time.perf_counter() - t0) * 1e3)
     return plan
+
+
+def size_classes(nodes: Mapping[str, float] | None, node_memory_mb: Mapping[str, float] | None = None,
+                 with_gpus: frozenset[str] = frozenset()) -> tuple[dict[str, _Class] | None, dict[str, list[str]]]:
+    """A cluster's nodes (name -> cores) as the size classes the program
+    plans (None for one machine), and each class's nodes by name; nodes
+    in `with_gpus` are classes of their own (labelled so)."""
+    if not nodes:
+        return None, {}
+    bad = {k: c for k, c in nodes.items() if not k or not c > 0}
+    if bad:
+        raise ConfigError(f"every node needs a name and cores > 0: {bad}")
+    sizes: dict[str, tuple[float, float]] = {}  # a size class's label -> (cores, MiB) of each of its nodes
+    members: dict[str, list[str]] = {}
+    for name, c in sorted(nodes.items()):
+        size = (float(c), float((node_memory_mb or {}).get(name, 0.0)))
+        label = f"{size[0]:g} cores" + (f", {size[1]:g} MiB" if size[1] else "") + (", GPUs" if name in with_gpus
+                                                                                      else "")
+        sizes[label] = size
+        members.setdefault(label, []).append(name)
+    return {label: _Class(c, len(members[label]), mib) for label, (c, mib) in sizes.items()}, members
 
 
 def _spread(stages: Sequence[_CpuStage], sol: _CpuSolution, members: Mapping[str, Sequence[str]]

@@ -33,7 +33,21 @@ from typing import Any
 
 from slipstream._internal.api import Pipeline
 from slipstream._internal.errors import ConfigError
-from slipstream._internal.planner.cpu import NETWORK_MS
+from slipstream._internal.planner.cpu import (
+    NETWORK_MS,
+    _add_cpu_stages,
+    _bound_cpu,
+    _classes,
+    _Class,
+    _cpu_stages,
+    _CpuStage,
+    _CpuSolution,
+    _CpuVars,
+    _Opt,
+    _read_cpu,
+    _spread,
+    size_classes,
+)
 from slipstream._internal.planner.milp import (
     EPS,
     QUEUE_FACTOR,
@@ -400,8 +414,7 @@ def _gpu_stages(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[st
         for name in pipe.graph.topological_order():
             gp = prof["stages"].get(name, {}).get("gpu")
             if gp is None:
-                raise ConfigError(f"{pipe.name}/{name}: the profile has no GPU section (\"gpu\": memory_gb, "
-                                  "models -> fraction -> rps, p99_ms, batch)")
+                continue  # planned on CPU cores
             lo, hi, bounded = _bounds(pipe.stage(name), total)
             st = _GpuStage(pipe.name, name, pipe.graph.parents(name), lo, hi, bounded, float(gp.get("demand", 1.0)),
                            elastic_ms=pipe.stage(name).elastic_ms, memory_gb=float(gp["memory_gb"]))
@@ -432,11 +445,27 @@ class _GpuVars:
         return {v: s.points[k].rps / s.demand for (key, k), v in self.r.items() if key == s.key}
 
 
+@dataclass
+class _CpuPart:
+    """The stages a GPU plan puts on CPU cores (no ``gpu`` section in their
+    profile), and the cores: one machine's, or a cluster's size classes."""
+
+    stages: list[_CpuStage]
+    classes: dict[str, _Class]
+    only: Mapping[Key, _Opt] | None = None
+    n_max: Mapping[Key, int] | None = None
+
+
 def _gpu_program(stages: Sequence[_GpuStage], groups: Sequence[GpuGroup], slices: Sequence[_Slice],
                  costs: _Costs, q: float, time_limit_s: float, layout_fixed: Mapping[tuple[int, int], int] | None = None,
-                 r_max: Mapping[tuple[Key, int], int] | None = None) -> _GpuVars:
+                 r_max: Mapping[tuple[Key, int], int] | None = None,
+                 cpu: _CpuPart | None = None) -> tuple[_GpuVars, _CpuVars]:
+    """One program for the GPU stages' slices and, with `cpu`, the other
+    stages' replicas on cores: a pipeline's rate is that of its slowest
+    stage wherever it runs, and the path rule spans both."""
     m = _Model(time_limit_s)
     v = _GpuVars(m, {}, {}, {})
+    c = _CpuVars(m, {}, {}, {}, {}, {}, {})
     for gi, grp in enumerate(groups):
         for li in range(len(grp.model.layouts)):
             fixed = None if layout_fixed is None else float(layout_fixed[(gi, li)])
@@ -459,9 +488,19 @@ def _gpu_program(stages: Sequence[_GpuStage], groups: Sequence[GpuGroup], slices
         grp = groups[sl.group]
         have = {v.g[(sl.group, li)]: -float(lay.count(sl.name)) for li, lay in enumerate(grp.model.layouts)}
         m.row({**{x: 1.0 for (_, kk), x in v.r.items() if kk == k}, **have}, hi=0.0)
-    v.rate.update(_pipeline_rates(m, stages, v.stage_tput))
-    _path_rule(m, stages, lat, costs)
-    return v
+    both: list[_StageBase] = list(stages)
+    tputs: dict[Key, dict[int, float]] = {s.key: v.stage_tput(s) for s in stages}
+    if cpu is not None and cpu.stages:
+        cpu_lat, room = _add_cpu_stages(m, c, cpu.stages, costs, q, cpu.classes, cpu.only, cpu.n_max)
+        lat.update(cpu_lat)
+        both += cpu.stages
+        tputs.update({s.key: c.stage_tput(s) for s in cpu.stages})
+    v.rate.update(_pipeline_rates(m, both, lambda s: tputs[s.key]))
+    if cpu is not None and cpu.stages:
+        c.rate.update(v.rate)
+        _bound_cpu(m, c, cpu.stages, costs, cpu.classes, room)
+    _path_rule(m, both, lat, costs)
+    return v, c
 
 
 def _slots(groups: Sequence[GpuGroup], sl: _Slice) -> int:
@@ -487,11 +526,16 @@ class _GpuSolution:
     rate: dict[str, float]
 
 
-def _read_gpu(stages: Sequence[_GpuStage], v: _GpuVars, sol: list[float]) -> _GpuSolution:
+def _read_gpu(stages: Sequence[_GpuStage], v: _GpuVars, sol: list[float],
+              cpu: _CpuSolution | None = None) -> _GpuSolution:
+    """The solution's slices; its stage throughputs and pipeline rates are
+    every stage's, those `cpu` (the same solution's stages on cores) has
+    too."""
     r = {k: int(round(sol[x])) for k, x in v.r.items()}
     tput = {s.key: sum(s.points[k].rps * r[(s.key, k)] for k in s.points) / s.demand for s in stages}
+    tput.update(cpu.tput if cpu is not None else {})
     return _GpuSolution({k: int(round(sol[x])) for k, x in v.g.items()}, r, tput,
-                        {p: min(tput[s.key] for s in stages if s.pipeline == p) for p in v.rate})
+                        {p: min(t for (pp, _), t in tput.items() if pp == p) for p in v.rate})
 
 
 def _unpack(groups: Sequence[GpuGroup], slices: Sequence[_Slice], stages: Sequence[_GpuStage],
@@ -523,14 +567,20 @@ def _unpack(groups: Sequence[GpuGroup], slices: Sequence[_Slice], stages: Sequen
 def plan_gpu(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, Any]],
              inventory: str | Sequence[GpuGroup], *, rate: float | None = None, app: str = "",
              overheads: Mapping[str, Any] | None = None, time_limit_s: float = 30.0,
-             nodes: Mapping[str, str] | None = None, network_ms: float = NETWORK_MS) -> Plan:
+             nodes: Mapping[str, str] | None = None, network_ms: float = NETWORK_MS,
+             cores: float = 0.0, cpu_nodes: Mapping[str, float] | None = None) -> Plan:
     """Plan `pipelines` on GPUs with MIG (see the module doc), or on a
     cluster's GPU `nodes` (name -> its GPUs, ``4xA100+2xA30:nomig``;
     `inventory` is then ignored): replicas per node, each stage's path
-    budgeting `network_ms` more per hop. Each stage's profile has a
-    ``gpu`` section: ``memory_gb``, optional ``demand`` (calls per
-    pipeline request), and ``models``: GPU model (or ``"*"``) -> compute
-    fraction -> ``{"rps", "p99_ms", "batch"}``."""
+    budgeting `network_ms` more per hop. A stage whose profile has a
+    ``gpu`` section is planned on GPU slices: ``memory_gb``, optional
+    ``demand`` (calls per pipeline request), and ``models``: GPU model (or
+    ``"*"``) -> compute fraction -> ``{"rps", "p99_ms", "batch"}``. The
+    others are planned on CPU cores in the same program, as `plan_cpu`
+    plans them: one machine's `cores`, or the cluster's `cpu_nodes` (name
+    -> cores; GPU nodes' cores included)."""
+    from slipstream._internal import slo
+
     t0 = time.perf_counter()
     holders: list[list[tuple[str, int]]] | None = None
     if nodes:
@@ -538,30 +588,56 @@ def plan_gpu(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, 
     else:
         groups = parse_inventory(inventory) if isinstance(inventory, str) else list(inventory)
     slices = _slice_types(groups)
-    over = {"hop_us": 300.0, "ingress_us": 400.0} | dict(overheads or {})
+    over = dict(slo.DEFAULTS) | {"hop_us": 300.0, "ingress_us": 400.0} | dict(overheads or {})
     if nodes:
         over["hop_us"] = float(over["hop_us"]) + network_ms * 1e3
-    costs = _costs(pipelines, 0.0, over)
+    classes, members = size_classes(cpu_nodes, with_gpus=frozenset(nodes)) if nodes else (None, {})
+    room = float(sum((cpu_nodes or {}).values())) if nodes else float(cores)
+    costs = _costs(pipelines, room, over)
     stages = _gpu_stages(pipelines, profiles, slices, groups)
+    on_gpu = frozenset(s.key for s in stages)
+    on_cpu = [(p.name, n) for p in pipelines for n in p.graph.topological_order() if (p.name, n) not in on_gpu]
+    cpu: _CpuPart | None = None
+    if on_cpu:
+        if room <= 0:
+            raise ConfigError(", ".join(f"{p}/{n}" for p, n in on_cpu) + ": no GPU section in the profile (\"gpu\": "
+                              "memory_gb, models -> fraction -> rps, p99_ms, batch), and no cores to plan it on: "
+                              "give the cores (--cores, or the nodes' in --nodes), or profile it on a GPU")
+        widest = max(cpu_nodes.values()) if nodes and cpu_nodes else room
+        cpu = _CpuPart(_cpu_stages(pipelines, profiles, room, float(over["batch_cpu_us"]), widest, skip=on_gpu),
+                       _classes(costs, classes))
     try:
-        v = _gpu_program(stages, groups, slices, costs, QUEUE_FACTOR, time_limit_s)
-        _lex_objective(v.m, v.rate, {s.key: v.stage_tput(s) for s in stages})
-        used = {x: slices[k].fraction for (_, k), x in v.r.items()}
-        best = _read_gpu(stages, v, v.m.solve(used, maximize=False))
+        v, c = _gpu_program(stages, groups, slices, costs, QUEUE_FACTOR, time_limit_s, cpu=cpu)
+        # The GPU stages' spare slices go to them as headroom; a stage on
+        # cores gets what the pipelines' rates need, not every spare core
+        # (on a cluster that is every node's: 1,533 replicas of a stage
+        # that seven serve, in bench/plan_mig.py's 64 nodes).
+        levels = _lex_objective(v.m, v.rate, {s.key: v.stage_tput(s) for s in stages})
+        used = {**{x: slices[k].fraction for (_, k), x in v.r.items()}, **_cpu_cost(c)}
+        sol = v.m.solve(used, maximize=False)
+        cpu_best = _read_cpu(cpu.stages, c, sol, levels) if cpu else None
+        best = _read_gpu(stages, v, sol, cpu_best)
         timed_out = v.m.timed_out
     except _Infeasible:
-        raise ConfigError("no placement fits: every stage needs a slice its memory fits, within its replica "
-                          "bounds and the SLO path rule (2 x p99 + hop per stage)") from None
-    chosen = best
+        raise ConfigError("no placement fits: every stage needs a slice its memory fits (or, without a GPU "
+                          "section, room on the cores), within its replica bounds and the SLO path rule "
+                          "(2 x p99 + hop per stage)") from None
+    chosen, cpu_chosen = best, cpu_best
     if rate is not None:
-        w = _gpu_program(stages, groups, slices, costs, QUEUE_FACTOR, time_limit_s, layout_fixed=best.g, r_max=best.r)
+        if cpu is not None and cpu_best is not None:
+            cpu = _CpuPart(cpu.stages, cpu.classes, only=cpu_best.opt, n_max=cpu_best.n)
+        w, wc = _gpu_program(stages, groups, slices, costs, QUEUE_FACTOR, time_limit_s, layout_fixed=best.g,
+                             r_max=best.r, cpu=cpu)
         for p, x in w.rate.items():
             w.m.row({x: 1.0}, lo=min(rate / TARGET_LOAD, best.rate[p] * (1 - EPS)))
-        chosen = _read_gpu(stages, w, w.m.solve({x: slices[k].fraction for (_, k), x in w.r.items()}, maximize=False))
+        sol = w.m.solve({**{x: slices[k].fraction for (_, k), x in w.r.items()}, **_cpu_cost(wc)}, maximize=False)
+        cpu_chosen = _read_cpu(cpu.stages, wc, sol, []) if cpu else None
+        chosen = _read_gpu(stages, w, sol, cpu_chosen)
         timed_out = timed_out or w.m.timed_out
     gpus, place = _unpack(groups, slices, stages, best)
     if holders is not None:
         _deal(gpus, holders)
+    per_node_cpu = _spread(cpu.stages, cpu_chosen, members) if cpu and cpu_chosen and nodes else {}
     out = {}
     for pipe in pipelines:
         mine = [s for s in stages if s.pipeline == pipe.name]
@@ -581,17 +657,45 @@ def plan_gpu(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, 
             sts[s.name] = StagePlan(replicas=n_rate, max_replicas=n_best, threads=1,
                                     max_batch_size=min(s.points[k].batch for k in used_k),
                                     throughput_rps=chosen.tput[s.key], placement=order, nodes=per_node)
+        cpu_why: list[str] = []
+        for cs in (cpu.stages if cpu and cpu_best and cpu_chosen else []):
+            if cs.pipeline != pipe.name:
+                continue
+            assert cpu_best is not None and cpu_chosen is not None
+            o, n = cpu_best.opt[cs.key], cpu_chosen.n[cs.key]
+            sts[cs.name] = StagePlan(replicas=n, max_replicas=max(cpu_best.n[cs.key], n), threads=o.threads,
+                                     max_batch_size=o.batch, throughput_rps=chosen.tput[cs.key],
+                                     nodes=per_node_cpu.get(cs.key) if nodes else None)
+            # As the GPU stages' lines: the max plan's.
+            tag = "bottleneck " if best.tput[cs.key] <= best.rate[pipe.name] * (1 + 1e-3) + TOL else ""
+            cpu_why.append(f"{tag}{cs.name}: on CPU cores (no GPU section in its profile): {cpu_best.n[cs.key]} "
+                           f"replica(s) x {o.threads} thread(s), batch <= {o.batch} -> {best.tput[cs.key]:,.0f} "
+                           "req/s")
+        sts = {n: sts[n] for n in pipe.graph.topological_order()}
         cap = chosen.rate[pipe.name]
         out[pipe.name] = PipelinePlan(capacity_rps=cap, target_rps=rate if rate is not None else TARGET_LOAD * cap,
                                       stages=sts, predicted=None,
-                                      why=_why_gpu(pipe, mine, best, slices, groups, costs) + _timed_out(timed_out),
+                                      why=(_why_gpu(pipe, mine, best, slices, groups, costs) if mine else [])
+                                      + cpu_why + _timed_out(timed_out),
                                       max_capacity_rps=best.rate[pipe.name] if rate is not None else None)
     inv: dict[str, Any] = {"gpus": [{k: g[k] for k in ("id", "model", "layout", "stages", "node") if k in g}
                                     for g in gpus]}
+    if cpu is not None:
+        inv["cores"] = room
     if nodes:
         inv["gpu_nodes"] = dict(nodes)
         inv["network_ms"] = network_ms
+        if cpu is not None:
+            inv["cpu_nodes"] = dict(cpu_nodes or {})
     return Plan(app=app, inventory=inv, pipelines=out, solve_ms=(time.perf_counter() - t0) * 1e3)
+
+
+def _cpu_cost(c: _CpuVars) -> dict[int, float]:
+    """What a plan's replica threads on cores cost in its last solve: a
+    thread on a GPU node's cores half again as much as one on a node
+    without GPUs, whose cores no GPU worker needs (the program does not
+    count the GPU workers' own CPU yet)."""
+    return {n: c.threads[n] * (1.5 if label.endswith(", GPUs") else 1.0) for (_, _, label), n in c.n.items()}
 
 
 def _order(place: list[dict[str, Any]], chosen: _GpuSolution, s: _GpuStage,
@@ -610,7 +714,7 @@ def _order(place: list[dict[str, Any]], chosen: _GpuSolution, s: _GpuStage,
 
 def _why_gpu(pipe: Pipeline, mine: Sequence[_GpuStage], sol: _GpuSolution, slices: Sequence[_Slice],
              groups: Sequence[GpuGroup], costs: _Costs) -> list[str]:
-    low = min(sol.tput[s.key] for s in mine)
+    low = sol.rate[pipe.name]  # its slowest stage's, on a GPU or not
     lines = []
     for s in mine:
         used = ", ".join(f"{sol.r[(s.key, k)]} x {slices[k].name}" for k in s.points if sol.r[(s.key, k)])

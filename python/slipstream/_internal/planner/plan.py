@@ -206,8 +206,11 @@ def format_plan(plan: Plan) -> str:
     out = []
     inv = plan.inventory
     where = f"{inv['cores']:g} cores" if "cores" in inv else f"{len(inv.get('gpus', []))} GPUs"
+    if "gpus" in inv and "cores" in inv:
+        where = f"{len(inv['gpus'])} GPUs and {inv['cores']:g} cores"
     if "gpu_nodes" in inv:
-        where += (f" on {len(inv['gpu_nodes'])} nodes ({inv.get('network_ms', 0):g} ms per hop between them)")
+        count = len(set(inv["gpu_nodes"]) | set(inv.get("cpu_nodes", {})))
+        where += (f" on {count} nodes ({inv.get('network_ms', 0):g} ms per hop between them)")
     if "nodes" in inv:
         where = (f"{len(inv['nodes'])} nodes ({inv['cores']:g} cores; "
                  f"{inv.get('network_ms', 0):g} ms per hop between them)")
