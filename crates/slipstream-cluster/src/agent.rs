@@ -410,7 +410,13 @@ async fn reconcile(etcd: &Etcd, node: &Arc<Node>, cluster: &Arc<Cluster>, keys: 
 
 /// Start, keep and drain replicas so that this node matches the placement
 /// (on the devices the plan, if any, binds them to here).
-fn apply(node: &Arc<Node>, cluster: &Cluster, p: &Placement, plan: Option<&PlanRecord>, members: &BTreeMap<String, Member>) {
+fn apply(
+    node: &Arc<Node>,
+    cluster: &Cluster,
+    p: &Placement,
+    plan: Option<&PlanRecord>,
+    members: &BTreeMap<String, Member>,
+) {
     for pipe in node.pipelines().values() {
         for st in &pipe.stages {
             let key = pipe.stage_key(st.index);
