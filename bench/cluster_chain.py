@@ -12,10 +12,14 @@ tensor) and ``j`` via the ingress (i -> a -> i -> b -> i -> c -> i: six).
 Requests one at a time (service times, not queueing), alternating between
 the two ingresses, with tensors of 1 KB and 6.4 MB; per point the median
 and p99 latency as the client sees it, and the bytes the data plane
-carried per request, summed over every node. Writes
+carried per request, summed over every node. With ``--curl``, the same
+points are timed again by an independent client: `curl` posting the
+tensor in the binary form of the KServe v2 protocol (and asking for the
+answer as binary), one process a request, its own ``time_total``. Writes
 bench/results/cluster_chain.{json,md}.
 
     .venv/bin/python -m bench.cluster_chain            # ~2 min
+    .venv/bin/python -m bench.cluster_chain --curl     # and curl's timing (~3 min)
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -65,11 +70,35 @@ def data_plane_bytes(nodes: dict[str, Any]) -> int:
     return int(total)
 
 
+def v2_body(x: np.ndarray, path: Path) -> str:
+    """Write `x` as a binary v2 request for ``chain3`` (output asked as
+    binary too) to `path`; the header length curl must send."""
+    head = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": list(x.shape),
+                                   "parameters": {"binary_data_size": x.nbytes}}],
+                       "outputs": [{"name": "y", "parameters": {"binary_data": True}}]}).encode()
+    path.write_bytes(head + x.tobytes())
+    return str(len(head))
+
+
+def curl_ms(url: str, body: Path, head_len: str) -> float:
+    """One request by curl; its own total time, ms. Raises unless 200."""
+    out = subprocess.run(["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code} %{time_total}",
+                          "-H", "Content-Type: application/octet-stream",
+                          "-H", f"Inference-Header-Content-Length: {head_len}",
+                          "--data-binary", f"@{body}", f"{url}/v2/models/chain3/infer"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    code, secs = out.stdout.split()
+    if code != "200":
+        raise RuntimeError(f"curl: HTTP {code}")
+    return float(secs) * 1e3
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=200, help="requests per point and ingress (1 KB; a tenth of it at 6.4 MB "
                     "and at least 40)")
     ap.add_argument("--out", type=Path, default=RESULTS / "cluster_chain")
+    ap.add_argument("--curl", action="store_true", help="time each point with curl too (an independent client)")
     a = ap.parse_args()
     machine = harness.machine()
     log(f"load average {machine['loadavg_before']}")
@@ -109,8 +138,20 @@ def main() -> int:
                     moved[label] += data_plane_bytes(ns) - before
             points[size] = {label: {"n": n, "p50_ms": statistics.median(v), "p99_ms": percentile(v, 99),
                                     "data_plane_bytes_per_request": moved[label] / n} for label, v in lat.items()}
+            if a.curl:
+                with tempfile.TemporaryDirectory() as tmp:
+                    body = Path(tmp) / "body.bin"
+                    head_len = v2_body(x, body)
+                    by_curl: dict[str, list[float]] = {k: [] for k in clients}
+                    for _ in range(n):
+                        for label, name in INGRESSES.items():
+                            by_curl[label].append(curl_ms(ns[name].url, body, head_len))
+                for label, v in by_curl.items():
+                    points[size][label]["curl_p50_ms"] = statistics.median(v)
+                    points[size][label]["curl_p99_ms"] = percentile(v, 99)
             log(f"{size}: " + "; ".join(f"{k} p50 {s['p50_ms']:.2f} ms, p99 {s['p99_ms']:.2f} ms, "
                                         f"{s['data_plane_bytes_per_request'] / 1e6:.2f} MB a request"
+                                        + (f", curl p50 {s['curl_p50_ms']:.2f} ms" if "curl_p50_ms" in s else "")
                                         for k, s in points[size].items()))
         chains = ns["i"].status()["cluster"]["counters"]
     finally:
@@ -129,17 +170,19 @@ def markdown(res: dict[str, Any]) -> str:
              "request from node to node (the default), ingress j brings every stage's answer back "
              "(`--via-ingress`). One request at a time, alternating between the ingresses; latency as the "
              "client sees it, and the bytes every node's data plane wrote per request.", "",
-             "| tensor | ingress | requests | p50 ms | p99 ms | data plane MB a request |",
-             "|---|---|---:|---:|---:|---:|"]
+             "| tensor | ingress | requests | p50 ms | p99 ms | data plane MB a request | curl p50 / p99 ms |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for size, per in res["points"].items():
         for label, s in per.items():
+            by_curl = f"{s['curl_p50_ms']:.2f} / {s['curl_p99_ms']:.2f}" if "curl_p50_ms" in s else "-"
             lines.append(f"| {size} | {label} | {s['n']} | {s['p50_ms']:.2f} | {s['p99_ms']:.2f} | "
-                         f"{s['data_plane_bytes_per_request'] / 1e6:.3f} |")
+                         f"{s['data_plane_bytes_per_request'] / 1e6:.3f} | {by_curl} |")
     for size, per in res["points"].items():
         d, h = per["direct (i)"], per["via the ingress (j)"]
         lines.append(f"\n{size}: direct takes {d['p50_ms'] / h['p50_ms']:.2f}x the median latency of hub and "
                      f"spoke, and moves {d['data_plane_bytes_per_request'] / h['data_plane_bytes_per_request']:.2f}x "
-                     "its bytes.")
+                     "its bytes." + (f" By curl: {d['curl_p50_ms'] / h['curl_p50_ms']:.2f}x the median." if
+                                     "curl_p50_ms" in d else ""))
     return "\n".join(lines) + "\n"
 
 
