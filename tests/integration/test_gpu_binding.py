@@ -114,15 +114,16 @@ GPU 1: NVIDIA A30 (UUID: GPU-g2-a30)
 }
 
 
-def cluster_plan(tmp_path: Path, g1_layout: list[str]) -> Path:
+def cluster_plan(tmp_path: Path, g1_layout: list[str],
+                 g1_slices: tuple[tuple[str, int], ...] = (("1g.6gb", 2), ("1g.6gb", 1))) -> Path:
     """A plan as `slipstream plan --nodes g1=...,g2=...` writes one: Bound on
-    the second and first 1g.6gb slices of g1's A30 and on g2's whole A30."""
+    `g1_slices` of g1's A30 (profile, slot in its layout; by default its
+    second and first 1g.6gb) and on g2's whole A30."""
     gpus = [{"id": 0, "model": "A30", "layout": g1_layout, "stages": [None] * len(g1_layout), "node": "g1"},
             {"id": 1, "model": "A30", "layout": ["whole"], "stages": ["bound/Bound"], "node": "g2"},
             {"id": 2, "model": "H100-80GB", "layout": ["whole"], "stages": [None], "node": "g2"}]
-    placement = [{"gpu": 0, "slice": "1g.6gb", "slot": 2, "node": "g1"},
-                 {"gpu": 1, "slice": "whole", "slot": 0, "node": "g2"},
-                 {"gpu": 0, "slice": "1g.6gb", "slot": 1, "node": "g1"}]
+    first, *rest = [{"gpu": 0, "slice": sl, "slot": slot, "node": "g1"} for sl, slot in g1_slices]
+    placement = [first, {"gpu": 1, "slice": "whole", "slot": 0, "node": "g2"}, *rest]
     doc = {"version": 1, "app": "gpu_bound.py",
            "inventory": {"gpus": gpus, "gpu_nodes": {"g1": "1xA30", "g2": "1xH100-80GB:nomig+1xA30:nomig"},
                          "network_ms": 0.5},
@@ -189,6 +190,15 @@ def test_a_cluster_plan_binds_each_nodes_replicas_to_its_slices(tmp_path: Path) 
         assert out.returncode == 0, out.stdout + out.stderr
         record = unseal([TOKEN], "plan", EtcdClient(etcd.url).get("/slipstream/default/plan"))
         assert record["devices"] == {"bound/Bound": {"g1": [2, 0], "g2": [1]}}, record
+        # A new plan moves g1's replica off its first 1g slice onto the 2g
+        # half: the running node replaces it there, make before break.
+        moved = cluster_plan(tmp_path, ["2g.12gb", "1g.6gb", "1g.6gb"], (("1g.6gb", 2), ("2g.12gb", 0)))
+        out = deploy(etcd, APPS / "gpu_bound.py", "--plan", str(moved), wait=0)
+        assert out.returncode == 0, out.stdout + out.stderr
+        wait_for(lambda: devices("g1") == [("cuda:1", "MIG-g1-1"), ("cuda:2", "MIG-g1-2")], timeout=120)
+        assert devices("g2") == [("cuda:1", "GPU-g2-a30")]
+        events = [e["detail"] for e in nodes["g1"].status()["events"]]
+        assert any("not in the plan's binding" in e for e in events), events
     finally:
         stop_all(list(nodes.values()))
         etcd.stop()

@@ -11,12 +11,13 @@
 //!
 //! A GPU split into MIG slices offers its slices, not itself: with MIG on,
 //! CUDA can only run on a slice. Replicas of a stage asking for any GPU
-//! take the devices round-robin by their slot on this node (the lowest
-//! free when the replica was added: a restarted worker keeps its device,
-//! and a replica replacing one takes the device it left), or the devices
-//! a plan bound the stage to (its `devices`, the slices `slipstream plan`
-//! chose for it; on a cluster node, the plan record's for that node), in
-//! turn; `cuda:N` pins every replica to the Nth device of the list.
+//! take the device with the fewest of the stage's replicas on this node
+//! (a restarted worker keeps its device; a replica replacing one takes the
+//! device it left), among this machine's devices or the devices a plan
+//! bound the stage to (its `devices`, the slices `slipstream plan` chose
+//! for it; on a cluster node, the plan record's for that node). A replica
+//! on a device a new binding leaves out is replaced, make before break.
+//! `cuda:N` pins every replica to the Nth device of the list.
 //! A stage that asks for a GPU on a machine without one fails to start
 //! with a message that says so, rather than running on the CPU unnoticed.
 
@@ -108,10 +109,19 @@ pub fn parse(text: &str) -> Vec<Gpu> {
     out
 }
 
-/// The device for the replica in `slot` of a stage that wants `want`, among
-/// `gpus` (or those of them `bound` names, in turn, when it names any):
-/// `Ok(None)` for a CPU stage; Err says why there is none.
-pub fn assign<'a>(want: Want, slot: u32, bound: &[usize], gpus: &'a [Gpu]) -> Result<Option<&'a Gpu>, String> {
+/// The device for a replica of a stage that wants `want`, among `gpus`
+/// (or those of them `bound` names, when it names any): the one it is on
+/// (`current`) while that is still a candidate, else the candidate with
+/// the fewest of the stage's other replicas on it (`others(index)`), the
+/// first in order among equals. `Ok(None)` for a CPU stage; Err says why
+/// there is none.
+pub fn assign<'a>(
+    want: Want,
+    current: Option<usize>,
+    bound: &[usize],
+    gpus: &'a [Gpu],
+    others: impl Fn(usize) -> usize,
+) -> Result<Option<&'a Gpu>, String> {
     match want {
         Want::Cpu => Ok(None),
         _ if gpus.is_empty() => Err(format!(
@@ -120,12 +130,20 @@ pub fn assign<'a>(want: Want, slot: u32, bound: &[usize], gpus: &'a [Gpu]) -> Re
             want.label(),
             local_note()
         )),
-        Want::AnyGpu if bound.is_empty() => Ok(Some(&gpus[slot as usize % gpus.len()])),
         Want::AnyGpu => {
-            let n = bound[slot as usize % bound.len()];
-            gpus.get(n).map(Some).ok_or_else(|| {
-                format!("its plan binds it to cuda:{n}, but this machine has {} GPU device(s)", gpus.len())
-            })
+            if let Some(&n) = bound.iter().find(|&&n| n >= gpus.len()) {
+                return Err(format!(
+                    "its plan binds it to cuda:{n}, but this machine has {} GPU device(s)",
+                    gpus.len()
+                ));
+            }
+            let all: Vec<usize> = (0..gpus.len()).collect();
+            let candidates = if bound.is_empty() { &all[..] } else { bound };
+            let pick = match current.filter(|c| candidates.contains(c)) {
+                Some(c) => c,
+                None => *candidates.iter().min_by_key(|&&n| others(n)).expect("candidates are never empty"),
+            };
+            Ok(Some(&gpus[pick]))
         }
         Want::Gpu(n) => gpus.get(n).map(Some).ok_or_else(|| {
             let have: Vec<String> = gpus.iter().map(|g| format!("cuda:{} {} ({})", g.index, g.name, g.uuid)).collect();
@@ -212,30 +230,40 @@ GPU 2: NVIDIA A30 (UUID: GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee)
         assert!(parse("No devices found.\n").is_empty());
     }
 
-    #[test]
-    fn replicas_take_devices_round_robin_or_the_one_named() {
-        let g = parse(MIXED);
-        let any: Vec<usize> = (0..6).map(|r| assign(Want::AnyGpu, r, &[], &g).unwrap().unwrap().index).collect();
-        assert_eq!(any, vec![0, 1, 2, 3, 0, 1]);
-        for r in 0..3 {
-            assert_eq!(
-                assign(Want::Gpu(2), r, &[], &g).unwrap().unwrap().uuid,
-                "GPU-2b5e2b3a-1111-2222-3333-444455556666"
-            );
+    /// Replicas started one after another, each seeing the ones before it.
+    fn spread(want: Want, bound: &[usize], g: &[Gpu], n: usize) -> Vec<usize> {
+        let mut on: Vec<usize> = Vec::new();
+        for _ in 0..n {
+            let d = assign(want, None, bound, g, |i| on.iter().filter(|&&x| x == i).count()).unwrap().unwrap();
+            on.push(d.index);
         }
-        assert_eq!(assign(Want::Cpu, 0, &[], &[]).unwrap(), None);
-        let err = assign(Want::Gpu(9), 0, &[], &g).unwrap_err();
-        assert!(err.contains("cuda:9") && err.contains("4 GPU device(s)"), "{err}");
-        let err = assign(Want::AnyGpu, 0, &[], &[]).unwrap_err();
-        assert!(err.contains("no GPU") && err.contains("device=\"cuda\""), "{err}");
+        on
     }
 
     #[test]
-    fn a_plan_s_binding_gives_each_replica_its_slice_in_turn() {
+    fn replicas_spread_over_the_devices_or_take_the_one_named() {
         let g = parse(MIXED);
-        let bound: Vec<usize> = (0..4).map(|r| assign(Want::AnyGpu, r, &[3, 1], &g).unwrap().unwrap().index).collect();
-        assert_eq!(bound, vec![3, 1, 3, 1]);
-        let err = assign(Want::AnyGpu, 0, &[7], &g).unwrap_err();
+        assert_eq!(spread(Want::AnyGpu, &[], &g, 6), vec![0, 1, 2, 3, 0, 1]);
+        assert_eq!(spread(Want::Gpu(2), &[], &g, 3), vec![2, 2, 2]);
+        assert_eq!(assign(Want::Cpu, None, &[], &[], |_| 0).unwrap(), None);
+        let err = assign(Want::Gpu(9), None, &[], &g, |_| 0).unwrap_err();
+        assert!(err.contains("cuda:9") && err.contains("4 GPU device(s)"), "{err}");
+        let err = assign(Want::AnyGpu, None, &[], &[], |_| 0).unwrap_err();
+        assert!(err.contains("no GPU") && err.contains("device=\"cuda\""), "{err}");
+        // A restarted worker keeps its device; a replica replacing one takes the device it left.
+        assert_eq!(assign(Want::AnyGpu, Some(3), &[], &g, |_| 9).unwrap().unwrap().index, 3);
+        let on = [0, 2, 3];
+        let free = assign(Want::AnyGpu, None, &[], &g, |i| on.iter().filter(|&&x| x == i).count()).unwrap();
+        assert_eq!(free.unwrap().index, 1);
+    }
+
+    #[test]
+    fn a_plan_s_binding_gives_each_replica_one_of_its_slices() {
+        let g = parse(MIXED);
+        assert_eq!(spread(Want::AnyGpu, &[3, 1], &g, 4), vec![3, 1, 3, 1]);
+        // A device the binding no longer names is left for one it does.
+        assert_eq!(assign(Want::AnyGpu, Some(0), &[3, 1], &g, |_| 0).unwrap().unwrap().index, 3);
+        let err = assign(Want::AnyGpu, None, &[7], &g, |_| 0).unwrap_err();
         assert!(err.contains("cuda:7") && err.contains("4 GPU device(s)"), "{err}");
     }
 

@@ -72,10 +72,13 @@ pub struct StageRt {
     pub(crate) env: BTreeMap<String, String>,
     /// The device its replicas run on (a GPU each, for a GPU stage).
     pub(crate) device: crate::gpu::Want,
-    /// The devices its replicas on this node take, by slot (a plan's
-    /// binding; empty: all of this machine's, in turn). A cluster node's
-    /// comes from the cluster's plan record ([`StageRt::bind`]).
+    /// The devices its replicas on this node may take (a plan's binding;
+    /// empty: all of this machine's). A cluster node's comes from the
+    /// cluster's plan record ([`StageRt::bind`]).
     bound: RwLock<Vec<usize>>,
+    /// Held while a replica chooses its device, so that two starting at
+    /// once see each other's choice.
+    choosing: Mutex<()>,
     /// How long a worker took from spawn to warm (moving average, ms; 0
     /// until one has started): the lead time a standby needs.
     start_ms: AtomicU32,
@@ -113,6 +116,7 @@ impl StageRt {
             env: spec.env.clone(),
             device: crate::gpu::Want::parse(spec.device.as_deref()).unwrap_or_default(), // checked by validate
             bound: RwLock::new(spec.devices.clone()),
+            choosing: Mutex::new(()),
             start_ms: AtomicU32::new(0),
             replicas: RwLock::new(Arc::new(Vec::new())),
             next_id: AtomicU32::new(0),
@@ -173,26 +177,44 @@ impl StageRt {
         self.replicas.read().clone()
     }
 
-    /// Bind the replicas started from now on to `devices` (places in this
-    /// machine's list, by slot; empty: any). Those running keep theirs
-    /// until their worker starts again.
-    pub(crate) fn bind(&self, devices: &[usize]) {
-        if *self.bound.read() != devices {
-            *self.bound.write() = devices.to_vec();
+    /// Bind the stage's replicas to `devices` (places in this machine's
+    /// list; empty: any). Returns whether that changed the binding; the
+    /// replicas on devices it leaves out are the caller's to replace
+    /// ([`StageRt::misbound`]).
+    pub(crate) fn bind(&self, devices: &[usize]) -> bool {
+        if *self.bound.read() == devices {
+            return false;
         }
+        *self.bound.write() = devices.to_vec();
+        true
     }
 
-    /// The environment of the worker of the replica in `slot` (see
-    /// [`Replica::slot`]): the stage's, and for a GPU stage
-    /// `CUDA_VISIBLE_DEVICES` naming its one device, which is returned too.
-    /// Err: it wants a GPU this machine does not have.
-    pub(crate) fn worker_env(&self, slot: u32) -> Result<(BTreeMap<String, String>, Option<usize>), String> {
+    /// This node's replicas whose worker runs on a device the binding does
+    /// not name.
+    pub(crate) fn misbound(&self) -> Vec<Arc<Replica>> {
+        let bound = self.bound.read();
+        if bound.is_empty() {
+            return Vec::new();
+        }
+        let set = self.replicas();
+        set.iter().filter(|r| r.is_local() && r.device().is_some_and(|d| !bound.contains(&d))).cloned().collect()
+    }
+
+    /// The environment of `me`'s worker: the stage's, and for a GPU stage
+    /// `CUDA_VISIBLE_DEVICES` naming its one device (see
+    /// [`crate::gpu::assign`]), which `me` keeps for the status and its
+    /// next start. Err: it wants a GPU this machine does not have.
+    pub(crate) fn worker_env(&self, me: &Replica) -> Result<BTreeMap<String, String>, String> {
         let mut env = self.env.clone();
-        let gpu = crate::gpu::assign(self.device, slot, &self.bound.read(), crate::gpu::devices())?;
+        let _one_at_a_time = self.choosing.lock();
+        let set = self.replicas();
+        let others = |i: usize| set.iter().filter(|r| r.is_local() && r.id != me.id && r.device() == Some(i)).count();
+        let gpu = crate::gpu::assign(self.device, me.device(), &self.bound.read(), crate::gpu::devices(), others)?;
+        me.set_device(gpu.map(|g| g.index));
         if let Some(gpu) = gpu {
             env.insert("CUDA_VISIBLE_DEVICES".into(), gpu.uuid.clone());
         }
-        Ok((env, gpu.map(|g| g.index)))
+        Ok(env)
     }
 
     /// Where a local replica runs, for the status: `"cpu"`, or `"cuda:N"`
@@ -227,17 +249,7 @@ impl StageRt {
     pub(crate) fn add_replica(&self, pool: Arc<Pool>, epoch: Instant, standby: bool) -> Arc<Replica> {
         let r =
             Replica::new(self.next_id.fetch_add(1, Relaxed), self.index, pool, self.learned_former(), epoch, standby);
-        self.insert(Arc::new(r.in_slot(self.free_slot())))
-    }
-
-    /// The lowest slot no local replica holds (a replica's slot is free
-    /// again once it has left the set).
-    fn free_slot(&self) -> u32 {
-        let set = self.replicas();
-        let mut held: Vec<u32> = set.iter().filter(|r| r.is_local()).map(|r| r.slot).collect();
-        held.sort_unstable();
-        held.dedup();
-        held.iter().enumerate().find(|&(i, &s)| s != i as u32).map_or(held.len() as u32, |(i, _)| i as u32)
+        self.insert(Arc::new(r))
     }
 
     /// A new replica standing for one on another node (starting until that

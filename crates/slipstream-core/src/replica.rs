@@ -241,10 +241,6 @@ pub struct Replica {
     pub id: u32,
     /// Its stage's place in the pipeline.
     stage: usize,
-    /// Its place among its stage's replicas on this node (the lowest free
-    /// when it was added): which of the stage's devices it takes, so that
-    /// remote replicas, which share the ids, do not skew a GPU binding.
-    pub slot: u32,
     /// The place in this machine's device list its worker was last
     /// started on ([`NO_DEVICE`]: none, or not started yet).
     device: AtomicU32,
@@ -279,7 +275,6 @@ impl Replica {
         let r = Replica {
             id,
             stage,
-            slot: 0,
             device: AtomicU32::new(NO_DEVICE),
             batches_by_length: former.length.is_some(),
             pool,
@@ -303,12 +298,6 @@ impl Replica {
         };
         r.publish(&r.state.lock());
         r
-    }
-
-    /// The same replica, in place `slot` among its stage's on this node.
-    pub fn in_slot(mut self, slot: u32) -> Replica {
-        self.slot = slot;
-        self
     }
 
     /// Its worker was started on device `index` of this machine's list.

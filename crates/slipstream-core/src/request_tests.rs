@@ -429,27 +429,3 @@ async fn replica_sets_change_through_one_owner_to_the_counts_asked() {
     assert!(matches!(node.scale("p", "a", 0), Err(NodeError::BadInput(_))));
     assert!(matches!(node.scale("p", "zz", 2), Err(NodeError::UnknownStage { .. })));
 }
-
-#[tokio::test]
-async fn a_replica_takes_the_lowest_slot_free_on_its_node() {
-    let t = TestNode::new(&app(5000.0, r#"[{"name": "a", "component": "A"}]"#), Fake::echo()).await;
-    let p = t.node.pipeline("p").unwrap();
-    let st = &p.stages[0];
-    let slots = || {
-        let mut v: Vec<(u32, u32)> = st.replicas().iter().map(|r| (r.slot, r.id)).collect();
-        v.sort_unstable();
-        v
-    };
-    t.node.change(&p, 0, Change::Set(3));
-    assert_eq!(slots().iter().map(|s| s.0).collect::<Vec<_>>(), vec![0, 1, 2]);
-    // The one in slot 1 leaves; the next replica added takes its slot (and
-    // with it the device a binding gives that slot), under a new id.
-    let middle = st.replicas().iter().find(|r| r.slot == 1).unwrap().clone();
-    assert!(middle.drain());
-    until("the drained replica leaves the set", || st.replicas().iter().all(|r| r.id != middle.id)).await;
-    let c = t.node.change(&p, 0, Change::Set(3));
-    assert_eq!(c.added.len(), 1);
-    let new = st.replicas().iter().find(|r| r.id == c.added[0]).unwrap().clone();
-    assert_eq!(new.slot, 1);
-    assert_ne!(new.id, middle.id);
-}

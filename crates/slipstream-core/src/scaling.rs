@@ -63,9 +63,9 @@ pub enum Change<'a> {
     Remote(&'a BTreeMap<String, Elsewhere>),
     /// An autoscaler's step.
     Scale(ScaleAction),
-    /// Bind the replicas this node starts from now on to these devices
-    /// (places in its list, by replica slot; empty: any): a cluster
-    /// plan's binding for this node.
+    /// Bind the stage's replicas on this node to these devices (places in
+    /// its list; empty: any): a cluster plan's binding for this node. A
+    /// replica on a device it leaves out is replaced, make before break.
     Bind(&'a [usize]),
 }
 
@@ -162,11 +162,7 @@ impl Node {
                 c
             }
             Change::Stand(n) => self.set_standbys(pipe, st, n),
-            Change::Bind(devices) => {
-                st.bind(devices);
-                let n = census(st).serving.len();
-                Changed { from: n, to: n, ..Changed::default() }
-            }
+            Change::Bind(devices) => self.rebind(pipe, st, devices),
             Change::Remote(nodes) => self.set_remote(pipe, st, nodes),
             Change::Scale(ScaleAction::Grow { to, max }) => {
                 let to = to.min(max);
@@ -224,7 +220,7 @@ impl Node {
                 if placed {
                     out.draining.push(r.id);
                     let why = "the placement moved it off this node".to_string();
-                    self.leave_when_replaced(pipe, st, r, PLACEMENT_GRACE, why);
+                    self.leave_when_replaced(pipe, st, r, None, PLACEMENT_GRACE, why);
                 } else if r.drain() {
                     self.record(pipe, st, Some(r.id), EventKind::Draining, "scaled down".into());
                     out.draining.push(r.id);
@@ -235,21 +231,64 @@ impl Node {
         out
     }
 
+    /// `devices` bound: each replica whose worker runs on a device they
+    /// leave out is replaced by one on a device they name (a standby by a
+    /// standby), and serves until its replacement is ready. (Two stages
+    /// swapping slices may briefly hold one slice together; a worker that
+    /// finds no room retries until the other has drained.)
+    fn rebind(&self, pipe: &Arc<PipelineRt>, st: &StageRt, devices: &[usize]) -> Changed {
+        let n = census(st).serving.len();
+        let mut out = Changed { from: n, to: n, ..Changed::default() };
+        if !st.bind(devices) {
+            return out;
+        }
+        let why = "its device is not in the plan's binding now";
+        for r in st.misbound().into_iter().filter(|r| r.phase().will_serve() && !r.leaving()) {
+            if r.is_standby() {
+                if r.drain() {
+                    self.record(pipe, st, Some(r.id), EventKind::Draining, why.into());
+                    out.draining.push(r.id);
+                }
+                out.added.extend(self.add(pipe, st, 1, true));
+            } else {
+                let added = self.add(pipe, st, 1, false);
+                let by = added.first().and_then(|id| st.replicas().iter().find(|x| x.id == *id).cloned());
+                out.added.extend(added);
+                out.draining.push(r.id);
+                self.leave_when_replaced(pipe, st, r, by, Duration::ZERO, why.into());
+            }
+        }
+        out
+    }
+
     /// Make before break: `r`, which the cluster placed elsewhere, keeps
     /// serving until another replica of its stage (not leaving) accepts
-    /// work, then `grace` longer, and then drains; at most
-    /// [`LEAVING_LIMIT`] in all. A placement that moves a replica (a node
-    /// joined, say) would otherwise leave the stage with nothing serving
-    /// while the new one's worker starts: seconds under load, and every
-    /// request meanwhile waits at the stage until its deadline.
-    fn leave_when_replaced(&self, pipe: &Arc<PipelineRt>, st: &StageRt, r: Arc<Replica>, grace: Duration, why: String) {
+    /// work (with `by`, until that one is ready, or has given up), then
+    /// `grace` longer, and then drains; at most [`LEAVING_LIMIT`] in all.
+    /// A placement that moves a replica (a node joined, say) would
+    /// otherwise leave the stage with nothing serving while the new one's
+    /// worker starts: seconds under load, and every request meanwhile
+    /// waits at the stage until its deadline.
+    fn leave_when_replaced(
+        &self,
+        pipe: &Arc<PipelineRt>,
+        st: &StageRt,
+        r: Arc<Replica>,
+        by: Option<Arc<Replica>>,
+        grace: Duration,
+        why: String,
+    ) {
         r.mark_leaving();
         self.record(pipe, st, Some(r.id), EventKind::Leaving, why.clone());
         let (events, pipe, index) = (self.events().clone(), pipe.clone(), st.index);
         tokio::spawn(async move {
             let st = &pipe.stages[index];
             let give_up = Instant::now() + LEAVING_LIMIT;
-            while r.phase().will_serve() && !st.served_without_leaving() && Instant::now() < give_up {
+            let replaced = || match &by {
+                Some(b) => b.phase() == Phase::Ready || !b.phase().will_serve(),
+                None => st.served_without_leaving(),
+            };
+            while r.phase().will_serve() && !replaced() && Instant::now() < give_up {
                 tokio::time::sleep(LEAVING_POLL).await;
             }
             tokio::time::sleep(grace.min(give_up.saturating_duration_since(Instant::now()))).await;
@@ -371,7 +410,7 @@ impl Node {
                 None if there.is_some() && !r.is_standby() => {
                     out.draining.push(r.id);
                     let why = format!("the placement moved it off node {}", at.node);
-                    self.leave_when_replaced(pipe, st, r.clone(), Duration::ZERO, why);
+                    self.leave_when_replaced(pipe, st, r.clone(), None, Duration::ZERO, why);
                 }
                 None => {
                     if r.drain() {

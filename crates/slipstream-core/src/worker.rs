@@ -338,11 +338,8 @@ async fn warm_up(ctx: &ReplicaCtx, w: &mut Worker, timeout: Duration) -> Result<
 impl Backend for LocalWorker {
     async fn start(&mut self, ctx: &ReplicaCtx) -> Result<Started, String> {
         // The stage's environment, and a GPU stage's device for this replica.
-        let env = match ctx.stage().worker_env(ctx.me.slot) {
-            Ok((env, device)) => {
-                ctx.me.set_device(device);
-                env
-            }
+        let env = match ctx.stage().worker_env(&ctx.me) {
+            Ok(env) => env,
             Err(e) => {
                 // Not something a retry fixes: the replica leaves its stage.
                 ctx.event(EventKind::StartFailed, e.clone());
