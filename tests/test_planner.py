@@ -427,6 +427,31 @@ def test_stages_without_a_gpu_profile_go_on_the_cores_in_the_same_program() -> N
     assert set(planned_per_node(plan)) == {"p/Big", "p/Post"}
 
 
+def test_gpu_workers_own_cpu_counts_on_their_machine_s_cores() -> None:
+    # Big's worker spends 10 ms of host CPU a request (pre- and
+    # post-processing): one core holds 100 req/s of it, under the GPUs' 200.
+    pipe = ss.Pipeline("p", comp("Big"))
+    host = gpu_stage(10, 100)
+    host["gpu"]["host_cpu_ms"] = 10.0
+    plan = planner.plan_gpu([pipe], {"p": profile(Big=host)}, "2xA30", cores=1, overheads=BARE)
+    assert plan.pipelines["p"].capacity_rps == pytest.approx(100, rel=0.02)
+    assert any(line.startswith("bottleneck: the cores: at 100 req/s") for line in plan.pipelines["p"].why)
+    with pytest.raises(ConfigError, match="p/Big: host_cpu_ms in the profile, and no cores"):
+        planner.plan_gpu([pipe], {"p": profile(Big=host)}, "2xA30")
+    # Beside a CPU stage (Post, 40 ms a request on 4 cores): 50 ms a request in all.
+    both = ss.Pipeline("p", comp("Big") >> comp("Post", max_batch_size=8))
+    prof = profile(Big=host, Post={"points": points(40.0, (1, 2, 4, 8))})
+    plan = planner.plan_gpu([both], {"p": prof}, "2xA30", cores=4, overheads=BARE)
+    assert plan.pipelines["p"].capacity_rps == pytest.approx(80, rel=0.02)
+    # A cluster: the host CPU is the GPU node's. At 20 ms a request it takes
+    # g0's 4 cores at 200 req/s, so Post has only c0's 6 cores: 0.06 s a
+    # request over 10 cores, 167 req/s.
+    host["gpu"]["host_cpu_ms"] = 20.0
+    plan = planner.plan_gpu([both], {"p": prof}, "", nodes={"g0": "2xA30"}, cpu_nodes={"g0": 4.0, "c0": 6.0},
+                            overheads=BARE, network_ms=1.0)
+    assert plan.pipelines["p"].capacity_rps == pytest.approx(1000 / 6, rel=0.03)
+
+
 def test_a_member_s_gpus_are_read_from_its_nvidia_smi_lines() -> None:
     lines = ["GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-aaaa)",
              "MIG 3g.40gb     Device  0: (UUID: MIG-bbbb)",

@@ -190,6 +190,7 @@ def test_a_cluster_plan_binds_each_nodes_replicas_to_its_slices(tmp_path: Path) 
         assert out.returncode == 0, out.stdout + out.stderr
         record = unseal([TOKEN], "plan", EtcdClient(etcd.url).get("/slipstream/default/plan"))
         assert record["devices"] == {"bound/Bound": {"g1": [2, 0], "g2": [1]}}, record
+        assert "binding GPU replicas: g1: bound/Bound on cuda:2,cuda:0; g2: bound/Bound on cuda:1" in out.stderr
         # A new plan moves g1's replica off its first 1g slice onto the 2g
         # half: the running node replaces it there, make before break.
         moved = cluster_plan(tmp_path, ["2g.12gb", "1g.6gb", "1g.6gb"], (("1g.6gb", 2), ("2g.12gb", 0)))

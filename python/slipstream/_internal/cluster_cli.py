@@ -360,6 +360,13 @@ def publish_plan(etcd: Etcd, a: argparse.Namespace, token: str, deploy_id: str, 
     with what a node joining later binds its own by."""
     planned, gpu_plan = planned_per_node(plan), gpu_plan_of(plan)
     bound = bound_per_node(plan, member_gpus(a, etcd)) if gpu_plan else {}
+    by_node: dict[str, list[str]] = {}
+    for stage, per in sorted(bound.items()):
+        for node, places in sorted(per.items()):
+            by_node.setdefault(node, []).append(f"{stage} on " + ",".join(f"cuda:{d}" for d in places))
+    if by_node:
+        print("binding GPU replicas: " + "; ".join(f"{n}: {', '.join(v)}" for n, v in sorted(by_node.items())),
+              file=sys.stderr)
     record: dict[str, Any] = {"deploy": deploy_id, "planned": planned, "at": time.time(), "note": note}
     if gpu_plan:
         record["devices"], record["gpu_plan"] = bound, gpu_plan

@@ -152,6 +152,9 @@ def thread_cap(stages: Sequence[_CpuStage], cores: float) -> float:
 #: One machine's program has one node, without a name.
 ONE_MACHINE = ""
 
+#: The end of the label of a size class of nodes with GPUs.
+GPU_CLASS = ", GPUs"
+
 
 @dataclass
 class _CpuVars:
@@ -250,18 +253,30 @@ def _add_cpu_stages(m: _Model, v: _CpuVars, stages: Sequence[_CpuStage], costs: 
 
 
 def _bound_cpu(m: _Model, v: _CpuVars, stages: Sequence[_CpuStage], costs: _Costs,
-               nodes: Mapping[str, _Class], room: _Room) -> None:
+               nodes: Mapping[str, _Class], room: _Room, host: Mapping[int, float] | None = None,
+               host_on: Sequence[str] = ()) -> None:
     """Each size class's cores (its stages' CPU and its share of the
-    ingresses', by the pipelines' rates `v.rate`), threads and memory."""
+    ingresses', by the pipelines' rates `v.rate`), threads and memory; with
+    `host` (rate variable -> CPU seconds a request that GPU workers spend
+    on their machine's cores), the classes `host_on` together hold that
+    too."""
     total = sum(c.cores * c.count for c in nodes.values())
     for x in v.rate.values():
         v.cpu[x] = costs.node_cpu_s
+    share: dict[str, dict[int, float]] = {}
     for k, cls in nodes.items():
-        ingress = {x: costs.node_cpu_s * cls.cores * cls.count / total for x in v.rate.values()}
+        ingress = share[k] = {x: costs.node_cpu_s * cls.cores * cls.count / total for x in v.rate.values()}
         m.row({**room.cpu[k], **ingress}, hi=cls.cores * cls.count)
-        m.row(room.threads[k], hi=thread_cap(stages, cls.cores) * cls.count)
+        if room.threads[k]:
+            m.row(room.threads[k], hi=thread_cap(stages, cls.cores) * cls.count)
         if cls.memory_mb and any(room.memory[k].values()):
             m.row(room.memory[k], hi=cls.memory_mb * cls.count)
+    if host and host_on:
+        coeffs: dict[int, float] = dict(host)
+        for k in host_on:
+            for x, c in [*room.cpu[k].items(), *share[k].items()]:
+                coeffs[x] = coeffs.get(x, 0.0) + c
+        m.row(coeffs, hi=sum(nodes[k].cores * nodes[k].count for k in host_on))
 
 
 @dataclass
@@ -514,7 +529,7 @@ def size_classes(nodes: Mapping[str, float] | None, node_memory_mb: Mapping[str,
     members: dict[str, list[str]] = {}
     for name, c in sorted(nodes.items()):
         size = (float(c), float((node_memory_mb or {}).get(name, 0.0)))
-        label = f"{size[0]:g} cores" + (f", {size[1]:g} MiB" if size[1] else "") + (", GPUs" if name in with_gpus
+        label = f"{size[0]:g} cores" + (f", {size[1]:g} MiB" if size[1] else "") + (GPU_CLASS if name in with_gpus
                                                                                       else "")
         sizes[label] = size
         members.setdefault(label, []).append(name)

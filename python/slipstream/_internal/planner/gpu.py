@@ -25,6 +25,7 @@ takes all of them. Each stage's path budgets a network hop more.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +35,9 @@ from typing import Any
 from slipstream._internal.api import Pipeline
 from slipstream._internal.errors import ConfigError
 from slipstream._internal.planner.cpu import (
+    GPU_CLASS,
     NETWORK_MS,
+    ONE_MACHINE,
     _add_cpu_stages,
     _bound_cpu,
     _Class,
@@ -379,6 +382,9 @@ class _GpuPoint:
 class _GpuStage(_StageBase):
     memory_gb: float = 0.0
     points: dict[int, _GpuPoint] = field(default_factory=dict)  # slice index -> point
+    #: CPU its worker spends on the host per request (its profile's
+    #: ``host_cpu_ms``; 0: not given), on the cores of the GPU's machine.
+    host_cpu_s: float = 0.0
 
 
 def _gpu_point(gp: Mapping[str, Any], model: str, fraction: float) -> _GpuPoint | None:
@@ -417,7 +423,8 @@ def _gpu_stages(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[st
                 continue  # planned on CPU cores
             lo, hi, bounded = _bounds(pipe.stage(name), total)
             st = _GpuStage(pipe.name, name, pipe.graph.parents(name), lo, hi, bounded, float(gp.get("demand", 1.0)),
-                           elastic_ms=pipe.stage(name).elastic_ms, memory_gb=float(gp["memory_gb"]))
+                           elastic_ms=pipe.stage(name).elastic_ms, memory_gb=float(gp["memory_gb"]),
+                           host_cpu_s=float(gp.get("host_cpu_ms", 0.0)) / 1e3)
             for k, sl in enumerate(slices):
                 pt = _gpu_point(gp, groups[sl.group].model.name, sl.fraction)
                 if pt is not None and pt.rps > 0 and st.memory_gb <= sl.memory_gb + TOL:
@@ -490,15 +497,20 @@ def _gpu_program(stages: Sequence[_GpuStage], groups: Sequence[GpuGroup], slices
         m.row({**{x: 1.0 for (_, kk), x in v.r.items() if kk == k}, **have}, hi=0.0)
     both: list[_StageBase] = list(stages)
     tputs: dict[Key, dict[int, float]] = {s.key: v.stage_tput(s) for s in stages}
-    if cpu is not None and cpu.stages:
+    if cpu is not None:
         cpu_lat, room = _add_cpu_stages(m, c, cpu.stages, costs, q, cpu.classes, cpu.only, cpu.n_max)
         lat.update(cpu_lat)
         both += cpu.stages
         tputs.update({s.key: c.stage_tput(s) for s in cpu.stages})
     v.rate.update(_pipeline_rates(m, both, lambda s: tputs[s.key]))
-    if cpu is not None and cpu.stages:
+    if cpu is not None:
         c.rate.update(v.rate)
-        _bound_cpu(m, c, cpu.stages, costs, cpu.classes, room)
+        # The GPU workers' own CPU, per pipeline request, on the GPU machines' cores.
+        host: dict[int, float] = {}
+        for s in stages:
+            host[v.rate[s.pipeline]] = host.get(v.rate[s.pipeline], 0.0) + s.demand * s.host_cpu_s
+        on_gpus = [k for k in cpu.classes if k == ONE_MACHINE or k.endswith(GPU_CLASS)]
+        _bound_cpu(m, c, cpu.stages, costs, cpu.classes, room, {x: h for x, h in host.items() if h > 0}, on_gpus)
     _path_rule(m, both, lat, costs)
     return v, c
 
@@ -526,16 +538,18 @@ class _GpuSolution:
     rate: dict[str, float]
 
 
-def _read_gpu(stages: Sequence[_GpuStage], v: _GpuVars, sol: list[float],
-              cpu: _CpuSolution | None = None) -> _GpuSolution:
-    """The solution's slices; its stage throughputs and pipeline rates are
-    every stage's, those `cpu` (the same solution's stages on cores) has
-    too."""
+def _read_gpu(stages: Sequence[_GpuStage], v: _GpuVars, sol: list[float], cpu: _CpuSolution | None = None,
+              cap: Mapping[str, float] | None = None) -> _GpuSolution:
+    """The solution's slices; its stage throughputs are every stage's,
+    those `cpu` (the same solution's stages on cores) has too, and a
+    pipeline's rate the least of them, and of `cap` (the rates the levels
+    held: the cores can bound a rate below its stages' throughput, with
+    the GPU workers' own CPU on them)."""
     r = {k: int(round(sol[x])) for k, x in v.r.items()}
     tput = {s.key: sum(s.points[k].rps * r[(s.key, k)] for k in s.points) / s.demand for s in stages}
     tput.update(cpu.tput if cpu is not None else {})
-    return _GpuSolution({k: int(round(sol[x])) for k, x in v.g.items()}, r, tput,
-                        {p: min(t for (pp, _), t in tput.items() if pp == p) for p in v.rate})
+    rate = {p: min([t for (pp, _), t in tput.items() if pp == p] + [(cap or {}).get(p, math.inf)]) for p in v.rate}
+    return _GpuSolution({k: int(round(sol[x])) for k, x in v.g.items()}, r, tput, rate)
 
 
 def _unpack(groups: Sequence[GpuGroup], slices: Sequence[_Slice], stages: Sequence[_GpuStage],
@@ -598,8 +612,12 @@ def plan_gpu(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, 
     on_gpu = frozenset(s.key for s in stages)
     on_cpu = [(p.name, n) for p in pipelines for n in p.graph.topological_order() if (p.name, n) not in on_gpu]
     cpu: _CpuPart | None = None
-    if on_cpu:
-        if room <= 0:
+    host = [f"{s.pipeline}/{s.name}" for s in stages if s.host_cpu_s > 0]
+    if host and room <= 0:
+        raise ConfigError(", ".join(host) + ": host_cpu_ms in the profile, and no cores to count it on: give the "
+                          "cores (--cores, or the nodes' in --nodes)")
+    if on_cpu or host:
+        if on_cpu and room <= 0:
             raise ConfigError(", ".join(f"{p}/{n}" for p, n in on_cpu) + ": no GPU section in the profile (\"gpu\": "
                               "memory_gb, models -> fraction -> rps, p99_ms, batch), and no cores to plan it on: "
                               "give the cores (--cores, or the nodes' in --nodes), or profile it on a GPU")
@@ -616,7 +634,8 @@ def plan_gpu(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, 
         used = {**{x: slices[k].fraction for (_, k), x in v.r.items()}, **_cpu_cost(c)}
         sol = v.m.solve(used, maximize=False)
         cpu_best = _read_cpu(cpu.stages, c, sol, levels) if cpu else None
-        best = _read_gpu(stages, v, sol, cpu_best)
+        held = {p: level for level, keys in levels for p in keys if p in v.rate}
+        best = _read_gpu(stages, v, sol, cpu_best, held)
         timed_out = v.m.timed_out
     except _Infeasible:
         raise ConfigError("no placement fits: every stage needs a slice its memory fits (or, without a GPU "
@@ -632,7 +651,7 @@ def plan_gpu(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, 
             w.m.row({x: 1.0}, lo=min(rate / TARGET_LOAD, best.rate[p] * (1 - EPS)))
         sol = w.m.solve({**{x: slices[k].fraction for (_, k), x in w.r.items()}, **_cpu_cost(wc)}, maximize=False)
         cpu_chosen = _read_cpu(cpu.stages, wc, sol, []) if cpu else None
-        chosen = _read_gpu(stages, w, sol, cpu_chosen)
+        chosen = _read_gpu(stages, w, sol, cpu_chosen, best.rate)
         timed_out = timed_out or w.m.timed_out
     gpus, place = _unpack(groups, slices, stages, best)
     if holders is not None:
@@ -671,6 +690,11 @@ def plan_gpu(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, 
             cpu_why.append(f"{tag}{cs.name}: on CPU cores (no GPU section in its profile): {cpu_best.n[cs.key]} "
                            f"replica(s) x {o.threads} thread(s), batch <= {o.batch} -> {best.tput[cs.key]:,.0f} "
                            "req/s")
+        slowest = min(best.tput[(pipe.name, n)] for n in pipe.graph.nodes)
+        if best.rate[pipe.name] < slowest * (1 - 1e-3) - TOL:
+            cpu_why.append(f"bottleneck: the cores: at {best.rate[pipe.name]:,.0f} req/s the GPU workers' own CPU "
+                           f"(host_cpu_ms) and the stages on cores fill them, under the slowest stage's "
+                           f"{slowest:,.0f} req/s")
         sts = {n: sts[n] for n in pipe.graph.topological_order()}
         cap = chosen.rate[pipe.name]
         out[pipe.name] = PipelinePlan(capacity_rps=cap, target_rps=rate if rate is not None else TARGET_LOAD * cap,
@@ -695,7 +719,7 @@ def _cpu_cost(c: _CpuVars) -> dict[int, float]:
     thread on a GPU node's cores half again as much as one on a node
     without GPUs, whose cores no GPU worker needs (the program does not
     count the GPU workers' own CPU yet)."""
-    return {n: c.threads[n] * (1.5 if label.endswith(", GPUs") else 1.0) for (_, _, label), n in c.n.items()}
+    return {n: c.threads[n] * (1.5 if label.endswith(GPU_CLASS) else 1.0) for (_, _, label), n in c.n.items()}
 
 
 def _order(place: list[dict[str, Any]], chosen: _GpuSolution, s: _GpuStage,
