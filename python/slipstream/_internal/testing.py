@@ -71,11 +71,15 @@ def wait_for(predicate: Callable[[], T], timeout: float = 20.0, every: float = 0
     and a request caught in between is reset); the last one is named if
     time runs out."""
     deadline = time.monotonic() + timeout
-    last: ConnectionError | None = None
+    last: OSError | None = None
     while time.monotonic() < deadline:
         try:
             value = predicate()
-        except ConnectionError as e:
+        except (ConnectionError, urllib.error.URLError) as e:
+            # urllib wraps a refused connection in a URLError (no
+            # ConnectionError): that is "not yet" too; any other URLError is not.
+            if isinstance(e, urllib.error.URLError) and not isinstance(e.reason, ConnectionError):
+                raise
             last = e
         else:
             if value:
