@@ -182,11 +182,12 @@ impl StageRt {
     /// replicas on devices it leaves out are the caller's to replace
     /// ([`StageRt::misbound`]).
     pub(crate) fn bind(&self, devices: &[usize]) -> bool {
-        if *self.bound.read() == devices {
-            return false;
+        let mut bound = self.bound.write();
+        let changed = *bound != devices;
+        if changed {
+            *bound = devices.to_vec();
         }
-        *self.bound.write() = devices.to_vec();
-        true
+        changed
     }
 
     /// This node's replicas whose worker runs on a device the binding does

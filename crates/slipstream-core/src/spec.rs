@@ -369,9 +369,9 @@ pub struct StageSpec {
     #[serde(default)]
     pub device: Option<String>,
     /// With `device: "cuda"`: the devices (places in this machine's list,
-    /// as `cuda:N` names them) its replicas take in turn instead of all of
-    /// them, replica k the (k mod len)th: a GPU plan's binding of each
-    /// replica to its planned GPU or MIG slice.
+    /// as `cuda:N` names them) its replicas take instead of all of them,
+    /// each the one with the fewest of them on it (see [`crate::gpu`]): a
+    /// GPU plan's binding of each replica to its planned GPU or MIG slice.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub devices: Vec<usize>,
     /// Cache this stage's results by a hash of its inputs.

@@ -348,7 +348,7 @@ class Component:
     #: What ``batch[name]`` holds: ``"numpy"`` arrays, or ``"torch"``
     #: tensors (views over the same shared memory; see ``tensors.py``).
     tensors: str = "numpy"
-    #: ``"cpu"``, ``"cuda"`` (each replica bound to one GPU, round-robin)
+    #: ``"cpu"``, ``"cuda"`` (each replica bound to one GPU, spread over them)
     #: or ``"cuda:N"`` (the node's Nth GPU or MIG slice).
     device: str = "cpu"
     #: Batches one replica runs at once. Only an ``async def __call__`` may
@@ -370,9 +370,9 @@ class Component:
     #: its profile says (docs/design/scheduling.md, "Elastic stages").
     elastic_ms: float | None = None
     #: With ``device="cuda"``: the devices (places in ``nvidia-smi -L``'s
-    #: list, as ``cuda:N`` names them) its replicas take in turn, replica k
-    #: the (k mod len)th; set by ``serve --plan`` from a GPU plan, binding
-    #: each replica to the GPU or MIG slice the plan chose. Empty: all, in turn.
+    #: list, as ``cuda:N`` names them) its replicas take, each the one with
+    #: the fewest of them on it; set by ``serve --plan`` from a GPU plan,
+    #: binding each replica to the GPU or MIG slice the plan chose. Empty: all.
     devices: tuple[int, ...] = ()
     #: What the author fixed, of ``"replicas"`` (a count) and ``"threads"``:
     #: the planner sizes the rest (docs/design/planner.md).
@@ -648,7 +648,7 @@ def component(
       into shared memory. torch is imported only by workers of components
       that use it (``pip install slipstream[torch]``).
     - ``device="cuda"``: the node binds each replica to one GPU (or MIG
-      slice) of its machine, round-robin, by starting its worker with
+      slice) of its machine, spread over them, by starting its worker with
       ``CUDA_VISIBLE_DEVICES`` set to that device's UUID; ``"cuda:N"`` binds
       every replica to the Nth device ``nvidia-smi -L`` lists. Inside the
       worker the device is ``cuda`` (``cuda:0``); with ``tensors="torch"``

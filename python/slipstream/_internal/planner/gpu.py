@@ -284,8 +284,9 @@ def _local_gpus(gpus: Mapping[int, Mapping[str, Any]], smi: Sequence[str], node:
     turn (whole ones for whole ones, MIG-cut ones for MIG-cut ones)."""
     if node is None:
         return {gid: gid for gid in gpus}
+    listed = smi_gpus(smi)
     free: dict[tuple[str, bool], list[int]] = {}
-    for n, (name, slices) in enumerate(smi_gpus(smi)):
+    for n, (name, slices) in enumerate(listed):
         free.setdefault((_model_of(name) or name, not slices), []).append(n)
     out: dict[int, int] = {}
     for gid, g in sorted(gpus.items()):
@@ -295,11 +296,11 @@ def _local_gpus(gpus: Mapping[int, Mapping[str, Any]], smi: Sequence[str], node:
         if not free.get((model, whole)):
             planned = sum(1 for x in gpus.values() if x.get("node") == node and x.get("model") == model
                           and (list(x.get("layout", [])) == [WHOLE]) == whole)
-            listed = ", ".join(name + ("" if not slices else f" (MIG {len(slices)} slices)")
-                               for name, slices in smi_gpus(smi)) or "none"
+            there = ", ".join(name + ("" if not slices else f" (MIG {len(slices)} slices)")
+                              for name, slices in listed) or "none"
             raise ConfigError(f"the plan puts {planned} {model} GPU(s){where} "
                               f"{'whole' if whole else 'cut into MIG slices'}, but `nvidia-smi -L` there lists "
-                              f"fewer ({listed}); plan for the members as they are (`slipstream plan --cluster`)")
+                              f"fewer ({there}); plan for the members as they are (`slipstream plan --cluster`)")
         out[gid] = free[(model, whole)].pop(0)
     return out
 
@@ -507,10 +508,10 @@ def _gpu_program(stages: Sequence[_GpuStage], groups: Sequence[GpuGroup], slices
         c.rate.update(v.rate)
         # The GPU workers' own CPU, per pipeline request, on the GPU machines' cores.
         host: dict[int, float] = {}
-        for s in stages:
+        for s in (s for s in stages if s.host_cpu_s > 0):
             host[v.rate[s.pipeline]] = host.get(v.rate[s.pipeline], 0.0) + s.demand * s.host_cpu_s
         on_gpus = [k for k in cpu.classes if k == ONE_MACHINE or k.endswith(GPU_CLASS)]
-        _bound_cpu(m, c, cpu.stages, costs, cpu.classes, room, {x: h for x, h in host.items() if h > 0}, on_gpus)
+        _bound_cpu(m, c, cpu.stages, costs, cpu.classes, room, host, on_gpus)
     _path_rule(m, both, lat, costs)
     return v, c
 
@@ -629,7 +630,7 @@ def plan_gpu(pipelines: Sequence[Pipeline], profiles: Mapping[str, Mapping[str, 
         # The GPU stages' spare slices go to them as headroom; a stage on
         # cores gets what the pipelines' rates need, not every spare core
         # (on a cluster that is every node's: 1,533 replicas of a stage
-        # that seven serve, in bench/plan_mig.py's 64 nodes).
+        # that four serve, in bench/plan_mig.py's 64 nodes).
         levels = _lex_objective(v.m, v.rate, {s.key: v.stage_tput(s) for s in stages})
         used = {**{x: slices[k].fraction for (_, k), x in v.r.items()}, **_cpu_cost(c)}
         sol = v.m.solve(used, maximize=False)

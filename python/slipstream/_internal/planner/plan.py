@@ -125,8 +125,7 @@ def with_components(pipe: Pipeline, comps: Mapping[str, Component]) -> Pipeline:
 
 
 def _configured(comp: Component, sp: StagePlan, devices: Sequence[int] = ()) -> Component:
-    """`comp` sized by `sp`, its replicas bound to `devices` in turn when
-    given. A stage declared with bounds keeps them (the autoscaler moves
+    """`comp` sized by `sp`, its replicas bound to `devices` when given. A stage declared with bounds keeps them (the autoscaler moves
     within) and starts at the planned count."""
     bind: dict[str, Any] = {}
     if devices:
@@ -148,7 +147,7 @@ def apply_plan(pipelines: Sequence[Pipeline], plan: Plan,
                devices: Mapping[tuple[str, str], Sequence[int]] | None = None) -> list[Pipeline]:
     """The pipelines with the plan's replicas, threads and batch limits,
     and with `devices` (stage (pipeline, name) -> the ``cuda:N`` places its
-    replicas take in turn: a GPU plan's binding, see ``gpu_binding``).
+    replicas take: a GPU plan's binding, see ``gpu_binding``).
     Stages the plan does not name keep their declaration; a pipeline or stage
     the plan names but the app lacks is an error (a plan for another app)."""
     by_name = {p.name: p for p in pipelines}
