@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CARGO ?= $(shell command -v cargo 2>/dev/null || echo $$HOME/.cargo/bin/cargo)
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup build lint test test-services test-beside-py test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-freshness bench-cluster bench-plan bench-grpc bench-perf-analyzer bench-overload bench-false-refusals bench-late-admits bench-cluster-store bench-control-plane bench-cluster-surge bench-cluster-stream bench-cluster-chain bench-stream bench-gpu bench-clipper bench-espn data data-small demo clean fmt
+.PHONY: setup build lint test test-services test-beside-py test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-examples bench-freshness bench-cluster bench-plan bench-grpc bench-perf-analyzer bench-overload bench-false-refusals bench-late-admits bench-cluster-store bench-control-plane bench-cluster-surge bench-cluster-stream bench-cluster-chain bench-stream bench-gpu bench-clipper bench-espn data data-small demo clean fmt
 
 setup: $(VENV)/.installed
 
@@ -167,6 +167,13 @@ bench-cluster: setup
 bench-goodput: setup
 	$(PY) -m bench.limit --pipelines rag,multimodal
 	$(PY) -m bench.goodput --pipelines rag,multimodal --configs out-of-box,declared
+
+# Every example pipeline in one run, as a fresh machine serves it (~90 min on
+# 2 cores): the offline limit, goodput at the SLO out of the box, its share of
+# the limit and of the queueing ceiling, and Ray Serve at the same counts
+# measured the same way: bench/results/examples.{json,md}.
+bench-examples: data
+	$(PY) -m bench.examples --fresh-profiles
 
 # Live knowledge base: put -> first query that finds the document, at half load.
 bench-freshness: setup

@@ -20,7 +20,15 @@ configuration asked for (`--configs`):
   (`--autoscale off`): the plan's starting counts, held;
 - ``max-wait-MS`` (e.g. ``max-wait-50``): out of the box with delayed
   batching, a replica waiting up to MS ms for a larger batch
-  (`--max-wait-ms MS`; off by default, docs/design/scheduling.md).
+  (`--max-wait-ms MS`; off by default, docs/design/scheduling.md);
+- ``ray-planned``: Ray Serve (bench/vs_ray's adapter: the same component
+  classes, a deployment per stage) at the counts `slipstream serve` plans
+  on this machine (replicas, threads and max batch per stage, from the
+  profile the ``out-of-box`` start measured), autoscaling off, measured by
+  the same generator, rates and criterion as the other configurations;
+  run it after ``out-of-box``. A stage receiving over 1 MB a request is
+  handed its inputs through Ray's object store, the faster of Ray's two
+  paths for large tensors (bench/vs_ray/compare.py measures both).
 
 The requests are the pipeline's input mix (``bench.vs_ray.bodies.mix``:
 RAG's 1,000 benchmark queries, sent in turn), the inputs bench.limit
@@ -50,6 +58,7 @@ bench/.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -57,6 +66,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +82,8 @@ CONFIGS = {"out-of-box": ([], "plan"), "declared": (["--autoscale", "off"], "dec
            "planned": (["--autoscale", "off"], "declared"),
            "deadline-order": (["--no-batch-by-length"], "plan"),
            "no-admission": (["--no-admission"], "plan"),
-           "no-autoscale": (["--autoscale", "off"], "plan")}
+           "no-autoscale": (["--autoscale", "off"], "plan"),
+           "ray-planned": ([], "ray")}
 def config(name: str) -> tuple[list[str], str]:
     """The serve flags and sizing of configuration `name` (see the module doc)."""
     if name in CONFIGS:
@@ -124,6 +135,78 @@ def served_as(status: dict[str, Any], pipeline: str) -> dict[str, str]:
             for p in status["pipelines"] if p["name"] == pipeline for s in p["stages"]}
 
 
+@contextlib.contextmanager
+def serving(app: str, pipe: Any, flags: list[str], sizing: str, probe: bytes
+            ) -> Iterator[tuple[str, dict[str, str]]]:
+    """Serve `pipe` of `app` in one configuration (see the module doc):
+    yields its base URL and each stage as served (``2x1t b8``). `probe`:
+    a request (Ray's warm-up, which also shows how large its stages'
+    inputs are)."""
+    if sizing != "ray":
+        with harness.node(ROOT / app, *flags, sizing=sizing) as node:
+            time.sleep(1.0)
+            yield node.url, served_as(node.status(), pipe.name)
+        return
+    from bench.vs_ray.compare import load_target, planned_sizes, wrapper
+    from bench.vs_ray.servers import RayServer
+
+    path, _, target = load_target(f"{app}:{pipe.name}")
+    counts = planned_sizes(path, pipe)
+    wrapped, _ = wrapper(path, target.rpartition(":")[2], None, counts)
+    server = RayServer(str(wrapped), pipe.name, RESULTS, [])
+    server.start()
+    try:
+        for _ in range(3):  # a cold first call may miss; then see how large the stages' inputs are
+            server.infer(probe)
+        if server.pick_transport():
+            print(f"  ray: a stage receives {server.largest_input() / 1e6:.1f} MB a request: through Ray's "
+                  "object store", file=sys.stderr)
+            server.stop()
+            server.options.append("--by-reference")
+            server.start()
+        yield server.base, {n: f"{r}x{t}t b{b}" for n, (r, t, b) in counts.items()}
+    finally:
+        server.stop()
+
+
+def search(rates: list[float], limit: float, point: Callable[[float], bool], refine: int) -> list[float]:
+    """Which rates to measure, in order: `rates` rising until one above 90%
+    of the limit misses; if none held (Ray Serve, often), the lowest
+    halved until one holds (down to 1/256 of the limit); then up to
+    `refine` rates between the highest that held and the lowest above it
+    that missed (geometric means, while they are more than 4% apart).
+    `point(rate)` measures a rate and says whether it held. Returns the
+    rates measured."""
+    done: dict[float, bool] = {}
+
+    def at(rate: float) -> bool:
+        done[rate] = point(rate)
+        return done[rate]
+
+    for rate in rates:
+        if not at(rate) and rate > limit * 0.9:
+            break  # past the knee
+    low = min(rates)
+    while not any(done.values()) and low > limit / 256:
+        low = nice(low / 2)
+        at(low)
+    for _ in range(refine):
+        held = max((r for r, ok in done.items() if ok), default=None)
+        above = [r for r, ok in done.items() if not ok and held is not None and r > held]
+        if held is None or not above:
+            break
+        mid = nice((held * min(above)) ** 0.5)
+        if mid <= held * 1.04 or mid >= min(above):
+            break  # no rate between worth a run
+        at(mid)
+    return list(done)
+
+
+def nice(rate: float) -> float:
+    """A rate rounded to three significant figures (whole above 20 req/s)."""
+    return float(round(rate)) if rate >= 20 else float(f"{rate:.3g}")
+
+
 def holds(row: dict[str, Any], slo_ms: float, max_miss: float) -> bool:
     return bool(row["ok"] > 0 and row["p99_ms"] <= slo_ms and row["miss_rate"] <= max_miss)
 
@@ -151,29 +234,30 @@ def measure(name: str, app: str, lim: dict[str, Any], configs: dict[str, tuple[l
     # The requests bench.limit measured the components with.
     bodies, source = mix(ROOT / app, pipe)
     print(f"{name}: requests from {source}", file=sys.stderr)
-    rates = sorted({max(1, round(limit * f)) if limit >= 20 else round(limit * f, 2) for f in a.fractions})
+    def rates_at(fractions: list[float]) -> list[float]:
+        return sorted({nice(limit * f) for f in fractions})
     results: dict[str, Any] = {}
     for label, (flags, sizing) in configs.items():
-        print(f"\n{name} [{label}]: slipstream serve {app} {' '.join(flags)} (sizing {sizing})", file=sys.stderr)
-        rows = []
-        with harness.node(ROOT / app, *flags, sizing=sizing) as node:
-            time.sleep(1.0)
-            status = node.status()
-            sizes = served_as(status, name)
+        what = (f"Ray Serve at the plan's counts, {app}" if sizing == "ray"
+                else f"slipstream serve {app} {' '.join(flags)} (sizing {sizing})")
+        print(f"\n{name} [{label}]: {what}", file=sys.stderr)
+        rows: list[dict[str, Any]] = []
+        with serving(app, pipe, flags, sizing, bodies[0]) as (url, sizes):
             print(f"  served as: {sizes}", file=sys.stderr)
-            for rate in rates:
-                reps = []
-                seconds = max(a.duration, a.min_requests / max(rate, 1e-9))
-                for _ in range(a.repeat):
-                    row = run_rate(node.url, name, bodies, rate, seconds, slo_ms)
-                    reps.append(row)
-                m = median_row(reps)
+
+            def point(rate: float, rows: list[dict[str, Any]] = rows, url: str = url) -> bool:
+                m = median_row([run_rate(url, name, bodies, rate, max(a.duration, a.min_requests / max(rate, 1e-9)),
+                                         slo_ms) for _ in range(a.repeat)])
                 rows.append(m)
-                ok = "holds" if holds(m, slo_ms, max_miss) else "missed"
+                ok = holds(m, slo_ms, max_miss)
                 print(f"  {rate:>7g} req/s offered: goodput {m['goodput_rps']:>7.0f}/s p99 {m['p99_ms']:>7.1f} ms "
-                      f"misses {100 * m['miss_rate']:.2f}%  [{ok}]  load {m['load_avg']:.2f}", file=sys.stderr)
-                if not holds(m, slo_ms, max_miss) and rate > limit * 0.9:
-                    break  # past the knee
+                      f"misses {100 * m['miss_rate']:.2f}%  [{'holds' if ok else 'missed'}]  load "
+                      f"{m['load_avg']:.2f}", file=sys.stderr)
+                return ok
+
+            ray_fractions = getattr(a, "ray_fractions", None)
+            search(rates_at(ray_fractions if sizing == "ray" and ray_fractions else a.fractions), limit, point,
+                   a.refine)
         best = max((r for r in rows if holds(r, slo_ms, max_miss)), key=lambda r: r["goodput_rps"], default=None)
         results[label] = {"rows": rows, "best": best, "served_as": sizes,
                           "goodput_fraction": (best["goodput_rps"] / limit) if best else 0.0}
@@ -194,6 +278,11 @@ def main() -> int:
     ap.add_argument("--min-requests", type=int, default=300,
                     help="run each rate at least this many requests (longer than --duration at low rates)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--ray-fractions", type=lambda s: [float(x) for x in s.split(",")],
+                    help="ray-planned's offered rates as fractions of the limit (default: --fractions)")
+    ap.add_argument("--refine", type=int, default=0,
+                    help="after the fractions, up to this many rates between the highest that held and the "
+                         "lowest above it that missed (geometric means)")
     ap.add_argument("--fractions", type=lambda s: [float(x) for x in s.split(",")], default=list(FRACTIONS),
                     help="offered rates as fractions of the limit")
     ap.add_argument("--out", type=Path, default=RESULTS / "goodput",
@@ -241,6 +330,13 @@ def main() -> int:
                          f"({100 * ceil['fraction']:.0f}%) | {b['offered_rps'] if b else '-'} | "
                          f"{b['goodput_rps'] if b else 0:.1f} | {100 * c['goodput_fraction']:.0f}% | "
                          f"{100 * of_ceiling:.0f}% | {b['p99_ms'] if b else float('nan'):.1f} |")
+    for name, res in out["pipelines"].items():
+        ours, ray = (res["configs"].get(c) for c in ("out-of-box", "ray-planned"))
+        if ours and ray:
+            g, r = (c["best"]["goodput_rps"] if c["best"] else 0.0 for c in (ours, ray))
+            res["vs_ray"] = g / r if r else None
+            lines.append(f"\n{name}: out of the box {g:.1f} req/s, Ray Serve at the plan's counts {r:.1f} req/s: "
+                         + (f"{g / r:.1f}x" if r else "Ray held no rate tried"))
     harness.write_results(a.out, out, "\n".join(lines), machine)
     print("\n".join(lines))
     return 0

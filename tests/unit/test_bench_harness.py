@@ -10,7 +10,7 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -239,3 +239,25 @@ def test_goodput_configurations_by_name() -> None:
     for bad in ("max-wait-", "max-wait--1", "max-wait-x", "fastest"):
         with pytest.raises(ValueError, match="unknown configuration"):
             goodput.config(bad)
+
+
+def test_goodput_rate_search() -> None:
+    """The rates bench.goodput measures: the fractions rising until one
+    past 90% of the limit misses; halving when none held; refining between
+    the highest held and the lowest missed above it."""
+    from bench import goodput
+
+    def system(capacity: float) -> Callable[[float], bool]:
+        return lambda rate: rate <= capacity
+
+    rates = [60.0, 75.0, 85.0, 95.0, 105.0]
+    assert goodput.search(rates, 100, system(90), 0) == [60, 75, 85, 95]
+    # A miss below 90% of the limit does not stop the rise (a noisy point).
+    assert goodput.search(rates, 100, lambda r: r != 75, 0) == [60, 75, 85, 95, 105]
+    # Nothing held: halve (Ray Serve at a twentieth of the limit).
+    assert goodput.search(rates, 100, system(5), 0) == [60, 75, 85, 95, 30, 15, 7.5, 3.75]
+    # Never below 1/256 of the limit.
+    assert min(goodput.search(rates, 100, system(0), 0)) > 100 / 512
+    # Refining: geometric means towards the lowest rate that missed above the highest held.
+    assert goodput.search(rates, 100, system(80), 3) == [60, 75, 85, 95, 80]  # 82 is within 4%: stop
+    assert goodput.search(rates, 100, system(5), 2) == [60, 75, 85, 95, 30, 15, 7.5, 3.75, 5.3, 4.46]
