@@ -315,7 +315,7 @@ def main() -> int:
         out["pipelines"][name] = res
     lines = ["# Goodput at the SLO vs the offline compute limit", "",
              f"{a.cores:g} cores; median of {a.repeat} runs of {a.duration:g} s (at least {a.min_requests} requests) "
-             "per rate; queueing ceiling: bench.ceiling (M/D/cores at the limit's CPU a request, the SLO's "
+             "per rate; queueing ceiling: bench.ceiling (the better of M/D/cores and M/D/1 at cores x the speed, at the limit's CPU a request and the SLO's "
              f"miss budget); `python -m bench.goodput --pipelines {a.pipelines} --configs {a.configs}`.", "",
              "| pipeline | config | served as | limit (req/s) | queueing ceiling (req/s) | best rate holding the SLO "
              "| goodput (req/s) | share of limit | share of ceiling | p99 (ms) |",

@@ -32,4 +32,18 @@ def test_the_ceiling_rises_with_the_slo_and_the_servers_and_is_zero_when_one_req
     assert 0 < tight["fraction"] < loose["fraction"] < 1
     assert tight["limit_rps"] == pytest.approx(20.0) and wide["limit_rps"] == pytest.approx(1280.0)
     assert wide["fraction"] > tight["fraction"]
-    assert ceiling(600_000, 2, 500, 0.01)["fraction"] == 0.0
+    # 600 ms of CPU against 500 ms: no core alone can; split over two (300 ms), a little can.
+    alone = ceiling(600_000, 2, 500, 0.01, arrivals=40_000)
+    assert alone["models"]["M/D/2"] == 0.0 < alone["fraction"] == alone["models"]["M/D/1 at 2x"]
+    assert ceiling(1_200_000, 2, 500, 0.01)["fraction"] == 0.0
+
+
+def test_the_ceiling_is_the_better_of_a_core_per_request_and_a_perfect_split() -> None:
+    # Few requests' worth of SLO (audioquery: 1.8 s of CPU against 5 s on 2
+    # cores): a request split across both cores waits less, so the split is
+    # the bound; and a single core has only the one model.
+    few = ceiling(1_800_000, 2, 5000, 0.01, arrivals=40_000)
+    assert few["model"] == "M/D/1 at 2x"
+    assert few["fraction"] == few["models"]["M/D/1 at 2x"] > few["models"]["M/D/2"] > 0
+    one = ceiling(100_000, 1, 500, 0.01, arrivals=40_000)
+    assert one["models"]["M/D/1"] == one["models"]["M/D/1 at 1x"] == one["fraction"]
