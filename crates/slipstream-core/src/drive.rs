@@ -289,7 +289,10 @@ pub async fn drive<B: Backend>(ctx: ReplicaCtx, mut backend: B, mut first_start:
         backoff = Duration::from_millis(100);
         match ctx.me.worker_ready(started.pid) {
             Some(Phase::Standby) => ctx.event(EventKind::Standby, format!("{}, warm", started.detail)),
-            Some(_) => ctx.event(EventKind::Ready, started.detail),
+            Some(_) => {
+                ctx.event(EventKind::Ready, started.detail);
+                take_over_waiting(&ctx);
+            }
             None => {}
         }
         if let Some(tx) = first_start.take() {
@@ -644,18 +647,36 @@ fn maybe_sample(ctx: &ReplicaCtx, inputs: &Tensors) {
 /// Move what waited for a lost executor to accepting replicas, if any (else
 /// it waits here for the restart).
 fn move_queue_elsewhere(ctx: &ReplicaCtx) {
-    let stage = ctx.stage();
-    if stage.choose(0, Some(&ctx.me)).is_none() {
-        return;
+    if ctx.stage().choose(0, Some(&ctx.me)).is_some() {
+        move_queue(ctx.stage(), &ctx.me);
     }
+}
+
+/// This replica serves now: what waits on siblings that do not (a worker
+/// still starting, or restarting after a loss) is placed again, among the
+/// replicas that serve. Work queues on a replica that does not serve only
+/// when none served as it arrived, and would otherwise wait for that one
+/// however long its start takes: in a rolling restart under CI load, work
+/// queued on a replica whose cold worker took 6 s to start waited there
+/// for its deadline (504s) while a sibling came back within a second.
+fn take_over_waiting(ctx: &ReplicaCtx) {
+    let stage = ctx.stage();
+    for other in stage.replicas().iter().filter(|r| !Arc::ptr_eq(r, &ctx.me) && !r.load().accepting) {
+        move_queue(stage, other);
+    }
+}
+
+/// Place everything queued on `from` again, on the stage's other replicas
+/// (what finds no place stays).
+fn move_queue(stage: &StageRt, from: &Replica) {
     let mut stay = Vec::new();
-    for w in ctx.me.take_queue() {
+    for w in from.take_queue() {
         let (enqueued, length) = (w.enqueued, w.length);
-        if let Err(req) = stage.place(w.req, None, Some(&ctx.me)) {
+        if let Err(req) = stage.place(w.req, None, Some(from)) {
             stay.push(Work { req, enqueued, length });
         }
     }
-    ctx.me.requeue(stay);
+    from.requeue(stay);
 }
 
 /// The executor was lost with this batch in flight: retry each request once

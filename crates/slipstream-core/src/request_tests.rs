@@ -259,6 +259,45 @@ async fn work_waits_for_a_serving_replica_coming_back_not_a_standby_warming_up()
     assert!(t0.elapsed() < Duration::from_secs(2), "served once the replica came back: {:?}", t0.elapsed());
 }
 
+#[tokio::test]
+async fn work_queued_on_a_replica_still_starting_goes_to_a_sibling_that_comes_back_first() {
+    // A second replica starts slowly (3 s, a cold worker on a busy
+    // machine); the first loses its worker and restarts in 300 ms. Work
+    // that arrived while neither served queued on either; what queued on
+    // the slow one is taken over by the first when it is back, instead of
+    // waiting there for 3 s (a rolling restart's 504s in CI).
+    let fake = Fake::echo();
+    let t = TestNode::new(&app(5000.0, r#"[{"name": "a", "component": "A"}]"#), fake.clone()).await;
+    let p = t.node.pipeline("p").unwrap();
+    let st = &p.stages[0];
+    let first = st.replicas()[0].clone();
+    until("the first replica is ready", || first.phase() == Phase::Ready).await;
+    fake.slow_starts(Duration::from_secs(3), Duration::from_secs(3));
+    t.node.change(&p, 0, Change::Set(2));
+    until("the second replica is starting", || st.replicas().len() == 2).await;
+    tokio::time::sleep(Duration::from_millis(50)).await; // its start has begun (and takes 3 s)
+    fake.slow_starts(Duration::from_millis(300), Duration::from_secs(3));
+    fake.lose_next("a");
+    assert!(t.infer("p", &[("x", &[1.0])]).await.is_err(), "nowhere to retry the lost batch");
+    assert!(st.replicas().iter().all(|r| r.phase() != Phase::Ready), "neither serves");
+    let t0 = Instant::now();
+    let x = [("x", &[1.0f32][..])];
+    let answers = tokio::join!(
+        t.infer("p", &x),
+        t.infer("p", &x),
+        t.infer("p", &x),
+        t.infer("p", &x),
+        t.infer("p", &x),
+        t.infer("p", &x),
+        t.infer("p", &x),
+        t.infer("p", &x)
+    );
+    let answers = [answers.0, answers.1, answers.2, answers.3, answers.4, answers.5, answers.6, answers.7];
+    assert!(answers.iter().all(|a| a.is_ok()), "{:?}", answers.iter().map(|a| a.as_ref().err()).collect::<Vec<_>>());
+    assert!(t0.elapsed() < Duration::from_secs(2), "served once the first replica came back: {:?}", t0.elapsed());
+    assert!(st.replicas().iter().any(|r| r.phase() != Phase::Ready), "the second is still starting");
+}
+
 /// Waits until `f` holds (5 s at most).
 async fn until(what: &str, f: impl Fn() -> bool) {
     tokio::time::timeout(Duration::from_secs(5), async {
