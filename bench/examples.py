@@ -37,14 +37,17 @@ load average before each run is recorded.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from bench import goodput, harness
+from bench.ceiling import ceiling
 from bench.harness import RESULTS, ROOT
 from bench.limit import limit_entry
 
@@ -102,7 +105,18 @@ def main() -> int:
     ap.add_argument("--fresh-profiles", action="store_true",
                     help="an empty profile cache: every first start profiles, as on a fresh machine")
     ap.add_argument("--out", type=Path, default=RESULTS / "examples")
+    ap.add_argument("--ray-min-requests", type=int,
+                    help="Ray Serve's rates run at least this many requests (default: as Slipstream's); "
+                         "Ray's low rates otherwise take minutes each")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the other pipelines' results already in OUT.json (rerun some of them)")
+    ap.add_argument("--ceilings", action="store_true",
+                    help="measure nothing: compute the queueing ceilings in OUT.json again and rewrite OUT.md")
     a = ap.parse_args()
+    if a.ceilings:
+        doc = json.loads(a.out.with_suffix(".json").read_text())
+        write(a.out, with_ceilings(doc), doc["machine"], int(doc.get("repeat", a.repeat)))
+        return 0
     names = a.pipelines.split(",")
     unknown = [n for n in names if n not in SETTINGS]
     if unknown:
@@ -121,7 +135,7 @@ def main() -> int:
     configs = {"out-of-box": goodput.config("out-of-box")}
     if not a.no_ray:
         configs["ray-planned"] = goodput.config("ray-planned")
-    out: dict[str, Any] = {"pipelines": {}, "command": " ".join(sys.argv)}
+    out: dict[str, Any] = {"pipelines": {}, "repeat": a.repeat, "command": "python -m bench.examples " + " ".join(sys.argv[1:])}
     for name in names:
         lim = limit_entry(name)
         if lim is None:
@@ -129,23 +143,69 @@ def main() -> int:
             return 1
         s = SETTINGS[name]
         ns = argparse.Namespace(duration=a.duration, min_requests=s["min_requests"], repeat=a.repeat,
-                                fractions=s["fractions"], ray_fractions=s["ray"], refine=a.refine)
+                                fractions=s["fractions"], ray_fractions=s["ray"], refine=a.refine,
+                                ray_min_requests=a.ray_min_requests)
         res = goodput.measure(name, goodput.APPS[name], lim, configs, ns)
+        res["limit"] = lim
+        res["measured"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        res["command"] = machine["command"]
         out["pipelines"][name] = res
         harness.write_results(a.out.with_name(f"{a.out.name}_{name}"), res, row(name, res), machine)
+    if a.merge:
+        out = merged(a.out, out)
+    write(a.out, out, machine, a.repeat)
+    return 0
+
+
+def merged(path: Path, out: dict[str, Any]) -> dict[str, Any]:
+    """`out` with the results of the other pipelines already written under
+    `path`: each pipeline's own file (``OUT_NAME.json``, written as soon
+    as it is measured, so also those of a run cut short)."""
+    pipelines: dict[str, Any] = {}
+    for name in SETTINGS:
+        part = path.with_name(f"{path.name}_{name}.json")
+        if name in out["pipelines"]:
+            pipelines[name] = out["pipelines"][name]
+        elif part.is_file():
+            pipelines[name] = {k: v for k, v in json.loads(part.read_text()).items() if k != "machine"}
+            pipelines[name]["command"] = json.loads(part.read_text())["machine"].get("command")
+    return {**out, "pipelines": pipelines}
+
+
+def with_ceilings(out: dict[str, Any]) -> dict[str, Any]:
+    """Each pipeline's queueing ceiling computed again (bench.ceiling: a
+    simulation, nothing measured) from its limit in the same file."""
+    from slipstream._internal.app import load_pipelines
+
+    for name, res in out["pipelines"].items():
+        lim = res.get("limit") or limit_entry(name)  # (files from before the limit was kept in them)
+        assert lim is not None, f"{name}: no limit"
+        _, pipes = load_pipelines(str(ROOT / res["app"]))
+        slo = next(p for p in pipes if p.name == name).slo
+        res["ceiling"] = ceiling(float(lim["cpu_us_per_request"]), int(lim["cores"]), res["slo_ms"],
+                                 slo.max_miss_rate if slo else 0.01)
+    return out
+
+
+def write(path: Path, out: dict[str, Any], machine: dict[str, Any], repeat: int) -> None:
+    """bench/results/examples.{json,md}: the summary table of `out`."""
+    runs: dict[str, list[str]] = {}
+    for name, res in out["pipelines"].items():
+        runs.setdefault(res.get("command") or out["command"], []).append(name)
+    said = "; ".join(f"`{c}` ({', '.join(n)})" for c, n in runs.items())
     lines = ["# Every example out of the box, against its limit, its queueing ceiling and Ray Serve", "",
-             f"One run: `python -m {__spec__.name if __spec__ else 'bench.examples'} {' '.join(sys.argv[1:])}`. "
-             f"Limit: bench.limit, measured first in the same run. Goodput: the median of {a.repeat} open-loop "
-             "Poisson runs per rate, the highest rate at which the p99 of answers is within the SLO and misses "
-             "(errors, refusals, late answers) within its budget. Ray Serve: the same components at the counts "
-             "the out-of-box start planned, the same generator, rates and criterion.", "",
+             f"Runs: {said}. Limit: bench.limit, measured first in the same run. Goodput: the "
+             f"median of {repeat} open-loop Poisson runs per rate, the highest rate at which the p99 of answers is "
+             "within the SLO and misses (errors, refusals, late answers) within its budget. Ray Serve: the same "
+             "components at the counts the out-of-box start planned, the same generator, rates and criterion. "
+             "Queueing ceiling: bench.ceiling (the limit's CPU a request as a deterministic service, Poisson "
+             "arrivals, a core per request or each split over the cores, an ideal admission control).", "",
              "| pipeline (SLO) | limit req/s | queueing ceiling | served out of the box | highest rate holding "
              "| goodput | of the limit | of the ceiling | Ray Serve at the same counts; ratio |",
              "|---|---:|---:|---|---|---:|---:|---:|---|"]
     lines += [row(n, r) for n, r in out["pipelines"].items()]
-    harness.write_results(a.out, out, "\n".join(lines), machine)
+    harness.write_results(path, out, "\n".join(lines), machine)
     print("\n".join(lines))
-    return 0
 
 
 if __name__ == "__main__":

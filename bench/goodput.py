@@ -172,7 +172,8 @@ def serving(app: str, pipe: Any, flags: list[str], sizing: str, probe: bytes
 def search(rates: list[float], limit: float, point: Callable[[float], bool], refine: int) -> list[float]:
     """Which rates to measure, in order: `rates` rising until one above 90%
     of the limit misses; if none held (Ray Serve, often), the lowest
-    halved until one holds (down to 1/256 of the limit); then up to
+    halved until one holds (down to 1/256 of the limit); if the highest
+    held, 1.5 times it until one misses (up to the limit); then up to
     `refine` rates between the highest that held and the lowest above it
     that missed (geometric means, while they are more than 4% apart).
     `point(rate)` measures a rate and says whether it held. Returns the
@@ -190,6 +191,12 @@ def search(rates: list[float], limit: float, point: Callable[[float], bool], ref
     while not any(done.values()) and low > limit / 256:
         low = nice(low / 2)
         at(low)
+    high = max(done)
+    while done[high] and high < limit:  # the highest held: look above it (Ray Serve beyond its prior)
+        high = nice(min(high * 1.5, limit))
+        if high in done:
+            break
+        at(high)
     for _ in range(refine):
         held = max((r for r, ok in done.items() if ok), default=None)
         above = [r for r, ok in done.items() if not ok and held is not None and r > held]
@@ -245,9 +252,11 @@ def measure(name: str, app: str, lim: dict[str, Any], configs: dict[str, tuple[l
         with serving(app, pipe, flags, sizing, bodies[0]) as (url, sizes):
             print(f"  served as: {sizes}", file=sys.stderr)
 
-            def point(rate: float, rows: list[dict[str, Any]] = rows, url: str = url) -> bool:
-                m = median_row([run_rate(url, name, bodies, rate, max(a.duration, a.min_requests / max(rate, 1e-9)),
-                                         slo_ms) for _ in range(a.repeat)])
+            least = (getattr(a, "ray_min_requests", None) or a.min_requests) if sizing == "ray" else a.min_requests
+
+            def point(rate: float, rows: list[dict[str, Any]] = rows, url: str = url, least: int = least) -> bool:
+                m = median_row([run_rate(url, name, bodies, rate, max(a.duration, least / max(rate, 1e-9)), slo_ms)
+                                for _ in range(a.repeat)])
                 rows.append(m)
                 ok = holds(m, slo_ms, max_miss)
                 print(f"  {rate:>7g} req/s offered: goodput {m['goodput_rps']:>7.0f}/s p99 {m['p99_ms']:>7.1f} ms "

@@ -34,16 +34,30 @@ def test_the_ceiling_rises_with_the_slo_and_the_servers_and_is_zero_when_one_req
     assert wide["fraction"] > tight["fraction"]
     # 600 ms of CPU against 500 ms: no core alone can; split over two (300 ms), a little can.
     alone = ceiling(600_000, 2, 500, 0.01, arrivals=40_000)
-    assert alone["models"]["M/D/2"] == 0.0 < alone["fraction"] == alone["models"]["M/D/1 at 2x"]
+    assert alone["models"]["M/D/2"] == alone["models"]["M/D/2, gated"] == 0.0
+    assert 0.0 < alone["models"]["M/D/1 at 2x"] <= alone["fraction"]
     assert ceiling(1_200_000, 2, 500, 0.01)["fraction"] == 0.0
 
 
-def test_the_ceiling_is_the_better_of_a_core_per_request_and_a_perfect_split() -> None:
+def test_the_ceiling_is_the_best_of_a_core_per_request_and_a_perfect_split_with_an_ideal_gate() -> None:
     # Few requests' worth of SLO (audioquery: 1.8 s of CPU against 5 s on 2
-    # cores): a request split across both cores waits less, so the split is
-    # the bound; and a single core has only the one model.
+    # cores): a request split across both cores waits less, and refusing
+    # what would miss anyway keeps it from delaying the rest.
     few = ceiling(1_800_000, 2, 5000, 0.01, arrivals=40_000)
-    assert few["model"] == "M/D/1 at 2x"
-    assert few["fraction"] == few["models"]["M/D/1 at 2x"] > few["models"]["M/D/2"] > 0
+    m = few["models"]
+    assert m["M/D/1 at 2x"] > m["M/D/2"] > 0
+    assert m["M/D/2, gated"] >= m["M/D/2"] and m["M/D/1 at 2x, gated"] >= m["M/D/1 at 2x"]
+    assert few["fraction"] == max(m.values()) and few["model"].endswith("gated")
     one = ceiling(100_000, 1, 500, 0.01, arrivals=40_000)
-    assert one["models"]["M/D/1"] == one["models"]["M/D/1 at 1x"] == one["fraction"]
+    assert one["models"]["M/D/1"] == one["models"]["M/D/1 at 1x"]
+
+
+def test_an_ideal_gate_refuses_only_what_capacity_cannot_serve() -> None:
+    # One server at 1.5x its capacity with a loose SLO: the gate admits what
+    # the server can finish (2/3 of the arrivals) and refuses the rest; never
+    # more misses than without a gate, which at 1.5x misses nearly all.
+    d = 0.01
+    assert miss_rate(150.0, d, 1, 10 * d, arrivals=60_000, gate=True) == pytest.approx(1 / 3, abs=0.02)
+    assert miss_rate(150.0, d, 1, 10 * d, arrivals=60_000) > 0.9
+    for rate in (50.0, 80.0, 95.0):
+        assert miss_rate(rate, d, 1, 4 * d, arrivals=40_000, gate=True) <= miss_rate(rate, d, 1, 4 * d, arrivals=40_000)

@@ -258,6 +258,10 @@ def test_goodput_rate_search() -> None:
     assert goodput.search(rates, 100, system(5), 0) == [60, 75, 85, 95, 30, 15, 7.5, 3.75]
     # Never below 1/256 of the limit.
     assert min(goodput.search(rates, 100, system(0), 0)) > 100 / 512
+    # Everything held: 1.5x until a rate misses, up to the limit.
+    assert goodput.search([15, 25, 35], 100, system(60), 0) == [15, 25, 35, 52, 78]
+    assert goodput.search([15, 25, 35], 100, system(60), 1) == [15, 25, 35, 52, 78, 64]
+    assert goodput.search([60, 80], 100, system(200), 0) == [60, 80, 100]
     # Refining: geometric means towards the lowest rate that missed above the highest held.
     assert goodput.search(rates, 100, system(80), 3) == [60, 75, 85, 95, 80]  # 82 is within 4%: stop
     assert goodput.search(rates, 100, system(5), 2) == [60, 75, 85, 95, 30, 15, 7.5, 3.75, 5.3, 4.46]
