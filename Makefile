@@ -173,7 +173,7 @@ bench-goodput: setup
 # the limit and of the queueing ceiling, and Ray Serve at the same counts
 # measured the same way: bench/results/examples.{json,md}.
 bench-examples: data
-	$(PY) -m bench.examples --fresh-profiles
+	$(PY) -m bench.examples --fresh-profiles --ray-min-requests 60
 
 # Live knowledge base: put -> first query that finds the document, at half load.
 bench-freshness: setup

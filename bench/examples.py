@@ -3,7 +3,7 @@ limit, the goodput at the SLO out of the box (`slipstream serve APP`, no
 flags), its share of the limit and of the queueing ceiling, and Ray Serve
 at the same counts, measured the same way.
 
-    .venv/bin/python -m bench.examples                          # all five (~90 min on 2 cores)
+    .venv/bin/python -m bench.examples --ray-min-requests 60    # all five (~90 min on 2 cores)
     .venv/bin/python -m bench.examples --pipelines rag,multimodal
     .venv/bin/python -m bench.examples --fresh-profiles         # as on a fresh machine
 
@@ -24,6 +24,10 @@ at the same counts, measured the same way.
    halving while nothing holds, then `--refine` geometric steps).
 3. The queueing ceiling (`bench.ceiling`): the share of the limit no
    server on these cores can hold the SLO beyond under Poisson arrivals.
+
+Ray Serve's rates often fall to a few requests a second (multimodal) or
+below one (audioquery), where 300 requests a rate take minutes each run:
+``--ray-min-requests 60`` bounds that (what ``make bench-examples`` uses).
 
 With ``--fresh-profiles`` the node's profile cache is a new, empty
 directory, so that each pipeline's first start profiles it on this
