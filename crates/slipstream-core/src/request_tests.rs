@@ -244,9 +244,19 @@ async fn work_waits_for_a_serving_replica_coming_back_not_a_standby_warming_up()
     assert!(t.infer("p", &[("x", &[1.0])]).await.is_err(), "nowhere to retry the lost batch");
     t.node.change(&p, 0, Change::Stand(1));
     assert!(serving.phase() != Phase::Ready, "the serving replica is restarting");
+    let (errors, took) = eight_at_once(&t).await;
+    assert!(errors.is_empty(), "{errors:?}");
+    assert!(took < Duration::from_secs(2), "served once the replica came back: {took:?}");
+}
+
+/// Eight requests to pipeline `p` at once: the errors among the answers,
+/// and how long the last one took.
+async fn eight_at_once(t: &TestNode) -> (Vec<NodeError>, Duration) {
     let t0 = Instant::now();
     let x = [("x", &[1.0f32][..])];
-    let answers = tokio::join!(
+    let a = tokio::join!(
+        t.infer("p", &x),
+        t.infer("p", &x),
         t.infer("p", &x),
         t.infer("p", &x),
         t.infer("p", &x),
@@ -254,9 +264,8 @@ async fn work_waits_for_a_serving_replica_coming_back_not_a_standby_warming_up()
         t.infer("p", &x),
         t.infer("p", &x)
     );
-    let answers = [answers.0, answers.1, answers.2, answers.3, answers.4, answers.5];
-    assert!(answers.iter().all(|a| a.is_ok()), "{:?}", answers.iter().map(|a| a.as_ref().err()).collect::<Vec<_>>());
-    assert!(t0.elapsed() < Duration::from_secs(2), "served once the replica came back: {:?}", t0.elapsed());
+    let errors = [a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7].into_iter().filter_map(Result::err).collect();
+    (errors, t0.elapsed())
 }
 
 #[tokio::test]
@@ -280,21 +289,9 @@ async fn work_queued_on_a_replica_still_starting_goes_to_a_sibling_that_comes_ba
     fake.lose_next("a");
     assert!(t.infer("p", &[("x", &[1.0])]).await.is_err(), "nowhere to retry the lost batch");
     assert!(st.replicas().iter().all(|r| r.phase() != Phase::Ready), "neither serves");
-    let t0 = Instant::now();
-    let x = [("x", &[1.0f32][..])];
-    let answers = tokio::join!(
-        t.infer("p", &x),
-        t.infer("p", &x),
-        t.infer("p", &x),
-        t.infer("p", &x),
-        t.infer("p", &x),
-        t.infer("p", &x),
-        t.infer("p", &x),
-        t.infer("p", &x)
-    );
-    let answers = [answers.0, answers.1, answers.2, answers.3, answers.4, answers.5, answers.6, answers.7];
-    assert!(answers.iter().all(|a| a.is_ok()), "{:?}", answers.iter().map(|a| a.as_ref().err()).collect::<Vec<_>>());
-    assert!(t0.elapsed() < Duration::from_secs(2), "served once the first replica came back: {:?}", t0.elapsed());
+    let (errors, took) = eight_at_once(&t).await;
+    assert!(errors.is_empty(), "{errors:?}");
+    assert!(took < Duration::from_secs(2), "served once the first replica came back: {took:?}");
     assert!(st.replicas().iter().any(|r| r.phase() != Phase::Ready), "the second is still starting");
 }
 
