@@ -158,12 +158,7 @@ def serving(app: str, pipe: Any, flags: list[str], sizing: str, probe: bytes
     try:
         for _ in range(3):  # a cold first call may miss; then see how large the stages' inputs are
             server.infer(probe)
-        if server.pick_transport():
-            print(f"  ray: a stage receives {server.largest_input() / 1e6:.1f} MB a request: through Ray's "
-                  "object store", file=sys.stderr)
-            server.stop()
-            server.options.append("--by-reference")
-            server.start()
+        server.by_reference_if_large(lambda msg: print(msg, file=sys.stderr))
         yield server.base, {n: f"{r}x{t}t b{b}" for n, (r, t, b) in counts.items()}
     finally:
         server.stop()
@@ -252,7 +247,7 @@ def measure(name: str, app: str, lim: dict[str, Any], configs: dict[str, tuple[l
         with serving(app, pipe, flags, sizing, bodies[0]) as (url, sizes):
             print(f"  served as: {sizes}", file=sys.stderr)
 
-            least = (getattr(a, "ray_min_requests", None) or a.min_requests) if sizing == "ray" else a.min_requests
+            least = (a.ray_min_requests or a.min_requests) if sizing == "ray" else a.min_requests
 
             def point(rate: float, rows: list[dict[str, Any]] = rows, url: str = url, least: int = least) -> bool:
                 m = median_row([run_rate(url, name, bodies, rate, max(a.duration, least / max(rate, 1e-9)), slo_ms)
@@ -264,8 +259,7 @@ def measure(name: str, app: str, lim: dict[str, Any], configs: dict[str, tuple[l
                       f"{m['load_avg']:.2f}", file=sys.stderr)
                 return ok
 
-            ray_fractions = getattr(a, "ray_fractions", None)
-            search(rates_at(ray_fractions if sizing == "ray" and ray_fractions else a.fractions), limit, point,
+            search(rates_at(a.ray_fractions if sizing == "ray" and a.ray_fractions else a.fractions), limit, point,
                    a.refine)
         best = max((r for r in rows if holds(r, slo_ms, max_miss)), key=lambda r: r["goodput_rps"], default=None)
         results[label] = {"rows": rows, "best": best, "served_as": sizes,
@@ -289,6 +283,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--ray-fractions", type=lambda s: [float(x) for x in s.split(",")],
                     help="ray-planned's offered rates as fractions of the limit (default: --fractions)")
+    ap.add_argument("--ray-min-requests", type=int,
+                    help="ray-planned's rates run at least this many requests (default: --min-requests)")
     ap.add_argument("--refine", type=int, default=0,
                     help="after the fractions, up to this many rates between the highest that held and the "
                          "lowest above it that missed (geometric means)")

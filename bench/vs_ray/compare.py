@@ -346,12 +346,7 @@ def run_system(server: Server, bodies: list[bytes], slo: float, max_miss: float,
         if code != 200:
             raise RuntimeError(f"{server.system} answered {code}: {str(answer)[:500]}")
         unloaded = b.unloaded_ms()
-        if isinstance(server, RayServer) and server.pick_transport():
-            log(f"  {server.system}: a stage receives {server.largest_input() / 1e6:.1f} MB per request: "
-                "restarting with stage outputs passed through Ray's object store (faster than gRPC here)")
-            server.stop()
-            server.options.append("--by-reference")
-            server.start()
+        if isinstance(server, RayServer) and server.by_reference_if_large(log):
             b.probes.clear()
             unloaded = b.unloaded_ms()
         start = max(start_hint or 0.0, 1000.0 / unloaded)

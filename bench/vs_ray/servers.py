@@ -27,6 +27,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +185,18 @@ class RayServer(Server):
         ingress, takes ~70 ms; for small tensors gRPC is the faster path.
         Call after a few requests have gone through."""
         return "--by-reference" not in self.options and self.largest_input() > self.BY_REFERENCE_ABOVE
+
+    def by_reference_if_large(self, log: Callable[[str], None]) -> bool:
+        """Restart with ``--by-reference`` when `pick_transport` says so
+        (saying why with `log`); whether it did."""
+        if not self.pick_transport():
+            return False
+        log(f"  {self.system}: a stage receives {self.largest_input() / 1e6:.1f} MB per request: "
+            "restarting with stage outputs passed through Ray's object store (faster than gRPC here)")
+        self.stop()
+        self.options.append("--by-reference")
+        self.start()
+        return True
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)

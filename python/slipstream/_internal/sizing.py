@@ -155,35 +155,30 @@ def _version() -> str:
         return "source"
 
 
-def _seeded_data(pipe: Pipeline, comp: Component) -> list[list[Any]]:
+def _data_key(pipe: Pipeline, comp: Component) -> list[Any]:
     """The files the store objects `comp` needs are seeded from, as this
     pipeline declares them (``seed=``), each by path, size and modification
-    time: a component's latency follows its data too (RAG's Search costs
-    0.6 ms a query on the 2,000-passage slice and 2.4 ms on the full
-    index, and a profile of the slice had planned the full index's serving)."""
+    time, as a part of the profile's cache key (none for a component
+    without seeded needs: the key it had before data counted). A
+    component's latency follows its data too: RAG's Search costs 0.6 ms a
+    query on the 2,000-passage slice and 2.4 ms on the full index, and a
+    profile of the slice had planned the full index's serving."""
     seeds = {s.key: s.path for s in pipe.seeds}
-    out: list[list[Any]] = []
+    files: list[list[Any]] = []
     for key in sorted(set(comp.needs.values()) & seeds.keys()):
         try:
             st = os.stat(seeds[key])
         except OSError:
             continue  # (declared in a worker, where the file need not be: the node seeded it)
-        out.append([key, seeds[key], st.st_size, st.st_mtime_ns])
-    return out
-
-
-def _data_key(pipe: Pipeline, comp: Component) -> list[Any]:
-    """`_seeded_data` as a part of the cache key: none for a component
-    without seeded needs (the key it had before data counted)."""
-    data = _seeded_data(pipe, comp)
-    return [data] if data else []
+        files.append([key, seeds[key], st.st_size, st.st_mtime_ns])
+    return [files] if files else []
 
 
 def profile_path(pipe: Pipeline, threads: Sequence[int]) -> Path:
     """The cache file of `pipe`'s profile on this machine at `threads`: keyed
     by the runtime's version, the machine, the thread counts, each stage's
     component version (`component_version`) and the data its store needs
-    are seeded from (`_seeded_data`), and the graph's edges."""
+    are seeded from (`_data_key`), and the graph's edges."""
     key = {"format": CACHE_FORMAT, "slipstream": _version(), "machine": machine(), "threads": list(threads),
            "stages": {n: [c.name, component_version(c), *_data_key(pipe, c)] for n, c in pipe.graph.nodes.items()},
            "edges": {n: pipe.graph.parents(n) for n in pipe.graph.nodes}}

@@ -125,8 +125,9 @@ def with_components(pipe: Pipeline, comps: Mapping[str, Component]) -> Pipeline:
 
 
 def _configured(comp: Component, sp: StagePlan, devices: Sequence[int] = ()) -> Component:
-    """`comp` sized by `sp`, its replicas bound to `devices` when given. A stage declared with bounds keeps them (the autoscaler moves
-    within) and starts at the planned count."""
+    """`comp` sized by `sp`, its replicas bound to `devices` when given. A
+    stage declared with bounds keeps them (the autoscaler moves within)
+    and starts at the planned count."""
     bind: dict[str, Any] = {}
     if devices:
         if comp.device != "cuda":
