@@ -253,6 +253,16 @@ def split_rows(outputs: Mapping[str, Any], sizes: Sequence[int], component: str 
     return out
 
 
+def run_component(component: Any, batch: Any) -> Any:
+    """One call of `component` on `batch`, as a Slipstream worker makes it: a
+    streaming component (a generator) runs to its end and its result is its
+    return value (else its last chunk), what a plain call of the pipeline
+    answers; there is no stream to pass its chunks to here."""
+    from slipstream._internal.api import complete
+
+    return complete(component(batch))
+
+
 def topo_order(stages: Mapping[str, Sequence[str]]) -> list[str]:
     """Stage names so that every stage comes after its parents
     (``stages``: name -> parent names)."""
@@ -495,7 +505,7 @@ class StageImpl:
         for group in group_by_shape(reqs):
             tensors, sizes = concat_requests([reqs[i] for i in group])
             t0 = time.perf_counter()
-            outputs = self.component(ss.Batch(tensors, sizes))
+            outputs = run_component(self.component, ss.Batch(tensors, sizes))
             self.stats.add(self.stats.compute_ms, (time.perf_counter() - t0) * 1000.0)
             self.stats.add(self.stats.batch_size, float(len(group)))
             self.stats.batches += 1

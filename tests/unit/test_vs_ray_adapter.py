@@ -65,6 +65,26 @@ def test_concat_split_round_trip_and_groups() -> None:
     assert ra.group_by_shape(mixed) == [[0, 2], [1]]
 
 
+def test_a_streaming_component_answers_its_result_as_a_worker_would() -> None:
+    """A generator component (audioquery's Speak yields the text first, then
+    returns it with the speech): the stage's output is its return value, else
+    its last chunk; split by rows like any other output."""
+
+    def speak(batch: ss.Batch):  # type: ignore[no-untyped-def]
+        yield {"speech": np.array([b""] * batch.rows, dtype=object)}
+        return {"speech": np.array([b"wav"] * batch.rows, dtype=object)}
+
+    def chunks(batch: ss.Batch):  # type: ignore[no-untyped-def]
+        yield {"n": np.zeros(batch.rows)}
+        yield {"n": np.ones(batch.rows)}
+
+    tensors, sizes = ra.concat_requests([{"x": np.zeros((1, 2))}, {"x": np.zeros((2, 2))}])
+    out = ra.split_rows(ra.run_component(speak, ss.Batch(tensors, sizes)), sizes, "Speak")
+    assert [list(o["speech"]) for o in out] == [[b"wav"], [b"wav", b"wav"]]
+    assert list(ra.run_component(chunks, ss.Batch(tensors, sizes))["n"]) == [1.0, 1.0, 1.0]
+    assert ra.run_component(lambda b: {"y": b["x"]}, ss.Batch(tensors, sizes))["y"].shape == (3, 2)
+
+
 def test_single_request_batch_does_not_copy() -> None:
     a = np.arange(6, dtype=np.float32).reshape(3, 2)
     tensors, _ = ra.concat_requests([{"x": a}])
