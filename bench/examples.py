@@ -63,7 +63,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "recsys": {"fractions": [0.4, 0.5, 0.55, 0.6], "ray": [0.003, 0.005, 0.008], "min_requests": 300},
     "multimodal": {"fractions": [0.5, 0.6, 0.65, 0.7], "ray": [0.2, 0.27, 0.35], "min_requests": 300},
     "rag_late": {"fractions": [0.3, 0.4, 0.5], "ray": [0.08, 0.12, 0.16], "min_requests": 300},
-    "audioquery": {"fractions": [0.45, 0.5], "ray": [0.3, 0.4], "min_requests": 50},
+    "audioquery": {"fractions": [0.5, 0.6], "ray": [0.3, 0.4], "min_requests": 200},
 }
 
 
