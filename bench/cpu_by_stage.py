@@ -33,7 +33,7 @@ import time
 from typing import Any
 
 from bench import harness
-from bench.goodput import APPS, served_as
+from bench.goodput import APPS, Wire, served_as
 from bench.harness import RESULTS, ROOT, group_cpu_seconds
 from bench.limit import limit_entry
 
@@ -43,7 +43,7 @@ def _self_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def measure(name: str, rates: list[float], duration: float, repeat: int) -> dict[str, Any]:
+def measure(name: str, rates: list[float], duration: float, repeat: int, wire_kind: str = "json") -> dict[str, Any]:
     from slipstream._internal.app import load_pipelines
 
     from bench.vs_ray.bodies import mix
@@ -52,6 +52,7 @@ def measure(name: str, rates: list[float], duration: float, repeat: int) -> dict
     _, pipes = load_pipelines(str(ROOT / app))
     pipe = next(p for p in pipes if p.name == name)
     bodies, source = mix(ROOT / app, pipe)
+    wire = Wire.v2(bodies, pipe) if wire_kind == "v2" else Wire(bodies)
     slo_ms = pipe.slo.p99_ms if pipe.slo else 0.0
     rows: list[dict[str, Any]] = []
     with harness.node(ROOT / app, sizing="plan") as node:
@@ -60,15 +61,16 @@ def measure(name: str, rates: list[float], duration: float, repeat: int) -> dict
         stages = next(p["stages"] for p in st["pipelines"] if p["name"] == name)
         groups = {"node": [st["pid"]], **{s["name"]: [r["pid"] for r in s["replicas"]] for s in stages}}
         sizes = served_as(st, name)
-        print(f"{name}: served as {sizes}; requests from {source}", file=sys.stderr)
+        print(f"{name}: served as {sizes}; requests from {source}, as {wire_kind}", file=sys.stderr)
         for rate in rates:
             runs = []
             for _ in range(repeat):
                 load = os.getloadavg()[0]
                 before = group_cpu_seconds(groups)
                 gen0 = _self_cpu()
-                r = harness.loadgen(f"{node.url}/v1/pipelines/{name}/infer", bodies[0], [rate], duration,
-                                    warmup_s=0.0, seed=3, slo_ms=slo_ms, bodies=bodies if len(bodies) > 1 else ())[0]
+                r = harness.loadgen(node.url + wire.route.format(p=name), wire.bodies[0], [rate], duration,
+                                    warmup_s=0.0, seed=3, slo_ms=slo_ms, content_type=wire.content_type,
+                                    headers=wire.headers, bodies=wire.bodies if len(wire.bodies) > 1 else ())[0]
                 sent = max(int(r["ok"]) + int(r["errors"]), 1)
                 ms = {g: (cpu - before[g]) * 1e3 / sent for g, cpu in group_cpu_seconds(groups).items()}
                 ms["generator"] = (_self_cpu() - gen0) * 1e3 / sent
@@ -82,7 +84,7 @@ def measure(name: str, rates: list[float], duration: float, repeat: int) -> dict
                          "runs": runs})
     lim = limit_entry(name)
     limit_ms = {s: v["cpu_us_per_request"] / 1e3 for s, v in lim["stages"].items()} if lim else {}
-    return {"pipeline": name, "app": app, "served_as": sizes, "body": source, "rows": rows,
+    return {"pipeline": name, "app": app, "served_as": sizes, "body": source, "wire": wire.route, "rows": rows,
             "limit_ms": limit_ms, "limit_rps": lim["limit_rps"] if lim else None}
 
 
@@ -93,7 +95,8 @@ def markdown(results: list[dict[str, Any]], duration: float, repeat: int) -> str
           "`python -m bench.cpu_by_stage`.", ""]
     for res in results:
         rates = [r["rate_rps"] for r in res["rows"]]
-        md += [f"## {res['pipeline']} ({', '.join(f'{k} {v}' for k, v in res['served_as'].items())})", "",
+        binary = ", KServe v2 binary requests" if res.get("wire", "").startswith("/v2/") else ""
+        md += [f"## {res['pipeline']} ({', '.join(f'{k} {v}' for k, v in res['served_as'].items())}{binary})", "",
                "| process | limit | " + " | ".join(f"{r:g} req/s" for r in rates) + " |",
                "|---|---:|" + "---:|" * len(rates)]
         for g in res["rows"][0]["median_ms"]:
@@ -113,11 +116,13 @@ def main() -> int:
     ap.add_argument("--rates", default="5,10", help="req/s, comma-separated (one set for all pipelines)")
     ap.add_argument("--duration", type=float, default=20.0)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--wire", choices=("json", "v2"), default="json",
+                    help="requests as the pipeline API's JSON or KServe v2 binary tensors (bench.goodput's --wire)")
     ap.add_argument("--out", default=str(RESULTS / "cpu_by_stage.json"))
     a = ap.parse_args()
     machine = harness.machine()
     rates = [float(r) for r in a.rates.split(",")]
-    results = [measure(n, rates, a.duration, a.repeat) for n in a.pipelines.split(",")]
+    results = [measure(n, rates, a.duration, a.repeat, a.wire) for n in a.pipelines.split(",")]
     md = markdown(results, a.duration, a.repeat)
     print(md)
     json_path, md_path = harness.write_results(a.out, {"results": results}, md, machine)

@@ -32,7 +32,12 @@ configuration asked for (`--configs`):
 
 The requests are the pipeline's input mix (``bench.vs_ray.bodies.mix``:
 RAG's 1,000 benchmark queries, sent in turn), the inputs bench.limit
-measures the limit on.
+measures the limit on, as the pipeline API's JSON (what ``curl`` sends,
+and the bytes Ray Serve's adapter gets too). A Slipstream configuration
+named with ``+v2`` (``out-of-box+v2``) sends the same inputs as KServe v2
+binary tensors instead, what ``ss.Client`` sends (`Wire.v2`): the
+node then reads an image's bytes as they are rather than parsing a number
+per pixel.
 
 At offered Poisson rates from 60% to 105% of the offline
 compute limit (bench.limit), measure what is answered within the SLO.
@@ -59,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -84,8 +90,14 @@ CONFIGS = {"out-of-box": ([], "plan"), "declared": (["--autoscale", "off"], "dec
            "no-admission": (["--no-admission"], "plan"),
            "no-autoscale": (["--autoscale", "off"], "plan"),
            "ray-planned": ([], "ray")}
+#: A configuration's suffix for requests as KServe v2 binary bodies.
+V2 = "+v2"
+
+
 def config(name: str) -> tuple[list[str], str]:
     """The serve flags and sizing of configuration `name` (see the module doc)."""
+    if name.endswith(V2) and name != "ray-planned" + V2:
+        name = name.removesuffix(V2)
     if name in CONFIGS:
         return CONFIGS[name]
     ms = name.removeprefix("max-wait-")
@@ -110,15 +122,40 @@ def plan_for(app: str, cores: float, out: Path) -> dict[str, Any]:
     return dict(json.loads(out.read_text()))
 
 
-def run_rate(url: str, pipeline: str, bodies: list[bytes], rate: float, seconds: float, slo_ms: float,
+@dataclasses.dataclass(frozen=True)
+class Wire:
+    """How the requests travel: the bodies (sent in turn), the route they
+    are posted to (``{p}``: the pipeline) and the headers every one
+    carries. The default is the JSON of the pipeline API, what ``curl``
+    or Ray Serve's adapter take; `v2` is what ``ss.Client`` sends."""
+
+    bodies: list[bytes]
+    route: str = "/v1/pipelines/{p}/infer"
+    content_type: str = "application/json"
+    headers: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def v2(cls, bodies: list[bytes], pipe: Any) -> Wire:
+        """The same requests as KServe v2 binary bodies (``bodies.as_v2``)."""
+        from bench.vs_ray.bodies import as_v2
+
+        binary, header_len = as_v2(bodies, pipe)
+        return cls(binary, "/v2/models/{p}/infer", "application/octet-stream",
+                   (("Inference-Header-Content-Length", str(header_len)),))
+
+
+def run_rate(url: str, pipeline: str, bodies: list[bytes] | Wire, rate: float, seconds: float, slo_ms: float,
              warmup_s: float = 2.0, seed: int = 11) -> dict[str, Any]:
     """One open-loop Poisson run at `rate` with the project's generator: what
     was answered, within the SLO or not (goodput), and the load average.
-    `bodies` are sent in turn (the input mix)."""
+    `bodies` are sent in turn (the input mix), as JSON unless a `Wire`
+    says otherwise."""
+    wire = bodies if isinstance(bodies, Wire) else Wire(bodies)
     urllib.request.urlopen(urllib.request.Request(url + "/v1/admin/reset-metrics", method="POST"), timeout=5).read()
-    r = harness.loadgen(f"{url}/v1/pipelines/{pipeline}/infer", bodies[0], [rate], seconds, warmup_s=warmup_s,
+    r = harness.loadgen(url + wire.route.format(p=pipeline), wire.bodies[0], [rate], seconds, warmup_s=warmup_s,
                         max_connections=1024, timeout_s=10.0, seed=seed, slo_ms=slo_ms,
-                        bodies=bodies if len(bodies) > 1 else ())[0]
+                        bodies=wire.bodies if len(wire.bodies) > 1 else (), content_type=wire.content_type,
+                        headers=wire.headers)[0]
     sent = max(int(r["sent"]), 1)
     good = int(r["ok"]) - int(r["slower_than_slo"])
     return {"offered_rps": rate, "sent": sent, "ok": r["ok"], "errors": r["errors"],
@@ -248,9 +285,11 @@ def measure(name: str, app: str, lim: dict[str, Any], configs: dict[str, tuple[l
             print(f"  served as: {sizes}", file=sys.stderr)
 
             least = (a.ray_min_requests or a.min_requests) if sizing == "ray" else a.min_requests
+            wire = Wire.v2(bodies, pipe) if label.endswith(V2) else Wire(bodies)
 
-            def point(rate: float, rows: list[dict[str, Any]] = rows, url: str = url, least: int = least) -> bool:
-                m = median_row([run_rate(url, name, bodies, rate, max(a.duration, least / max(rate, 1e-9)), slo_ms)
+            def point(rate: float, rows: list[dict[str, Any]] = rows, url: str = url, least: int = least,
+                      wire: Wire = wire) -> bool:
+                m = median_row([run_rate(url, name, wire, rate, max(a.duration, least / max(rate, 1e-9)), slo_ms)
                                 for _ in range(a.repeat)])
                 rows.append(m)
                 ok = holds(m, slo_ms, max_miss)
@@ -262,7 +301,7 @@ def measure(name: str, app: str, lim: dict[str, Any], configs: dict[str, tuple[l
             search(rates_at(a.ray_fractions if sizing == "ray" and a.ray_fractions else a.fractions), limit, point,
                    a.refine)
         best = max((r for r in rows if holds(r, slo_ms, max_miss)), key=lambda r: r["goodput_rps"], default=None)
-        results[label] = {"rows": rows, "best": best, "served_as": sizes,
+        results[label] = {"rows": rows, "best": best, "served_as": sizes, "wire": wire.route,
                           "goodput_fraction": (best["goodput_rps"] / limit) if best else 0.0}
     ceil = ceiling(float(lim["cpu_us_per_request"]), int(lim["cores"]), slo_ms, max_miss)
     print(f"{name}: queueing ceiling {ceil['rate_rps']:.1f} req/s = {100 * ceil['fraction']:.0f}% of the limit "

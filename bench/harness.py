@@ -203,7 +203,7 @@ def loadgen(url: str, body: bytes, rates: Sequence[float], duration_s: float, *,
             max_connections: int = 512, timeout_s: float = 10.0, seed: int = 1, slo_ms: float = 0.0,
             timeline_ms: float = 0.0, timeline_latencies: bool = False, content_type: str = "application/json",
             retry: dict[str, Any] | None = None, threads: int = 1,
-            bodies: Sequence[bytes] = ()) -> list[dict[str, Any]]:
+            bodies: Sequence[bytes] = (), headers: Sequence[tuple[str, str]] = ()) -> list[dict[str, Any]]:
     """The project's open-loop generator (``slipstream._core.bench``, in this
     process): POST `body` to `url` at each of `rates` in turn (or one run on
     the piecewise-constant `schedule` of (from_s, rate)), `duration_s`
@@ -217,13 +217,14 @@ def loadgen(url: str, body: bytes, rates: Sequence[float], duration_s: float, *,
     generator's own (1 by default: on a small machine it shares the cores).
     `bodies`: a mix sent in turn instead of `body` (arrival i sends
     ``bodies[i % len]``, the same sequence at every rate). The
+    `headers`: extra request headers, the same on every request. The
     first report also has ``wall_start``: the wall-clock time its measured
     window began (the generator starts 20 ms after the call, then warms up).
     """
     from slipstream import _core
 
     cfg = {"url": url, "method": "POST", "body": list(body), "bodies": [list(b) for b in bodies],
-           "content_type": content_type, "headers": [],
+           "content_type": content_type, "headers": [list(h) for h in headers],
            "rates": list(rates) or [1.0], "schedule": [list(s) for s in schedule], "duration_s": duration_s,
            "warmup_s": warmup_s, "arrival": {"kind": arrival, "burst": burst} if arrival == "bursty"
            else {"kind": arrival}, "max_connections": max_connections, "timeout_s": timeout_s, "threads": threads,

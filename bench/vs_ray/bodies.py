@@ -173,3 +173,20 @@ def body(app: Path, pipeline: Any) -> tuple[bytes, str]:
     if from_client is not None:
         return json.dumps(from_client).encode(), f"{app.stem}_client.py"
     return json.dumps(generic(pipeline)).encode(), "generic (declared inputs)"
+
+
+def as_v2(bodies: list[bytes], pipeline: Any) -> tuple[list[bytes], int]:
+    """The same requests as KServe v2 binary bodies, what ``ss.Client``
+    sends (``/v2/models/NAME/infer``): each a JSON header, then its tensors'
+    raw bytes, binary outputs asked for. Every header is padded with spaces
+    to the longest (JSON allows it), so that one
+    ``Inference-Header-Content-Length`` (returned) fits every body: the
+    generator sends the same headers on every request."""
+    from slipstream._internal.client import encode_request
+
+    from bench.vs_ray.ray_adapter import inputs_from_json
+
+    encoded = [encode_request(inputs_from_json(json.loads(b), pipeline.inputs)) for b in bodies]
+    n = max((len(head) for head, _ in encoded), default=0)
+    return [head.ljust(n) + b"".join(bytes(p) for p in parts) for head, parts in encoded], n
+

@@ -236,7 +236,10 @@ def test_goodput_configurations_by_name() -> None:
     assert goodput.config("no-admission") == (["--no-admission"], "plan")
     assert goodput.config("max-wait-50") == (["--max-wait-ms", "50"], "plan")
     assert goodput.config("max-wait-0.5") == (["--max-wait-ms", "0.5"], "plan")
-    for bad in ("max-wait-", "max-wait--1", "max-wait-x", "fastest"):
+    # +v2: the same serving, the requests as KServe v2 binary bodies (Ray's adapter takes JSON only).
+    assert goodput.config("out-of-box+v2") == ([], "plan")
+    assert goodput.config("max-wait-50+v2") == (["--max-wait-ms", "50"], "plan")
+    for bad in ("max-wait-", "max-wait--1", "max-wait-x", "fastest", "ray-planned+v2", "+v2"):
         with pytest.raises(ValueError, match="unknown configuration"):
             goodput.config(bad)
 
