@@ -68,9 +68,7 @@ def measure(name: str, rates: list[float], duration: float, repeat: int, wire_ki
                 load = os.getloadavg()[0]
                 before = group_cpu_seconds(groups)
                 gen0 = _self_cpu()
-                r = harness.loadgen(node.url + wire.route.format(p=name), wire.bodies[0], [rate], duration,
-                                    warmup_s=0.0, seed=3, slo_ms=slo_ms, content_type=wire.content_type,
-                                    headers=wire.headers, bodies=wire.bodies if len(wire.bodies) > 1 else ())[0]
+                r = wire.run(node.url, name, rate, duration, warmup_s=0.0, seed=3, slo_ms=slo_ms)
                 sent = max(int(r["ok"]) + int(r["errors"]), 1)
                 ms = {g: (cpu - before[g]) * 1e3 / sent for g, cpu in group_cpu_seconds(groups).items()}
                 ms["generator"] = (_self_cpu() - gen0) * 1e3 / sent
@@ -117,7 +115,8 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=20.0)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--wire", choices=("json", "v2"), default="json",
-                    help="requests as the pipeline API's JSON or KServe v2 binary tensors (bench.goodput's --wire)")
+                    help="requests as the pipeline API's JSON or KServe v2 binary tensors (bench.goodput's +v2 "
+                         "configurations)")
     ap.add_argument("--out", default=str(RESULTS / "cpu_by_stage.json"))
     a = ap.parse_args()
     machine = harness.machine()

@@ -143,6 +143,14 @@ class Wire:
         return cls(binary, "/v2/models/{p}/infer", "application/octet-stream",
                    (("Inference-Header-Content-Length", str(header_len)),))
 
+    def run(self, url: str, pipeline: str, rate: float, seconds: float, **kw: Any) -> dict[str, Any]:
+        """One run of the project's generator at `rate` sending these
+        requests to `pipeline` of the node at `url` (``harness.loadgen``,
+        its other settings in `kw`): its report."""
+        return harness.loadgen(url + self.route.format(p=pipeline), self.bodies[0], [rate], seconds,
+                               bodies=self.bodies if len(self.bodies) > 1 else (), content_type=self.content_type,
+                               headers=self.headers, **kw)[0]
+
 
 def run_rate(url: str, pipeline: str, bodies: list[bytes] | Wire, rate: float, seconds: float, slo_ms: float,
              warmup_s: float = 2.0, seed: int = 11) -> dict[str, Any]:
@@ -152,10 +160,8 @@ def run_rate(url: str, pipeline: str, bodies: list[bytes] | Wire, rate: float, s
     says otherwise."""
     wire = bodies if isinstance(bodies, Wire) else Wire(bodies)
     urllib.request.urlopen(urllib.request.Request(url + "/v1/admin/reset-metrics", method="POST"), timeout=5).read()
-    r = harness.loadgen(url + wire.route.format(p=pipeline), wire.bodies[0], [rate], seconds, warmup_s=warmup_s,
-                        max_connections=1024, timeout_s=10.0, seed=seed, slo_ms=slo_ms,
-                        bodies=wire.bodies if len(wire.bodies) > 1 else (), content_type=wire.content_type,
-                        headers=wire.headers)[0]
+    r = wire.run(url, pipeline, rate, seconds, warmup_s=warmup_s, max_connections=1024, timeout_s=10.0, seed=seed,
+                 slo_ms=slo_ms)
     sent = max(int(r["sent"]), 1)
     good = int(r["ok"]) - int(r["slower_than_slo"])
     return {"offered_rps": rate, "sent": sent, "ok": r["ok"], "errors": r["errors"],

@@ -216,10 +216,10 @@ def loadgen(url: str, body: bytes, rates: Sequence[float], duration_s: float, *,
     "attempts": ..., ...}``, see ``slipstream-loadgen``'s ``RetryConfig``). `threads`: the
     generator's own (1 by default: on a small machine it shares the cores).
     `bodies`: a mix sent in turn instead of `body` (arrival i sends
-    ``bodies[i % len]``, the same sequence at every rate). The
-    `headers`: extra request headers, the same on every request. The
-    first report also has ``wall_start``: the wall-clock time its measured
-    window began (the generator starts 20 ms after the call, then warms up).
+    ``bodies[i % len]``, the same sequence at every rate). `headers`:
+    extra request headers, the same on every request. The first report
+    also has ``wall_start``: the wall-clock time its measured window began
+    (the generator starts 20 ms after the call, then warms up).
     """
     from slipstream import _core
 

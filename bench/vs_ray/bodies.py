@@ -189,4 +189,3 @@ def as_v2(bodies: list[bytes], pipeline: Any) -> tuple[list[bytes], int]:
     encoded = [encode_request(inputs_from_json(json.loads(b), pipeline.inputs)) for b in bodies]
     n = max((len(head) for head, _ in encoded), default=0)
     return [head.ljust(n) + b"".join(bytes(p) for p in parts) for head, parts in encoded], n
-

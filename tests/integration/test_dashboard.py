@@ -267,9 +267,12 @@ def test_dashboard_in_chromium_follows_the_load(dash_node: Node, tmp_path: Path)
         # data-poll-ms shows) and its numbers move.
         time.sleep(4.0)
         patience = time.monotonic() + 12.0
-        while (second := tab.evaluate(READ))["updates"] <= first["updates"] + 2 and time.monotonic() < patience:
+        second = tab.evaluate(READ)
+        while second is not None and second["updates"] <= first["updates"] + 2 and time.monotonic() < patience:
             time.sleep(0.25)
+            second = tab.evaluate(READ)
         status = dash_node.status()
+        assert second is not None
         assert second["conn"] == "live", second["conn"]
         assert second["updates"] > first["updates"] + 2, ("polls", first["updates"], second["updates"],
                                                            "last took ms", second["poll_ms"])
