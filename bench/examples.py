@@ -82,7 +82,8 @@ def row(name: str, res: dict[str, Any]) -> str:
     ours, ray = res["configs"]["out-of-box"], res["configs"].get("ray-planned")
     ceil = res["ceiling"]
     b = ours["best"]
-    held = (f"{num(b['offered_rps'])} (p99 {b['p99_ms']:.0f} ms, {100 * b['miss_rate']:.2f}% missed)" if b
+    arrived = f"arrived {num(b['arrived_rps'])}, " if b and "arrived_rps" in b else ""
+    held = (f"{num(b['offered_rps'])} ({arrived}p99 {b['p99_ms']:.0f} ms, {100 * b['miss_rate']:.2f}% missed)" if b
             else "none tried")
     frac = ours["goodput_fraction"]
     served = ", ".join(f"{k} {v}" for k, v in ours["served_as"].items())
@@ -199,8 +200,10 @@ def write(path: Path, out: dict[str, Any], machine: dict[str, Any], repeat: int)
     said = "; ".join(f"`{c}` ({', '.join(n)})" for c, n in runs.items())
     lines = ["# Every example out of the box, against its limit, its queueing ceiling and Ray Serve", "",
              f"Runs: {said}. Limit: bench.limit, measured first in the same run. Goodput: the "
-             f"median of {repeat} open-loop Poisson runs per rate, the highest rate at which the p99 of answers is "
-             "within the SLO and misses (errors, refusals, late answers) within its budget. Ray Serve: the same "
+             f"median of {repeat} open-loop Poisson runs per rate (each with its own arrival seed), the answers "
+             "within the SLO per second at the highest offered rate at which the p99 of answers is within the SLO "
+             "and misses (errors, refusals, late answers) within its budget; `arrived`: the rate the runs' Poisson "
+             "draws actually sent (median), which the goodput follows. Ray Serve: the same "
              "components at the counts the out-of-box start planned, the same generator, rates and criterion. "
              "Queueing ceiling: bench.ceiling (the limit's CPU a request as a deterministic service, Poisson "
              "arrivals, a core per request or each split over the cores, an ideal admission control).", "",

@@ -244,6 +244,25 @@ def test_goodput_configurations_by_name() -> None:
             goodput.config(bad)
 
 
+def test_goodput_repeats_draw_their_own_arrivals() -> None:
+    """Each repeat of a rate runs with its own seed, and the row kept is the
+    median of the runs, arrivals included."""
+    from bench import goodput
+
+    seeds: list[int] = []
+
+    def run(seed: int) -> dict[str, float]:
+        seeds.append(seed)
+        x = float(len(seeds))
+        return {"offered_rps": 10.0, "arrived_rps": 9.0 + x, "goodput_rps": 8.0 + x, "p50_ms": x, "p99_ms": 10 * x,
+                "miss_rate": 0.0, "load_avg": 0.5}
+
+    m = goodput.repeated(run, 3)
+    assert len(set(seeds)) == 3
+    assert (m["arrived_rps"], m["goodput_rps"], m["p99_ms"]) == (11.0, 10.0, 20.0)
+    assert [r["arrived_rps"] for r in m["runs"]] == [10.0, 11.0, 12.0]
+
+
 def test_goodput_rate_search() -> None:
     """The rates bench.goodput measures: the fractions rising until one
     past 90% of the limit misses; halving when none held; refining between
