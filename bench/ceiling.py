@@ -31,6 +31,14 @@ the miss rate at the SLO is a tail quantity. All four models are
 reported.
 
     .venv/bin/python -m bench.ceiling --cpu-ms 119 --cores 2 --slo-ms 500
+
+With ``--routings`` it also answers two design questions about replicas
+that each use one core (docs/design/scheduling.md, "Where the queue
+stops goodput"): what binding a request to the replica with the fewest
+outstanding at arrival (the node's router) costs against one shared
+queue, and what a replica gains by taking every core while it runs alone
+(``--speedup``: measured, e.g. ``examples/models/vit.py`` with one and two
+BLAS threads).
 """
 
 from __future__ import annotations
@@ -107,14 +115,91 @@ def ceiling(cpu_us_per_request: float, cores: int, slo_ms: float, max_miss: floa
             "models": models}
 
 
+#: How a stage's replicas share its requests, as :func:`routed_miss_rate` models it.
+ROUTINGS = ("shared", "shortest", "elastic")
+
+
+def routed_miss_rate(rate: float, service_s: float, servers: int, slo_s: float, routing: str, *,
+                     speedup: float = 1.0, cv: float = 0.0, arrivals: int = ARRIVALS, seed: int = 7) -> float:
+    """Share of requests whose time in the system exceeds `slo_s` when
+    `servers` single-threaded replicas of `service_s` a request share
+    Poisson arrivals at `rate` (no admission control) by `routing`:
+
+    - ``shared``: one queue, first come first served, the first replica
+      free takes the next request (the M/D/c queue of :func:`miss_rate`);
+    - ``shortest``: a queue per replica, each request bound on arrival to
+      the replica with the fewest requests outstanding (queued or
+      running), ties at random: what the node's router does at ingress;
+    - ``elastic``: one queue, and a request that starts while every other
+      replica is idle runs on all the cores, `speedup` times as fast
+      (intra-op threads taken when free). Optimistic: a replica starting
+      meanwhile is not slowed by it.
+
+    `cv`: the service time's coefficient of variation (normal, at least a
+    fifth of the mean); 0 is deterministic."""
+    rng = random.Random(seed)
+    t = 0.0
+    warm = arrivals // 50
+    late = 0
+    free = [0.0] * servers  # when each replica has finished what it was given
+    ends: list[list[float]] = [[] for _ in range(servers)]  # "shortest": the finish of each request given to each
+    for i in range(arrivals):
+        t += rng.expovariate(rate)
+        s = service_s * max(0.2, rng.gauss(1.0, cv)) if cv else service_s
+        if routing == "shortest":
+            for e in ends:
+                while e and e[0] <= t:
+                    e.pop(0)
+            least = min(len(e) for e in ends)
+            k = rng.choice([j for j, e in enumerate(ends) if len(e) == least])
+        else:
+            k = min(range(servers), key=free.__getitem__)
+        start = max(t, free[k])
+        if routing == "elastic" and all(free[j] <= start for j in range(servers) if j != k):
+            s /= speedup
+        free[k] = start + s
+        if routing == "shortest":
+            ends[k].append(free[k])
+        if i >= warm and free[k] - t > slo_s:
+            late += 1
+    return late / (arrivals - warm)
+
+
+def routings(cpu_us_per_request: float, cores: int, slo_ms: float, max_miss: float, *, speedup: float,
+             cv: float, arrivals: int = ARRIVALS) -> dict[str, float]:
+    """The highest share of the limit each of :data:`ROUTINGS` holds `slo_ms`
+    at (at most `max_miss` late), to within 0.5%, with a replica a core."""
+    service_s, slo_s = cpu_us_per_request / 1e6, slo_ms / 1e3
+    limit = cores / service_s
+    out = {}
+    for routing in ROUTINGS:
+        lo, hi = 0.0, 1.0
+        while hi - lo > 0.005:
+            mid = (lo + hi) / 2
+            missed = routed_miss_rate(mid * limit, service_s, cores, slo_s, routing, speedup=speedup, cv=cv,
+                                      arrivals=arrivals)
+            lo, hi = (mid, hi) if missed <= max_miss else (lo, mid)
+        out[routing] = lo
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-ms", type=float, required=True, help="CPU time per request (bench.limit's)")
     ap.add_argument("--cores", type=int, required=True)
     ap.add_argument("--slo-ms", type=float, required=True)
     ap.add_argument("--max-miss", type=float, default=0.01)
+    ap.add_argument("--routings", action="store_true",
+                    help="also: the share of the limit each way of sharing requests among one-core replicas "
+                         "holds (routed_miss_rate), with --speedup and --cv")
+    ap.add_argument("--speedup", type=float, default=1.0,
+                    help="how much faster a request runs on all the cores than on one (measured; for 'elastic')")
+    ap.add_argument("--cv", type=float, default=0.0, help="the service time's coefficient of variation")
     a = ap.parse_args()
-    print(json.dumps(ceiling(a.cpu_ms * 1e3, a.cores, a.slo_ms, a.max_miss)))
+    out = ceiling(a.cpu_ms * 1e3, a.cores, a.slo_ms, a.max_miss)
+    if a.routings:
+        out["routings"] = routings(a.cpu_ms * 1e3, a.cores, a.slo_ms, a.max_miss, speedup=a.speedup, cv=a.cv)
+    print(json.dumps(out))
     return 0
 
 

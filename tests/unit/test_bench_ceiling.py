@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+import bench.ceiling as bench_ceiling
 from bench.ceiling import ceiling, miss_rate
 
 
@@ -61,3 +62,26 @@ def test_an_ideal_gate_refuses_only_what_capacity_cannot_serve() -> None:
     assert miss_rate(150.0, d, 1, 10 * d, arrivals=60_000) > 0.9
     for rate in (50.0, 80.0, 95.0):
         assert miss_rate(rate, d, 1, 4 * d, arrivals=40_000, gate=True) <= miss_rate(rate, d, 1, 4 * d, arrivals=40_000)
+
+
+def test_routings_shared_is_the_m_d_c_queue_and_the_others_order_as_they_should() -> None:
+    """One shared queue is miss_rate's M/D/c queue, draw for draw; binding on
+    arrival to the replica with the fewest outstanding misses at least as
+    often; a replica taking both cores while alone misses at most as often,
+    and exactly as often when the cores give it nothing (speedup 1)."""
+    rate, service, slo = 26.0, 0.065, 0.3
+    shared = bench_ceiling.routed_miss_rate(rate, service, 2, slo, "shared", arrivals=40_000)
+    assert shared == bench_ceiling.miss_rate(rate, service, 2, slo, arrivals=40_000)
+    assert 0.0 < shared < 0.2
+    assert bench_ceiling.routed_miss_rate(rate, service, 2, slo, "shortest", arrivals=40_000) >= shared
+    assert bench_ceiling.routed_miss_rate(rate, service, 2, slo, "elastic", speedup=1.0, arrivals=40_000) == shared
+    assert bench_ceiling.routed_miss_rate(rate, service, 2, slo, "elastic", speedup=2.0, arrivals=40_000) < shared
+    # Service variance lengthens the tail.
+    assert bench_ceiling.routed_miss_rate(rate, service, 2, slo, "shared", cv=0.5, arrivals=40_000) > shared
+
+
+def test_routings_report_a_share_of_the_limit_for_each() -> None:
+    r = bench_ceiling.routings(65_000, 2, 500, 0.01, speedup=1.4, cv=0.3, arrivals=20_000)
+    assert set(r) == set(bench_ceiling.ROUTINGS)
+    assert all(0.5 < v < 1.0 for v in r.values()), r
+    assert r["shortest"] <= r["shared"] + 0.01
