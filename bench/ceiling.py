@@ -48,6 +48,7 @@ import heapq
 import json
 import random
 import sys
+from collections.abc import Callable
 from typing import Any
 
 #: Arrivals simulated per rate (the first 2% are the warm-up and not counted).
@@ -78,20 +79,26 @@ def miss_rate(rate: float, service_s: float, servers: int, slo_s: float, *, arri
     return late / (arrivals - warm)
 
 
-def _highest(limit: float, service_s: float, servers: int, slo_s: float, max_miss: float, arrivals: int,
-             gate: bool) -> float:
-    """The highest share of `limit` at which `servers` servers of `service_s`
-    a request miss at most `max_miss` at `slo_s`, to within 0.5%."""
-    if service_s > slo_s:
-        return 0.0
+def _highest(limit: float, missed_at: Callable[[float], float], max_miss: float) -> float:
+    """The highest share of `limit` at which `missed_at(rate)` (a share of
+    requests late) is at most `max_miss`, to within 0.5%."""
     lo, hi = 0.0, 1.0  # fractions of the limit: lo holds, hi does not (at 100% the queue never drains)
     while hi - lo > 0.005:
         mid = (lo + hi) / 2
-        if miss_rate(mid * limit, service_s, servers, slo_s, arrivals=arrivals, gate=gate) <= max_miss:
+        if missed_at(mid * limit) <= max_miss:
             lo = mid
         else:
             hi = mid
     return lo
+
+
+def _highest_md(limit: float, service_s: float, servers: int, slo_s: float, max_miss: float, arrivals: int,
+                gate: bool) -> float:
+    """:func:`_highest` for `servers` servers of `service_s` a request (M/D/c)."""
+    if service_s > slo_s:
+        return 0.0
+    return _highest(limit, lambda rate: miss_rate(rate, service_s, servers, slo_s, arrivals=arrivals, gate=gate),
+                    max_miss)
 
 
 def ceiling(cpu_us_per_request: float, cores: int, slo_ms: float, max_miss: float,
@@ -107,9 +114,9 @@ def ceiling(cpu_us_per_request: float, cores: int, slo_ms: float, max_miss: floa
     models: dict[str, float] = {}
     for gate in (False, True):
         tag = ", gated" if gate else ""
-        models[f"M/D/{cores}{tag}"] = _highest(limit, service_s, cores, slo_s, max_miss, arrivals, gate)
+        models[f"M/D/{cores}{tag}"] = _highest_md(limit, service_s, cores, slo_s, max_miss, arrivals, gate)
         models[f"M/D/1 at {cores}x{tag}"] = (models[f"M/D/{cores}{tag}"] if cores == 1 else
-                                            _highest(limit, service_s / cores, 1, slo_s, max_miss, arrivals, gate))
+                                            _highest_md(limit, service_s / cores, 1, slo_s, max_miss, arrivals, gate))
     model = max(models, key=lambda k: (models[k], k.endswith("gated")))
     return {"rate_rps": models[model] * limit, "fraction": models[model], "limit_rps": limit, "model": model,
             "models": models}
@@ -171,16 +178,9 @@ def routings(cpu_us_per_request: float, cores: int, slo_ms: float, max_miss: flo
     at (at most `max_miss` late), to within 0.5%, with a replica a core."""
     service_s, slo_s = cpu_us_per_request / 1e6, slo_ms / 1e3
     limit = cores / service_s
-    out = {}
-    for routing in ROUTINGS:
-        lo, hi = 0.0, 1.0
-        while hi - lo > 0.005:
-            mid = (lo + hi) / 2
-            missed = routed_miss_rate(mid * limit, service_s, cores, slo_s, routing, speedup=speedup, cv=cv,
-                                      arrivals=arrivals)
-            lo, hi = (mid, hi) if missed <= max_miss else (lo, mid)
-        out[routing] = lo
-    return out
+    return {routing: _highest(limit, lambda rate, routing=routing: routed_miss_rate(
+                rate, service_s, cores, slo_s, routing, speedup=speedup, cv=cv, arrivals=arrivals), max_miss)
+            for routing in ROUTINGS}
 
 
 def main() -> int:
