@@ -208,6 +208,16 @@ class Node:
                 return r.status, dict(r.headers), r.read()
         except urllib.error.HTTPError as e:
             return e.code, dict(e.headers), e.read()
+        except urllib.error.URLError as e:
+            if not isinstance(e.reason, ConnectionRefusedError):
+                raise
+            # Nothing listens: say whether the node ended and what it printed,
+            # or a failure in a parallel run leaves nothing to go on.
+            code = self.proc.poll()
+            state = "still running" if code is None else f"exited with {code}"
+            raise ConnectionRefusedError(
+                f"{method} {self.url}{path}: connection refused; the node (pid {self.pid}) is {state}. "
+                f"It printed:\n{self.log()[-6000:]}") from e
 
     def post(self, path: str, body: Any, **kw: Any) -> tuple[int, Any]:
         status, _, raw = self.request("POST", path, body, **kw)
