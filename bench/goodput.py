@@ -79,7 +79,7 @@ from typing import Any
 from bench import harness
 from bench.ceiling import ceiling
 from bench.harness import RESULTS, ROOT
-from bench.limit import limit_entry
+from bench.limit import limit_entry, missing_limit
 
 APPS = {"rag": "examples/rag.py", "recsys": "examples/recsys.py", "multimodal": "examples/multimodal.py",
         "audioquery": "examples/audioquery.py", "rag_late": "examples/rag_late.py"}
@@ -356,8 +356,7 @@ def main() -> int:
         app = APPS[name]
         lim = limit_entry(name)
         if lim is None:
-            print(f"{name}: no offline limit in bench/results/limit.json: run python -m bench.limit first",
-                  file=sys.stderr)
+            print(missing_limit(name), file=sys.stderr)
             return 1
         a.out.parent.mkdir(parents=True, exist_ok=True)
         try:

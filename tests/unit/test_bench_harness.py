@@ -287,3 +287,20 @@ def test_goodput_rate_search() -> None:
     # Refining: geometric means towards the lowest rate that missed above the highest held.
     assert goodput.search(rates, 100, system(80), 3) == [60, 75, 85, 95, 80]  # 82 is within 4%: stop
     assert goodput.search(rates, 100, system(5), 2) == [60, 75, 85, 95, 30, 15, 7.5, 3.75, 5.3, 4.46]
+
+
+def test_a_limit_measured_cores_short_is_not_used(tmp_path: Path) -> None:
+    """A limit measured while other work took cores is low: every share of it
+    would read high, so the benchmarks get none, and are told why."""
+    from bench.limit import limit_entry, load_limit, missing_limit
+
+    path = tmp_path / "limit.json"
+    quiet = {"limit_rps": 238.0, "cpu_us_per_request": 8400.0, "cores": 2, "cores_short": []}
+    short = {**quiet, "limit_rps": 167.0, "cores_short": ["Search"]}
+    path.write_text(json.dumps({"pipelines": {"quiet": quiet, "short": short}}))
+    assert limit_entry("quiet", path) == quiet
+    assert load_limit("quiet", path) == 238.0
+    assert limit_entry("short", path) is None and load_limit("short", path) is None
+    said = missing_limit("short", path)
+    assert "cores short" in said and "Search" in said and "bench.limit --force --pipelines short" in said
+    assert "no offline limit" in missing_limit("absent", path)
