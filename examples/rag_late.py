@@ -253,8 +253,12 @@ class Search:
             now = time.monotonic()
             if LOG_S > 0 and now - self.last_log >= LOG_S and s["searches"]:
                 t = max(1, s["target"])
-                print(f"rag_late Search: {s['searches']} searches: re-ranked {s['reranked'] / t:.0%} of their "
-                      f"targets, {s['cut'] / s['searches']:.1%} cut by the {BUDGET_MS:g} ms budget, prefetch hit "
+                each = CANDIDATES if RERANK_K is None else min(RERANK_K, CANDIDATES)
+                full = max(1, s["searches"] * each)
+                print(f"rag_late Search: {s['searches']} searches: re-ranked {s['reranked'] / full:.0%} of their "
+                      f"{each} candidates ({s['reranked'] / t:.0%} of their targets, which partial "
+                      f"re-ranking trims to the time left), {s['cut'] / s['searches']:.1%} cut by the "
+                      f"{BUDGET_MS:g} ms budget, prefetch hit "
                       f"rate {s['hits'] / t:.0%}; prefetch {self.searcher.prefetch_plan().why}", file=sys.stderr,
                       flush=True)
                 self.last_log = now

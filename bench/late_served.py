@@ -1,0 +1,229 @@
+"""How much of its re-rank rag_late's answers complete, served at fixed
+loads by Slipstream (out of the box) and by Ray Serve (at the same counts),
+and offline at each batch size: the quality its goodput, its limit and its
+comparison are measured at.
+
+    .venv/bin/python -m bench.late_served --slipstream 38.4,98,147 --ray 38.4
+
+rag_late's Search is elastic: it re-ranks candidates by MaxSim until its
+batch's time (at most ``RAG_LATE_BUDGET_MS``, 50 ms by default) runs out,
+then answers the rest in single-vector order. Its throughput is therefore
+bought with re-rank work, and a goodput, a limit or a ratio means little
+without the share of the re-rank behind it.
+
+- Served: open-loop Poisson requests of the benchmark mix for
+  ``--duration`` s; the share is of the candidates a query has.
+  Slipstream: a fresh ``slipstream serve examples/rag_late.py`` (the
+  out-of-box plan) per rate, driven by the project's generator (Rust, in
+  this process); the share is the Search replica's own count, from its
+  summary in the node's log (``RAG_LATE_LOG_S=1``). Ray Serve: bench.goodput's
+  ``ray-planned`` server, driven by a Python client (a thread a request,
+  cheap at Ray's rates; at 100-150 req/s such a client takes enough of a
+  core to cut Slipstream's share by a third) that reads each answer's own
+  count (``reranked``, of ``target``): the same quantity.
+- Offline: the Search component in this process, as bench.limit runs it
+  (ready batches of the mix, no deadline, the budget), at each batch size,
+  and once with no budget: milliseconds a query and the share re-ranked.
+
+Writes bench/results/late_served.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from bench import harness
+from bench.harness import RESULTS, ROOT
+
+APP = ROOT / "examples" / "rag_late.py"
+#: The Search replica's summary (``RAG_LATE_LOG_S``): its searches so far,
+#: the share of their candidates re-ranked, how many candidates a query has.
+SUMMARY = re.compile(r"(\d+) searches: re-ranked (\d+)% of their (\d+) candidates")
+
+
+def _mix() -> tuple[list[bytes], Any]:
+    from slipstream._internal.app import load_pipelines
+
+    from bench.vs_ray.bodies import mix
+
+    _, pipes = load_pipelines(str(APP))
+    pipe = next(p for p in pipes if p.name == "rag_late")
+    bodies, _ = mix(APP, pipe)
+    return bodies, pipe
+
+
+def _drive(url: str, bodies: list[bytes], rate: float, seconds: float, each: int) -> dict[str, Any]:
+    """Open-loop Poisson requests at `rate` for `seconds` (a thread each, up
+    to 64 in flight); the answers' own ``reranked`` (of ``target``) counts."""
+    rng = random.Random(5)
+    shares: list[float] = []
+    latencies: list[float] = []
+    errors = 0
+    lock = threading.Lock()
+
+    def one(body: bytes) -> None:
+        nonlocal errors
+        t0 = time.perf_counter()
+        req = urllib.request.Request(url + "/v1/pipelines/rag_late/infer", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                out = json.loads(r.read())["outputs"]
+        except (OSError, ValueError, KeyError):
+            with lock:
+                errors += 1
+            return
+        with lock:
+            shares.append(min(out["reranked"][0], out["target"][0]) / each)
+            latencies.append((time.perf_counter() - t0) * 1e3)
+
+    sent = 0
+    with ThreadPoolExecutor(64) as pool:
+        t = time.perf_counter()
+        end = t + seconds
+        while t < end:
+            t += rng.expovariate(rate)
+            time.sleep(max(0.0, t - time.perf_counter()))
+            pool.submit(one, bodies[sent % len(bodies)])
+            sent += 1
+    return {"rate_rps": rate, "sent": sent, "answers": len(shares), "errors": errors,
+            "reranked_share": sum(shares) / len(shares) if shares else None,
+            "p99_ms": harness.percentile(latencies, 99) if latencies else None}
+
+
+def served(systems: dict[str, list[float]], seconds: float, each: int) -> list[dict[str, Any]]:
+    """Each system's answers at each of its rates: Slipstream out of the box
+    (a fresh node per rate), Ray Serve at the plan's counts (bench.goodput's
+    ``ray-planned``: one server for its rates)."""
+    from bench import goodput
+
+    bodies, pipe = _mix()
+    rows = []
+
+    def record(system: str, row: dict[str, Any]) -> None:
+        row = {"system": system, "load_avg_before": list(os.getloadavg()), **row}
+        share = "-" if row["reranked_share"] is None else f"{row['reranked_share']:.0%}"
+        p99 = "-" if row["p99_ms"] is None else f"{row['p99_ms']:.0f}"
+        print(f"  {system} at {row['rate_rps']:g} req/s: re-ranked {share} of {each} candidates; p99 {p99} ms, "
+              f"{row['errors']} errors of {row['sent']}", file=sys.stderr)
+        rows.append(row)
+
+    wire = goodput.Wire(bodies)
+    slo_ms = pipe.slo.p99_ms if pipe.slo else 0.0
+    for rate in systems.get("slipstream", []):
+        with harness.node(APP, sizing="plan", env={"RAG_LATE_LOG_S": "1"}) as node:
+            time.sleep(1.0)
+            r = wire.run(node.url, "rag_late", rate, seconds, warmup_s=0.0, seed=5, slo_ms=slo_ms)
+            time.sleep(1.5)  # the replica's next summary counts the last batches
+            found = [m for m in map(SUMMARY.search, node.log().splitlines()) if m]
+        if not found:
+            raise RuntimeError(f"no Search summary in the node's log at {rate:g} req/s")
+        searches, share, of = int(found[-1].group(1)), int(found[-1].group(2)) / 100, int(found[-1].group(3))
+        assert of == each, (of, each)
+        record("slipstream", {"rate_rps": rate, "sent": int(r["ok"]) + int(r["errors"]), "answers": searches,
+                              "errors": int(r["errors"]), "reranked_share": share, "p99_ms": r["latency_ms"]["p99"]})
+    if systems.get("ray"):
+        with goodput.serving(str(APP.relative_to(ROOT)), pipe, [], "ray", bodies[0]) as (url, _):
+            for rate in systems["ray"]:
+                record("ray", _drive(url, bodies, rate, seconds, each))
+    return rows
+
+
+def candidates() -> int:
+    """How many candidates a query re-ranks when nothing cuts it short."""
+    sys.path.insert(0, str(APP.parent))
+    import rag_late as rl
+
+    return rl.CANDIDATES if rl.RERANK_K is None else min(rl.RERANK_K, rl.CANDIDATES)
+
+
+def offline(batches: list[int], each: int, queries: int = 128) -> list[dict[str, Any]]:
+    import numpy as np
+
+    sys.path.insert(0, str(APP.parent))
+    import rag_late as rl
+
+    bodies, _ = _mix()
+    texts = [json.loads(b)["inputs"]["query"][0] for b in bodies[:queries]]
+    emb, toks, lens = rl.Embed.cls().encoder.encode_tokens(texts, max_tokens=rl.QUERY_TOKENS)
+    toks = toks.astype(np.float16)
+    searcher = rl.Search.cls().searcher
+    rows = []
+    for budget_ms in (rl.BUDGET_MS, None):
+        for b in batches:
+            wall, reranked = 0.0, 0
+            for i in range(0, queries, b):
+                t0 = time.perf_counter()
+                r = searcher.search(emb[i:i + b], toks[i:i + b], lens[i:i + b],
+                                    budget_s=None if budget_ms is None else budget_ms / 1e3)
+                wall += time.perf_counter() - t0
+                reranked += int(np.minimum(r.reranked, r.target).sum())
+            row = {"budget_ms": budget_ms, "batch": b, "ms_per_query": wall / queries * 1e3,
+                   "reranked_share": reranked / (queries * each), "candidates": each}
+            print(f"  offline batch {b}, budget {budget_ms if budget_ms is not None else 'none'}: "
+                  f"{row['ms_per_query']:.1f} ms a query, re-ranked {row['reranked_share']:.0%}", file=sys.stderr)
+            rows.append(row)
+    return rows
+
+
+def _budget(ms: float | None) -> str:
+    return "none" if ms is None else f"{ms:g} ms"
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    each = doc["candidates"]
+    md = ["# rag_late: the share of the re-rank behind its goodput, its limit and its comparison", "",
+          f"Served: open-loop Poisson, {doc['duration_s']:g} s a rate, the share of each query's {each} "
+          "candidates re-ranked. Slipstream out of the box, a fresh node a rate; Ray Serve at the same counts "
+          "(see the module doc for how each is counted). `python -m bench.late_served`.", "",
+          "| system (how counted) | offered | re-ranked | p99 (ms) | errors |", "|---|---:|---:|---:|---:|"]
+    for r in doc["served"]:
+        share = "-" if r["reranked_share"] is None else f"{r['reranked_share']:.0%}"
+        p99 = "-" if r["p99_ms"] is None else f"{r['p99_ms']:.0f}"
+        how = "replica's count" if r["system"] == "slipstream" else "answers' count"
+        md.append(f"| {r['system']} ({how}) | {r['rate_rps']:g} req/s | {share} | {p99} | {r['errors']} of {r['sent']} |")
+    md += ["", "Offline, as bench.limit runs the stage (one process, one thread, ready batches):", "",
+           "| batch | budget | ms a query | re-ranked |", "|---:|---:|---:|---:|"]
+    md += [f"| {r['batch']} | {_budget(r['budget_ms'])} | {r['ms_per_query']:.1f} | {r['reranked_share']:.0%} |"
+           for r in doc["offline"]]
+    return "\n".join(md) + "\n"
+
+
+def _rates(spec: str) -> list[float]:
+    return [float(x) for x in spec.split(",") if x]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--slipstream", type=_rates, default=[38.4, 98.0, 147.0], help="Slipstream's rates, req/s")
+    ap.add_argument("--ray", type=_rates, default=[38.4], help="Ray Serve's rates, req/s ('' for none)")
+    ap.add_argument("--duration", type=float, default=15.0)
+    ap.add_argument("--batches", default="1,4,8,16", help="offline batch sizes ('' for none)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "late_served")
+    a = ap.parse_args()
+    machine = harness.machine()
+    print(f"load average before: {machine['loadavg_before']}", file=sys.stderr)
+    each = candidates()
+    if a.ray:
+        subprocess.run(["bash", str(ROOT / "bench/vs_ray/setup_ray.sh")], cwd=ROOT, check=True)
+    doc = {"candidates": each, "duration_s": a.duration,
+           "served": served({"slipstream": a.slipstream, "ray": a.ray}, a.duration, each),
+           "offline": offline([int(x) for x in a.batches.split(",") if x], each)}
+    harness.write_results(a.out, doc, markdown(doc), machine)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
