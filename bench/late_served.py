@@ -3,7 +3,8 @@ loads by Slipstream (out of the box) and by Ray Serve (at the same counts),
 and offline at each batch size: the quality its goodput, its limit and its
 comparison are measured at.
 
-    .venv/bin/python -m bench.late_served --slipstream 38.4,98,147 --ray 38.4
+    .venv/bin/python -m bench.late_served --slipstream 38.4,98,147 --ray 38.4 \
+        --equal-quality 30,40,50,60,70
 
 rag_late's Search is elastic: it re-ranks candidates by MaxSim until its
 batch's time (at most ``RAG_LATE_BUDGET_MS``, 50 ms by default) runs out,
@@ -21,6 +22,11 @@ without the share of the re-rank behind it.
   cheap at Ray's rates; at 100-150 req/s such a client takes enough of a
   core to cut Slipstream's share by a third) that reads each answer's own
   count (``reranked``, of ``target``): the same quantity.
+- Like answers (``--equal-quality RATES``): each system's highest rate of
+  RATES (rising; it stops at its first failure) that holds the SLO with
+  answers re-ranking at least ``--min-share`` (95%) of their candidates,
+  both driven by the Python client and counted from the answers, one
+  server each: the goodput ratio of answers of the same quality.
 - Offline: the Search component in this process, as bench.limit runs it
   (ready batches of the mix, no deadline, the budget), at each batch size,
   and once with no budget: milliseconds a query and the share re-ranked.
@@ -64,7 +70,8 @@ def _mix() -> tuple[list[bytes], Any]:
     return bodies, pipe
 
 
-def _drive(url: str, bodies: list[bytes], rate: float, seconds: float, each: int) -> dict[str, Any]:
+def _drive(url: str, bodies: list[bytes], rate: float, seconds: float, each: int, slo_ms: float
+           ) -> dict[str, Any]:
     """Open-loop Poisson requests at `rate` for `seconds` (a thread each, up
     to 64 in flight); the answers' own ``reranked`` (of ``target``) counts."""
     rng = random.Random(5)
@@ -100,7 +107,49 @@ def _drive(url: str, bodies: list[bytes], rate: float, seconds: float, each: int
             sent += 1
     return {"rate_rps": rate, "sent": sent, "answers": len(shares), "errors": errors,
             "reranked_share": sum(shares) / len(shares) if shares else None,
-            "p99_ms": harness.percentile(latencies, 99) if latencies else None}
+            "p99_ms": harness.percentile(latencies, 99) if latencies else None,
+            "late": sum(ms > slo_ms for ms in latencies)}
+
+
+def equal_quality(systems: dict[str, list[float]], seconds: float, each: int, min_share: float
+                  ) -> dict[str, Any]:
+    """Each system's highest rate (of those given, rising) that holds the
+    SLO (p99 within it, errors and late answers within its miss budget)
+    with answers that re-rank at least `min_share` of their candidates on
+    average: a goodput of like answers. Both systems are driven and counted
+    the same way (the Python client, the answers' own counts), one server
+    each for all its rates; a system stops at its first rate that fails."""
+    from bench import goodput
+
+    bodies, pipe = _mix()
+    slo_ms = pipe.slo.p99_ms if pipe.slo else 0.0
+    budget = pipe.slo.max_miss_rate if pipe.slo else 0.01
+    out: dict[str, Any] = {"min_share": min_share, "slo_ms": slo_ms, "max_miss_rate": budget, "systems": {}}
+
+    def run(system: str, url: str) -> None:
+        rows, best = [], None
+        for rate in systems[system]:
+            row = _drive(url, bodies, rate, seconds, each, slo_ms)
+            missed = (row["errors"] + row["late"]) / max(1, row["sent"])
+            row["holds"] = bool(row["p99_ms"] is not None and row["p99_ms"] <= slo_ms and missed <= budget
+                                and (row["reranked_share"] or 0.0) >= min_share)
+            print(f"  {system} at {rate:g} req/s: re-ranked {row['reranked_share'] or 0:.0%}, p99 "
+                  f"{row['p99_ms'] or 0:.0f} ms, missed {missed:.2%}: {'holds' if row['holds'] else 'fails'}",
+                  file=sys.stderr)
+            rows.append(row)
+            if not row["holds"]:
+                break
+            best = rate
+        out["systems"][system] = {"rows": rows, "best_rps": best}
+
+    if systems.get("slipstream"):
+        with harness.node(APP, sizing="plan") as node:
+            time.sleep(1.0)
+            run("slipstream", node.url)
+    if systems.get("ray"):
+        with goodput.serving(str(APP.relative_to(ROOT)), pipe, [], "ray", bodies[0]) as (url, _):
+            run("ray", url)
+    return out
 
 
 def served(systems: dict[str, list[float]], seconds: float, each: int) -> list[dict[str, Any]]:
@@ -137,7 +186,7 @@ def served(systems: dict[str, list[float]], seconds: float, each: int) -> list[d
     if systems.get("ray"):
         with goodput.serving(str(APP.relative_to(ROOT)), pipe, [], "ray", bodies[0]) as (url, _):
             for rate in systems["ray"]:
-                record("ray", _drive(url, bodies, rate, seconds, each))
+                record("ray", _drive(url, bodies, rate, seconds, each, slo_ms))
     return rows
 
 
@@ -194,6 +243,25 @@ def markdown(doc: dict[str, Any]) -> str:
         p99 = "-" if r["p99_ms"] is None else f"{r['p99_ms']:.0f}"
         how = "replica's count" if r["system"] == "slipstream" else "answers' count"
         md.append(f"| {r['system']} ({how}) | {r['rate_rps']:g} req/s | {share} | {p99} | {r['errors']} of {r['sent']} |")
+    eq = doc.get("equal_quality")
+    if eq:
+        md += ["", f"Goodput of like answers: the highest rate (of those tried, rising) holding the "
+               f"{eq['slo_ms']:g} ms SLO (misses within {eq['max_miss_rate']:.0%}) with answers that re-rank at "
+               f"least {eq['min_share']:.0%} of their candidates; both systems driven and counted alike (the "
+               "Python client, the answers' counts), one server each:", "",
+               "| system | highest rate holding | rates tried (re-ranked, p99 ms) |", "|---|---:|---|"]
+        for system, res in eq["systems"].items():
+            tried = "; ".join(f"{r['rate_rps']:g}: {r['reranked_share'] or 0:.0%}, {r['p99_ms'] or 0:.0f}"
+                              f"{'' if r['holds'] else ' (fails)'}" for r in res["rows"])
+            best = "none" if res["best_rps"] is None else f"{res['best_rps']:g} req/s"
+            if res["rows"] and res["rows"][-1]["holds"]:
+                best += " or more (the highest tried)"
+            md.append(f"| {system} | {best} | {tried} |")
+        ours, ray = (eq["systems"].get(s, {}) for s in ("slipstream", "ray"))
+        if ours.get("best_rps") and ray.get("best_rps"):
+            open_ended = bool(ours["rows"] and ours["rows"][-1]["holds"])
+            md += ["", f"Ratio at like answers: {'at least ' if open_ended else ''}"
+                       f"{ours['best_rps'] / ray['best_rps']:.2f}x."]
     md += ["", "Offline, as bench.limit runs the stage (one process, one thread, ready batches):", "",
            "| batch | budget | ms a query | re-ranked |", "|---:|---:|---:|---:|"]
     md += [f"| {r['batch']} | {_budget(r['budget_ms'])} | {r['ms_per_query']:.1f} | {r['reranked_share']:.0%} |"
@@ -211,16 +279,23 @@ def main() -> int:
     ap.add_argument("--ray", type=_rates, default=[38.4], help="Ray Serve's rates, req/s ('' for none)")
     ap.add_argument("--duration", type=float, default=15.0)
     ap.add_argument("--batches", default="1,4,8,16", help="offline batch sizes ('' for none)")
+    ap.add_argument("--equal-quality", type=_rates, default=[],
+                    help="rates (req/s, rising) at which to find each system's goodput of like answers")
+    ap.add_argument("--min-share", type=float, default=0.95,
+                    help="the re-rank share answers must keep for --equal-quality")
     ap.add_argument("--out", type=Path, default=RESULTS / "late_served")
     a = ap.parse_args()
     machine = harness.machine()
     print(f"load average before: {machine['loadavg_before']}", file=sys.stderr)
     each = candidates()
-    if a.ray:
+    if a.ray or a.equal_quality:
         subprocess.run(["bash", str(ROOT / "bench/vs_ray/setup_ray.sh")], cwd=ROOT, check=True)
     doc = {"candidates": each, "duration_s": a.duration,
            "served": served({"slipstream": a.slipstream, "ray": a.ray}, a.duration, each),
            "offline": offline([int(x) for x in a.batches.split(",") if x], each)}
+    if a.equal_quality:
+        doc["equal_quality"] = equal_quality({"slipstream": a.equal_quality, "ray": a.equal_quality}, a.duration,
+                                             each, a.min_share)
     harness.write_results(a.out, doc, markdown(doc), machine)
     return 0
 
