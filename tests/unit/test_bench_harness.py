@@ -304,3 +304,23 @@ def test_a_limit_measured_cores_short_is_not_used(tmp_path: Path) -> None:
     said = missing_limit("short", path)
     assert "cores short" in said and "Search" in said and "bench.limit --force --pipelines short" in said
     assert "no offline limit" in missing_limit("absent", path)
+
+
+def test_late_served_says_when_a_system_held_every_rate_tried() -> None:
+    """A like-for-like goodput found at the top of the rates tried is a lower
+    bound, and so is its ratio; the table says so."""
+    from bench.late_served import markdown
+
+    def row(rate: float, share: float, holds: bool) -> dict[str, object]:
+        return {"rate_rps": rate, "reranked_share": share, "p99_ms": 100.0, "holds": holds}
+
+    doc = {"candidates": 100, "duration_s": 15.0, "served": [], "offline": [],
+           "equal_quality": {"min_share": 0.95, "slo_ms": 200.0, "max_miss_rate": 0.01, "systems": {
+               "slipstream": {"rows": [row(30, 0.99, True), row(50, 0.96, True)], "best_rps": 50.0},
+               "ray": {"rows": [row(30, 1.0, True), row(40, 1.0, False)], "best_rps": 30.0}}}}
+    md = markdown(doc)
+    assert "| slipstream | 50 req/s or more (the highest tried) |" in md
+    assert "| ray | 30 req/s | 30: 100%, 100; 40: 100%, 100 (fails) |" in md
+    assert "Ratio at like answers: at least 1.67x." in md
+    doc["equal_quality"]["systems"]["slipstream"]["rows"].append(row(60, 0.9, False))
+    assert "Ratio at like answers: 1.67x." in markdown(doc)
