@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CARGO ?= $(shell command -v cargo 2>/dev/null || echo $$HOME/.cargo/bin/cargo)
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup build lint test test-services test-beside-py test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-examples bench-freshness bench-cluster bench-plan bench-grpc bench-perf-analyzer bench-overload bench-false-refusals bench-late-admits bench-cluster-store bench-control-plane bench-cluster-surge bench-cluster-stream bench-cluster-chain bench-stream bench-gpu bench-clipper bench-espn data data-small demo clean fmt
+.PHONY: setup build lint test test-services test-beside-py test-rust test-fuzz test-py bench bench-limit bench-slo bench-faults bench-vs-ray bench-surge bench-goodput bench-examples bench-freshness bench-cluster bench-plan bench-grpc bench-perf-analyzer bench-overload bench-false-refusals bench-late-admits bench-cluster-store bench-control-plane bench-cluster-surge bench-cluster-stream bench-cluster-chain bench-stream bench-gpu bench-clipper bench-espn bench-late-served data data-small demo clean fmt
 
 setup: $(VENV)/.installed
 
@@ -272,6 +272,12 @@ bench-clipper: setup
 # ESPN_ARGS=--small for the 2,000-passage slice.
 bench-espn: setup
 	$(PY) -m bench.espn $(ESPN_ARGS)
+
+# rag_late's elastic re-rank: the share of each query's candidates its answers re-rank at fixed
+# loads (Slipstream out of the box and Ray Serve at the same counts) and offline per batch, and each
+# system's goodput of answers re-ranking >= 95%: bench/results/late_served.{json,md}, ~9 min.
+bench-late-served: data
+	$(PY) -m bench.late_served --equal-quality 30,34,38,42,46,50
 
 # The RAG corpus, embeddings and index, and the late-interaction token files (fp16 and 2-bit
 # residuals) of every passage: about 50 min on 2 cores from nothing (17 min index, 20 tokens, ~10
