@@ -36,6 +36,12 @@ def test_limit_of_the_echo_chain(tmp_path: Path) -> None:
         assert s["cpu_us_per_request"] > 0
     assert (tmp_path / "limit.md").read_text().startswith("# Offline compute limit")
 
-    assert load_limit("demo", out) == p["limit_rps"]
+    # Beside the parallel suite the quick run may find its cores short, and a
+    # limit so flagged is not used (test_bench_harness); the round trip of an
+    # entry is checked on the measured one with the flag cleared.
+    quiet = tmp_path / "quiet.json"
+    quiet.write_text(json.dumps({"pipelines": {"demo": {**p, "cores_short": []}}}))
+    assert load_limit("demo", quiet) == p["limit_rps"]
+    assert (load_limit("demo", out) is None) == bool(p["cores_short"])
     assert load_limit("absent", out) is None
     assert load_limit("demo", tmp_path / "missing.json") is None
