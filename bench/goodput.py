@@ -267,12 +267,13 @@ def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def repeated(run: Callable[[int], dict[str, Any]], repeat: int) -> dict[str, Any]:
-    """`repeat` runs of one rate, each with its own arrival seed, as their
-    median row. A few hundred Poisson arrivals run 5-10% off the rate (one
-    seed's draw put 274 arrivals where 300 were due), so runs that all drew
-    the same arrivals would share that draw's luck, good or bad."""
-    return median_row([run(SEED + i) for i in range(repeat)])
+def repeated(run: Callable[[int], dict[str, Any]], repeat: int, first_seed: int = SEED) -> dict[str, Any]:
+    """`repeat` runs of one rate, each with its own arrival seed (from
+    `first_seed` up), as their median row. A few hundred Poisson arrivals
+    run 5-10% off the rate (one seed's draw put 274 arrivals where 300 were
+    due), so runs that all drew the same arrivals would share that draw's
+    luck, good or bad."""
+    return median_row([run(first_seed + i) for i in range(repeat)])
 
 
 def measure(name: str, app: str, lim: dict[str, Any], configs: dict[str, tuple[list[str], str]], a: argparse.Namespace
