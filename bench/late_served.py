@@ -46,7 +46,10 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,21 +62,47 @@ APP = ROOT / "examples" / "rag_late.py"
 SUMMARY = re.compile(r"(\d+) searches: re-ranked (\d+)% of their (\d+) candidates")
 
 
-def _mix() -> tuple[list[bytes], Any]:
+@dataclass
+class Late:
+    """rag_late, loaded once: the example's module (its settings and
+    components), the benchmark's request mix, the pipeline and its SLO."""
+
+    module: Any
+    bodies: list[bytes]
+    pipe: Any
+
+    @property
+    def slo_ms(self) -> float:
+        return float(self.pipe.slo.p99_ms) if self.pipe.slo else 0.0
+
+    @property
+    def max_miss(self) -> float:
+        return float(self.pipe.slo.max_miss_rate) if self.pipe.slo else 0.01
+
+    @property
+    def each(self) -> int:
+        """The candidates a query re-ranks when no budget cuts it short."""
+        return int(self.module.RERANK_FULL)
+
+
+def load() -> Late:
     from slipstream._internal.app import load_pipelines
 
     from bench.vs_ray.bodies import mix
 
+    sys.path.insert(0, str(APP.parent))
+    import rag_late
+
     _, pipes = load_pipelines(str(APP))
     pipe = next(p for p in pipes if p.name == "rag_late")
     bodies, _ = mix(APP, pipe)
-    return bodies, pipe
+    return Late(rag_late, bodies, pipe)
 
 
-def _drive(url: str, bodies: list[bytes], rate: float, seconds: float, each: int, slo_ms: float
-           ) -> dict[str, Any]:
+def _drive(late: Late, url: str, rate: float, seconds: float) -> dict[str, Any]:
     """Open-loop Poisson requests at `rate` for `seconds` (a thread each, up
-    to 64 in flight); the answers' own ``reranked`` (of ``target``) counts."""
+    to 64 in flight); the answers' own ``reranked`` (of ``target``) counts.
+    Misses: errors and answers later than the SLO."""
     rng = random.Random(5)
     shares: list[float] = []
     latencies: list[float] = []
@@ -93,7 +122,7 @@ def _drive(url: str, bodies: list[bytes], rate: float, seconds: float, each: int
                 errors += 1
             return
         with lock:
-            shares.append(min(out["reranked"][0], out["target"][0]) / each)
+            shares.append(min(out["reranked"][0], out["target"][0]) / late.each)
             latencies.append((time.perf_counter() - t0) * 1e3)
 
     sent = 0
@@ -103,39 +132,46 @@ def _drive(url: str, bodies: list[bytes], rate: float, seconds: float, each: int
         while t < end:
             t += rng.expovariate(rate)
             time.sleep(max(0.0, t - time.perf_counter()))
-            pool.submit(one, bodies[sent % len(bodies)])
+            pool.submit(one, late.bodies[sent % len(late.bodies)])
             sent += 1
-    return {"rate_rps": rate, "sent": sent, "answers": len(shares), "errors": errors,
+    missed = errors + sum(ms > late.slo_ms for ms in latencies)
+    return {"rate_rps": rate, "sent": sent, "ok": len(shares), "errors": errors,
+            "miss_rate": missed / max(1, sent),
             "reranked_share": sum(shares) / len(shares) if shares else None,
-            "p99_ms": harness.percentile(latencies, 99) if latencies else None,
-            "late": sum(ms > slo_ms for ms in latencies)}
+            "p99_ms": harness.percentile(latencies, 99) if latencies else None}
 
 
-def equal_quality(systems: dict[str, list[float]], seconds: float, each: int, min_share: float
-                  ) -> dict[str, Any]:
-    """Each system's highest rate (of those given, rising) that holds the
-    SLO (p99 within it, errors and late answers within its miss budget)
-    with answers that re-rank at least `min_share` of their candidates on
-    average: a goodput of like answers. Both systems are driven and counted
-    the same way (the Python client, the answers' own counts), one server
-    each for all its rates; a system stops at its first rate that fails."""
+@contextmanager
+def _ray(late: Late) -> Iterator[str]:
+    """Ray Serve at the plan's counts (bench.goodput's ``ray-planned``): its URL."""
     from bench import goodput
 
-    bodies, pipe = _mix()
-    slo_ms = pipe.slo.p99_ms if pipe.slo else 0.0
-    budget = pipe.slo.max_miss_rate if pipe.slo else 0.01
-    out: dict[str, Any] = {"min_share": min_share, "slo_ms": slo_ms, "max_miss_rate": budget, "systems": {}}
+    with goodput.serving(str(APP.relative_to(ROOT)), late.pipe, [], "ray", late.bodies[0]) as (url, _):
+        yield url
+
+
+def equal_quality(late: Late, systems: dict[str, list[float]], seconds: float, min_share: float
+                  ) -> dict[str, Any]:
+    """Each system's highest rate (of those given, rising) that holds the
+    SLO (bench.goodput's criterion) with answers that re-rank at least
+    `min_share` of their candidates on average: a goodput of like answers.
+    Both systems are driven and counted the same way (the Python client,
+    the answers' own counts), one server each for all its rates; a system
+    stops at its first rate that fails."""
+    from bench.goodput import holds
+
+    out: dict[str, Any] = {"min_share": min_share, "slo_ms": late.slo_ms, "max_miss_rate": late.max_miss,
+                           "systems": {}}
 
     def run(system: str, url: str) -> None:
         rows, best = [], None
         for rate in systems[system]:
-            row = _drive(url, bodies, rate, seconds, each, slo_ms)
-            missed = (row["errors"] + row["late"]) / max(1, row["sent"])
-            row["holds"] = bool(row["p99_ms"] is not None and row["p99_ms"] <= slo_ms and missed <= budget
+            row = _drive(late, url, rate, seconds)
+            row["holds"] = bool(holds(row, late.slo_ms, late.max_miss)
                                 and (row["reranked_share"] or 0.0) >= min_share)
             print(f"  {system} at {rate:g} req/s: re-ranked {row['reranked_share'] or 0:.0%}, p99 "
-                  f"{row['p99_ms'] or 0:.0f} ms, missed {missed:.2%}: {'holds' if row['holds'] else 'fails'}",
-                  file=sys.stderr)
+                  f"{row['p99_ms'] or 0:.0f} ms, missed {row['miss_rate']:.2%}: "
+                  f"{'holds' if row['holds'] else 'fails'}", file=sys.stderr)
             rows.append(row)
             if not row["holds"]:
                 break
@@ -147,65 +183,52 @@ def equal_quality(systems: dict[str, list[float]], seconds: float, each: int, mi
             time.sleep(1.0)
             run("slipstream", node.url)
     if systems.get("ray"):
-        with goodput.serving(str(APP.relative_to(ROOT)), pipe, [], "ray", bodies[0]) as (url, _):
+        with _ray(late) as url:
             run("ray", url)
     return out
 
 
-def served(systems: dict[str, list[float]], seconds: float, each: int) -> list[dict[str, Any]]:
+def served(late: Late, systems: dict[str, list[float]], seconds: float) -> list[dict[str, Any]]:
     """Each system's answers at each of its rates: Slipstream out of the box
-    (a fresh node per rate), Ray Serve at the plan's counts (bench.goodput's
-    ``ray-planned``: one server for its rates)."""
-    from bench import goodput
+    (a fresh node per rate), Ray Serve at the plan's counts (one server for
+    its rates)."""
+    from bench.goodput import Wire
 
-    bodies, pipe = _mix()
     rows = []
 
     def record(system: str, row: dict[str, Any]) -> None:
         row = {"system": system, "load_avg_before": list(os.getloadavg()), **row}
         share = "-" if row["reranked_share"] is None else f"{row['reranked_share']:.0%}"
         p99 = "-" if row["p99_ms"] is None else f"{row['p99_ms']:.0f}"
-        print(f"  {system} at {row['rate_rps']:g} req/s: re-ranked {share} of {each} candidates; p99 {p99} ms, "
+        print(f"  {system} at {row['rate_rps']:g} req/s: re-ranked {share} of {late.each} candidates; p99 {p99} ms, "
               f"{row['errors']} errors of {row['sent']}", file=sys.stderr)
         rows.append(row)
 
-    wire = goodput.Wire(bodies)
-    slo_ms = pipe.slo.p99_ms if pipe.slo else 0.0
+    wire = Wire(late.bodies)
     for rate in systems.get("slipstream", []):
         with harness.node(APP, sizing="plan", env={"RAG_LATE_LOG_S": "1"}) as node:
             time.sleep(1.0)
-            r = wire.run(node.url, "rag_late", rate, seconds, warmup_s=0.0, seed=5, slo_ms=slo_ms)
+            r = wire.run(node.url, "rag_late", rate, seconds, warmup_s=0.0, seed=5, slo_ms=late.slo_ms)
             time.sleep(1.5)  # the replica's next summary counts the last batches
             found = [m for m in map(SUMMARY.search, node.log().splitlines()) if m]
         if not found:
             raise RuntimeError(f"no Search summary in the node's log at {rate:g} req/s")
         searches, share, of = int(found[-1].group(1)), int(found[-1].group(2)) / 100, int(found[-1].group(3))
-        assert of == each, (of, each)
-        record("slipstream", {"rate_rps": rate, "sent": int(r["ok"]) + int(r["errors"]), "answers": searches,
+        assert of == late.each, (of, late.each)
+        record("slipstream", {"rate_rps": rate, "sent": int(r["ok"]) + int(r["errors"]), "ok": searches,
                               "errors": int(r["errors"]), "reranked_share": share, "p99_ms": r["latency_ms"]["p99"]})
     if systems.get("ray"):
-        with goodput.serving(str(APP.relative_to(ROOT)), pipe, [], "ray", bodies[0]) as (url, _):
+        with _ray(late) as url:
             for rate in systems["ray"]:
-                record("ray", _drive(url, bodies, rate, seconds, each, slo_ms))
+                record("ray", _drive(late, url, rate, seconds))
     return rows
 
 
-def candidates() -> int:
-    """How many candidates a query re-ranks when nothing cuts it short."""
-    sys.path.insert(0, str(APP.parent))
-    import rag_late as rl
-
-    return rl.CANDIDATES if rl.RERANK_K is None else min(rl.RERANK_K, rl.CANDIDATES)
-
-
-def offline(batches: list[int], each: int, queries: int = 128) -> list[dict[str, Any]]:
+def offline(late: Late, batches: list[int], queries: int = 128) -> list[dict[str, Any]]:
     import numpy as np
 
-    sys.path.insert(0, str(APP.parent))
-    import rag_late as rl
-
-    bodies, _ = _mix()
-    texts = [json.loads(b)["inputs"]["query"][0] for b in bodies[:queries]]
+    rl = late.module
+    texts = [json.loads(b)["inputs"]["query"][0] for b in late.bodies[:queries]]
     emb, toks, lens = rl.Embed.cls().encoder.encode_tokens(texts, max_tokens=rl.QUERY_TOKENS)
     toks = toks.astype(np.float16)
     searcher = rl.Search.cls().searcher
@@ -220,9 +243,9 @@ def offline(batches: list[int], each: int, queries: int = 128) -> list[dict[str,
                 wall += time.perf_counter() - t0
                 reranked += int(np.minimum(r.reranked, r.target).sum())
             row = {"budget_ms": budget_ms, "batch": b, "ms_per_query": wall / queries * 1e3,
-                   "reranked_share": reranked / (queries * each), "candidates": each}
-            print(f"  offline batch {b}, budget {budget_ms if budget_ms is not None else 'none'}: "
-                  f"{row['ms_per_query']:.1f} ms a query, re-ranked {row['reranked_share']:.0%}", file=sys.stderr)
+                   "reranked_share": reranked / (queries * late.each), "candidates": late.each}
+            print(f"  offline batch {b}, budget {_budget(budget_ms)}: {row['ms_per_query']:.1f} ms a query, "
+                  f"re-ranked {row['reranked_share']:.0%}", file=sys.stderr)
             rows.append(row)
     return rows
 
@@ -287,15 +310,15 @@ def main() -> int:
     a = ap.parse_args()
     machine = harness.machine()
     print(f"load average before: {machine['loadavg_before']}", file=sys.stderr)
-    each = candidates()
+    late = load()
     if a.ray or a.equal_quality:
         subprocess.run(["bash", str(ROOT / "bench/vs_ray/setup_ray.sh")], cwd=ROOT, check=True)
-    doc = {"candidates": each, "duration_s": a.duration,
-           "served": served({"slipstream": a.slipstream, "ray": a.ray}, a.duration, each),
-           "offline": offline([int(x) for x in a.batches.split(",") if x], each)}
+    doc = {"candidates": late.each, "duration_s": a.duration,
+           "served": served(late, {"slipstream": a.slipstream, "ray": a.ray}, a.duration),
+           "offline": offline(late, [int(x) for x in a.batches.split(",") if x])}
     if a.equal_quality:
-        doc["equal_quality"] = equal_quality({"slipstream": a.equal_quality, "ray": a.equal_quality}, a.duration,
-                                             each, a.min_share)
+        doc["equal_quality"] = equal_quality(late, {"slipstream": a.equal_quality, "ray": a.equal_quality},
+                                             a.duration, a.min_share)
     harness.write_results(a.out, doc, markdown(doc), machine)
     return 0
 

@@ -89,6 +89,15 @@ READY_TIMEOUT_S = 900.0
 CONTENDED = 0.9  # warn when 1-thread processes, one per core, keep fewer than 90% of the cores busy
 
 
+def _stored(pipeline: str, path: Path | str) -> dict[str, Any] | None:
+    """`pipeline`'s entry in `path` as written, or None if there is none."""
+    try:
+        entry = json.loads(Path(path).read_text())["pipelines"][pipeline]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
 def limit_entry(pipeline: str, path: Path | str = DEFAULT_OUT) -> dict[str, Any] | None:
     """`pipeline`'s measurement from `path` (``bench/results/limit.json``:
     limit_rps, cpu_us_per_request, cores, stages, ...), or None if it has not
@@ -96,22 +105,16 @@ def limit_entry(pipeline: str, path: Path | str = DEFAULT_OUT) -> dict[str, Any]
     cores from it ("cores short"): such a limit is low, and every share of
     it a benchmark reports would read high (rag_late's read 167 req/s where
     a quiet machine gives 238). :func:`missing_limit` says which."""
-    try:
-        entry = json.loads(Path(path).read_text())["pipelines"][pipeline]
-        value = entry["limit_rps"]
-    except (OSError, ValueError, KeyError, TypeError):
+    entry = _stored(pipeline, path)
+    if entry is None or entry.get("cores_short"):
         return None
-    if entry.get("cores_short"):
-        return None
+    value = entry.get("limit_rps")
     return dict(entry) if isinstance(value, (int, float)) and value > 0 else None
 
 
 def missing_limit(pipeline: str, path: Path | str = DEFAULT_OUT) -> str:
     """Why :func:`limit_entry` has no limit for `pipeline`, and what to run."""
-    try:
-        short = json.loads(Path(path).read_text())["pipelines"][pipeline].get("cores_short")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        short = None
+    short = (_stored(pipeline, path) or {}).get("cores_short")
     why = (f"its offline limit in {path} was measured cores short (other work took the cores from {', '.join(short)})"
            if short else f"no offline limit in {path}")
     return f"{pipeline}: {why}: run `python -m bench.limit --force --pipelines {pipeline}` on a quiet machine"

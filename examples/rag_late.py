@@ -122,6 +122,8 @@ BUDGET_MS = _env_float("RAG_LATE_BUDGET_MS", SLO_MS / 4)
 RESERVE_MS = SLO_MS / 10
 CANDIDATES = _env_int("RAG_LATE_CANDIDATES", 100) or 100
 RERANK_K = _env_int("RAG_LATE_RERANK_K", None)
+#: The candidates a query re-ranks when no budget cuts it short.
+RERANK_FULL = CANDIDATES if RERANK_K is None else min(RERANK_K, CANDIDATES)
 #: The prefetch step (a fraction of the probes; 0: none); unset or ``auto``:
 #: chosen from measured probe time, bandwidth and precision (models.prefetch).
 _PREFETCH = os.environ.get("RAG_LATE_PREFETCH_AT", "").strip().lower()
@@ -253,10 +255,9 @@ class Search:
             now = time.monotonic()
             if LOG_S > 0 and now - self.last_log >= LOG_S and s["searches"]:
                 t = max(1, s["target"])
-                each = CANDIDATES if RERANK_K is None else min(RERANK_K, CANDIDATES)
-                full = max(1, s["searches"] * each)
+                full = max(1, s["searches"] * RERANK_FULL)
                 print(f"rag_late Search: {s['searches']} searches: re-ranked {s['reranked'] / full:.0%} of their "
-                      f"{each} candidates ({s['reranked'] / t:.0%} of their targets, which partial "
+                      f"{RERANK_FULL} candidates ({s['reranked'] / t:.0%} of their targets, which partial "
                       f"re-ranking trims to the time left), {s['cut'] / s['searches']:.1%} cut by the "
                       f"{BUDGET_MS:g} ms budget, prefetch hit "
                       f"rate {s['hits'] / t:.0%}; prefetch {self.searcher.prefetch_plan().why}", file=sys.stderr,
